@@ -1,0 +1,139 @@
+"""Third-party attention kernels behind the op's contract (imports stay inside the functions).
+
+Each adapter takes canonical inputs (bias/mask already have q.ndim dims) and returns ``(out, lse)``;
+``lse`` is None for kernels that do not produce one.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from .inputs import combine_masks
+
+Tensor = torch.Tensor
+
+
+def _live_rows(mask: Tensor) -> Tensor:
+    """[..., Lq, 1] True where a query row has at least one key to attend."""
+    return mask.any(-1, keepdim=True)
+
+
+def sdpa_attention(q, k, v, bias, mask, scale, causal, deterministic=True):
+    """``torch.nn.functional.scaled_dot_product_attention`` with bias and mask folded into attn_mask."""
+    import torch.nn.functional as F
+
+    full_mask = combine_masks(mask, causal, q.shape[-2], k.shape[-2], q.device)
+    live = None
+    attn_mask = None
+    if full_mask is not None:
+        live = _live_rows(full_mask)
+        # A row with no key would give NaN; let it attend everywhere and zero its output below.
+        full_mask = full_mask | ~live
+    if bias is not None:
+        attn_mask = bias.to(q.dtype)
+        if full_mask is not None:
+            attn_mask = attn_mask.masked_fill(~full_mask, float("-inf"))
+    elif full_mask is not None:
+        attn_mask = full_mask
+    if attn_mask is not None:
+        attn_mask = attn_mask.expand(q.shape[:-1] + (k.shape[-2],))
+    lead = q.shape[:-3]
+    n = math.prod(lead) if lead else 1
+    # SDPA wants [N, H, L, D]; leading dims merge only where all tensors allow a view.
+    q4, k4, v4 = (t.reshape((n,) + t.shape[-3:]) for t in (q, k, v))
+    m4 = None if attn_mask is None else attn_mask.reshape((n,) + attn_mask.shape[-3:])
+    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=m4, scale=scale)
+    out = out.reshape(q.shape[:-1] + v.shape[-1:])
+    if live is not None:
+        out = torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out, None
+
+
+@lru_cache(maxsize=None)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _call_flex(device_type: str, q, k, v, score_mod, scale):
+    import warnings
+
+    from torch.nn.attention import flex_attention as fa
+
+    fn = _compiled_flex() if device_type == "cuda" else fa.flex_attention
+    with warnings.catch_warnings():
+        # Off CUDA, flex runs unfused (materialised scores): acceptable for the CPU fallback it is there.
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        if hasattr(fa, "AuxRequest"):
+            out, aux = fn(q, k, v, score_mod=score_mod, scale=scale, return_aux=fa.AuxRequest(lse=True))
+            return out, aux.lse
+        return fn(q, k, v, score_mod=score_mod, scale=scale, return_lse=True)
+
+
+def _index(t: Tensor, lead_sizes, b, h, q_idx, kv_idx):
+    """t[b0, b1, ..., h, q, kv] for a flattened batch index b, with size-1 (broadcast) dims read at 0."""
+    idx = []
+    rest = b
+    for i in range(len(lead_sizes) - 1, -1, -1):
+        size = lead_sizes[i]
+        idx.append(0 if t.shape[i] == 1 else rest % size)
+        rest = rest // size
+    idx.reverse()
+    n = len(lead_sizes)
+    idx.append(0 if t.shape[n] == 1 else h)
+    idx.append(0 if t.shape[n + 1] == 1 else q_idx)
+    idx.append(0 if t.shape[n + 2] == 1 else kv_idx)
+    return t[tuple(idx)]
+
+
+def flex_attention(q, k, v, bias, mask, scale, causal, deterministic=True):
+    """``flex_attention`` (compiled on CUDA) with a score_mod that reads bias and mask through indices."""
+    lead = tuple(q.shape[:-3])
+    n = math.prod(lead) if lead else 1
+    lq, lk = q.shape[-2], k.shape[-2]
+    shift = lk - lq
+    full_mask = combine_masks(mask, causal, lq, lk, q.device)
+    live = None if full_mask is None else _live_rows(full_mask)  # [..., Lq, 1]
+    live_idx = None if live is None else live.squeeze(-1)  # [..., Lq], broadcast dims of size 1
+    if live_idx is not None and live_idx.ndim < q.ndim - 1:
+        live_idx = live_idx.reshape((1,) * (q.ndim - 1 - live_idx.ndim) + tuple(live_idx.shape))
+    bias_c, mask_c = bias, mask
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if bias_c is not None:
+            score = score + _index(bias_c, lead, b, h, q_idx, kv_idx).to(score.dtype)
+        keep = None
+        if mask_c is not None:
+            keep = _index(mask_c, lead, b, h, q_idx, kv_idx)
+        if causal:
+            c = kv_idx <= q_idx + shift
+            keep = c if keep is None else keep & c
+        if keep is not None:
+            dead_row = ~_index_row(live_idx, lead, b, h, q_idx)
+            score = torch.where(keep | dead_row, score, -float("inf"))
+        return score
+
+    q4, k4, v4 = (t.reshape((n,) + t.shape[-3:]) for t in (q, k, v))
+    out, lse = _call_flex(q.device.type, q4, k4, v4, score_mod, scale)
+    out = out.reshape(q.shape[:-1] + v.shape[-1:])
+    lse = lse.reshape(q.shape[:-1]).float()
+    if live is not None:
+        out = torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        lse = torch.where(live.squeeze(-1), lse, torch.full((), float("-inf"), device=lse.device))
+    return out, lse
+
+
+def _index_row(t: Tensor, lead_sizes, b, h, q_idx):
+    idx = []
+    rest = b
+    for i in range(len(lead_sizes) - 1, -1, -1):
+        idx.append(0 if t.shape[i] == 1 else rest % lead_sizes[i])
+        rest = rest // lead_sizes[i]
+    idx.reverse()
+    n = len(lead_sizes)
+    idx.append(0 if t.shape[n] == 1 else h)
+    idx.append(0 if t.shape[n + 1] == 1 else q_idx)
+    return t[tuple(idx)]

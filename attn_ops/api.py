@@ -1,0 +1,62 @@
+"""``attention``: the one public entry point; validates, picks a backend through the registry, calls it."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import registry
+from .inputs import check_inputs, describe
+
+Tensor = torch.Tensor
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Optional[Tensor] = None,
+    mask: Optional[Tensor] = None,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    return_lse: bool = False,
+    backend: str = "auto",
+    deterministic: bool = True,
+    **options,
+):
+    """Scaled dot-product attention with a trainable, broadcastable bias and a differentiable lse.
+
+    Args:
+        q: ``[*batch, H, Lq, D]``. k: ``[*batch, H, Lk, D]``. v: ``[*batch, H, Lk, Dv]``. Same dtype and device;
+            any number of leading batch dims (Evoformer: ``[B, R, H, L, D]``).
+        bias: float tensor (any float dtype) broadcastable to ``[*batch, H, Lq, Lk]``, added to the scaled
+            logits. Its gradient has the bias's own shape (summed over broadcast dims); no expanded copy is made
+            by the fused backends.
+        mask: bool tensor broadcastable to ``[*batch, H, Lq, Lk]``; True = attend.
+        scale: logit scale, default ``D ** -0.5``.
+        causal: query i attends key j iff ``j <= i + (Lk - Lq)``.
+        return_lse: also return lse.
+        backend: ``"auto"`` or a name from :func:`attn_ops.backends`; see :mod:`attn_ops.registry`.
+        deterministic: require a bitwise-reproducible backward (the default).
+        **options: backend options (``chunk_size`` for ``chunked``, ``bwd`` for ``triton``).
+
+    Returns:
+        out ``[*batch, H, Lq, Dv]`` in q's dtype; with ``return_lse``, also lse ``[*batch, H, Lq]`` float32
+        (float64 for float64 inputs): the natural log of the softmax denominator of the scaled, biased,
+        masked logits. lse is differentiable (d lse / d logits = softmax). A query row with no key to attend
+        gives out 0, lse -inf and zero gradients.
+    """
+    bias, mask, scale = check_inputs(q, k, v, bias, mask, scale)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    inputs = describe(q, k, v, bias, mask, causal, return_lse, deterministic)
+    chosen = registry.select(backend, inputs)
+    unknown = set(options) - chosen.options
+    if unknown:
+        raise TypeError(
+            f"backend {chosen.name!r} got unknown option(s) {sorted(unknown)}; "
+            f"it accepts {sorted(chosen.options) or 'none'}"
+        )
+    out, lse = chosen.load()(q, k, v, bias, mask, scale, causal, deterministic, **options)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,124 @@
+"""Online-softmax attention over key chunks in pure PyTorch, with its own backward.
+
+Forward and backward visit one ``[*batch, H, Lq, chunk]`` score tile at a time, so memory is
+O(Lq * chunk) instead of O(Lq * Lk). Runs on any device; the CPU default and the fallback elsewhere.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .inputs import causal_mask
+
+Tensor = torch.Tensor
+DEFAULT_CHUNK = 256
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _key_slice(t: Optional[Tensor], start: int, stop: int) -> Optional[Tensor]:
+    """Columns [start, stop) of a bias/mask whose last dim is Lk or 1 (broadcast)."""
+    if t is None or t.shape[-1] == 1:
+        return t
+    return t[..., start:stop]
+
+
+def _tile_mask(mask, causal, lq, lk, start, stop, device):
+    m = _key_slice(mask, start, stop)
+    if causal:
+        cm = causal_mask(lq, stop - start, device, q_offset=lk - lq, k_offset=start)
+        m = cm if m is None else m & cm
+    return m
+
+
+def _scores(q, k_c, bias_c, mask_c, scale, acc):
+    s = torch.matmul(q.to(acc), k_c.to(acc).transpose(-1, -2)) * scale  # [*b, H, Lq, c]
+    if bias_c is not None:
+        s = s + bias_c.to(acc)
+    if mask_c is not None:
+        s = s.masked_fill(~mask_c, float("-inf"))
+    return s
+
+
+def _sum_to(x: Tensor, shape) -> Tensor:
+    """Sum x over the dims where ``shape`` has size 1 (the broadcast dims), keeping them."""
+    dims = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1)
+    return x.sum(dim=dims, keepdim=True) if dims else x
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, mask, scale, causal, chunk):
+        acc = _acc_dtype(q.dtype)
+        lq, lk = q.shape[-2], k.shape[-2]
+        row_max = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)  # [*b, H, Lq]
+        row_sum = torch.zeros(q.shape[:-1], dtype=acc, device=q.device)
+        out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=acc, device=q.device)  # [*b, H, Lq, Dv]
+        for start in range(0, lk, chunk):
+            stop = min(start + chunk, lk)
+            s = _scores(q, k[..., start:stop, :], _key_slice(bias, start, stop),
+                        _tile_mask(mask, causal, lq, lk, start, stop, q.device), scale, acc)
+            new_max = torch.maximum(row_max, s.amax(-1))
+            safe_max = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
+            p = torch.exp(s - safe_max.unsqueeze(-1))  # [*b, H, Lq, c]
+            alpha = torch.exp(row_max - safe_max)
+            row_sum = row_sum * alpha + p.sum(-1)
+            out = out * alpha.unsqueeze(-1) + torch.matmul(p, v[..., start:stop, :].to(acc))
+            row_max = new_max
+        ok = row_sum > 0
+        safe_sum = torch.where(ok, row_sum, torch.ones_like(row_sum))
+        out = out / safe_sum.unsqueeze(-1)
+        lse = torch.where(ok, row_max + torch.log(safe_sum), torch.full_like(row_sum, float("-inf")))
+        out = out.to(q.dtype)
+        lse = lse.to(_acc_dtype(q.dtype))
+        ctx.save_for_backward(q, k, v, bias, mask, out, lse)
+        ctx.scale, ctx.causal, ctx.chunk = scale, causal, chunk
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, bias, mask, out, lse = ctx.saved_tensors
+        scale, causal, chunk = ctx.scale, ctx.causal, ctx.chunk
+        acc = _acc_dtype(q.dtype)
+        lq, lk = q.shape[-2], k.shape[-2]
+        if d_out is None:
+            d_out = torch.zeros_like(out)
+        d_out = d_out.to(acc)
+        delta = (d_out * out.to(acc)).sum(-1)  # [*b, H, Lq]
+        if d_lse is not None:
+            delta = delta - d_lse.to(acc)
+        lse_sub = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf"))).to(acc)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+        want_db = bias is not None and ctx.needs_input_grad[3]
+        db = torch.zeros(bias.shape, dtype=acc, device=q.device) if want_db else None
+        for start in range(0, lk, chunk):
+            stop = min(start + chunk, lk)
+            k_c, v_c = k[..., start:stop, :].to(acc), v[..., start:stop, :].to(acc)
+            s = _scores(q, k_c, _key_slice(bias, start, stop),
+                        _tile_mask(mask, causal, lq, lk, start, stop, q.device), scale, acc)
+            p = torch.exp(s - lse_sub.unsqueeze(-1))  # [*b, H, Lq, c]
+            dv[..., start:stop, :] = torch.matmul(p.transpose(-1, -2), d_out)
+            dp = torch.matmul(d_out, v_c.transpose(-1, -2))
+            ds = p * (dp - delta.unsqueeze(-1))  # dL/dS for this tile
+            dq += torch.matmul(ds, k_c) * scale
+            dk[..., start:stop, :] = torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale
+            if want_db:
+                if bias.shape[-1] == 1:
+                    db += _sum_to(ds.sum(-1, keepdim=True), bias.shape)
+                else:
+                    db[..., start:stop] = _sum_to(ds, bias.shape[:-1] + (stop - start,))
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                None if db is None else db.to(ctx.bias_dtype), None, None, None, None)
+
+
+def chunked_attention(q, k, v, bias, mask, scale, causal, deterministic=True, chunk_size=DEFAULT_CHUNK):
+    """Backend entry point: returns (out, lse). ``chunk_size`` = keys per tile."""
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    return _ChunkedAttention.apply(q, k, v, bias, mask, scale, causal, chunk_size)

@@ -1,0 +1,154 @@
+"""Input checks and canonical forms shared by every backend.
+
+``check_inputs`` raises a ``TypeError``/``ValueError`` that names the argument and the shapes seen;
+afterwards bias and mask have ``q.ndim`` dims (left-padded with size-1 dims, a view), so a backend can
+rely on every dim being either 1 (broadcast) or the full size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttnInputs:
+    """What a backend is asked to do; the registry checks capabilities against it."""
+
+    device: str
+    dtype: torch.dtype
+    head_dim: int
+    head_dim_v: int
+    has_bias: bool
+    has_mask: bool
+    causal: bool
+    needs_lse: bool
+    needs_grad: bool
+    bias_needs_grad: bool
+    bias_is_broadcast: bool
+    lse_needs_grad: bool
+    deterministic: bool
+
+
+def _shape(t: Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def _check_broadcast(name: str, t: Tensor, target: tuple) -> None:
+    if t.ndim > len(target):
+        raise ValueError(
+            f"{name} has {t.ndim} dims {_shape(t)} but must broadcast to [*batch, H, Lq, Lk] = {target}"
+        )
+    bad = []
+    for i in range(1, t.ndim + 1):
+        if t.shape[-i] not in (1, target[-i]):
+            bad.append(f"dim {t.ndim - i} (size {t.shape[-i]} vs {target[-i]})")
+    if bad:
+        raise ValueError(
+            f"{name} of shape {_shape(t)} is not broadcastable to [*batch, H, Lq, Lk] = {target}: "
+            + ", ".join(bad)
+        )
+
+
+def _pad_dims(t: Tensor, ndim: int) -> Tensor:
+    return t.reshape((1,) * (ndim - t.ndim) + tuple(t.shape))
+
+
+def check_inputs(q, k, v, bias, mask, scale):
+    """Validate q, k, v, bias, mask; return (bias, mask, scale) in canonical form."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.ndim < 3:
+            raise ValueError(f"{name} must have shape [*batch, H, L, D] (>= 3 dims), got {_shape(t)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    if not (q.ndim == k.ndim == v.ndim):
+        raise ValueError(
+            f"q, k, v must have the same number of dims, got q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
+        )
+    if q.shape[:-2] != k.shape[:-2] or k.shape[:-2] != v.shape[:-2]:
+        raise ValueError(
+            "q, k, v must share the leading [*batch, H] dims, got "
+            f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)} (mismatched heads or batch)"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k head dims differ: q {_shape(q)} vs k {_shape(k)}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k and v must have the same key length Lk: k {_shape(k)} vs v {_shape(v)}")
+    for name, size in (("head dim D of q", q.shape[-1]), ("head dim of v", v.shape[-1]),
+                       ("query length Lq", q.shape[-2]), ("key length Lk", k.shape[-2])):
+        if size == 0:
+            raise ValueError(f"{name} is 0 (q {_shape(q)}, k {_shape(k)}, v {_shape(v)}): nothing to attend")
+    target = tuple(q.shape[:-1]) + (k.shape[-2],)
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+            raise TypeError(f"bias must be a floating-point tensor, got {getattr(bias, 'dtype', type(bias))}")
+        if bias.device != q.device:
+            raise ValueError(f"bias is on {bias.device} but q is on {q.device}")
+        _check_broadcast("bias", bias, target)
+        bias = _pad_dims(bias, q.ndim)
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            raise TypeError(
+                f"mask must be a bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask))}"
+            )
+        if mask.device != q.device:
+            raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
+        _check_broadcast("mask", mask, target)
+        mask = _pad_dims(mask, q.ndim)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    else:
+        scale = float(scale)
+        if not (scale > 0 and scale < float("inf")):
+            raise ValueError(f"scale must be a positive finite number, got {scale}")
+    return bias, mask, scale
+
+
+def describe(q, k, v, bias, mask, causal, return_lse, deterministic) -> AttnInputs:
+    grad_on = torch.is_grad_enabled()
+    qkv_grad = grad_on and any(t.requires_grad for t in (q, k, v))
+    bias_grad = grad_on and bias is not None and bias.requires_grad
+    return AttnInputs(
+        device=q.device.type,
+        dtype=q.dtype,
+        head_dim=q.shape[-1],
+        head_dim_v=v.shape[-1],
+        has_bias=bias is not None,
+        has_mask=mask is not None,
+        causal=causal,
+        needs_lse=return_lse,
+        needs_grad=qkv_grad or bias_grad,
+        bias_needs_grad=bias_grad,
+        bias_is_broadcast=bias is not None and any(
+            b == 1 and t != 1 for b, t in zip(bias.shape[:-2], q.shape[:-2])
+        ),
+        lse_needs_grad=return_lse and (qkv_grad or bias_grad),
+        deterministic=deterministic,
+    )
+
+
+def causal_mask(lq: int, lk: int, device, q_offset: int = 0, k_offset: int = 0) -> Tensor:
+    """Bool [lq, lk]: query i (global index q_offset + i) sees key j when j <= i + (Lk_total - Lq_total).
+
+    The caller folds the global (Lk - Lq) shift into ``q_offset``.
+    """
+    qi = torch.arange(lq, device=device)[:, None] + q_offset
+    kj = torch.arange(lk, device=device)[None, :] + k_offset
+    return kj <= qi
+
+
+def combine_masks(mask: Optional[Tensor], causal: bool, lq: int, lk: int, device) -> Optional[Tensor]:
+    """Fold ``causal`` (with its Lk - Lq offset) into a bool mask broadcastable to [..., Lq, Lk]."""
+    if not causal:
+        return mask
+    cm = causal_mask(lq, lk, device, q_offset=lk - lq)
+    return cm if mask is None else mask & cm

@@ -1,0 +1,187 @@
+"""Backend capabilities as data, the reasons a backend cannot serve some inputs, and ``auto`` selection.
+
+This module is the one place where a backend is chosen.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence
+
+import torch
+
+from .inputs import AttnInputs
+
+FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+LOW_AND_FP32 = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+
+class UnsupportedInputs(ValueError):
+    """No requested backend can serve the inputs; the message lists every backend's reasons."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What one backend supports. ``entry`` is ``"module:function"`` relative to ``attn_ops``."""
+
+    name: str
+    entry: str
+    description: str
+    devices: FrozenSet[str]
+    dtypes: FrozenSet[torch.dtype]
+    min_head_dim: int = 1
+    max_head_dim: Optional[int] = None
+    bias: bool = True
+    bias_grad: bool = True
+    broadcast_bias_grad: bool = True
+    mask: bool = True
+    causal: bool = True
+    lse: bool = True
+    lse_grad: bool = True
+    deterministic_bias_grad: bool = True  # bias gradient reduced without atomics
+    grad_devices: Optional[FrozenSet[str]] = None  # devices where backward works; None = all of ``devices``
+    options: FrozenSet[str] = field(default_factory=frozenset)
+    requires: Optional[str] = None  # module that must import
+
+    def unavailable_reason(self) -> Optional[str]:
+        if self.requires is None:
+            return None
+        try:
+            importlib.import_module(self.requires)
+        except Exception as exc:  # ImportError, or a broken install
+            return f"{self.requires} cannot be imported ({type(exc).__name__}: {exc})"
+        return None
+
+    def load(self) -> Callable:
+        mod, fn = self.entry.split(":")
+        return getattr(importlib.import_module(f"attn_ops.{mod}" if mod else "attn_ops"), fn)
+
+
+def _triton_devices() -> FrozenSet[str]:
+    # The interpreter runs the kernels on CPU tensors (slowly): for tests and debugging only.
+    return frozenset({"cuda", "cpu"}) if os.environ.get("TRITON_INTERPRET") == "1" else frozenset({"cuda"})
+
+
+def _registry() -> Dict[str, Backend]:
+    return {
+        "torch": Backend(
+            name="torch", entry="reference:attention_reference_backend",
+            description="plain PyTorch reference; materialises [*batch, H, Lq, Lk] scores",
+            devices=frozenset({"cpu", "cuda"}), dtypes=FLOATS,
+        ),
+        "chunked": Backend(
+            name="chunked", entry="chunked:chunked_attention",
+            description="online softmax over key chunks in PyTorch; memory O(Lq * chunk)",
+            devices=frozenset({"cpu", "cuda"}), dtypes=FLOATS, options=frozenset({"chunk_size"}),
+        ),
+        "triton": Backend(
+            name="triton", entry="triton:triton_attention",
+            description="this project's fused Triton kernels",
+            devices=_triton_devices(), dtypes=LOW_AND_FP32, min_head_dim=16, max_head_dim=256,
+            options=frozenset({"bwd"}), requires="triton",
+        ),
+        "sdpa": Backend(
+            name="sdpa", entry="adapters:sdpa_attention",
+            description="torch.nn.functional.scaled_dot_product_attention; bias as attn_mask; no lse",
+            devices=frozenset({"cpu", "cuda"}), dtypes=FLOATS, lse=False, lse_grad=False,
+        ),
+        "flex": Backend(
+            name="flex", entry="adapters:flex_attention",
+            description="flex_attention (compiled on CUDA) with a score_mod reading bias and mask",
+            devices=frozenset({"cpu", "cuda"}), grad_devices=frozenset({"cuda"}), dtypes=LOW_AND_FP32,
+            min_head_dim=16, deterministic_bias_grad=False, requires="torch.nn.attention.flex_attention",
+        ),
+    }
+
+
+BACKENDS: Dict[str, Backend] = _registry()
+AUTO = "auto"
+
+
+def valid_names() -> List[str]:
+    return [AUTO] + list(BACKENDS)
+
+
+def validate_backend_name(name) -> str:
+    """Return ``name`` if it is a known backend (or ``auto``); else a ValueError listing the valid names."""
+    if not isinstance(name, str) or (name != AUTO and name not in BACKENDS):
+        raise ValueError(f"unknown attention backend {name!r}; valid names: {', '.join(valid_names())}")
+    return name
+
+
+def get(name: str) -> Backend:
+    validate_backend_name(name)
+    if name == "triton":  # TRITON_INTERPRET may be set after import
+        return _registry()["triton"]
+    return BACKENDS[name]
+
+
+def not_supported_reasons(name: str, inputs: AttnInputs) -> List[str]:
+    """Every reason why backend ``name`` cannot serve ``inputs`` (empty list: it can)."""
+    b = get(name)
+    reasons: List[str] = []
+    why = b.unavailable_reason()
+    if why:
+        reasons.append(why)
+    if inputs.device not in b.devices:
+        reasons.append(f"device {inputs.device} not supported (supports {sorted(b.devices)})")
+    grad_devices = b.devices if b.grad_devices is None else b.grad_devices
+    if inputs.needs_grad and inputs.device not in grad_devices:
+        reasons.append(f"no backward on {inputs.device} (backward on {sorted(grad_devices)})")
+    if inputs.dtype not in b.dtypes:
+        reasons.append(f"dtype {inputs.dtype} not supported (supports {sorted(str(d) for d in b.dtypes)})")
+    for what, d in (("q/k", inputs.head_dim), ("v", inputs.head_dim_v)):
+        if d < b.min_head_dim or (b.max_head_dim is not None and d > b.max_head_dim):
+            reasons.append(f"{what} head dim {d} outside [{b.min_head_dim}, {b.max_head_dim or 'any'}]")
+    if inputs.has_bias and not b.bias:
+        reasons.append("bias not supported")
+    if inputs.bias_needs_grad and not b.bias_grad:
+        reasons.append("bias gradient not supported")
+    if inputs.bias_needs_grad and inputs.bias_is_broadcast and not b.broadcast_bias_grad:
+        reasons.append("gradient of a bias broadcast over batch dims not supported")
+    if inputs.has_mask and not b.mask:
+        reasons.append("mask not supported")
+    if inputs.causal and not b.causal:
+        reasons.append("causal not supported")
+    if inputs.needs_lse and not b.lse:
+        reasons.append("does not return lse")
+    if inputs.lse_needs_grad and not b.lse_grad:
+        reasons.append("no gradient through lse")
+    if inputs.deterministic and inputs.bias_needs_grad and not b.deterministic_bias_grad:
+        reasons.append("bias gradient uses atomics, not deterministic (pass deterministic=False to allow it)")
+    return reasons
+
+
+def priority(inputs: AttnInputs) -> Sequence[str]:
+    """Order in which ``auto`` tries backends."""
+    if inputs.device == "cuda":
+        if not inputs.has_bias and not inputs.needs_lse:
+            return ("sdpa", "triton", "flex", "chunked", "torch")
+        return ("triton", "flex", "sdpa", "chunked", "torch")
+    return ("chunked", "torch", "sdpa")
+
+
+def select(name: str, inputs: AttnInputs) -> Backend:
+    """Resolve ``name`` (or ``auto``) to a backend that can serve ``inputs``; else raise listing every reason."""
+    validate_backend_name(name)
+    candidates = priority(inputs) if name == AUTO else (name,)
+    rejected = {}
+    for cand in candidates:
+        reasons = not_supported_reasons(cand, inputs)
+        if not reasons:
+            return get(cand)
+        rejected[cand] = reasons
+    detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items())
+    raise UnsupportedInputs(f"no attention backend can serve these inputs (backend={name!r}). Rejected: {detail}")
+
+
+def available() -> List[str]:
+    """Backends usable in this process (importable and supporting some local device)."""
+    local = {"cpu"} | ({"cuda"} if torch.cuda.is_available() else set())
+    names = []
+    for n in BACKENDS:
+        b = get(n)
+        if b.unavailable_reason() is None and b.devices & local:
+            names.append(n)
+    return names
