@@ -15,6 +15,7 @@ from .inputs import AttnInputs
 
 FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 LOW_AND_FP32 = frozenset({torch.float16, torch.bfloat16, torch.float32})
+DEFAULT_TOLERANCE = {torch.float16: 2.0, torch.bfloat16: 2.0, torch.float32: 2.0, torch.float64: 2.0}
 
 
 class UnsupportedInputs(ValueError):
@@ -43,6 +44,9 @@ class Backend:
     grad_devices: Optional[FrozenSet[str]] = None  # devices where backward works; None = all of ``devices``
     options: FrozenSet[str] = field(default_factory=frozenset)
     requires: Optional[str] = None  # module that must import
+    # Tests bound this backend's error vs a float64 reference by tolerance * (plain PyTorch's error in the
+    # same dtype) + a floor of a few ulps; see tests/helpers.py.
+    tolerance: Dict[torch.dtype, float] = field(default_factory=lambda: dict(DEFAULT_TOLERANCE))
 
     def unavailable_reason(self) -> Optional[str]:
         if self.requires is None:

@@ -1,0 +1,102 @@
+"""Shared test utilities: random attention inputs and error bounds relative to plain PyTorch's own error."""
+from __future__ import annotations
+
+import torch
+
+from attn_ops import registry
+from attn_ops.reference import attention_reference
+
+ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -23, torch.float64: 2.0 ** -52}
+
+
+def make_inputs(batch, h, lq, lk, d, dv=None, dtype=torch.float32, bias_shape=None, mask_shape=None,
+                hole_p=0.3, seed=0, device="cpu", requires_grad=True):
+    """Fresh random q, k, v (+ bias of ``bias_shape``, + bool mask of ``mask_shape`` with ~hole_p holes)."""
+    g = torch.Generator().manual_seed(seed)
+    dv = dv or d
+
+    def rnd(*shape):
+        t = torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+        return t.requires_grad_(requires_grad)
+
+    q = rnd(*batch, h, lq, d)
+    k = rnd(*batch, h, lk, d)
+    v = rnd(*batch, h, lk, dv)
+    bias = rnd(*bias_shape) if bias_shape is not None else None
+    mask = None
+    if mask_shape is not None:
+        mask = (torch.rand(*mask_shape, generator=g) > hole_p).to(device)
+    return q, k, v, bias, mask
+
+
+def grads_of(out, lse, inputs, g_out, g_lse):
+    """Gradients of <out, g_out> + <lse, g_lse> (lse's -inf rows ignored) w.r.t. the tensors in ``inputs``."""
+    loss = (out.double() * g_out).sum()
+    if lse is not None and g_lse is not None:
+        loss = loss + (torch.where(torch.isfinite(lse), lse.double(), 0.0) * g_lse).sum()
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    return torch.autograd.grad(loss, wanted, allow_unused=True)
+
+
+def detached64(ts):
+    return [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in ts]
+
+
+def max_err(a, b):
+    a, b = a.double(), b.double()
+    finite = torch.isfinite(b)
+    if not torch.equal(torch.isfinite(a), finite):
+        return float("inf")
+    return (a[finite] - b[finite]).abs().max().item() if finite.any() else 0.0
+
+
+def bound(dtype, ref, torch_err, backend):
+    tol = registry.get(backend).tolerance[dtype]
+    scale = ref.double().abs().max().item() if ref.numel() else 1.0
+    return tol * torch_err + 8 * ULP[dtype] * max(scale, 1.0)
+
+
+def check_against_reference(backend, q, k, v, bias, mask, causal=False, lse_loss=True, seed=1, **options):
+    """Compare outputs, lse and all gradients of ``backend`` to a float64 reference.
+
+    The allowed error is ``tolerance * (error of plain PyTorch in the same dtype) + a few ulps``.
+    """
+    import attn_ops
+
+    dtype = q.dtype
+    leaves = [q, k, v, bias]
+    if not registry.get(backend).lse:
+        lse_loss = False
+        out = attn_ops.attention(q, k, v, bias, mask, causal=causal, backend=backend, **options)
+        lse = None
+    else:
+        out, lse = attn_ops.attention(q, k, v, bias, mask, causal=causal, return_lse=True, backend=backend,
+                                      **options)
+    g = torch.Generator().manual_seed(seed)
+    g_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    g_lse = torch.randn(out.shape[:-1], generator=g, dtype=torch.float64) if lse_loss else None
+    needs_grad = any(t is not None and t.requires_grad for t in leaves)
+    got = grads_of(out, lse, leaves, g_out, g_lse) if needs_grad else []
+
+    leaves64 = detached64(leaves)
+    ref_out, ref_lse = attention_reference(*leaves64[:3], leaves64[3], mask, causal=causal)
+    ref = grads_of(ref_out, ref_lse, leaves64, g_out, g_lse) if needs_grad else []
+
+    leaves_lp = [None if t is None else t.detach().clone().requires_grad_(t.requires_grad) for t in leaves]
+    lp_out, lp_lse = attention_reference(*leaves_lp[:3], leaves_lp[3], mask, causal=causal, upcast=False)
+    lp = grads_of(lp_out, lp_lse, leaves_lp, g_out, g_lse) if needs_grad else []
+
+    names = ["out", "lse"] + [n for n, t in zip("q k v bias".split(), leaves) if t is not None and t.requires_grad]
+    if lse is None:
+        names, ref_lse, lp_lse = names[:1] + names[2:], None, None
+    outs = [t for t in (out, lse) if t is not None] + list(got)
+    refs = [t for t in (ref_out, ref_lse) if t is not None] + list(ref)
+    lps = [t for t in (lp_out, lp_lse) if t is not None] + list(lp)
+    assert len(outs) == len(names), f"{backend}: expected {names}, got {len(outs)} tensors"
+    for name, a, r, p in zip(names, outs, refs, lps):
+        assert a is not None and a.shape == r.shape, f"{backend}: {name} missing or wrong shape"
+        assert not torch.isnan(a).any(), f"{backend}: NaN in {name}"
+        err, base = max_err(a, r), max_err(p, r)
+        allowed = bound(dtype, r, base, backend)
+        assert err <= allowed, f"{backend} {dtype}: {name} error {err:.3g} > allowed {allowed:.3g} (torch {base:.3g})"
+    return out, lse, got
