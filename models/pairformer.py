@@ -1,0 +1,157 @@
+"""Pairformer (AlphaFold3 supplement Alg. 17) on ``attn_ops``.
+
+Representations: single ``s [B, N, c_s]`` with ``single_mask [B, N]`` and pair ``z [B, N, N, c_z]`` with
+``pair_mask [B, N, N]`` (bool, True = real). Padded residues never change the result at real positions.
+Every attention module takes ``attention=`` (see ``models.primitives.AttentionConfig``).
+
+A block runs: triangle multiplication outgoing, incoming, triangle attention starting node, ending
+node, pair transition, then single attention with pair bias and single transition.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .primitives import (
+    Attention,
+    AttentionConfig,
+    LayerNorm,
+    Linear,
+    SharedDropout,
+    SwiGLUTransition,
+    chunk_rows,
+    run_blocks,
+)
+from .triangle import (
+    TriangleAttentionEndingNode,
+    TriangleAttentionStartingNode,
+    TriangleMultiplicationIncoming,
+    TriangleMultiplicationOutgoing,
+)
+
+Tensor = torch.Tensor
+
+
+def _default_masks(s: Tensor, z: Tensor, single_mask: Optional[Tensor], pair_mask: Optional[Tensor]):
+    """All-True masks where none are given; check shapes and dtype."""
+    if s.ndim != 3 or z.ndim != 4 or s.shape[:2] != z.shape[:2] or z.shape[1] != z.shape[2]:
+        raise ValueError(f"s {tuple(s.shape)} must be [B, N, c_s] and z {tuple(z.shape)} [B, N, N, c_z]")
+    if single_mask is None:
+        single_mask = torch.ones(s.shape[:-1], dtype=torch.bool, device=s.device)
+    if pair_mask is None:
+        pair_mask = single_mask[:, :, None] & single_mask[:, None, :]
+    for name, t, want in (("single_mask", single_mask, s.shape[:-1]), ("pair_mask", pair_mask, z.shape[:-1])):
+        if t.dtype != torch.bool:
+            raise TypeError(f"{name} must be bool (True = real position), got {t.dtype}")
+        if t.shape != want:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(want)}")
+    return single_mask, pair_mask
+
+
+class AttentionPairBias(nn.Module):
+    """AF3 Alg. 24 (Pairformer form, no conditioning): residues of ``s`` attend to each other, biased by
+    ``Linear(LN(z))`` ``[B, H, N, N]`` and with the key mask ``single_mask`` as ``[B, 1, 1, N]``.
+    Head width ``c_s // num_heads``; gated; query projection with bias, output without."""
+
+    def __init__(self, c_s: int, c_z: int, num_heads: int = 16, attention: Any = None):
+        super().__init__()
+        if c_s % num_heads:
+            raise ValueError(f"c_s={c_s} must be divisible by num_heads={num_heads}")
+        self.layer_norm_s = LayerNorm(c_s)
+        self.layer_norm_z = LayerNorm(c_z)
+        self.linear_z = Linear(c_z, num_heads, bias=False, init="normal")
+        self.mha = Attention(
+            c_s, c_s, c_s // num_heads, num_heads, gating=True, attention=attention, q_bias=True, out_bias=False
+        )
+
+    def forward(self, s: Tensor, z: Tensor, single_mask: Tensor, chunk_size: Optional[int] = None) -> Tensor:
+        """s ``[B, N, c_s]``, z ``[B, N, N, c_z]``, single_mask ``[B, N]`` -> update ``[B, N, c_s]``.
+
+        ``chunk_size`` chunks the queries (inference memory).
+        """
+        sn = self.layer_norm_s(s)
+        bias = self.linear_z(self.layer_norm_z(z)).movedim(-1, -3).contiguous()  # [B, H, N, N]
+        mask = single_mask[:, None, None, :]  # [B, 1, 1, N]
+        return chunk_rows(
+            lambda q, b: self.mha(q, sn, bias=b, mask=mask), [sn, bias], [-2, -2], chunk_size, out_dim=-2
+        )
+
+
+class PairformerBlock(nn.Module):
+    """AF3 Alg. 17: one Pairformer block. Dropout row-wise on the triangle multiplications and the
+    starting-node attention, column-wise on the ending-node attention."""
+
+    def __init__(
+        self, c_s: int = 384, c_z: int = 128, num_heads_single: int = 16, num_heads_pair: int = 4,
+        c_hidden_pair: int = 32, c_hidden_mul: int = 128, transition_n: int = 4, pair_dropout: float = 0.25,
+        attention: Any = None,
+    ):
+        super().__init__()
+        attention = AttentionConfig.coerce(attention)
+        self.tri_mul_out = TriangleMultiplicationOutgoing(c_z, c_hidden_mul)
+        self.tri_mul_in = TriangleMultiplicationIncoming(c_z, c_hidden_mul)
+        self.tri_att_start = TriangleAttentionStartingNode(c_z, c_hidden_pair, num_heads_pair, attention)
+        self.tri_att_end = TriangleAttentionEndingNode(c_z, c_hidden_pair, num_heads_pair, attention)
+        self.pair_transition = SwiGLUTransition(c_z, transition_n)
+        self.attention_pair_bias = AttentionPairBias(c_s, c_z, num_heads_single, attention)
+        self.single_transition = SwiGLUTransition(c_s, transition_n)
+        self.pair_dropout_row = SharedDropout(pair_dropout, shared_dim=-3)
+        self.pair_dropout_col = SharedDropout(pair_dropout, shared_dim=-2)
+
+    def forward(
+        self,
+        s: Tensor,
+        z: Tensor,
+        single_mask: Optional[Tensor] = None,
+        pair_mask: Optional[Tensor] = None,
+        chunk_size: Optional[int] = None,
+    ) -> Tuple[Tensor, Tensor]:
+        """s ``[B, N, c_s]``, z ``[B, N, N, c_z]``, single_mask ``[B, N]``, pair_mask ``[B, N, N]`` -> (s, z)."""
+        single_mask, pair_mask = _default_masks(s, z, single_mask, pair_mask)
+        c = chunk_size
+        z = z + self.pair_dropout_row(self.tri_mul_out(z, pair_mask, c))
+        z = z + self.pair_dropout_row(self.tri_mul_in(z, pair_mask, c))
+        z = z + self.pair_dropout_row(self.tri_att_start(z, pair_mask, c))
+        z = z + self.pair_dropout_col(self.tri_att_end(z, pair_mask, c))
+        z = z + self.pair_transition(z, c)
+        s = s + self.attention_pair_bias(s, z, single_mask, c)
+        s = s + self.single_transition(s, c)
+        return s, z
+
+
+class PairformerStack(nn.Module):
+    """AF3 Pairformer: ``num_blocks`` PairformerBlocks with activation checkpointing every
+    ``checkpoint_every`` blocks (training only) and inference chunking over rows (``chunk_size``)."""
+
+    def __init__(
+        self, c_s: int = 384, c_z: int = 128, num_blocks: int = 48, num_heads_single: int = 16,
+        num_heads_pair: int = 4, c_hidden_pair: int = 32, c_hidden_mul: int = 128, transition_n: int = 4,
+        pair_dropout: float = 0.25, attention: Any = None, checkpoint_every: int = 0,
+        chunk_size: Optional[int] = None,
+    ):
+        super().__init__()
+        if checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+        if chunk_size is not None and chunk_size <= 0:
+            raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size}")
+        attention = AttentionConfig.coerce(attention)
+        self.blocks = nn.ModuleList(
+            PairformerBlock(
+                c_s, c_z, num_heads_single, num_heads_pair, c_hidden_pair, c_hidden_mul, transition_n,
+                pair_dropout, attention,
+            )
+            for _ in range(num_blocks)
+        )
+        self.checkpoint_every = checkpoint_every
+        self.chunk_size = chunk_size
+
+    def forward(
+        self, s: Tensor, z: Tensor, single_mask: Optional[Tensor] = None, pair_mask: Optional[Tensor] = None
+    ) -> Tuple[Tensor, Tensor]:
+        """s ``[B, N, c_s]``, z ``[B, N, N, c_z]``, single_mask ``[B, N]``, pair_mask ``[B, N, N]`` -> (s, z)."""
+        single_mask, pair_mask = _default_masks(s, z, single_mask, pair_mask)
+        return run_blocks(
+            self.blocks, s, z, (single_mask, pair_mask), self.checkpoint_every, self.chunk_size, self.training
+        )

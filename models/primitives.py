@@ -1,0 +1,377 @@
+"""Building blocks shared by the Evoformer and Pairformer: AlphaFold-initialised Linear, LayerNorm,
+the attention config, gated multi-head attention on ``attn_ops.attention``, shared-mask dropout and
+row chunking.
+
+Shapes use ``*`` for any leading batch dims. Masks are bool with True = real position / attend.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+import attn_ops
+from attn_ops import registry as _registry
+
+Tensor = torch.Tensor
+
+# std of a standard normal truncated to [-2, 2]; dividing by it makes the truncated draw have the
+# intended std (AlphaFold2 supplement 1.11.4, "LeCun/He init with a truncated normal").
+_TRUNC_STD = 0.87962566103423978
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention configuration: one backend string plus backend options, never boolean flags.
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Which ``attn_ops`` backend an attention module uses and the options passed to it.
+
+    ``backend`` is validated against ``attn_ops.registry`` at construction, so a typo fails when the
+    model is built (with the list of valid names), not at the first forward. ``options`` are backend
+    options forwarded verbatim, e.g. ``{"chunk_size": 256}`` for ``chunked`` or ``{"bwd": "split"}``
+    for ``triton``.
+    """
+
+    backend: str = "auto"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.backend, str):
+            raise TypeError(f"attention backend must be a str, got {type(self.backend).__name__}: {self.backend!r}")
+        _registry.validate_backend_name(self.backend)
+        if not isinstance(self.options, Mapping):
+            raise TypeError(f"attention options must be a mapping, got {type(self.options).__name__}")
+        bad = [k for k in self.options if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"attention option names must be str, got {bad}")
+        if "backend" in self.options:
+            raise ValueError("attention options must not contain 'backend'; set AttentionConfig.backend")
+        object.__setattr__(self, "options", dict(self.options))
+
+    def __hash__(self):
+        return hash((self.backend, tuple(sorted((k, repr(v)) for k, v in self.options.items()))))
+
+    @classmethod
+    def coerce(cls, x: Any = None) -> "AttentionConfig":
+        """Build a config from None (``auto``), a backend name, a mapping or an AttentionConfig.
+
+        A mapping (dict, omegaconf DictConfig) holds ``backend`` and any backend options, either flat
+        (``{"backend": "chunked", "chunk_size": 256}``) or under ``options``. Keys starting with ``_``
+        (Hydra's ``_target_``, ``_partial_``) are ignored.
+        """
+        if x is None:
+            return cls()
+        if isinstance(x, cls):
+            return x
+        if isinstance(x, str):
+            return cls(backend=x)
+        if isinstance(x, Mapping):
+            items = {str(k): _plain(v) for k, v in x.items() if not str(k).startswith("_")}
+            backend = items.pop("backend", "auto")
+            options = dict(items.pop("options", None) or {})
+            overlap = sorted(set(options) & set(items))
+            if overlap:
+                raise ValueError(f"attention option(s) {overlap} given both flat and under 'options': {dict(x)}")
+            options.update(items)
+            return cls(backend=backend, options=options)
+        raise TypeError(
+            "attention must be None, a backend name, a mapping such as {'backend': 'chunked', "
+            f"'chunk_size': 256}} or an AttentionConfig; got {type(x).__name__}: {x!r}"
+        )
+
+
+def _plain(v: Any) -> Any:
+    """Turn omegaconf containers into plain dicts/lists without importing omegaconf."""
+    if isinstance(v, Mapping):
+        return {str(k): _plain(u) for k, u in v.items()}
+    if isinstance(v, (list, tuple)) or type(v).__name__ == "ListConfig":
+        return [_plain(u) for u in v]
+    return v
+
+
+# --------------------------------------------------------------------------------------------------
+# Linear and LayerNorm
+# --------------------------------------------------------------------------------------------------
+_INITS = ("default", "relu", "glorot", "gating", "final", "normal")
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` with the AlphaFold2 initialisations (supplement 1.11.4).
+
+    init:
+        ``default``: LeCun (truncated normal, std 1/sqrt(fan_in)), bias 0.
+        ``relu``: He (truncated normal, std sqrt(2/fan_in)), bias 0; for layers followed by ReLU/SwiGLU.
+        ``glorot``: Xavier uniform, bias 0; attention q/k/v projections.
+        ``gating``: weights 0, bias 1, so sigmoid gates start mostly open.
+        ``final``: weights 0, bias 0; the last layer of every residual update, so blocks start as identity.
+        ``normal``: plain normal, std 1/sqrt(fan_in) (pair-bias projections).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, init: str = "default"):
+        if init not in _INITS:
+            raise ValueError(f"init must be one of {_INITS}, got {init!r}")
+        if init == "gating" and not bias:
+            raise ValueError("init='gating' needs bias=True (the gate bias starts at 1)")
+        self.init = init
+        super().__init__(in_features, out_features, bias=bias)
+
+    def reset_parameters(self) -> None:
+        init = getattr(self, "init", "default")
+        w = self.weight
+        fan_in = w.shape[1]
+        with torch.no_grad():
+            if init in ("default", "relu"):
+                std = math.sqrt((2.0 if init == "relu" else 1.0) / max(1, fan_in)) / _TRUNC_STD
+                nn.init.trunc_normal_(w, mean=0.0, std=std, a=-2.0 * std, b=2.0 * std)
+            elif init == "glorot":
+                nn.init.xavier_uniform_(w, gain=1.0)
+            elif init == "normal":
+                nn.init.normal_(w, std=1.0 / math.sqrt(max(1, fan_in)))
+            else:  # gating, final
+                w.zero_()
+            if self.bias is not None:
+                self.bias.fill_(1.0 if init == "gating" else 0.0)
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` over the last dim (elementwise affine, eps 1e-5)."""
+
+    def __init__(self, c: int, eps: float = 1e-5):
+        super().__init__(c, eps=eps)
+
+
+# --------------------------------------------------------------------------------------------------
+# Dropout with a mask shared along one dim (AF2 "DropoutRowwise"/"DropoutColumnwise")
+# --------------------------------------------------------------------------------------------------
+class SharedDropout(nn.Module):
+    """Dropout whose mask is shared along ``shared_dim``.
+
+    For a pair tensor ``[*, N_i, N_j, C]`` (or MSA ``[*, S, N, C]``), AF2's row-wise dropout uses one
+    mask for all rows: ``shared_dim=-3``; column-wise uses one mask for all columns: ``shared_dim=-2``.
+    """
+
+    def __init__(self, p: float, shared_dim: int):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout p must be in [0, 1), got {p}")
+        self.p = p
+        self.shared_dim = shared_dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        shape = list(x.shape)
+        shape[self.shared_dim] = 1
+        keep = torch.empty(shape, device=x.device, dtype=x.dtype).bernoulli_(1.0 - self.p)
+        return x * keep / (1.0 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, shared_dim={self.shared_dim}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Row chunking for inference
+# --------------------------------------------------------------------------------------------------
+def chunk_rows(
+    fn: Callable[..., Tensor],
+    args: Sequence[Optional[Tensor]],
+    dims: Sequence[Optional[int]],
+    chunk_size: Optional[int],
+    out_dim: int,
+) -> Tensor:
+    """Run ``fn(*args)`` over chunks of a row dim and concatenate the results along ``out_dim``.
+
+    ``dims[i]`` is the row dim of ``args[i]`` (negative, counted from the end), or None for an argument
+    passed whole (e.g. a pair bias shared by all rows). An argument whose row dim has size 1 is
+    broadcast over rows and also passed whole. With ``chunk_size`` None (or >= rows) ``fn`` runs once.
+    """
+    n = None
+    for a, d in zip(args, dims):
+        if a is not None and d is not None and a.shape[d] != 1:
+            if n is not None and a.shape[d] != n:
+                raise ValueError(f"chunk_rows: row dims disagree ({n} vs {a.shape[d]} in {tuple(a.shape)})")
+            n = a.shape[d]
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size}")
+    if chunk_size is None or n is None or n <= chunk_size:
+        return fn(*args)
+    outs = []
+    for start in range(0, n, chunk_size):
+        part = []
+        for a, d in zip(args, dims):
+            if a is None or d is None or a.shape[d] == 1:
+                part.append(a)
+            else:
+                part.append(a.narrow(d, start, min(chunk_size, n - start)))
+        outs.append(fn(*part))
+    return torch.cat(outs, dim=out_dim)
+
+
+# --------------------------------------------------------------------------------------------------
+# Gated multi-head attention
+# --------------------------------------------------------------------------------------------------
+class Attention(nn.Module):
+    """Gated multi-head attention with an optional additive bias and key mask (AF2 Alg. 7-8, AF3 Alg. 24).
+
+    Projections q, k, v: ``c_q/c_kv -> num_heads * c_hidden`` (Glorot, no bias unless ``q_bias``);
+    gate ``sigmoid(Linear(q_x))`` (weights 0, bias 1); output ``Linear(num_heads * c_hidden -> c_q)``
+    (zero init). The attention itself is ``attn_ops.attention`` with the configured backend, scale
+    ``c_hidden ** -0.5``.
+
+    Args:
+        attention: anything ``AttentionConfig.coerce`` accepts (None, "triton", {"backend": ..., ...}).
+        q_bias: a bias on the query projection (AF3's AttentionPairBias has one).
+        out_bias: a bias on the output projection (AF2 has one; AF3's single attention does not).
+    """
+
+    def __init__(
+        self,
+        c_q: int,
+        c_kv: int,
+        c_hidden: int,
+        num_heads: int,
+        gating: bool = True,
+        attention: Any = None,
+        q_bias: bool = False,
+        out_bias: bool = True,
+    ):
+        super().__init__()
+        self.c_hidden = c_hidden
+        self.num_heads = num_heads
+        self.attention = AttentionConfig.coerce(attention)
+        hc = num_heads * c_hidden
+        self.linear_q = Linear(c_q, hc, bias=q_bias, init="glorot")
+        self.linear_k = Linear(c_kv, hc, bias=False, init="glorot")
+        self.linear_v = Linear(c_kv, hc, bias=False, init="glorot")
+        self.linear_g = Linear(c_q, hc, init="gating") if gating else None
+        self.linear_o = Linear(hc, c_q, bias=out_bias, init="final")
+
+    def _heads(self, x: Tensor) -> Tensor:
+        # [*, L, H*C] -> [*, L, H, C] -> [*, H, L, C]
+        return x.unflatten(-1, (self.num_heads, self.c_hidden)).transpose(-2, -3)
+
+    def forward(
+        self,
+        q_x: Tensor,
+        kv_x: Tensor,
+        bias: Optional[Tensor] = None,
+        mask: Optional[Tensor] = None,
+    ) -> Tensor:
+        """Attend from ``q_x`` to ``kv_x``.
+
+        Args:
+            q_x: ``[*, Lq, c_q]``; kv_x: ``[*, Lk, c_kv]``.
+            bias: float, broadcastable to ``[*, H, Lq, Lk]`` (e.g. a pair bias ``[B, 1, H, L, L]`` shared
+                by all rows); it is passed to the op as is, never expanded.
+            mask: bool, broadcastable to ``[*, H, Lq, Lk]``, True = attend (e.g. a key mask ``[B, R, 1, 1, Lk]``).
+
+        Returns:
+            ``[*, Lq, c_q]``. A query with no key to attend gets the output projection's bias only.
+        """
+        if q_x.shape[:-2] != kv_x.shape[:-2]:
+            raise ValueError(
+                f"q_x {tuple(q_x.shape)} and kv_x {tuple(kv_x.shape)} must share the leading batch dims"
+            )
+        q = self._heads(self.linear_q(q_x))  # [*, H, Lq, C]
+        k = self._heads(self.linear_k(kv_x))  # [*, H, Lk, C]
+        v = self._heads(self.linear_v(kv_x))  # [*, H, Lk, C]
+        o = attn_ops.attention(
+            q, k, v, bias, mask, backend=self.attention.backend, **self.attention.options
+        )  # [*, H, Lq, C]
+        o = o.transpose(-2, -3).flatten(-2)  # [*, Lq, H*C]
+        if self.linear_g is not None:
+            o = o * torch.sigmoid(self.linear_g(q_x))
+        return self.linear_o(o)
+
+
+# --------------------------------------------------------------------------------------------------
+# Transitions
+# --------------------------------------------------------------------------------------------------
+def _row_dim(x: Tensor) -> int:
+    """Row dim to chunk over: -3 for pair/MSA tensors ``[B, R, L, C]``, -2 for ``[B, L, C]``."""
+    return -3 if x.ndim >= 4 else -2
+
+
+class Transition(nn.Module):
+    """AF2 transition (Alg. 9 / 15): ``x -> Linear(relu(Linear(LN(x))))``, hidden width ``n * c``.
+
+    Input/output ``[*, c]``; ``chunk_size`` runs it over chunks of rows (see ``_row_dim``), for inference.
+    """
+
+    def __init__(self, c: int, n: int = 4):
+        super().__init__()
+        self.layer_norm = LayerNorm(c)
+        self.linear_1 = Linear(c, n * c, init="relu")
+        self.linear_2 = Linear(n * c, c, init="final")
+
+    def _run(self, x: Tensor) -> Tensor:
+        return self.linear_2(torch.relu(self.linear_1(self.layer_norm(x))))
+
+    def forward(self, x: Tensor, chunk_size: Optional[int] = None) -> Tensor:
+        dim = _row_dim(x)
+        return chunk_rows(self._run, [x], [dim], chunk_size, out_dim=dim)
+
+
+class SwiGLUTransition(nn.Module):
+    """AF3 transition (AF3 supplement Alg. 11): ``Linear(silu(a) * b)`` with ``a, b = Linear(LN(x))``.
+
+    No biases; hidden width ``n * c``. Input/output ``[*, c]``; ``chunk_size`` chunks rows (``_row_dim``).
+    """
+
+    def __init__(self, c: int, n: int = 4):
+        super().__init__()
+        self.layer_norm = LayerNorm(c)
+        self.linear_ab = Linear(c, 2 * n * c, bias=False, init="relu")
+        self.linear_out = Linear(n * c, c, bias=False, init="final")
+
+    def _run(self, x: Tensor) -> Tensor:
+        a, b = self.linear_ab(self.layer_norm(x)).chunk(2, dim=-1)  # 2 x [*, n*c]
+        return self.linear_out(nn.functional.silu(a) * b)
+
+    def forward(self, x: Tensor, chunk_size: Optional[int] = None) -> Tensor:
+        dim = _row_dim(x)
+        return chunk_rows(self._run, [x], [dim], chunk_size, out_dim=dim)
+
+
+# --------------------------------------------------------------------------------------------------
+# Running a stack of blocks with activation checkpointing
+# --------------------------------------------------------------------------------------------------
+def run_blocks(
+    blocks: Sequence[nn.Module],
+    x: Tensor,
+    y: Tensor,
+    masks: Sequence[Optional[Tensor]],
+    checkpoint_every: int,
+    chunk_size: Optional[int],
+    training: bool,
+):
+    """Run ``(x, y) = block(x, y, *masks, chunk_size=chunk_size)`` for every block.
+
+    With ``checkpoint_every = k > 0`` in training (and with autograd on), every segment of ``k`` blocks
+    runs under ``torch.utils.checkpoint`` (``use_reentrant=False``; the RNG state is restored on the
+    recompute, so dropout masks match): only the segment inputs are kept, activations are recomputed
+    in the backward.
+    """
+    if checkpoint_every < 0:
+        raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+
+    def segment(start: int, stop: int):
+        def run(x: Tensor, y: Tensor, *ms: Optional[Tensor]):
+            for blk in blocks[start:stop]:
+                x, y = blk(x, y, *ms, chunk_size=chunk_size)
+            return x, y
+
+        return run
+
+    n = len(blocks)
+    if checkpoint_every == 0 or not training or not torch.is_grad_enabled():
+        return segment(0, n)(x, y, *masks)
+    for start in range(0, n, checkpoint_every):
+        stop = min(n, start + checkpoint_every)
+        x, y = torch.utils.checkpoint.checkpoint(segment(start, stop), x, y, *masks, use_reentrant=False)
+    return x, y

@@ -1,0 +1,123 @@
+"""Triangle updates of the pair representation, shared by the Evoformer and the Pairformer.
+
+AlphaFold2 supplement Alg. 11-14 (AF3 Alg. 12-15 are the same up to biases):
+``TriangleMultiplicationOutgoing/Incoming`` and ``TriangleAttentionStartingNode/EndingNode``.
+Pair tensors are ``z [*, N_i, N_j, c_z]`` with ``pair_mask [*, N_i, N_j]`` bool, True = real pair.
+Each module returns the residual update (the caller adds it, with dropout).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .primitives import Attention, LayerNorm, Linear, chunk_rows
+
+Tensor = torch.Tensor
+
+
+class TriangleMultiplication(nn.Module):
+    """Triangular multiplicative update (AF2 Alg. 11 outgoing, Alg. 12 incoming).
+
+    outgoing: ``x_ij = sum_k a_ik * b_jk``; incoming: ``x_ij = sum_k a_ki * b_kj``, with
+    ``a, b = sigmoid(Linear_g(LN(z))) * Linear_p(LN(z))``, zeroed at masked pairs, and the update
+    ``sigmoid(Linear(LN(z))) * Linear(LN(x))``.
+    """
+
+    def __init__(self, c_z: int, c_hidden: int, outgoing: bool):
+        super().__init__()
+        self.outgoing = outgoing
+        self.c_hidden = c_hidden
+        self.layer_norm_in = LayerNorm(c_z)
+        self.linear_ab_p = Linear(c_z, 2 * c_hidden)  # a and b projections, [a | b]
+        self.linear_ab_g = Linear(c_z, 2 * c_hidden, init="gating")
+        self.layer_norm_out = LayerNorm(c_hidden)
+        self.linear_z = Linear(c_hidden, c_z, init="final")
+        self.linear_g = Linear(c_z, c_z, init="gating")
+
+    def forward(self, z: Tensor, pair_mask: Optional[Tensor] = None, chunk_size: Optional[int] = None) -> Tensor:
+        """z ``[*, N, N, c_z]``, pair_mask ``[*, N, N]`` bool -> update ``[*, N, N, c_z]``.
+
+        ``chunk_size`` chunks the output stage over rows (inference memory).
+        """
+        zn = self.layer_norm_in(z)
+        ab = torch.sigmoid(self.linear_ab_g(zn)) * self.linear_ab_p(zn)  # [*, N, N, 2C]
+        if pair_mask is not None:
+            ab = ab * pair_mask.unsqueeze(-1).to(ab.dtype)
+        ab = ab.movedim(-1, -3)  # [*, 2C, N, N]
+        a, b = ab[..., : self.c_hidden, :, :], ab[..., self.c_hidden :, :, :]  # [*, C, N, N] each
+        if self.outgoing:
+            x = torch.matmul(a, b.transpose(-1, -2))  # [*, C, I, J]: sum_k a[i, k] b[j, k]
+        else:
+            x = torch.matmul(a.transpose(-1, -2), b)  # [*, C, I, J]: sum_k a[k, i] b[k, j]
+        x = x.movedim(-3, -1)  # [*, I, J, C]
+
+        def out(x_rows: Tensor, zn_rows: Tensor) -> Tensor:
+            return self.linear_z(self.layer_norm_out(x_rows)) * torch.sigmoid(self.linear_g(zn_rows))
+
+        return chunk_rows(out, [x, zn], [-3, -3], chunk_size, out_dim=-3)
+
+
+class TriangleMultiplicationOutgoing(TriangleMultiplication):
+    """AF2 Alg. 11: ``x_ij = sum_k a_ik b_jk`` (edges leaving i and j)."""
+
+    def __init__(self, c_z: int, c_hidden: int = 128):
+        super().__init__(c_z, c_hidden, outgoing=True)
+
+
+class TriangleMultiplicationIncoming(TriangleMultiplication):
+    """AF2 Alg. 12: ``x_ij = sum_k a_ki b_kj`` (edges arriving at i and j)."""
+
+    def __init__(self, c_z: int, c_hidden: int = 128):
+        super().__init__(c_z, c_hidden, outgoing=False)
+
+
+class TriangleAttention(nn.Module):
+    """Triangle self-attention around the starting node (AF2 Alg. 13) or the ending node (Alg. 14).
+
+    Starting node: row i of the pair tensor attends along j, query ij to key ik, with the bias
+    ``b_jk = Linear(LN(z_jk))`` shared by every row (passed as ``[*, 1, H, N, N]``, never expanded) and
+    the key mask ``pair_mask[i, k]`` (``[*, N, 1, 1, N]``). The ending node is the same on the transposed
+    pair tensor.
+    """
+
+    def __init__(self, c_z: int, c_hidden: int, num_heads: int, starting: bool, attention: Any = None):
+        super().__init__()
+        self.starting = starting
+        self.layer_norm = LayerNorm(c_z)
+        self.linear_bias = Linear(c_z, num_heads, bias=False, init="normal")
+        self.mha = Attention(c_z, c_z, c_hidden, num_heads, gating=True, attention=attention)
+
+    def forward(self, z: Tensor, pair_mask: Optional[Tensor] = None, chunk_size: Optional[int] = None) -> Tensor:
+        """z ``[*, N, N, c_z]``, pair_mask ``[*, N, N]`` bool -> update ``[*, N, N, c_z]``.
+
+        ``chunk_size`` runs the attention over chunks of rows i (inference memory).
+        """
+        if not self.starting:
+            z = z.transpose(-2, -3)  # [*, J, I, c_z]
+            pair_mask = None if pair_mask is None else pair_mask.transpose(-1, -2)
+        zn = self.layer_norm(z)  # [*, I, J, c_z]
+        bias = self.linear_bias(zn).movedim(-1, -3).contiguous()  # [*, H, J, K]
+        bias = bias.unsqueeze(-4)  # [*, 1, H, J, K]: shared by all rows i
+        mask = None if pair_mask is None else pair_mask[..., :, None, None, :]  # [*, I, 1, 1, K]
+        out = chunk_rows(
+            lambda x, m: self.mha(x, x, bias=bias, mask=m), [zn, mask], [-3, -4], chunk_size, out_dim=-3
+        )  # [*, I, J, c_z]
+        if not self.starting:
+            out = out.transpose(-2, -3)
+        return out
+
+
+class TriangleAttentionStartingNode(TriangleAttention):
+    """AF2 Alg. 13: rows of the pair tensor attend along their own row, biased by the pair."""
+
+    def __init__(self, c_z: int, c_hidden: int = 32, num_heads: int = 4, attention: Any = None):
+        super().__init__(c_z, c_hidden, num_heads, starting=True, attention=attention)
+
+
+class TriangleAttentionEndingNode(TriangleAttention):
+    """AF2 Alg. 14: columns of the pair tensor attend along their own column, biased by the pair."""
+
+    def __init__(self, c_z: int, c_hidden: int = 32, num_heads: int = 4, attention: Any = None):
+        super().__init__(c_z, c_hidden, num_heads, starting=False, attention=attention)
