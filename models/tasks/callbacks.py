@@ -1,0 +1,94 @@
+"""Callbacks: training throughput (samples/s, tokens/s) and peak memory."""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+
+import lightning as L
+import torch
+
+
+def _batch_counts(batch: dict) -> tuple[int, int]:
+    """(samples, real tokens): residues of the query for MSA batches, non-pad tokens for LM batches."""
+    if "seq_mask" in batch:
+        return batch["seq_mask"].shape[0], int(batch["seq_mask"].sum())
+    if "pad_mask" in batch:
+        return batch["pad_mask"].shape[0], int(batch["pad_mask"].sum())
+    first = next(v for v in batch.values() if torch.is_tensor(v))
+    return first.shape[0], first[0].numel() * first.shape[0]
+
+
+def peak_memory_mib(device: torch.device) -> tuple[float, str]:
+    """Peak memory in MiB: CUDA ``max_memory_allocated`` on a GPU, else the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda max_memory_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**20 if sys.platform == "darwin" else 2**10), "host peak RSS"
+
+
+class ThroughputMonitor(L.Callback):
+    """Times training steps (after ``warmup_steps``), logs ``perf/samples_per_s``, ``perf/tokens_per_s``
+    and ``perf/peak_mem_mib``, and prints a summary when training ends (``self.summary``)."""
+
+    def __init__(self, warmup_steps: int = 3, log_every_n_steps: int = 10):
+        super().__init__()
+        self.warmup_steps, self.log_every_n_steps = warmup_steps, log_every_n_steps
+        self.summary: dict = {}
+        self._reset()
+
+    def _reset(self):
+        self._t0 = None
+        self._steps = self._samples = self._tokens = 0
+        self._time = 0.0
+
+    def _sync(self, pl_module):
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def on_train_start(self, trainer, pl_module):
+        self._reset()
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._sync(pl_module)
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._sync(pl_module)
+        dt = time.perf_counter() - self._t0
+        self._steps += 1
+        if self._steps <= self.warmup_steps:
+            return
+        samples, tokens = _batch_counts(batch)
+        self._samples += samples
+        self._tokens += tokens
+        self._time += dt
+        if self._steps % self.log_every_n_steps == 0:
+            pl_module.log_dict(self._rates(pl_module), on_step=True, on_epoch=False)
+
+    def _rates(self, pl_module) -> dict:
+        mem, _ = peak_memory_mib(pl_module.device)
+        t = max(self._time, 1e-9)
+        return {"perf/samples_per_s": self._samples / t, "perf/tokens_per_s": self._tokens / t, "perf/peak_mem_mib": mem}
+
+    def on_train_end(self, trainer, pl_module):
+        mem, kind = peak_memory_mib(pl_module.device)
+        timed = max(0, self._steps - self.warmup_steps)
+        self.summary = {
+            "timed_steps": timed,
+            "samples_per_s": self._samples / self._time if self._time else float("nan"),
+            "tokens_per_s": self._tokens / self._time if self._time else float("nan"),
+            "step_ms": 1000 * self._time / timed if timed else float("nan"),
+            "peak_mem_mib": mem,
+            "peak_mem_kind": kind,
+            "device": str(pl_module.device),
+        }
+        if trainer.is_global_zero:
+            s = self.summary
+            print(
+                f"[throughput] {s['samples_per_s']:.2f} samples/s, {s['tokens_per_s']:.0f} tokens/s, "
+                f"{s['step_ms']:.1f} ms/step over {timed} steps; peak memory {mem:.0f} MiB ({kind}) on {s['device']}",
+                flush=True,
+            )

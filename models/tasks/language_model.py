@@ -1,0 +1,21 @@
+"""Language-model training: protein masked LM (ESM-2 style) and causal long-context LM.
+
+One task serves both; the data decides which: masked-LM batches score the BERT-masked positions,
+causal-LM batches score every next token (the network is built with ``causal=True``).
+"""
+from __future__ import annotations
+
+from .base import Task
+from .metrics import masked_accuracy, masked_cross_entropy
+
+
+class LanguageModelTask(Task):
+    """``net(tokens [B, L], pad_mask [B, L]) -> logits [B, L, V]``; loss = mean CE over
+    ``loss_mask & pad_mask``. Logged: loss, perplexity, accuracy, tokens (scored per batch)."""
+
+    def step(self, batch):
+        logits = self.net(batch["tokens"], batch["pad_mask"])
+        mask = batch["loss_mask"] & batch["pad_mask"]
+        loss, n = masked_cross_entropy(logits, batch["target"], mask)
+        logs = {"perplexity": loss.detach().exp(), "accuracy": masked_accuracy(logits.detach(), batch["target"], mask)}
+        return loss, logs, batch["tokens"].shape[0]

@@ -1,0 +1,58 @@
+"""Loss and metric functions on padded batches (masks: True = scored)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..data.structure import CONTACT_CUTOFF, DISTOGRAM_EDGES
+
+# bins whose upper edge is <= 8 A: a "contact" in both prediction and target
+CONTACT_BINS = int((DISTOGRAM_EDGES <= CONTACT_CUTOFF).sum())
+
+
+def masked_cross_entropy(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy over masked positions.
+
+    logits ``[*, C]``, target ``[*]`` long, mask ``[*]`` bool -> (loss scalar (0 if nothing is
+    masked), number of scored positions). Computed in float32.
+    """
+    ce = F.cross_entropy(logits.float().flatten(0, -2), target.flatten().clamp(max=logits.shape[-1] - 1), reduction="none")
+    w = mask.flatten().float()
+    n = w.sum()
+    return (ce * w).sum() / n.clamp(min=1.0), n
+
+
+def masked_accuracy(logits, target, mask) -> torch.Tensor:
+    """Fraction of masked positions where argmax(logits) == target (0 if none)."""
+    hit = (logits.argmax(-1) == target) & mask
+    return hit.sum().float() / mask.sum().clamp(min=1).float()
+
+
+def long_range_contact_precision(
+    distogram_logits: torch.Tensor, distogram: torch.Tensor, pair_mask: torch.Tensor, min_separation: int = 24
+) -> tuple[torch.Tensor, int]:
+    """Top-L long-range contact precision, averaged over the examples that have a structure.
+
+    distogram_logits ``[B, N, N, bins]``, distogram ``[B, N, N]`` target bins, pair_mask ``[B, N, N]``
+    (True where both residues are resolved). For each example the L pairs (L = resolved residues)
+    with |i - j| >= ``min_separation`` and the highest P(d <= 8 A) are scored; precision = fraction
+    that are true contacts. -> (mean precision, number of examples scored).
+    """
+    p_contact = distogram_logits.float().softmax(-1)[..., :CONTACT_BINS].sum(-1)  # [B, N, N]
+    n = p_contact.shape[-1]
+    idx = torch.arange(n, device=p_contact.device)
+    far = (idx[None, :] - idx[:, None]) >= min_separation  # [N, N], upper triangle only
+    precisions = []
+    for b in range(p_contact.shape[0]):
+        valid = pair_mask[b] & far
+        if not valid.any():
+            continue
+        length = int(pair_mask[b].diagonal().sum())
+        scores = p_contact[b][valid]
+        truth = distogram[b][valid] < CONTACT_BINS
+        k = min(length, scores.numel())
+        top = scores.topk(k).indices
+        precisions.append(truth[top].float().mean())
+    if not precisions:
+        return torch.zeros((), device=p_contact.device), 0
+    return torch.stack(precisions).mean(), len(precisions)
