@@ -1,0 +1,238 @@
+"""Ring attention on gloo (2 and 4 CPU processes) against single-process attention.
+
+One ``torch.multiprocessing.spawn`` per world size runs every case; each rank builds the same full
+inputs from a shared seed, runs the ring on its shard, and compares its shard of the output, lse and of
+every gradient (q, k, v, bias tensor, bias-module parameters) with the float64 single-process result.
+"""
+import os
+import socket
+import tempfile
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from attn_ops.reference import attention_reference
+from attn_ops.ring import (ring_attention, ring_positions, shard_sequence, unshard_sequence, zigzag_merge,
+                           zigzag_split, _plan_step, local_segments)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RelBias(torch.nn.Module):
+    """A learned per-head table indexed by clamped relative distance (enough to exercise the callable path)."""
+
+    def __init__(self, heads, max_dist):
+        super().__init__()
+        self.max_dist = max_dist
+        self.table = torch.nn.Parameter(torch.randn(heads, 2 * max_dist + 1, dtype=torch.float64))
+
+    def forward(self, q_pos, k_pos):
+        rel = (k_pos[None, :] - q_pos[:, None]).clamp(-self.max_dist, self.max_dist) + self.max_dist
+        return self.table[:, rel]  # [H, Lq, Lk]
+
+
+CASES = [
+    # name, causal, layout, bias kind, mask kind, dtype, loss on lse
+    ("plain", False, "contiguous", None, None, torch.float64, False),
+    ("causal_zigzag_bias_keymask", True, "zigzag", "full", "keys", torch.float64, True),
+    ("causal_contiguous_rowmask", True, "contiguous", None, "rows", torch.float64, False),
+    ("keybias_broadcast_zigzag", False, "zigzag", "keys", "keys", torch.float64, True),
+    ("headbias_rows_causal", True, "zigzag", "rows", None, torch.float64, False),
+    ("module_bias_causal", True, "zigzag", "module", "keys", torch.float64, True),
+    ("dead_rows", False, "contiguous", "full", "dead", torch.float64, True),
+    ("fp32_causal_bias", True, "zigzag", "full", "keys", torch.float32, True),
+]
+
+
+def _inputs(case, world, seed):
+    name, causal, layout, bias_kind, mask_kind, dtype, lse_loss = case
+    g = torch.Generator().manual_seed(seed)
+    B, H, L, D = 2, 2, 8 * world, 8
+    q, k, v = (torch.randn(B, H, L, D, generator=g, dtype=torch.float64) for _ in range(3))
+    bias = {
+        None: None,
+        "full": torch.randn(B, H, L, L, generator=g, dtype=torch.float64),
+        "keys": torch.randn(1, H, 1, L, generator=g, dtype=torch.float64) * 3,  # uneven per-key offsets
+        "rows": torch.randn(1, 1, L, L, generator=g, dtype=torch.float64).triu() * 2,  # asymmetric pattern
+        "module": None,
+    }[bias_kind]
+    mask = {
+        None: None,
+        "keys": torch.rand(B, 1, 1, L, generator=g) > 0.3,
+        "rows": torch.rand(B, 1, L, L, generator=g) > 0.3,
+        "dead": torch.rand(B, 1, L, L, generator=g) > 0.3,
+    }[mask_kind]
+    if mask_kind == "dead":
+        mask[:, :, 3] = False  # query row 3 sees nothing: out 0, lse -inf, zero grads
+    if mask is not None and mask_kind != "dead":
+        mask[..., 0] = True  # every row keeps a key, so the float64 comparison is well defined
+    do = torch.randn(B, H, L, D, generator=g, dtype=torch.float64)
+    dl = torch.randn(B, H, L, generator=g, dtype=torch.float64) if lse_loss else None
+    module = RelBias(H, 5) if bias_kind == "module" else None
+    if module is not None:
+        with torch.no_grad():
+            module.table.copy_(torch.randn(module.table.shape, generator=g, dtype=torch.float64))
+    return q, k, v, bias, mask, do, dl, module
+
+
+def _loss(out, lse, do, dl):
+    loss = (out.double() * do).sum()
+    if dl is not None:
+        loss = loss + (torch.where(torch.isfinite(lse), lse.double(), torch.zeros_like(lse.double())) * dl).sum()
+    return loss
+
+
+def _reference(case, world, seed):
+    """Single-process float64 attention on the full sequence: out, lse and gradients."""
+    causal = case[1]
+    q, k, v, bias, mask, do, dl, module = _inputs(case, world, seed)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    if bias is not None:
+        bias.requires_grad_()
+    L = q.shape[-2]
+    pos = torch.arange(L)
+    full_bias = module(pos, pos) if module is not None else bias
+    out, lse = attention_reference(q, k, v, full_bias, mask, None, causal)
+    _loss(out, lse, do, dl).backward()
+    grads = [t.grad for t in leaves] + [None if bias is None else bias.grad,
+                                        None if module is None else module.table.grad]
+    return out.detach(), lse.detach(), grads
+
+
+def _check_case(case, world, rank, seed):
+    name, causal, layout, bias_kind, mask_kind, dtype, lse_loss = case
+    out_ref, lse_ref, g_ref = _reference(case, world, seed)
+    q, k, v, bias, mask, do, dl, module = _inputs(case, world, seed)
+    shard = lambda t, dim=-2: shard_sequence(t, dim, world, rank, layout)  # noqa: E731
+    ql, kl, vl = (shard(t).to(dtype).requires_grad_() for t in (q, k, v))
+    bl = None
+    if bias is not None:
+        bl = (shard(bias) if bias.shape[-2] > 1 else bias.clone()).requires_grad_()
+    ml = None if mask is None else (shard(mask) if mask.shape[-2] > 1 else mask)
+    out, lse = ring_attention(ql, kl, vl, module if module is not None else bl, ml, causal=causal,
+                              layout=layout, return_lse=True)
+    _loss(out, lse, shard(do).to(dtype), None if dl is None else shard(dl, -1)).backward()
+    # float64: rounding only. float32: a few times plain float32 PyTorch's own error on these inputs.
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    checks = [("out", out, shard(out_ref)), ("lse", lse, shard(lse_ref, -1)),
+              ("dq", ql.grad, shard(g_ref[0])), ("dk", kl.grad, shard(g_ref[1])), ("dv", vl.grad, shard(g_ref[2]))]
+    if bias is not None:
+        ref_db = shard(g_ref[3]) if bias.shape[-2] > 1 else None
+        if ref_db is None:  # broadcast rows: each rank holds the gradient of its own rows; their sum is the total
+            total = bl.grad.clone()
+            dist.all_reduce(total)
+            checks.append(("dbias(sum over ranks)", total, g_ref[3]))
+        else:
+            checks.append(("dbias", bl.grad, ref_db))
+    if module is not None:
+        total = module.table.grad.clone()
+        dist.all_reduce(total)
+        checks.append(("dtable(sum over ranks)", total, g_ref[4]))
+    for what, got, ref in checks:
+        got, ref = got.double(), ref.double()
+        assert torch.equal(torch.isfinite(got), torch.isfinite(ref)), f"{name}: {what} inf pattern differs"
+        got, ref = torch.nan_to_num(got, neginf=0.0), torch.nan_to_num(ref, neginf=0.0)
+        err = (got - ref).abs().max().item()
+        scale = ref.abs().max().item() + 1e-30
+        assert err <= tol * max(scale, 1.0), f"{name} (world {world}, rank {rank}): {what} error {err:.3e}"
+    if mask_kind == "dead":
+        assert not torch.isnan(ql.grad).any()
+
+
+def _check_bad_input(world, rank):
+    """Rank 1 passes a wrong-length k: every rank must raise the same ValueError naming rank 1, not hang."""
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+    k = torch.randn(1, 2, 5 if rank == 1 else 4, 8, dtype=torch.float64)
+    try:
+        ring_attention(q, k, torch.randn_like(k), causal=True, layout="zigzag")
+    except ValueError as exc:
+        assert "rank 1" in str(exc) and "(1, 2, 5, 8)" in str(exc), str(exc)
+    else:
+        raise AssertionError("bad input on rank 1 did not raise")
+    # Ranks that disagree on options (one causal, one not) also fail together.
+    try:
+        ring_attention(q, torch.randn_like(q), torch.randn_like(q), causal=(rank == 0))
+    except ValueError as exc:
+        assert "disagree" in str(exc), str(exc)
+    else:
+        raise AssertionError("ranks that disagree on causal did not raise")
+
+
+def _worker(rank, world, port, err_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        for i, case in enumerate(CASES):
+            _check_case(case, world, rank, seed=1000 + i)
+        _check_bad_input(world, rank)
+        dist.barrier()
+    except BaseException:
+        with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_matches_single_process(world):
+    with tempfile.TemporaryDirectory() as err_dir:
+        try:
+            mp.spawn(_worker, args=(world, _free_port(), err_dir), nprocs=world, join=True)
+        except Exception:
+            msgs = [open(os.path.join(err_dir, f)).read() for f in sorted(os.listdir(err_dir))]
+            pytest.fail("\n".join(msgs) or "a worker failed")
+
+
+def test_zigzag_split_merge_roundtrip_and_positions():
+    x = torch.arange(2 * 24).reshape(2, 24)
+    for world in (1, 2, 3):
+        shards = [zigzag_split(x, 1, world, r) for r in range(world)]
+        assert torch.equal(zigzag_merge(shards, 1), x)
+        for r in range(world):
+            assert torch.equal(shards[r][0], ring_positions(24 // world, world, r, "zigzag"))
+        cont = [shard_sequence(x, 1, world, r) for r in range(world)]
+        assert torch.equal(unshard_sequence(cont, 1), x)
+    with pytest.raises(ValueError, match="divisible"):
+        zigzag_split(x, 1, 5, 0)
+
+
+def test_plan_skips_future_and_balances_zigzag():
+    """Causal zigzag: every rank computes the same number of (query, key) pairs, and never a future one."""
+    world, n = 4, 8
+    work = []
+    for r in range(world):
+        q_segs = local_segments("zigzag", world, r, n)
+        qpos = ring_positions(n, world, r, "zigzag")
+        total = 0
+        for s in range(world):
+            kpos = ring_positions(n, world, s, "zigzag")
+            for c in _plan_step(q_segs, local_segments("zigzag", world, s, n), True):
+                qq, kk = qpos[c.q_lo:c.q_hi], kpos[c.k_lo:c.k_hi]
+                seen = kk[None, :] <= qq[:, None] if not c.causal else torch.ones(len(qq), len(kk), dtype=torch.bool)
+                if not c.causal:
+                    assert seen.all(), "a non-causal call contains future keys"
+                total += len(qq) * len(kk)
+        work.append(total)
+    assert len(set(work)) == 1, work
+
+
+def test_world1_without_process_group_matches_attention():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    out = ring_attention(q, k, v, causal=True)
+    ref, _ = attention_reference(q, k, v, None, None, None, True)
+    assert torch.allclose(out, ref, atol=1e-12)
+    with pytest.raises(ValueError, match="layout"):
+        ring_attention(q, k, v, layout="striped")
+    with pytest.raises(ValueError, match="bias"):
+        ring_attention(q, k, v, torch.randn(1, 2, 6, 5, dtype=torch.float64))
