@@ -1,0 +1,212 @@
+"""Evoformer and extra-MSA blocks: shapes, padding invariance (values and gradients), backends agree
+(torch / chunked / triton under the interpreter), checkpointed and chunked runs equal plain ones,
+the ending-node / incoming modules equal the starting-node / outgoing ones on transposed input,
+and the outer product mean and global column attention against their definitions."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # the Triton kernels run under the interpreter on CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from models.evoformer import (  # noqa: E402
+    EvoformerBlock,
+    EvoformerStack,
+    ExtraMSABlock,
+    ExtraMSAStack,
+    MSAColumnGlobalAttention,
+    OuterProductMean,
+)
+from models.triangle import (  # noqa: E402
+    TriangleAttentionEndingNode,
+    TriangleAttentionStartingNode,
+    TriangleMultiplicationIncoming,
+    TriangleMultiplicationOutgoing,
+)
+from test_primitives import (  # noqa: E402
+    compare_backend_to_torch,
+    param_grads,
+    randomize_,
+    rel_err,
+    skip_unless_backend,
+    weighted_sum,
+)
+
+# Small widths; head dims 16 so that the triton backend (head dim >= 16) can serve every attention.
+W = dict(c_m=16, c_z=8, num_heads_msa=2, c_hidden_msa=16, num_heads_pair=2, c_hidden_pair=16, c_hidden_opm=4,
+         c_hidden_mul=8, transition_n=2)
+BLOCKS = {"evoformer": EvoformerBlock, "extra_msa": ExtraMSABlock}
+
+
+def _block(kind, attention="torch", dropout=0.0):
+    return BLOCKS[kind](**W, msa_dropout=dropout, pair_dropout=dropout, attention=attention)
+
+
+def _inputs(B=1, S=3, N=6, seed=0, hole_p=0.2, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randn(B, S, N, W["c_m"], generator=g, dtype=dtype)
+    z = torch.randn(B, N, N, W["c_z"], generator=g, dtype=dtype)
+    msa_mask = torch.rand(B, S, N, generator=g) > hole_p
+    res = torch.rand(B, N, generator=g) > hole_p
+    res[:, :2] = True
+    pair_mask = res[:, :, None] & res[:, None, :]
+    assert not msa_mask.all() or hole_p == 0
+    return m, z, msa_mask, pair_mask
+
+
+def test_stack_shapes_dtypes_and_default_masks():
+    m, z, msa_mask, pair_mask = _inputs(B=2, S=3, N=5, dtype=torch.float32)
+    stack = EvoformerStack(**W, num_blocks=2, attention="torch")
+    m2, z2 = stack(m, z, msa_mask, pair_mask)
+    assert m2.shape == m.shape and z2.shape == z.shape and m2.dtype == z2.dtype == torch.float32
+    m3, z3 = stack(m, z)  # no masks = every position real
+    assert m3.shape == m.shape and torch.isfinite(z3).all()
+    extra = ExtraMSAStack(**W, num_blocks=1, attention="chunked")
+    e2, ez2 = extra(m, z, msa_mask, pair_mask)
+    assert e2.shape == m.shape and ez2.shape == z.shape
+    with pytest.raises(TypeError, match="msa_mask must be bool"):
+        stack(m, z, msa_mask.float(), pair_mask)
+    with pytest.raises(ValueError, match=r"pair_mask has shape \(2, 5, 4\)"):
+        stack(m, z, msa_mask, pair_mask[..., :4])
+
+
+@pytest.mark.parametrize("kind", list(BLOCKS))
+def test_padding_does_not_change_real_positions(kind):
+    """Pad a real input with extra residues and MSA rows (random values, mask False): outputs at real
+    positions and all parameter gradients of a loss on real positions are unchanged."""
+    S, N, S_pad, N_pad = 3, 6, 5, 9
+    m, z, msa_mask, pair_mask = _inputs(S=S, N=N, seed=1)
+    mp, zp, msa_mask_p, pair_mask_p = _inputs(S=S_pad, N=N_pad, seed=2, hole_p=0.0)
+    mp[:, :S, :N], zp[:, :N, :N] = m, z
+    msa_mask_p[:] = False
+    msa_mask_p[:, :S, :N] = msa_mask
+    pair_mask_p[:] = False
+    pair_mask_p[:, :N, :N] = pair_mask
+
+    block = randomize_(_block(kind), seed=3).double()
+    m_out, z_out = block(m, z, msa_mask, pair_mask)
+    weighted_sum([m_out, z_out]).backward()
+    grads = param_grads(block)
+    block.zero_grad()
+    mp_out, zp_out = block(mp, zp, msa_mask_p, pair_mask_p)
+    weighted_sum([mp_out[:, :S, :N], zp_out[:, :N, :N]]).backward()
+    grads_p = param_grads(block)
+
+    assert rel_err(mp_out[:, :S, :N], m_out) < 1e-12
+    assert rel_err(zp_out[:, :N, :N], z_out) < 1e-12
+    assert grads.keys() == grads_p.keys() and len(grads) == len(list(block.parameters()))
+    for name in grads:
+        assert rel_err(grads_p[name], grads[name], floor=1.0) < 1e-10, name
+
+
+@pytest.mark.parametrize("backend", ["chunked", "triton"])
+@pytest.mark.parametrize("kind", list(BLOCKS))
+def test_backends_agree_with_torch(kind, backend):
+    skip_unless_backend(backend)
+    opts = {"chunk_size": 2} if backend == "chunked" else {}
+    m, z, msa_mask, pair_mask = _inputs(S=3, N=5, seed=4)
+    compare_backend_to_torch(
+        lambda attn: _block(kind, attention={"backend": attn, **(opts if attn == backend else {})}),
+        [m, z], [msa_mask, pair_mask], backend, seed=5,
+    )
+
+
+def test_checkpointed_stack_equals_plain_with_dropout():
+    """Checkpointing recomputes the blocks in the backward with the same dropout masks."""
+    m, z, msa_mask, pair_mask = _inputs(S=3, N=5, seed=6)
+    results = []
+    for every in (0, 1):
+        stack = randomize_(EvoformerStack(**W, num_blocks=2, attention="torch", checkpoint_every=every,
+                                          msa_dropout=0.3, pair_dropout=0.3), seed=7).double().train()
+        mi, zi = m.clone().requires_grad_(), z.clone().requires_grad_()
+        torch.manual_seed(11)
+        m2, z2 = stack(mi, zi, msa_mask, pair_mask)
+        weighted_sum([m2, z2]).backward()
+        results.append((m2, z2, mi.grad, zi.grad, param_grads(stack)))
+    (a_m, a_z, a_gm, a_gz, a_p), (b_m, b_z, b_gm, b_gz, b_p) = results
+    for a, b in ((a_m, b_m), (a_z, b_z), (a_gm, b_gm), (a_gz, b_gz)):
+        assert rel_err(b, a) < 1e-12
+    assert a_p.keys() == b_p.keys()
+    for name in a_p:
+        assert rel_err(b_p[name], a_p[name], floor=1.0) < 1e-12, name
+    # dropout really was on: a different seed gives a different result
+    torch.manual_seed(12)
+    stack.zero_grad()
+    assert rel_err(stack(m, z, msa_mask, pair_mask)[1], a_z) > 1e-3
+
+
+@pytest.mark.parametrize("stack_cls", [EvoformerStack, ExtraMSAStack])
+def test_chunked_stack_equals_plain(stack_cls):
+    m, z, msa_mask, pair_mask = _inputs(S=4, N=7, seed=8)
+    plain = randomize_(stack_cls(**W, num_blocks=2, attention="torch"), seed=9).double().eval()
+    chunked = stack_cls(**W, num_blocks=2, attention="torch", chunk_size=3).double().eval()
+    chunked.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        a_m, a_z = plain(m, z, msa_mask, pair_mask)
+        b_m, b_z = chunked(m, z, msa_mask, pair_mask)
+    assert rel_err(b_m, a_m) < 1e-13 and rel_err(b_z, a_z) < 1e-13
+
+
+def _transposed(t):
+    return t.transpose(1, 2)
+
+
+def test_ending_node_equals_starting_node_on_transposed_input():
+    g = torch.Generator().manual_seed(10)
+    z = torch.randn(2, 6, 6, 8, generator=g, dtype=torch.float64)
+    pair_mask = torch.rand(2, 6, 6, generator=g) > 0.3  # not symmetric: the transpose matters
+    start = randomize_(TriangleAttentionStartingNode(8, 16, 2, attention="torch"), seed=11).double()
+    end = TriangleAttentionEndingNode(8, 16, 2, attention="torch").double()
+    end.load_state_dict(start.state_dict())
+    want = _transposed(start(_transposed(z), _transposed(pair_mask)))
+    got = end(z, pair_mask)
+    assert rel_err(got, want) < 1e-13
+    assert rel_err(start(z, pair_mask), want) > 1e-3  # the transpose is not a no-op
+
+
+def test_incoming_equals_outgoing_on_transposed_input():
+    """incoming(z) = outgoing(z^T)^T with the a and b projections swapped."""
+    g = torch.Generator().manual_seed(12)
+    z = torch.randn(2, 6, 6, 8, generator=g, dtype=torch.float64)
+    pair_mask = torch.rand(2, 6, 6, generator=g) > 0.3
+    inc = randomize_(TriangleMultiplicationIncoming(8, 4), seed=13).double()
+    out = TriangleMultiplicationOutgoing(8, 4).double()
+    state = dict(inc.state_dict())
+    for key in ("linear_ab_p.weight", "linear_ab_p.bias", "linear_ab_g.weight", "linear_ab_g.bias"):
+        a, b = state[key].chunk(2, dim=0)
+        state[key] = torch.cat([b, a], dim=0)
+    out.load_state_dict(state)
+    want = _transposed(out(_transposed(z), _transposed(pair_mask)))
+    assert rel_err(inc(z, pair_mask), want) < 1e-13
+    assert rel_err(inc(z, pair_mask), out(z, pair_mask)) > 1e-3
+
+
+def test_outer_product_mean_matches_definition():
+    m, _, msa_mask, _ = _inputs(S=4, N=5, seed=14)
+    opm = randomize_(OuterProductMean(W["c_m"], W["c_z"], 3), seed=15).double()
+    w = msa_mask[..., None].double()
+    mn = opm.layer_norm(m)
+    a, b = opm.linear_a(mn) * w, opm.linear_b(mn) * w
+    outer = torch.einsum("bsic,bsjd->bijcd", a, b).flatten(-2)
+    count = torch.einsum("bsi,bsj->bij", w[..., 0], w[..., 0])[..., None]
+    want = opm.linear_out(outer / (count + opm.eps))
+    assert rel_err(opm(m, msa_mask), want) < 1e-13
+    assert rel_err(opm(m, msa_mask, chunk_size=2), want) < 1e-13
+
+
+def test_global_column_attention_matches_definition():
+    m, _, msa_mask, _ = _inputs(S=4, N=5, seed=16)
+    msa_mask[:, :, 0] = False  # a column with no real sequence: output gets only the projection bias
+    mod = randomize_(MSAColumnGlobalAttention(W["c_m"], 16, 2, attention="torch"), seed=17).double()
+    mt = mod.layer_norm(m.transpose(1, 2))  # [B, N, S, c]
+    w = msa_mask.transpose(1, 2)[..., None].double()
+    q = mod.linear_q((mt * w).sum(2) / (w.sum(2) + mod.eps)).unflatten(-1, (2, 16))  # [B, N, H, C]
+    k, v = mod.linear_k(mt), mod.linear_v(mt)  # [B, N, S, C]
+    logits = torch.einsum("bnhc,bnsc->bnhs", q, k) / 4.0
+    logits = logits.masked_fill(w[..., 0][:, :, None, :] == 0, float("-inf"))
+    p = torch.nan_to_num(torch.softmax(logits, -1))
+    o = torch.einsum("bnhs,bnsc->bnhc", p, v).flatten(-2)[:, :, None, :]  # [B, N, 1, H*C]
+    want = mod.linear_o(torch.sigmoid(mod.linear_g(mt)) * o).transpose(1, 2)
+    assert rel_err(mod(m, msa_mask), want) < 1e-13

@@ -1,0 +1,261 @@
+"""models.primitives: the attention config, AlphaFold inits, gated Attention against a float64 reference,
+shared-mask dropout, row chunking. Also holds small helpers the block tests import."""
+import math
+
+import pytest
+import torch
+
+from attn_ops.reference import attention_reference
+from models.primitives import (
+    Attention,
+    AttentionConfig,
+    Linear,
+    SharedDropout,
+    SwiGLUTransition,
+    Transition,
+    chunk_rows,
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers shared with test_evoformer.py / test_pairformer.py
+# ----------------------------------------------------------------------------------------------
+def randomize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Overwrite every parameter with fresh random values.
+
+    AlphaFold's inits zero the last layer of every update (and set gates open), which would make
+    outputs and most gradients trivially equal across backends; tests need every path to matter.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            r = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            if p.ndim >= 2:
+                r = r / math.sqrt(p.shape[-1])
+            elif name.endswith("weight"):  # layer-norm scale
+                r = 1.0 + 0.2 * r
+            else:
+                r = 0.2 * r
+            p.copy_(r.to(p.dtype))
+    return module
+
+
+def weighted_sum(tensors, seed=123):
+    """A scalar loss with fixed random weights (float64), so every output element gets its own gradient."""
+    g = torch.Generator().manual_seed(seed)
+    total = 0.0
+    for t in tensors:
+        w = torch.randn(t.shape, generator=g, dtype=torch.float64)
+        total = total + (t.double() * w).sum()
+    return total
+
+
+def param_grads(module):
+    return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def rel_err(a, b, floor=1e-30):
+    """max |a - b| / max(max |b|, floor). A floor of 1 makes it an absolute error for tensors that are
+    analytically zero (e.g. the gradient of a layer-norm bias feeding only a softmax-invariant shift)."""
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(floor)).item()
+
+
+def skip_unless_backend(name):
+    """Skip (with the reason) unless ``attn_ops`` lists backend ``name`` here and its entry point loads."""
+    import attn_ops
+    from attn_ops import registry
+
+    if name not in attn_ops.backends():
+        pytest.skip(f"attn_ops.backends() does not list {name!r} here: {attn_ops.backends()}")
+    try:
+        registry.get(name).load()
+    except (ImportError, AttributeError) as exc:
+        pytest.skip(f"backend {name!r} is listed but its entry {registry.get(name).entry} does not load: {exc}")
+
+
+def compare_backend_to_torch(build, float_inputs, masks, backend, seed=0):
+    """Run the module ``build(attention)`` with ``backend`` and with ``torch`` in float32 and with ``torch``
+    in float64, all on the same random parameters and inputs; check outputs and every gradient (inputs
+    and parameters) of ``backend`` against float64 within the registry's tolerance times plain PyTorch's
+    own float32 error, plus a few ulps (STYLE.md item 6)."""
+    from attn_ops import registry
+    from helpers import ULP
+
+    state = randomize_(build("torch"), seed=seed).state_dict()
+    xs32 = [x.float() for x in float_inputs]
+
+    def run(attention, dtype):
+        mod = build(attention)
+        mod.load_state_dict(state)
+        mod = mod.to(dtype).eval()
+        xs = [x.detach().to(dtype).requires_grad_(True) for x in xs32]
+        outs = mod(*xs, *masks)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        names = [n for n, _ in mod.named_parameters()]
+        grads = torch.autograd.grad(weighted_sum(outs), xs + list(mod.parameters()))
+        named = [(f"out{i}", o) for i, o in enumerate(outs)]
+        named += [(f"d input{i}", g) for i, g in enumerate(grads[: len(xs)])]
+        named += [(f"d {n}", g) for n, g in zip(names, grads[len(xs):])]
+        return named
+
+    ref = run("torch", torch.float64)
+    base = run("torch", torch.float32)
+    got = run(backend, torch.float32)
+    tol = registry.get(backend).tolerance[torch.float32]
+    checked = 0
+    for (name, r), (_, b), (_, a) in zip(ref, base, got):
+        assert a.shape == r.shape, name
+        assert torch.isfinite(a).all(), f"{backend}: non-finite {name}"
+        scale = max(r.abs().max().item(), 1.0)
+        err = (a.double() - r).abs().max().item()
+        base_err = (b.double() - r).abs().max().item()
+        allowed = tol * base_err + 8 * ULP[torch.float32] * scale
+        assert err <= allowed, f"{backend}: {name} error {err:.3g} > allowed {allowed:.3g} (torch fp32 {base_err:.3g})"
+        checked += r.abs().max().item() > 0
+    assert checked >= len(ref) - 2, "too many outputs/gradients are exactly zero for the comparison to mean much"
+
+
+# ----------------------------------------------------------------------------------------------
+# AttentionConfig
+# ----------------------------------------------------------------------------------------------
+def test_attention_config_coerce_forms():
+    assert AttentionConfig.coerce(None) == AttentionConfig("auto", {})
+    assert AttentionConfig.coerce("torch") == AttentionConfig("torch")
+    cfg = AttentionConfig.coerce({"backend": "chunked", "chunk_size": 256})
+    assert cfg.backend == "chunked" and cfg.options == {"chunk_size": 256}
+    cfg2 = AttentionConfig.coerce({"backend": "chunked", "options": {"chunk_size": 8}, "_target_": "x"})
+    assert cfg2 == AttentionConfig("chunked", {"chunk_size": 8})
+    assert AttentionConfig.coerce(cfg) is cfg
+    assert hash(cfg) == hash(AttentionConfig("chunked", {"chunk_size": 256}))
+
+
+def test_attention_config_from_dictconfig():
+    omegaconf = pytest.importorskip("omegaconf")
+    dc = omegaconf.OmegaConf.create({"backend": "triton", "bwd": "split"})
+    cfg = AttentionConfig.coerce(dc)
+    assert cfg == AttentionConfig("triton", {"bwd": "split"})
+    assert type(cfg.options) is dict
+
+
+def test_attention_config_rejects_unknown_backend_with_valid_names():
+    with pytest.raises(ValueError, match="tritonn") as info:
+        AttentionConfig.coerce("tritonn")
+    for name in ("torch", "chunked", "triton"):
+        assert name in str(info.value)
+    with pytest.raises(ValueError, match="valid names"):
+        Attention(8, 8, 4, 2, attention={"backend": "flash3"})
+    with pytest.raises(TypeError, match="attention must be"):
+        AttentionConfig.coerce(3)
+    with pytest.raises(ValueError, match="both flat and under"):
+        AttentionConfig.coerce({"backend": "chunked", "chunk_size": 2, "options": {"chunk_size": 4}})
+
+
+def test_unknown_backend_option_fails_at_call_naming_it():
+    att = Attention(8, 8, 4, 2, attention={"backend": "torch", "chunk_size": 4})
+    x = torch.randn(2, 5, 8)
+    with pytest.raises(TypeError, match="chunk_size"):
+        att(x, x)
+
+
+# ----------------------------------------------------------------------------------------------
+# Linear inits
+# ----------------------------------------------------------------------------------------------
+def test_linear_inits():
+    torch.manual_seed(0)
+    fan_in, fan_out = 512, 256
+    final = Linear(fan_in, fan_out, init="final")
+    assert torch.count_nonzero(final.weight) == 0 and torch.count_nonzero(final.bias) == 0
+    gate = Linear(fan_in, fan_out, init="gating")
+    assert torch.count_nonzero(gate.weight) == 0 and torch.all(gate.bias == 1)
+    for init, var in (("default", 1.0 / fan_in), ("relu", 2.0 / fan_in), ("glorot", 2.0 / (fan_in + fan_out))):
+        w = Linear(fan_in, fan_out, init=init).weight
+        assert abs(w.var().item() / var - 1) < 0.05, (init, w.var().item(), var)
+    w = Linear(fan_in, fan_out, init="default").weight
+    std = math.sqrt(1.0 / fan_in) / 0.87962566103423978
+    assert w.abs().max() <= 2 * std + 1e-6  # truncated at 2 std of the underlying normal
+    with pytest.raises(ValueError, match="init must be one of"):
+        Linear(4, 4, init="he")
+    with pytest.raises(ValueError, match="gating"):
+        Linear(4, 4, bias=False, init="gating")
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention vs a float64 hand computation
+# ----------------------------------------------------------------------------------------------
+def _manual_attention(att: Attention, q_x, kv_x, bias, mask):
+    """The module's math spelled out in float64 on top of the reference op."""
+    H, C = att.num_heads, att.c_hidden
+    q = att.linear_q(q_x).unflatten(-1, (H, C)).transpose(-2, -3)
+    k = att.linear_k(kv_x).unflatten(-1, (H, C)).transpose(-2, -3)
+    v = att.linear_v(kv_x).unflatten(-1, (H, C)).transpose(-2, -3)
+    o, _ = attention_reference(q, k, v, bias, mask)
+    o = o.transpose(-2, -3).flatten(-2) * torch.sigmoid(att.linear_g(q_x))
+    return att.linear_o(o)
+
+
+@pytest.mark.parametrize("backend", ["torch", "chunked"])
+def test_attention_matches_manual_float64(backend):
+    torch.manual_seed(1)
+    B, R, Lq, Lk, c, H, C = 2, 3, 5, 7, 12, 2, 4
+    opts = {"chunk_size": 3} if backend == "chunked" else {}
+    att = randomize_(Attention(c, 10, C, H, attention={"backend": backend, **opts}), seed=2).double()
+    q_x = torch.randn(B, R, Lq, c, dtype=torch.float64, requires_grad=True)
+    kv_x = torch.randn(B, R, Lk, 10, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(B, 1, H, Lq, Lk, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(B, R, 1, 1, Lk) > 0.3
+    out = att(q_x, kv_x, bias=bias, mask=mask)
+    assert out.shape == (B, R, Lq, c)
+    ref = _manual_attention(att, q_x, kv_x, bias, mask)
+    leaves = [q_x, kv_x, bias] + list(att.parameters())
+    g = torch.autograd.grad(weighted_sum([out]), leaves)
+    g_ref = torch.autograd.grad(weighted_sum([ref]), leaves)
+    assert rel_err(out, ref) < 1e-12
+    for a, b in zip(g, g_ref):
+        assert rel_err(a, b) < 1e-12
+    assert bias.grad is None and g[2].shape == bias.shape  # gradient in the bias's own (broadcast) shape
+
+
+def test_attention_rejects_mismatched_batch_dims():
+    att = Attention(8, 8, 4, 2, attention="torch")
+    with pytest.raises(ValueError, match=r"q_x \(2, 3, 5, 8\).*kv_x \(2, 4, 5, 8\)"):
+        att(torch.randn(2, 3, 5, 8), torch.randn(2, 4, 5, 8))
+    with pytest.raises(ValueError, match="bias"):
+        att(torch.randn(2, 5, 8), torch.randn(2, 5, 8), bias=torch.randn(2, 3, 5, 5))
+
+
+# ----------------------------------------------------------------------------------------------
+# Dropout, chunking, transitions
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shared_dim", [-3, -2])
+def test_shared_dropout_shares_mask_along_dim(shared_dim):
+    torch.manual_seed(0)
+    drop = SharedDropout(0.5, shared_dim=shared_dim).train()
+    x = torch.ones(2, 6, 7, 16)
+    y = drop(x)
+    assert set(torch.unique(y).tolist()) == {0.0, 2.0}
+    first = y.narrow(shared_dim, 0, 1)
+    assert torch.equal(y, first.expand_as(y))  # identical along the shared dim
+    assert not torch.equal(y, y.narrow(-1, 0, 1).expand_as(y))  # but not along the others
+    assert torch.equal(drop.eval()(x), x)
+
+
+def test_chunk_rows_matches_unchunked():
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 5, 3)
+    shared = torch.randn(2, 1, 5, 3)
+    fn = lambda a, b: (a * b).cumsum(-2)  # noqa: E731
+    want = fn(x, shared)
+    for cs in (1, 3, 7, 100):
+        assert torch.equal(chunk_rows(fn, [x, shared], [-3, -3], cs, out_dim=-3), want)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_rows(fn, [x, shared], [-3, -3], 0, out_dim=-3)
+
+
+@pytest.mark.parametrize("cls", [Transition, SwiGLUTransition])
+def test_transition_chunked_equals_plain(cls):
+    torch.manual_seed(0)
+    tr = randomize_(cls(6, 2)).double()
+    for shape in ((2, 5, 4, 6), (2, 5, 6)):
+        x = torch.randn(*shape, dtype=torch.float64)
+        assert rel_err(tr(x, chunk_size=2), tr(x)) < 1e-14
