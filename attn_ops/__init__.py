@@ -10,6 +10,7 @@ from . import registry
 from .api import attention
 from .merge import blockwise_attention, merge_partials
 from .reference import attention_reference
+from .ring import ring_attention, ring_positions, shard_sequence, unshard_sequence, zigzag_merge, zigzag_split
 
 
 def backends():
@@ -17,4 +18,7 @@ def backends():
     return registry.available()
 
 
-__all__ = ["attention", "attention_reference", "backends", "blockwise_attention", "merge_partials", "registry"]
+__all__ = [
+    "attention", "attention_reference", "backends", "blockwise_attention", "merge_partials", "registry",
+    "ring_attention", "ring_positions", "shard_sequence", "unshard_sequence", "zigzag_merge", "zigzag_split",
+]

@@ -76,45 +76,53 @@ class _ChunkedAttention(torch.autograd.Function):
         lse = lse.to(_acc_dtype(q.dtype))
         ctx.save_for_backward(q, k, v, bias, mask, out, lse)
         ctx.scale, ctx.causal, ctx.chunk = scale, causal, chunk
-        ctx.bias_dtype = None if bias is None else bias.dtype
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q, k, v, bias, mask, out, lse = ctx.saved_tensors
-        scale, causal, chunk = ctx.scale, ctx.causal, ctx.chunk
-        acc = _acc_dtype(q.dtype)
-        lq, lk = q.shape[-2], k.shape[-2]
-        if d_out is None:
-            d_out = torch.zeros_like(out)
-        d_out = d_out.to(acc)
-        delta = (d_out * out.to(acc)).sum(-1)  # [*b, H, Lq]
-        if d_lse is not None:
-            delta = delta - d_lse.to(acc)
-        lse_sub = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf"))).to(acc)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-        want_db = bias is not None and ctx.needs_input_grad[3]
-        db = torch.zeros(bias.shape, dtype=acc, device=q.device) if want_db else None
-        for start in range(0, lk, chunk):
-            stop = min(start + chunk, lk)
-            k_c, v_c = k[..., start:stop, :].to(acc), v[..., start:stop, :].to(acc)
-            s = _scores(q, k_c, _key_slice(bias, start, stop),
-                        _tile_mask(mask, causal, lq, lk, start, stop, q.device), scale, acc)
-            p = torch.exp(s - lse_sub.unsqueeze(-1))  # [*b, H, Lq, c]
-            dv[..., start:stop, :] = torch.matmul(p.transpose(-1, -2), d_out)
-            dp = torch.matmul(d_out, v_c.transpose(-1, -2))
-            ds = p * (dp - delta.unsqueeze(-1))  # dL/dS for this tile
-            dq += torch.matmul(ds, k_c) * scale
-            dk[..., start:stop, :] = torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale
-            if want_db:
-                if bias.shape[-1] == 1:
-                    db += _sum_to(ds.sum(-1, keepdim=True), bias.shape)
-                else:
-                    db[..., start:stop] = _sum_to(ds, bias.shape[:-1] + (stop - start,))
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-                None if db is None else db.to(ctx.bias_dtype), None, None, None, None)
+        dq, dk, dv, db = chunked_lse_backward(q, k, v, bias, mask, ctx.scale, ctx.causal, out, lse, d_out, d_lse,
+                                              bias is not None and ctx.needs_input_grad[3], chunk_size=ctx.chunk)
+        return dq, dk, dv, db, None, None, None, None
+
+
+def chunked_lse_backward(q, k, v, bias, mask, scale, causal, out, lse, d_out, d_lse, need_dbias,
+                         chunk_size=DEFAULT_CHUNK):
+    """Gradients of attention given its (out, lse), one key chunk at a time.
+
+    ``out``/``lse`` may be the merged result over a larger key set (ring attention passes the merged
+    ones): then these are exactly this key block's contributions. Returns ``(dq, dk, dv, dbias or None)``.
+    """
+    acc = _acc_dtype(q.dtype)
+    lq, lk = q.shape[-2], k.shape[-2]
+    if d_out is None:
+        d_out = torch.zeros_like(out)
+    d_out = d_out.to(acc)
+    delta = (d_out * out.to(acc)).sum(-1)  # [*b, H, Lq]
+    if d_lse is not None:
+        delta = delta - d_lse.to(acc)
+    lse_sub = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf"))).to(acc)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    db = torch.zeros(bias.shape, dtype=acc, device=q.device) if need_dbias else None
+    for start in range(0, lk, chunk_size):
+        stop = min(start + chunk_size, lk)
+        k_c, v_c = k[..., start:stop, :].to(acc), v[..., start:stop, :].to(acc)
+        s = _scores(q, k_c, _key_slice(bias, start, stop),
+                    _tile_mask(mask, causal, lq, lk, start, stop, q.device), scale, acc)
+        p = torch.exp(s - lse_sub.unsqueeze(-1))  # [*b, H, Lq, c]
+        dv[..., start:stop, :] = torch.matmul(p.transpose(-1, -2), d_out)
+        dp = torch.matmul(d_out, v_c.transpose(-1, -2))
+        ds = p * (dp - delta.unsqueeze(-1))  # dL/dS for this tile
+        dq += torch.matmul(ds, k_c) * scale
+        dk[..., start:stop, :] = torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale
+        if need_dbias:
+            if bias.shape[-1] == 1:
+                db += _sum_to(ds.sum(-1, keepdim=True), bias.shape)
+            else:
+                db[..., start:stop] = _sum_to(ds, bias.shape[:-1] + (stop - start,))
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None if db is None else db.to(bias.dtype))
 
 
 def chunked_attention(q, k, v, bias, mask, scale, causal, deterministic=True, chunk_size=DEFAULT_CHUNK):

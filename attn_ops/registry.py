@@ -44,6 +44,9 @@ class Backend:
     grad_devices: Optional[FrozenSet[str]] = None  # devices where backward works; None = all of ``devices``
     options: FrozenSet[str] = field(default_factory=frozenset)
     requires: Optional[str] = None  # module that must import
+    # "module:function" computing (dq, dk, dv, dbias) from saved (out, lse): lets ring attention run each
+    # step's backward against the merged out/lse without recomputing the forward. None: not offered.
+    lse_backward: Optional[str] = None
     # Tests bound this backend's error vs a float64 reference by tolerance * (plain PyTorch's error in the
     # same dtype) + a floor of a few ulps; see tests/helpers.py.
     tolerance: Dict[torch.dtype, float] = field(default_factory=lambda: dict(DEFAULT_TOLERANCE))
@@ -57,9 +60,12 @@ class Backend:
             return f"{self.requires} cannot be imported ({type(exc).__name__}: {exc})"
         return None
 
-    def load(self) -> Callable:
-        mod, fn = self.entry.split(":")
+    def load(self, entry: Optional[str] = None) -> Callable:
+        mod, fn = (entry or self.entry).split(":")
         return getattr(importlib.import_module(f"attn_ops.{mod}" if mod else "attn_ops"), fn)
+
+    def load_lse_backward(self) -> Optional[Callable]:
+        return None if self.lse_backward is None else self.load(self.lse_backward)
 
 
 def _triton_devices() -> FrozenSet[str]:
@@ -78,6 +84,7 @@ def _registry() -> Dict[str, Backend]:
             name="chunked", entry="chunked:chunked_attention",
             description="online softmax over key chunks in PyTorch; memory O(Lq * chunk)",
             devices=frozenset({"cpu", "cuda"}), dtypes=FLOATS, options=frozenset({"chunk_size"}),
+            lse_backward="chunked:chunked_lse_backward",
         ),
         "triton": Backend(
             name="triton", entry="triton:triton_attention",
