@@ -73,8 +73,8 @@ def check_against_reference(backend, q, k, v, bias, mask, causal=False, lse_loss
         out, lse = attn_ops.attention(q, k, v, bias, mask, causal=causal, return_lse=True, backend=backend,
                                       **options)
     g = torch.Generator().manual_seed(seed)
-    g_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
-    g_lse = torch.randn(out.shape[:-1], generator=g, dtype=torch.float64) if lse_loss else None
+    g_out = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.device)
+    g_lse = torch.randn(out.shape[:-1], generator=g, dtype=torch.float64).to(out.device) if lse_loss else None
     needs_grad = any(t is not None and t.requires_grad for t in leaves)
     got = grads_of(out, lse, leaves, g_out, g_lse) if needs_grad else []
 
