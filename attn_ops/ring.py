@@ -19,7 +19,9 @@ Layouts (positions of the local shard in the full sequence):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import importlib
+from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -245,15 +247,46 @@ def _wait(reqs) -> None:
 # ----------------------------------------------------------------------------------------------------
 # One step's gradient for the merged softmax
 # ----------------------------------------------------------------------------------------------------
-def _step_grads(spec: _Spec, q, k, v, b, m, causal, lse, dout, delta, need_b):
+def _lse_backward(spec: _Spec, q, k, v, b, m, causal, need_b):
+    """The selected backend's backward-given-(out, lse), if its registry entry declares one (else None).
+
+    A backend opts in with a ``lse_backward = "module:function"`` field taking
+    ``(q, k, v, bias, mask, scale, causal, out, lse, d_out, d_lse, need_dbias, **options)`` with canonical
+    bias/mask and returning ``(dq, dk, dv, dbias)``. Called with the *merged* out and lse it gives this step's
+    exact share of the gradient without recomputing the step's forward.
+    """
+    from . import registry
+    from .inputs import describe
+
+    opts = dict(spec.attn_kwargs)
+    name = opts.pop("backend", "auto")
+    det = opts.pop("deterministic", True)
+    info = replace(describe(q, k, v, b, m, causal, True, det), needs_grad=True, lse_needs_grad=True,
+                   bias_needs_grad=need_b)
+    chosen = registry.select(name, info)
+    entry = getattr(chosen, "lse_backward", None)
+    if not entry:
+        return None
+    mod, fn = entry.split(":")
+    return functools.partial(getattr(importlib.import_module(f"attn_ops.{mod}"), fn), **opts)
+
+
+def _step_grads(spec: _Spec, q, k, v, b, m, causal, out, lse, dout, dlse, delta, need_b):
     """Gradients of the merged attention w.r.t. one step's (q, k, v, bias tile).
 
-    Recomputes the step's ``(o, lse_step)`` with ``attn_ops.attention`` and backpropagates the upstream
-    gradients that the lse merge sends it (see the module docstring). Exact for any backend that returns a
-    differentiable lse.
+    ``out``, ``lse``: the merged forward results for these query rows; ``dout``, ``dlse``: their upstream
+    gradients; ``delta = rowsum(dout * out) - dlse``. With a backend that declares ``lse_backward`` this is
+    one backward call with the merged (out, lse). Otherwise it recomputes the step's ``(o, lse_step)`` with
+    ``attn_ops.attention`` and backpropagates the upstream gradients that the lse merge sends it (see the
+    module docstring): exact for any backend that returns a differentiable lse.
     """
     from .api import attention
 
+    b_c, m_c, _ = check_inputs(q, k, v, b if b is None else b.detach(), m, spec.scale)
+    fast = _lse_backward(spec, q, k, v, b_c, m_c, causal, need_b)
+    if fast is not None:
+        dq, dk, dv, db = fast(q, k, v, b_c, m_c, spec.scale, causal, out, lse, dout, dlse, need_b)
+        return dq, dk, dv, (db.reshape(b.shape) if need_b else None)
     with torch.enable_grad():
         qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
         bd = None if b is None else (b.detach().requires_grad_(need_b) if need_b else b.detach())
@@ -284,7 +317,7 @@ class _RingAttention(torch.autograd.Function):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=acc, device=q.device)  # [*b, H, n, Dv]
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)  # [*b, H, n]
-        kv = (k, v)
+        kv = (k.contiguous(), v.contiguous())  # p2p sends need contiguous buffers
         for t in range(W):
             s = (r - t) % W
             reqs, nxt = _exchange(spec, kv) if t < W - 1 else ([], None)
@@ -323,16 +356,16 @@ class _RingAttention(torch.autograd.Function):
         need_kv = need[2] or need[3]
         if d_out is None:
             d_out = torch.zeros_like(out)
-        delta = (d_out.to(acc) * out.to(acc)).sum(-1)  # [*b, H, n]
-        if d_lse is not None:
-            delta = delta - d_lse.to(acc)
+        if d_lse is None:
+            d_lse = torch.zeros_like(lse)
+        delta = (d_out.to(acc) * out.to(acc)).sum(-1) - d_lse.to(acc)  # [*b, H, n]
         grad_dtype = spec.grad_dtype or acc
         q_segs = local_segments(spec.layout, W, r, n)
         q_pos = ring_positions(n, W, r, spec.layout, device=q.device)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         db = torch.zeros(bias.shape, dtype=acc, device=q.device) if need_b_tensor else None
         dparams = [torch.zeros_like(p) for p in bias_params] if need_params else None
-        kv = (k, v)
+        kv = (k.contiguous(), v.contiguous())  # p2p sends need contiguous buffers
         dkv_reqs, dkv_in = [], None
         for t in range(W):
             s = (r - t) % W
@@ -348,8 +381,8 @@ class _RingAttention(torch.autograd.Function):
                 need_b = need_b_tensor or (need_params and b is not None and b.requires_grad)
                 g_q, g_k, g_v, g_b = _step_grads(
                     spec, q[..., rows, :], kv[0][..., call.k_lo:call.k_hi, :],
-                    kv[1][..., call.k_lo:call.k_hi, :], b, m, call.causal, lse[..., rows],
-                    d_out[..., rows, :], delta[..., rows], need_b)
+                    kv[1][..., call.k_lo:call.k_hi, :], b, m, call.causal, out[..., rows, :], lse[..., rows],
+                    d_out[..., rows, :], d_lse[..., rows], delta[..., rows], need_b)
                 dq[..., rows, :] += g_q
                 if need_kv:
                     dk_c[..., call.k_lo:call.k_hi, :] += g_k

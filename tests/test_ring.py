@@ -117,7 +117,8 @@ def _check_case(case, world, rank, seed):
     if bias is not None:
         bl = (shard(bias) if bias.shape[-2] > 1 else bias.clone()).requires_grad_()
     ml = None if mask is None else (shard(mask) if mask.shape[-2] > 1 else mask)
-    out, lse = ring_attention(ql, kl, vl, module if module is not None else bl, ml, causal=causal,
+    strided = lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2)  # noqa: E731 (non-contiguous view)
+    out, lse = ring_attention(ql, strided(kl), strided(vl), module if module is not None else bl, ml, causal=causal,
                               layout=layout, return_lse=True)
     _loss(out, lse, shard(do).to(dtype), None if dl is None else shard(dl, -1)).backward()
     # float64: rounding only. float32: a few times plain float32 PyTorch's own error on these inputs.

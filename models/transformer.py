@@ -1,0 +1,255 @@
+"""Long-context transformer blocks on ``attn_ops``: pre-norm, RoPE, SwiGLU, optional T5-style
+relative-position bias (trainable through the op's bias gradient), causal or bidirectional, and a
+context-parallel mode in which the sequence is sharded over a process group and attention runs as
+``attn_ops.ring.ring_attention``.
+
+Shapes: B batch, L full sequence length, n local length (L in single-process mode, L / W when the
+sequence is sharded over W ranks), d model width, H heads, Dh = d / H.
+
+Context parallel (``process_group`` given): every rank of the group holds the same batch but only its
+shard of the sequence (``layout`` order, see :func:`shard_for_context_parallel`); token positions are the
+global ones, so RoPE and the relative-position bias see the full sequence. Parameters are replicated;
+gradients w.r.t. other ranks' keys/values come back through the ring backward, so summing (or, with equal
+token counts, averaging as DDP does) parameter gradients over the group gives the single-process gradient.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
+from torch import nn
+
+import attn_ops
+from attn_ops.ring import ring_attention, ring_positions, shard_sequence, unshard_sequence
+from models.primitives import AttentionConfig, LayerNorm, Linear
+
+Tensor = torch.Tensor
+
+
+# --------------------------------------------------------------------------------------------------
+# Positions
+# --------------------------------------------------------------------------------------------------
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoFormer): rotates channel pairs (i, i + Dh/2) by ``pos * base^(-2i/Dh)``."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"RotaryEmbedding needs an even head_dim, got {head_dim}")
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [Dh/2]
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x ``[..., n, Dh]``, positions Long ``[n]`` (global) -> rotated x, same shape and dtype."""
+        if positions.shape != x.shape[-2:-1]:
+            raise ValueError(f"positions {tuple(positions.shape)} must be [n] for x {tuple(x.shape)}")
+        ang = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [n, Dh/2]
+        cos, sin = ang.cos(), ang.sin()
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def relative_position_bucket(rel: Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> Tensor:
+    """T5 buckets of ``rel = key_pos - query_pos``: exact for small distances, log-spaced up to ``max_distance``."""
+    buckets = torch.zeros_like(rel)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (rel > 0).long() * num_buckets  # keys after the query use the upper half
+        dist_ = rel.abs()
+    else:
+        dist_ = (-rel).clamp(min=0)  # only past keys are distinguished
+    exact = num_buckets // 2
+    far = exact + (torch.log(dist_.float().clamp(min=1) / exact) / math.log(max_distance / exact)
+                   * (num_buckets - exact)).long()
+    far = far.clamp(max=num_buckets - 1)
+    return buckets + torch.where(dist_ < exact, dist_, far)
+
+
+class RelativePositionBias(nn.Module):
+    """Trainable T5-style relative-position bias: a ``[num_buckets, H]`` table read by bucketed distance.
+
+    Called with query and key positions it returns the ``[H, Lq, Lk]`` bias tile, so ring attention can
+    materialise only the tiles it needs (pass the module as the ``bias`` callable).
+    """
+
+    def __init__(self, num_heads: int, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True):
+        super().__init__()
+        if num_buckets < 4 or max_distance <= num_buckets // (4 if bidirectional else 2):
+            raise ValueError(f"need num_buckets >= 4 and max_distance > the exact range, got num_buckets="
+                             f"{num_buckets}, max_distance={max_distance}")
+        self.num_heads, self.num_buckets = num_heads, num_buckets
+        self.max_distance, self.bidirectional = max_distance, bidirectional
+        self.table = nn.Embedding(num_buckets, num_heads)
+        nn.init.normal_(self.table.weight, std=0.02)
+
+    def forward(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """Long ``[Lq]``, ``[Lk]`` global positions -> float32 bias ``[H, Lq, Lk]``."""
+        rel = k_pos[None, :] - q_pos[:, None]  # [Lq, Lk]
+        b = relative_position_bucket(rel, self.bidirectional, self.num_buckets, self.max_distance)
+        return self.table(b).permute(2, 0, 1)  # [Lq, Lk, H] -> [H, Lq, Lk]
+
+
+# --------------------------------------------------------------------------------------------------
+# Feed-forward
+# --------------------------------------------------------------------------------------------------
+def ffn_width(d_model: int, ffn_mult: float = 8 / 3, multiple_of: int = 8) -> int:
+    return multiple_of * math.ceil(ffn_mult * d_model / multiple_of)
+
+
+class SwiGLU(nn.Module):
+    """``W2 (silu(W1 x) * W3 x)``; ``hidden`` defaults to 8/3 d rounded up to a multiple of 8."""
+
+    def __init__(self, d_model: int, hidden: Optional[int] = None):
+        super().__init__()
+        hidden = hidden or ffn_width(d_model)
+        self.w13 = Linear(d_model, 2 * hidden, bias=False, init="relu")
+        self.w2 = Linear(hidden, d_model, bias=False, init="final")
+
+    def forward(self, x: Tensor) -> Tensor:
+        a, gate = self.w13(x).chunk(2, dim=-1)  # [..., hidden] each
+        return self.w2(nn.functional.silu(a) * gate)
+
+
+# --------------------------------------------------------------------------------------------------
+# The block
+# --------------------------------------------------------------------------------------------------
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``x + Attn(LN(x))`` (RoPE, optional relative-position bias), then ``x + SwiGLU(LN(x))``.
+
+    Args:
+        ffn_mult: SwiGLU width as a multiple of d_model (float) or the hidden width itself (int > 16).
+        attention: what ``AttentionConfig.coerce`` takes (backend name plus options).
+        process_group: run context-parallel over this group (inputs are the local sequence shard).
+        layout: sequence layout over the group, ``zigzag`` (balanced causal work) or ``contiguous``.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, ffn_mult=8 / 3, causal: bool = False,
+                 rel_pos_bias: bool = False, dropout: float = 0.0, attention=None, process_group=None,
+                 layout: str = "zigzag", rel_pos_buckets: int = 32, rel_pos_max_distance: int = 128):
+        super().__init__()
+        if d_model % num_heads:
+            raise ValueError(f"d_model {d_model} is not divisible by num_heads {num_heads}")
+        self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
+        self.causal, self.layout, self.process_group = causal, layout, process_group
+        self.attention = AttentionConfig.coerce(attention)
+        self.norm_attn = LayerNorm(d_model)
+        self.qkv = Linear(d_model, 3 * d_model, bias=False, init="glorot")
+        self.out = Linear(d_model, d_model, bias=False, init="final")
+        self.rope = RotaryEmbedding(self.head_dim)
+        self.rel_bias = RelativePositionBias(num_heads, rel_pos_buckets, rel_pos_max_distance,
+                                             bidirectional=not causal) if rel_pos_bias else None
+        self.norm_ffn = LayerNorm(d_model)
+        hidden = ffn_mult if isinstance(ffn_mult, int) and ffn_mult > 16 else ffn_width(d_model, float(ffn_mult))
+        self.ffn = SwiGLU(d_model, hidden)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, pad_mask: Optional[Tensor] = None, positions: Optional[Tensor] = None) -> Tensor:
+        """x ``[B, n, d]``; pad_mask bool ``[B, L]`` over the *full* sequence in natural order (True = real),
+        or None; positions Long ``[n]`` global positions of x's rows (default: this rank's positions)."""
+        B, n, d = x.shape
+        if positions is None:
+            positions = local_positions(n, self.process_group, self.layout, x.device)
+        h = self.norm_attn(x)
+        qkv = self.qkv(h).view(B, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # [3, B, H, n, Dh]
+        q, k, v = self.rope(qkv[0], positions), self.rope(qkv[1], positions), qkv[2]
+        mask = None if pad_mask is None else pad_mask[:, None, None, :]  # [B, 1, 1, L] key padding
+        opts = dict(backend=self.attention.backend, **self.attention.options)
+        if self.process_group is None:
+            bias = None if self.rel_bias is None else self.rel_bias(positions, positions)  # [H, n, n]
+            o = attn_ops.attention(q, k, v, bias, mask, causal=self.causal, **opts)
+        else:
+            o = ring_attention(q, k, v, self.rel_bias, mask, group=self.process_group, causal=self.causal,
+                               layout=self.layout, **opts)
+        o = o.transpose(1, 2).reshape(B, n, d)  # [B, H, n, Dh] -> [B, n, d]
+        x = x + self.drop(self.out(o))
+        return x + self.drop(self.ffn(self.norm_ffn(x)))
+
+
+def local_positions(n: int, group, layout: str, device) -> Tensor:
+    """Long ``[n]`` global positions of this rank's shard (``arange(n)`` without a group)."""
+    if group is None:
+        return torch.arange(n, device=device)
+    return ring_positions(n, dist.get_world_size(group), dist.get_rank(group), layout, device=device)
+
+
+# --------------------------------------------------------------------------------------------------
+# Language model / protein encoder
+# --------------------------------------------------------------------------------------------------
+class TransformerLM(nn.Module):
+    """Token embedding -> ``num_layers`` blocks -> LayerNorm -> vocabulary logits.
+
+    ``causal=True``: a causal LM; ``causal=False``: a bidirectional (ESM-2-style, masked-LM) encoder.
+    With ``process_group`` the model runs context-parallel: ``tokens``/``pad_mask`` are this rank's shard
+    (see :func:`shard_for_context_parallel`) and the logits are the shard's logits.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, num_layers: int, num_heads: int, causal: bool = True,
+                 rel_pos_bias: bool = False, max_len: Optional[int] = None, attention=None, process_group=None,
+                 checkpoint: bool = False, ffn_mult=8 / 3, dropout: float = 0.0, layout: str = "zigzag",
+                 padding_idx: Optional[int] = None):
+        super().__init__()
+        self.vocab_size, self.max_len, self.checkpoint = vocab_size, max_len, checkpoint
+        self.process_group, self.layout = process_group, layout
+        self.embed = nn.Embedding(vocab_size, d_model, padding_idx=padding_idx)
+        nn.init.normal_(self.embed.weight, std=d_model ** -0.5)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(d_model, num_heads, ffn_mult, causal, rel_pos_bias, dropout, attention,
+                             process_group, layout) for _ in range(num_layers))
+        self.norm = LayerNorm(d_model)
+        self.head = Linear(d_model, vocab_size, bias=False, init="default")
+
+    def forward(self, tokens: Tensor, pad_mask: Optional[Tensor] = None) -> Tensor:
+        """tokens Long ``[B, n]``, pad_mask bool ``[B, n]`` (True = real) or None -> logits ``[B, n, vocab]``."""
+        if tokens.dtype != torch.long or tokens.ndim != 2:
+            raise TypeError(f"tokens must be a Long tensor [B, L], got {tokens.dtype} {tuple(tokens.shape)}")
+        if pad_mask is not None and (pad_mask.dtype != torch.bool or pad_mask.shape != tokens.shape):
+            raise ValueError(f"pad_mask must be bool {tuple(tokens.shape)} like tokens, got "
+                             f"{pad_mask.dtype} {tuple(pad_mask.shape)}")
+        B, n = tokens.shape
+        world = 1 if self.process_group is None else dist.get_world_size(self.process_group)
+        if self.max_len is not None and n * world > self.max_len:
+            raise ValueError(f"sequence length {n * world} (local {n} x {world} ranks) exceeds max_len {self.max_len}")
+        positions = local_positions(n, self.process_group, self.layout, tokens.device)
+        full_mask = None if pad_mask is None else gather_sequence(pad_mask, self.process_group, self.layout)
+        x = self.embed(tokens)  # [B, n, d]
+        for block in self.blocks:
+            if self.checkpoint and self.training and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, full_mask, positions, use_reentrant=False)
+            else:
+                x = block(x, full_mask, positions)
+        return self.head(self.norm(x))
+
+
+def esm2_like(vocab_size: int = 33, d_model: int = 320, num_layers: int = 6, num_heads: int = 20, **kwargs):
+    """An ESM-2-style protein encoder (bidirectional, pre-norm, RoPE); defaults are ESM-2 8M's sizes."""
+    kwargs.setdefault("padding_idx", 1)  # ESM's <pad>
+    return TransformerLM(vocab_size, d_model, num_layers, num_heads, causal=False, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Context-parallel data helpers
+# --------------------------------------------------------------------------------------------------
+def shard_for_context_parallel(tensors: Sequence[Optional[Tensor]], group=None, layout: str = "zigzag",
+                               dim: int = 1) -> Tuple[Optional[Tensor], ...]:
+    """This rank's sequence shard of each full-batch tensor (tokens, targets, masks: ``[B, L, ...]``).
+
+    Every rank of ``group`` must hold the same batch; ``L`` must be divisible by W (2W for zigzag). Shift
+    causal-LM targets on the full sequence *before* sharding.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    return tuple(None if t is None else shard_sequence(t, dim, world, rank, layout) for t in tensors)
+
+
+def gather_sequence(x: Tensor, group=None, layout: str = "zigzag", dim: int = 1) -> Tensor:
+    """All ranks' shards of ``x`` along ``dim`` joined in natural sequence order (no gradient)."""
+    if group is None:
+        return x
+    world = dist.get_world_size(group)
+    wire = x.to(torch.uint8) if x.dtype == torch.bool else x  # gloo has no bool collectives
+    parts = [torch.empty_like(wire) for _ in range(world)]
+    dist.all_gather(parts, wire.contiguous(), group=group)
+    full = unshard_sequence(parts, dim, layout)
+    return full.bool() if x.dtype == torch.bool else full

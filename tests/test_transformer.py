@@ -1,0 +1,174 @@
+"""Long-context transformer blocks: shapes, causality, relative-position bias gradients, backend agreement,
+and the context-parallel block on 2 gloo ranks against the single-process block."""
+import os
+import socket
+import tempfile
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from models.transformer import (RelativePositionBias, RotaryEmbedding, SwiGLU, TransformerBlock, TransformerLM,
+                                esm2_like, gather_sequence, relative_position_bucket, shard_for_context_parallel)
+
+
+def _lm(seed=0, **kw):
+    torch.manual_seed(seed)
+    args = dict(vocab_size=11, d_model=32, num_layers=2, num_heads=4, attention="chunked")
+    args.update(kw)
+    return TransformerLM(**args).double()
+
+
+def _perturb_final_linears(model, seed=1):
+    """``final`` init zeroes the residual outputs; randomise them so every path carries signal."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.abs().sum() == 0:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.2)
+    return model
+
+
+def test_shapes_and_esm2_factory():
+    tokens = torch.randint(0, 11, (2, 12))
+    pad = torch.rand(2, 12) > 0.3
+    pad[:, 0] = True
+    assert _lm()(tokens, pad).shape == (2, 12, 11)
+    enc = esm2_like(vocab_size=33, d_model=16, num_layers=1, num_heads=2, attention="chunked")
+    assert not enc.blocks[0].causal
+    assert enc(torch.randint(0, 33, (3, 7))).shape == (3, 7, 33)
+    x = torch.randn(2, 5, 16)
+    assert SwiGLU(16)(x).shape == x.shape
+    assert RotaryEmbedding(8)(torch.randn(2, 3, 5, 8), torch.arange(5)).shape == (2, 3, 5, 8)
+    with pytest.raises(ValueError, match="valid names"):
+        TransformerBlock(16, 2, attention="nope")
+    with pytest.raises(TypeError, match="Long"):
+        _lm()(torch.randn(2, 4))
+    with pytest.raises(ValueError, match="max_len"):
+        _lm(max_len=8)(torch.randint(0, 11, (1, 9)))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_causal_blocks_see_no_future(causal):
+    model = _perturb_final_linears(_lm(causal=causal, rel_pos_bias=True)).eval()
+    tokens = torch.randint(0, 11, (2, 16), generator=torch.Generator().manual_seed(3))
+    changed = tokens.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % 11
+    a, b = model(tokens), model(changed)
+    diff = (a - b).abs().amax(dim=(0, 2))  # [L]
+    assert diff[10:].max() > 1e-6  # the perturbation is visible at and after position 10
+    if causal:
+        assert diff[:10].max() == 0.0, diff
+    else:
+        assert diff[:10].min() > 1e-6  # a bidirectional encoder sees it everywhere
+
+
+def test_rope_is_relative():
+    """<rope(q, i), rope(k, j)> depends only on i - j."""
+    rope = RotaryEmbedding(8).double()
+    q, k = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    dot = lambda i, j: (rope(q[None], torch.tensor([i])) * rope(k[None], torch.tensor([j]))).sum()  # noqa: E731
+    assert torch.allclose(dot(5, 2), dot(103, 100), atol=1e-10)
+    assert not torch.allclose(dot(5, 2), dot(5, 3), atol=1e-6)
+
+
+def test_relative_position_buckets():
+    rel = torch.arange(-300, 301)
+    b = relative_position_bucket(rel, True, 32, 128)
+    assert b.min() == 0 and b.max() == 31
+    assert torch.equal(b[300 - torch.arange(8)], torch.arange(8))  # exact buckets for keys 0..7 to the left
+    assert b[301] == 16 + 1  # keys to the right use the upper half
+    assert (b[:300].diff() <= 0).all()  # farther left: same or larger bucket
+    causal = relative_position_bucket(rel, False, 32, 128)
+    assert (causal[301:] == 0).all() and causal[0] == 31
+
+
+def test_rel_pos_bias_gets_gradient_and_backends_agree():
+    """torch (reference) and chunked backends give the same output and every parameter gradient,
+    including the relative-position table, whose gradient comes from the op's bias gradient."""
+    tokens = torch.randint(0, 11, (2, 12), generator=torch.Generator().manual_seed(5))
+    pad = torch.rand(2, 12, generator=torch.Generator().manual_seed(6)) > 0.3
+    pad[:, 0] = True
+    grads = {}
+    for backend in ("torch", "chunked"):
+        model = _perturb_final_linears(_lm(causal=True, rel_pos_bias=True, attention=backend))
+        out = model(tokens, pad)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        grads[backend] = (out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    table = grads["chunked"][1]["blocks.0.rel_bias.table.weight"]
+    assert table.abs().sum() > 0
+    assert torch.allclose(grads["torch"][0], grads["chunked"][0], atol=1e-12)
+    for name, g in grads["torch"][1].items():
+        assert torch.allclose(g, grads["chunked"][1][name], atol=1e-10), name
+
+
+def test_checkpointing_gives_same_gradients():
+    tokens = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(7))
+    gs = []
+    for ckpt in (False, True):
+        model = _perturb_final_linears(_lm(checkpoint=ckpt)).train()
+        model(tokens).square().mean().backward()
+        gs.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*gs):
+        assert torch.allclose(a, b, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------------
+# Context parallel on 2 gloo ranks
+# --------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cp_case(rank, world, causal, layout):
+    kw = dict(vocab_size=11, d_model=32, num_layers=2, num_heads=4, causal=causal, rel_pos_bias=True,
+              attention="chunked", layout=layout)
+    single = _perturb_final_linears(_lm(seed=11, **kw))
+    cp = _perturb_final_linears(_lm(seed=11, process_group=dist.group.WORLD, **kw))
+    g = torch.Generator().manual_seed(12)
+    tokens = torch.randint(0, 11, (2, 16), generator=g)
+    pad = torch.rand(2, 16, generator=g) > 0.3
+    pad[:, 0] = True
+    weight = torch.randn(2, 16, 11, generator=g, dtype=torch.float64)
+    ref = single(tokens, pad)
+    (ref * weight).sum().backward()
+    t_loc, p_loc, w_loc = shard_for_context_parallel([tokens, pad, weight], layout=layout)
+    out = cp(t_loc, p_loc)
+    (out * w_loc).sum().backward()
+    ref_loc, = shard_for_context_parallel([ref.detach()], layout=layout)
+    assert torch.allclose(out, ref_loc, atol=1e-10), (out - ref_loc).abs().max()
+    assert torch.equal(gather_sequence(out.detach(), dist.group.WORLD, layout), ref.detach()) or torch.allclose(
+        gather_sequence(out.detach(), dist.group.WORLD, layout), ref.detach(), atol=1e-10)
+    for (name, p), q in zip(cp.named_parameters(), single.parameters()):
+        total = p.grad.clone()
+        dist.all_reduce(total)  # replicated parameters: the gradient is the sum over ranks
+        assert torch.allclose(total, q.grad, atol=1e-9), f"{name}: {(total - q.grad).abs().max():.3e}"
+
+
+def _worker(rank, world, port, err_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        _cp_case(rank, world, causal=True, layout="zigzag")
+        _cp_case(rank, world, causal=False, layout="contiguous")
+    except BaseException:
+        with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_context_parallel_lm_matches_single_process():
+    with tempfile.TemporaryDirectory() as err_dir:
+        try:
+            mp.spawn(_worker, args=(2, _free_port(), err_dir), nprocs=2, join=True)
+        except Exception:
+            msgs = [open(os.path.join(err_dir, f)).read() for f in sorted(os.listdir(err_dir))]
+            pytest.fail("\n".join(msgs) or "a worker failed")
