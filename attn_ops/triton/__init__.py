@@ -1,0 +1,21 @@
+"""The ``triton`` backend: fused attention kernels with a broadcastable trainable bias and differentiable lse.
+
+    from attn_ops.triton import triton_attention
+    out, lse = triton_attention(q, k, v, bias, mask, scale, causal, deterministic=True, bwd="auto")
+
+Layers (each one screen): ``common.py``/``forward.py``/``backward.py``/``dbias.py`` (``@triton.jit`` kernels) ->
+``launch.py`` (grids, strides, buffers) with ``tuning.py`` (cached block-size choice) -> ``op.py``
+(``torch.library`` custom ops ``attn_zoo::triton_attn_fwd``/``_bwd`` with fake impls and autograd) ->
+``attention.py`` (leading-dim canonicalisation).
+"""
+import torch
+
+from .attention import BWD_VARIANTS, triton_attention
+
+SUPPORTED_HEAD_DIMS = (16, 256)  # (min, max) for both D and Dv; any value in between (padded blocks)
+SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+BIAS_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+DETERMINISTIC_BWD = ("split",)  # "fused" uses atomics for dq
+
+__all__ = ["triton_attention", "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "BIAS_DTYPES", "BWD_VARIANTS",
+           "DETERMINISTIC_BWD"]

@@ -1,0 +1,173 @@
+"""Backward kernels: delta preprocess, dK/dV over key tiles (optionally fused dQ by atomics), dQ over query tiles.
+
+With P = exp(S - lse) recomputed from q, k, bias, mask and the saved lse:
+    dV = P^T dO,   dP = dO V^T,   dS = P * (dP - delta),   delta = rowsum(dO * O) - dlse,
+    dQ = scale * dS K,   dK = scale * dS^T Q,   dBias = dS (summed over the bias's broadcast dims).
+The ``- dlse`` term carries a loss on lse into every gradient (d lse / dS = P).
+"""
+import triton
+import triton.language as tl
+
+from .common import batch_offset, load_lse2, load_rows, scores_log2, split_batch
+
+
+@triton.jit
+def bwd_preprocess_kernel(
+    Out, dOut, dLse, Delta,
+    s_ob, s_or, s_oh, s_om,
+    s_db, s_dr, s_dh, s_dm,
+    R, H, Lq, Dv,
+    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """delta [B, R, H, Lq] fp32 = rowsum(dO * O) - dlse."""
+    pid_m = tl.program_id(0)
+    b, r, h = split_batch(tl.program_id(1), R, H)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    ok = offs_m < Lq
+    o = load_rows(Out + batch_offset(b, r, h, s_ob, s_or, s_oh), offs_m, s_om, offs_dv, Dv, ok)
+    do = load_rows(dOut + batch_offset(b, r, h, s_db, s_dr, s_dh), offs_m, s_dm, offs_dv, Dv, ok)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    row = ((b * R + r) * H + h).to(tl.int64) * Lq
+    if HAS_DLSE:
+        delta -= tl.load(dLse + row + offs_m, mask=ok, other=0.0)
+    tl.store(Delta + row + offs_m, delta, mask=ok)
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, Bias, Mask, dOut, Lse, Delta, dQacc, dK, dV, dBias,
+    s_qb, s_qr, s_qh, s_qm,
+    s_kb, s_kr, s_kh, s_kn,
+    s_vb, s_vr, s_vh, s_vn,
+    s_bb, s_br, s_bh, s_bm, s_bn,
+    s_mb, s_mr, s_mh, s_mm, s_mn,
+    s_db, s_dr, s_dh, s_dm,
+    s_gb, s_gr, s_gh, s_gm, s_gn,
+    R, H, Lq, Lk, D, Dv, qk_scale, scale,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """One program per (key tile, b*r*h): loops over query tiles, writes dK, dV [B, R, H, Lk, D|Dv].
+
+    FUSED_DQ: also adds scale * dS K into the fp32 dQacc [B, R, H, Lq, D] with atomics (not deterministic).
+    DIRECT_DBIAS: the bias has every dim full, so this program owns dBias[b, r, h, :, key tile]: plain stores.
+    dQacc and dK/dV/dO/Q share q's contiguous-last-dim layout; Lse/Delta are contiguous [B, R, H, Lq].
+    """
+    pid_n = tl.program_id(0)
+    b, r, h = split_batch(tl.program_id(1), R, H)
+    q_off = batch_offset(b, r, h, s_qb, s_qr, s_qh)
+    k_off = batch_offset(b, r, h, s_kb, s_kr, s_kh)
+    v_off = batch_offset(b, r, h, s_vb, s_vr, s_vh)
+    Q += q_off
+    dOut += batch_offset(b, r, h, s_db, s_dr, s_dh)
+    row = ((b * R + r) * H + h).to(tl.int64) * Lq
+    Lse += row
+    Delta += row
+    if HAS_BIAS:
+        Bias += batch_offset(b, r, h, s_bb, s_br, s_bh)
+    if HAS_MASK:
+        Mask += batch_offset(b, r, h, s_mb, s_mr, s_mh)
+    if DIRECT_DBIAS:
+        dBias += batch_offset(b, r, h, s_gb, s_gr, s_gh)
+    if FUSED_DQ:
+        dQacc += q_off
+
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    n_ok = offs_n < Lk
+    k = load_rows(K + k_off, offs_n, s_kn, offs_d, D, n_ok)  # [BN, BD]
+    v = load_rows(V + v_off, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+
+    lo = 0
+    if CAUSAL:  # query m sees key n iff m >= n - (Lk - Lq)
+        lo = (tl.maximum(n0 - (Lk - Lq), 0) // BLOCK_M) * BLOCK_M
+    for m0 in range(lo, Lq, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < Lq
+        q = load_rows(Q, offs_m, s_qm, offs_d, D, m_ok)  # [BM, BD]
+        do = load_rows(dOut, offs_m, s_dm, offs_dv, Dv, m_ok)  # [BM, BDV]
+        lse2 = load_lse2(Lse, offs_m, Lq)
+        delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
+        s = scores_log2(q, k, Bias, Mask, offs_m, offs_n, Lq, Lk, s_bm, s_bn, s_mm, s_mn, qk_scale,
+                        HAS_BIAS, HAS_MASK, CAUSAL, not EVEN_M, not EVEN_N)  # [BM, BN]
+        p = tl.exp2(s - lse2[:, None])
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+        dp = tl.dot(do, tl.trans(v))  # [BM, BN]
+        ds = p * (dp - delta[:, None])
+        ds_lp = ds.to(q.dtype)
+        dk += tl.dot(tl.trans(ds_lp), q)
+        if DIRECT_DBIAS:
+            tl.store(dBias + offs_m[:, None] * s_gm + offs_n[None, :] * s_gn, ds.to(dBias.dtype.element_ty),
+                     mask=m_ok[:, None] & n_ok[None, :])
+        if FUSED_DQ:
+            dq = tl.dot(ds_lp, k) * scale  # [BM, BD]
+            tl.atomic_add(dQacc + offs_m[:, None] * s_qm + offs_d[None, :], dq,
+                          mask=m_ok[:, None] & (offs_d[None, :] < D))
+
+    dk_off = batch_offset(b, r, h, s_kb, s_kr, s_kh)
+    tl.store(dK + dk_off + offs_n[:, None] * s_kn + offs_d[None, :], (dk * scale).to(dK.dtype.element_ty),
+             mask=n_ok[:, None] & (offs_d[None, :] < D))
+    dv_off = batch_offset(b, r, h, s_vb, s_vr, s_vh)
+    tl.store(dV + dv_off + offs_n[:, None] * s_vn + offs_dv[None, :], dv.to(dV.dtype.element_ty),
+             mask=n_ok[:, None] & (offs_dv[None, :] < Dv))
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, Bias, Mask, dOut, Lse, Delta, dQ,
+    s_qb, s_qr, s_qh, s_qm,
+    s_kb, s_kr, s_kh, s_kn,
+    s_vb, s_vr, s_vh, s_vn,
+    s_bb, s_br, s_bh, s_bm, s_bn,
+    s_mb, s_mr, s_mh, s_mm, s_mn,
+    s_db, s_dr, s_dh, s_dm,
+    R, H, Lq, Lk, D, Dv, qk_scale, scale,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """One program per (query tile, b*r*h): loops over key tiles, writes dQ (same strides as Q)."""
+    pid_m = tl.program_id(0)
+    b, r, h = split_batch(tl.program_id(1), R, H)
+    q_off = batch_offset(b, r, h, s_qb, s_qr, s_qh)
+    K += batch_offset(b, r, h, s_kb, s_kr, s_kh)
+    V += batch_offset(b, r, h, s_vb, s_vr, s_vh)
+    row = ((b * R + r) * H + h).to(tl.int64) * Lq
+    if HAS_BIAS:
+        Bias += batch_offset(b, r, h, s_bb, s_br, s_bh)
+    if HAS_MASK:
+        Mask += batch_offset(b, r, h, s_mb, s_mr, s_mh)
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < Lq
+    q = load_rows(Q + q_off, offs_m, s_qm, offs_d, D, m_ok)  # [BM, BD]
+    do = load_rows(dOut + batch_offset(b, r, h, s_db, s_dr, s_dh), offs_m, s_dm, offs_dv, Dv, m_ok)
+    lse2 = load_lse2(Lse + row, offs_m, Lq)
+    delta = tl.load(Delta + row + offs_m, mask=m_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    hi = Lk
+    if CAUSAL:
+        hi = tl.minimum(Lk, m0 + BLOCK_M + (Lk - Lq))
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < Lk
+        k = load_rows(K, offs_n, s_kn, offs_d, D, n_ok)  # [BN, BD]
+        v = load_rows(V, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
+        s = scores_log2(q, k, Bias, Mask, offs_m, offs_n, Lq, Lk, s_bm, s_bn, s_mm, s_mn, qk_scale,
+                        HAS_BIAS, HAS_MASK, CAUSAL, not EVEN_M, not EVEN_N)  # [BM, BN]
+        p = tl.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    tl.store(dQ + q_off + offs_m[:, None] * s_qm + offs_d[None, :], (dq * scale).to(dQ.dtype.element_ty),
+             mask=m_ok[:, None] & (offs_d[None, :] < D))

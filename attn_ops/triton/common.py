@@ -1,0 +1,76 @@
+"""Triton device helpers shared by the forward and backward kernels.
+
+Scores live in the log2 domain inside the kernels: ``s2 = (q k^T * scale + bias) * log2(e)``, so that
+``exp2`` replaces ``exp``; lse is stored in the natural log (``lse = lse2 * ln 2``).
+Every index tensor is a 1-D ``tl.arange`` block; bias and mask are read through strides (a broadcast dim
+has stride 0).
+"""
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def batch_offset(b, r, h, s_b, s_r, s_h):
+    """Element offset of batch (b, r, h) in a tensor with batch strides (s_b, s_r, s_h), in int64."""
+    return b.to(tl.int64) * s_b + r.to(tl.int64) * s_r + h.to(tl.int64) * s_h
+
+
+@triton.jit
+def split_batch(pid_z, R, H):
+    """Program id over B*R*H -> (b, r, h), h fastest."""
+    h = pid_z % H
+    r = (pid_z // H) % R
+    b = pid_z // (H * R)
+    return b, r, h
+
+
+@triton.jit
+def load_rows(base, offs, stride, offs_d, D, ok):
+    """Rows ``offs`` of a [L, D] matrix with row stride ``stride`` (last dim contiguous): [len(offs), BLOCK_D]."""
+    return tl.load(base + offs[:, None] * stride + offs_d[None, :], mask=ok[:, None] & (offs_d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def scores_log2(
+    q, k, Bias, Mask, offs_m, offs_n, Lq, Lk, s_bm, s_bn, s_mm, s_mn, qk_scale,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
+    CHECK_M: tl.constexpr, CHECK_N: tl.constexpr,
+):
+    """log2-domain logits of one tile: q [BM, D] x k [BN, D] -> [BM, BN] fp32, -inf where not attended.
+
+    ``Bias``/``Mask`` point at this program's (b, r, h) slice; ``qk_scale`` = scale * log2(e).
+    Rows >= Lq (when CHECK_M) and columns >= Lk (when CHECK_N) are -inf too.
+    """
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    in_bounds = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
+    if HAS_BIAS:
+        b = tl.load(Bias + offs_m[:, None] * s_bm + offs_n[None, :] * s_bn, mask=in_bounds, other=0.0)
+        s += b.to(tl.float32) * 1.4426950408889634
+    keep = None
+    if HAS_MASK:
+        keep = tl.load(Mask + offs_m[:, None] * s_mm + offs_n[None, :] * s_mn, mask=in_bounds, other=0) != 0
+    if APPLY_CAUSAL:
+        c = offs_n[None, :] <= offs_m[:, None] + (Lk - Lq)
+        keep = c if keep is None else keep & c
+    if CHECK_M:
+        rm = offs_m[:, None] < Lq
+        keep = rm if keep is None else keep & rm
+    if CHECK_N:
+        cn = offs_n[None, :] < Lk
+        keep = cn if keep is None else keep & cn
+    if keep is not None:
+        s = tl.where(keep, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def load_lse2(Lse, offs_m, Lq):
+    """lse of rows ``offs_m`` in the log2 domain, with -inf (fully masked rows) and out-of-range rows as 0.
+
+    A fully masked row has every score -inf, so ``exp2(s2 - 0)`` gives exactly 0 there: no NaN.
+    """
+    lse = tl.load(Lse + offs_m, mask=offs_m < Lq, other=0.0) * 1.4426950408889634
+    return tl.where(lse == float("-inf"), 0.0, lse)

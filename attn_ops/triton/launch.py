@@ -1,0 +1,196 @@
+"""Host launchers: grids, strides, block sizes and buffers for the kernels, on canonical 5-D tensors.
+
+Canonical layout (see ``op.py``): q ``[B, R, H, Lq, D]``, k ``[B, R, H, Lk, D]``, v ``[B, R, H, Lk, Dv]`` with a
+contiguous last dim; bias ``[B|1, R|1, H|1, Lq|1, Lk|1]`` (any float dtype) and mask (bool, same rule) in
+their own shapes: a size-1 dim is passed with stride 0, so nothing is expanded.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+
+from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
+from .common import LOG2E
+from .dbias import attn_bwd_dbias_kernel
+from .forward import attn_fwd_kernel
+from .tuning import interpreting, pick
+
+Tensor = torch.Tensor
+
+
+def _bstrides(t: Tensor) -> Tuple[int, ...]:
+    """Strides of a 5-D tensor, 0 on size-1 dims (broadcast)."""
+    return tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride()))
+
+
+def _rows(t: Tensor) -> Tuple[int, int, int, int]:
+    """(b, r, h, row) strides of a canonical [B, R, H, L, D] tensor."""
+    s = _bstrides(t)
+    return s[0], s[1], s[2], t.stride(3)
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _mask_u8(mask: Optional[Tensor]) -> Optional[Tensor]:
+    return None if mask is None else mask.view(torch.uint8)
+
+
+def _key(q: Tensor, v: Tensor, bias, mask, causal: bool, *extra) -> Tuple:
+    B, R, H, Lq, D = q.shape
+    nbatch = (B * R * H).bit_length()
+    return (q.dtype, q.device.index, D, v.shape[-1], Lq, v.shape[3], nbatch, bias is not None,
+            None if bias is None else bias.dtype, mask is not None, causal) + extra
+
+
+def _bias_args(bias: Optional[Tensor], dummy: Tensor):
+    return (dummy, (0, 0, 0, 0, 0)) if bias is None else (bias, _bstrides(bias))
+
+
+def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
+                 scale: float, causal: bool) -> Tuple[Tensor, Tensor]:
+    """out ``[B, R, H, Lq, Dv]`` (q.dtype, contiguous) and lse ``[B, R, H, Lq]`` (fp32, natural log)."""
+    B, R, H, Lq, D = q.shape
+    Lk, Dv = k.shape[3], v.shape[4]
+    out = torch.empty((B, R, H, Lq, Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, R, H, Lq), dtype=torch.float32, device=q.device)
+    m8 = _mask_u8(mask)
+    bias_t, sb = _bias_args(bias, q)
+    mask_t, sm = _bias_args(m8, q)
+
+    def launch(c):
+        grid = (triton.cdiv(Lq, c.block_m), B * R * H)
+        attn_fwd_kernel[grid](
+            q, k, v, bias_t, mask_t, out, lse,
+            *_rows(q), *_rows(k), *_rows(v), *sb, *sm, *_rows(out),
+            R, H, Lq, Lk, D, Dv, scale * LOG2E,
+            HAS_BIAS=bias is not None, HAS_MASK=mask is not None, CAUSAL=causal,
+            EVEN_N=Lk % c.block_n == 0,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+
+    cfg = pick("fwd", _key(q, v, bias, mask, causal), max(D, Dv), Lq, Lk, launch)
+    launch(cfg)
+    return out, lse
+
+
+def _dbias_splits(n_programs: int, total_steps: int, device: torch.device) -> int:
+    """How many programs share one dbias tile's reduction loop: enough programs to fill the device."""
+    if device.type == "cuda":
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 8  # the CPU interpreter: small, but exercises the split path in tests
+    return max(1, min(total_steps, 64, triton.cdiv(target, n_programs)))
+
+
+def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  bias: Optional[Tensor], mask: Optional[Tensor], scale: float, causal: bool, fused: bool,
+                  need_dbias: bool) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """dq, dk, dv (same shapes/strides as q, k, v) and dbias (bias's own shape and dtype, or None).
+
+    ``fused``: one pass over key tiles with dQ by fp32 atomics (not bitwise deterministic). Otherwise a dK/dV
+    kernel over key tiles and a dQ kernel over query tiles, no atomics. dBias is written by the dK/dV kernel
+    when the bias has every dim full, else by the deterministic reduction kernel in ``dbias.py``.
+    """
+    B, R, H, Lq, D = q.shape
+    Lk, Dv = k.shape[3], v.shape[4]
+    dev = q.device
+    BD, BDV = _pow2(D), _pow2(Dv)
+    m8 = _mask_u8(mask)
+    bias_t, sb = _bias_args(bias, q)
+    mask_t, sm = _bias_args(m8, q)
+    has_bias, has_mask = bias is not None, mask is not None
+    dims = (B, R, H, Lq, Lk)
+    direct_dbias = need_dbias and tuple(bias.shape) == dims
+    want_dbias = need_dbias and not direct_dbias
+
+    # 1. delta = rowsum(dO * O) - dlse: [B, R, H, Lq] fp32
+    delta = torch.empty((B, R, H, Lq), dtype=torch.float32, device=dev)
+    bm_pre = 16 if interpreting() else 64
+    bwd_preprocess_kernel[(triton.cdiv(Lq, bm_pre), B * R * H)](
+        out, do, q if dlse is None else dlse, delta, *_rows(out), *_rows(do), R, H, Lq, Dv,
+        HAS_DLSE=dlse is not None, BLOCK_M=bm_pre, BLOCK_DV=BDV,
+    )
+
+    dq = torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=dev)
+    dk = torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=dev)
+    dv = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=dev)
+    dbias = torch.empty(bias.shape, dtype=bias.dtype, device=dev) if direct_dbias else None
+    dq_acc = torch.empty_strided(q.shape, q.stride(), dtype=torch.float32, device=dev) if fused else None
+    common = (*_rows(q), *_rows(k), *_rows(v), *sb, *sm, *_rows(do))
+    flags = dict(HAS_BIAS=has_bias, HAS_MASK=has_mask, CAUSAL=causal)
+    key = _key(q, v, bias, mask, causal, fused, direct_dbias)
+
+    # 2. dK, dV (+ dQ by atomics when fused, + dBias when it is unbroadcast)
+    def launch_dkdv(c):
+        if fused:
+            dq_acc.zero_()
+        gs = (0,) * 5 if dbias is None else _bstrides(dbias)
+        attn_bwd_dkdv_kernel[(triton.cdiv(Lk, c.block_n), B * R * H)](
+            q, k, v, bias_t, mask_t, do, lse, delta, q if dq_acc is None else dq_acc, dk, dv,
+            q if dbias is None else dbias, *common, *gs,
+            R, H, Lq, Lk, D, Dv, scale * LOG2E, scale, **flags,
+            FUSED_DQ=fused, DIRECT_DBIAS=direct_dbias, EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+
+    launch_dkdv(pick("dkdv", key, max(D, Dv), Lq, Lk, launch_dkdv))
+
+    # 3. dQ over query tiles (split variant)
+    if fused:
+        dq.copy_(dq_acc)
+    else:
+        def launch_dq(c):
+            attn_bwd_dq_kernel[(triton.cdiv(Lq, c.block_m), B * R * H)](
+                q, k, v, bias_t, mask_t, do, lse, delta, dq, *common,
+                R, H, Lq, Lk, D, Dv, scale * LOG2E, scale, **flags,
+                EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
+                BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
+                num_warps=c.num_warps, num_stages=c.num_stages,
+            )
+
+        launch_dq(pick("dq", key, max(D, Dv), Lq, Lk, launch_dq))
+
+    # 4. dBias of a broadcast bias: deterministic tile-owner reduction
+    if want_dbias:
+        dbias = _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, has_mask, key)
+    return dq, dk, dv, dbias
+
+
+def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, has_mask, key) -> Tensor:
+    B, R, H, Lq, D = q.shape
+    Lk, Dv = k.shape[3], v.shape[4]
+    BB, BR, BH, BLq, BLk = bias.shape
+    loop_m, loop_n = BLq == 1 and Lq > 1, BLk == 1 and Lk > 1
+    n_groups = BB * BR * BH
+    state = {}
+
+    def launch(c):
+        n_mt, n_nt = triton.cdiv(Lq, c.block_m), triton.cdiv(Lk, c.block_n)
+        tiles = (1 if loop_m else n_mt) * (1 if loop_n else n_nt)
+        total = (B // BB) * (R // BR) * (H // BH) * (n_mt if loop_m else 1) * (n_nt if loop_n else 1)
+        splits = _dbias_splits(tiles * n_groups, total, q.device)
+        per = triton.cdiv(total, splits)
+        splits = triton.cdiv(total, per)
+        part = torch.empty((splits,) + tuple(bias.shape), dtype=torch.float32, device=q.device)
+        attn_bwd_dbias_kernel[(tiles, n_groups, splits)](
+            q, k, v, bias, mask_t, do, lse, delta, part,
+            *_rows(q), *_rows(k), *_rows(v), *_bstrides(bias), *sm, *_rows(do), part.stride(0), *_bstrides(part[0]),
+            B, R, H, BB, BR, BH, Lq, Lk, D, Dv, scale * LOG2E, per,
+            HAS_MASK=has_mask, CAUSAL=causal, LOOP_M=loop_m, LOOP_N=loop_n,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+        state["part"] = part
+
+    cfg = pick("dbias", key + (tuple(bias.shape),), max(D, Dv), Lq, Lk, launch)
+    launch(cfg)
+    part = state["part"]
+    # fixed-order sum over the splits: same bits every run
+    total = part[0] if part.shape[0] == 1 else part.sum(0)
+    return total.to(bias.dtype)

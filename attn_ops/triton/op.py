@@ -1,0 +1,72 @@
+"""``torch.library`` custom ops around the kernel launches (fake impls for torch.compile) and their autograd.
+
+``attn_zoo::triton_attn_fwd`` and ``attn_zoo::triton_attn_bwd`` take canonical 5-D tensors
+``[B, R, H, L, D]`` (see ``api.py`` for the reshaping); bias and mask keep their own shapes
+``[B|1, R|1, H|1, Lq|1, Lk|1]``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .launch import attn_backward, attn_forward
+
+Tensor = torch.Tensor
+
+
+@torch.library.custom_op("attn_zoo::triton_attn_fwd", mutates_args=())
+def triton_attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
+                    scale: float, causal: bool, fused_bwd: bool) -> Tuple[Tensor, Tensor]:
+    """out ``[B, R, H, Lq, Dv]`` (q.dtype) and lse ``[B, R, H, Lq]`` (fp32, natural log, -inf on empty rows).
+
+    ``fused_bwd`` only selects the backward variant (one pass with dQ by atomics vs split kernels).
+    """
+    return attn_forward(q, k, v, bias, mask, scale, causal)
+
+
+@triton_attn_fwd.register_fake
+def _(q, k, v, bias, mask, scale, causal, fused_bwd):
+    out = q.new_empty(q.shape[:-1] + v.shape[-1:])
+    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("attn_zoo::triton_attn_bwd", mutates_args=())
+def triton_attn_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                    lse: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], scale: float, causal: bool,
+                    fused: bool, need_dbias: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv (q, k, v's shapes and strides) and dbias (bias's own shape and dtype; empty when not needed)."""
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    if dlse is not None:
+        dlse = dlse.contiguous()  # the kernels index it as [B, R, H, Lq]; autograd may hand an expanded view
+    dq, dk, dv, dbias = attn_backward(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused,
+                                      need_dbias and bias is not None)
+    if dbias is None:
+        dbias = q.new_empty((0,))
+    return dq, dk, dv, dbias
+
+
+@triton_attn_bwd.register_fake
+def _(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbias):
+    dbias = bias.new_empty(bias.shape) if (need_dbias and bias is not None) else q.new_empty((0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bias, mask, scale, causal, fused_bwd = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, bias, mask, out, lse)
+    ctx.scale, ctx.causal, ctx.fused = scale, causal, fused_bwd
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, bias, mask, out, lse = ctx.saved_tensors
+    need_dbias = bias is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dbias = torch.ops.attn_zoo.triton_attn_bwd(
+        dout, dlse, q, k, v, out, lse, bias, mask, ctx.scale, ctx.causal, ctx.fused, need_dbias)
+    return dq, dk, dv, (dbias if need_dbias else None), None, None, None, None
+
+
+torch.library.register_autograd("attn_zoo::triton_attn_fwd", _backward, setup_context=_setup_context)

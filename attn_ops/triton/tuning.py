@@ -1,0 +1,83 @@
+"""Block-size choice for the kernels: a small pruned candidate list, benchmarked once per shape key and cached.
+
+Under ``TRITON_INTERPRET=1`` (CPU tests) there is no timing: one small config is used.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict, List, NamedTuple, Tuple
+
+
+class Cfg(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+_CACHE: Dict[Tuple, Cfg] = {}
+
+# Candidates per kernel (BLOCK_M = query tile, BLOCK_N = key tile), for H100-class GPUs with triton 3.x.
+_CANDIDATES = {
+    "fwd": [Cfg(128, 64, 4, 3), Cfg(128, 128, 8, 3), Cfg(64, 64, 4, 3), Cfg(128, 32, 4, 3), Cfg(64, 128, 4, 3)],
+    "dkdv": [Cfg(64, 128, 8, 3), Cfg(32, 128, 4, 3), Cfg(64, 64, 4, 3), Cfg(32, 64, 4, 3), Cfg(128, 128, 8, 2)],
+    "dq": [Cfg(128, 64, 8, 3), Cfg(64, 64, 4, 3), Cfg(128, 32, 4, 3), Cfg(64, 128, 8, 3)],
+    "dbias": [Cfg(64, 64, 4, 3), Cfg(128, 64, 8, 3), Cfg(64, 128, 8, 3), Cfg(128, 128, 8, 2), Cfg(32, 64, 4, 3)],
+}
+_INTERPRETER = Cfg(32, 16, 4, 1)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def candidates(kernel: str, head_dim: int, lq: int, lk: int) -> List[Cfg]:
+    """Pruned candidates: big head dims need small tiles (registers, shared memory); tiny L, small tiles."""
+    out = []
+    for c in _CANDIDATES[kernel]:
+        if head_dim > 128 and (c.block_m * c.block_n > 64 * 64 or c.num_stages > 2):
+            continue
+        if head_dim > 64 and kernel == "dkdv" and c.block_m * c.block_n > 64 * 128:
+            continue
+        if c.block_m > max(16, 1 << (lq - 1).bit_length()) or c.block_n > max(16, 1 << (lk - 1).bit_length()):
+            continue
+        out.append(c)
+    if head_dim > 128:
+        out.append(Cfg(32, 32, 4, 2))
+        out.append(Cfg(64, 32, 4, 2))
+    return out or [Cfg(16, 16, 4, 1)]
+
+
+def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Callable[[Cfg], None]) -> Cfg:
+    """The cached best config for ``key``; on a miss, time each candidate with ``launch(cfg)`` and keep the best.
+
+    ``launch`` must be repeatable (it re-zeroes any buffer it accumulates into).
+    """
+    if interpreting():
+        return _INTERPRETER
+    full_key = (kernel,) + key
+    cfg = _CACHE.get(full_key)
+    if cfg is not None:
+        return cfg
+    cands = candidates(kernel, head_dim, lq, lk)
+    if len(cands) == 1 or os.environ.get("ATTN_ZOO_NO_TUNE") == "1":
+        cfg = cands[0]
+    else:
+        from triton.testing import do_bench
+
+        best = None
+        for c in cands:
+            try:
+                ms = do_bench(lambda: launch(c), warmup=3, rep=15)
+            except Exception:  # out of resources for this shape: skip the candidate
+                continue
+            if best is None or ms < best[0]:
+                best = (ms, c)
+        cfg = best[1] if best is not None else cands[-1]
+    _CACHE[full_key] = cfg
+    return cfg
+
+
+def chosen() -> Dict[Tuple, Cfg]:
+    """Configs picked so far (for benchmark reports)."""
+    return dict(_CACHE)

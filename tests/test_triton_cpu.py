@@ -1,0 +1,131 @@
+"""The triton backend on CPU under TRITON_INTERPRET=1: outputs, lse and every gradient vs the float64 reference.
+
+Tiny shapes (the interpreter is slow); errors are bounded by a small multiple of plain PyTorch's own error in
+the same dtype (tests/helpers.py). fp32 and fp16 only (bf16 is broken in the interpreter).
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+import attn_ops  # noqa: E402
+from attn_ops.reference import attention_reference  # noqa: E402
+from attn_ops.triton import triton_attention  # noqa: E402
+from helpers import check_against_reference, make_inputs  # noqa: E402
+
+L = 37  # odd: partial query and key tiles
+# (name, batch, H, Lq, Lk, D, Dv, bias_shape, mask_shape, causal)
+CASES = [
+    ("pair_bias_over_rows", (2, 3), 2, L, L, 24, 24, (2, 1, 2, L, L), (2, 3, 1, 1, L), False),
+    ("full_bias", (2,), 2, L, L, 16, 16, (2, 2, L, L), None, False),
+    ("head_bias_over_batch", (2,), 2, L, L, 16, 16, (1, 2, L, L), (2, 1, L, L), False),
+    ("key_bias_over_rows_and_q", (), 3, 20, L, 16, 24, (3, 1, L), (3, 20, L), False),
+    ("query_bias_over_keys", (2,), 2, L, 20, 24, 16, (1, 1, L, 1), None, False),
+    ("causal_lq_lt_lk", (2,), 2, 20, L, 16, 16, (2, 2, 20, L), (2, 1, 1, L), True),
+    ("causal_lq_gt_lk_empty_rows", (), 2, L, 20, 16, 16, (1, 20), None, True),
+    ("three_lead_dims_loop", (2, 2, 3), 1, 17, 17, 16, 16, (2, 1, 3, 1, 17, 17), (1, 2, 1, 1, 1, 17), False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("variant", ["split", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_matches_reference(case, variant, dtype):
+    if dtype == torch.float16 and variant == "fused" and case[0] not in ("pair_bias_over_rows", "causal_lq_lt_lk"):
+        pytest.skip("fp16 x fused: two representative cases keep the CPU budget")
+    _, batch, h, lq, lk, d, dv, bshape, mshape, causal = case
+    q, k, v, bias, mask = make_inputs(batch, h, lq, lk, d, dv, dtype=dtype, bias_shape=bshape, mask_shape=mshape,
+                                      seed=hash(case[0]) % 1000)
+    opts = dict(bwd="split") if variant == "split" else dict(bwd="fused", deterministic=False)
+    check_against_reference("triton", q, k, v, bias, mask, causal=causal, **opts)
+
+
+def test_fully_masked_row_gives_zero_output_and_finite_zero_grads():
+    q, k, v, bias, mask = make_inputs((2,), 2, 19, 23, 16, bias_shape=(1, 2, 19, 23), mask_shape=(2, 1, 19, 23))
+    mask[1, 0, 5] = False  # batch 1, query row 5: no key, every head
+    mask[:, 0, 18] = False  # row 18 empty in both batches: its shared bias row gets no gradient
+    out, lse = attn_ops.attention(q, k, v, bias, mask, return_lse=True, backend="triton")
+    assert torch.equal(out[1, :, 5], torch.zeros_like(out[1, :, 5]))
+    assert torch.isinf(lse[1, :, 5]).all() and (lse[1, :, 5] < 0).all()
+    assert torch.isfinite(lse[0, :, :18]).all() and torch.isinf(lse[:, :, 18]).all()
+    (out.square().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()).backward()
+    for t in (q, k, v, bias):
+        assert torch.isfinite(t.grad).all()
+    assert torch.equal(q.grad[1, :, 5], torch.zeros_like(q.grad[1, :, 5]))
+    assert torch.equal(bias.grad[0, :, 18], torch.zeros_like(bias.grad[0, :, 18]))
+    assert q.grad[0, :, 5].abs().sum() > 0  # the same row in the other batch is live
+
+
+def test_loss_on_lse_only_reaches_q_k_bias():
+    q, k, v, bias, mask = make_inputs((2,), 2, 21, 21, 16, bias_shape=(1, 2, 21, 21), mask_shape=(2, 1, 1, 21))
+    _, lse = triton_attention(q, k, v, bias, mask, 0.25, False)
+    gq, gk, gb = torch.autograd.grad(torch.where(torch.isfinite(lse), lse, 0.0).sum() * 0.5, (q, k, bias))
+    q64, k64, b64 = (t.detach().double().requires_grad_() for t in (q, k, bias))
+    _, rlse = attention_reference(q64, k64, v.detach().double(), b64, mask, 0.25, False)
+    rq, rk, rb = torch.autograd.grad(torch.where(torch.isfinite(rlse), rlse, 0.0).sum() * 0.5, (q64, k64, b64))
+    for got, ref in ((gq, rq), (gk, rk), (gb, rb)):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 1, 2, 33, 33), (1, 1, 2, 33, 33), (2, 3, 2, 33, 33)],
+                         ids=["over_rows", "over_batch_and_rows", "full"])
+def test_split_backward_is_bitwise_deterministic(bias_shape):
+    q, k, v, bias, mask = make_inputs((2, 3), 2, 33, 33, 16, bias_shape=bias_shape, mask_shape=(2, 3, 1, 1, 33))
+    g = torch.randn(q.shape[:-1] + v.shape[-1:], generator=torch.Generator().manual_seed(3))
+
+    def grads():
+        out, lse = triton_attention(q, k, v, bias, mask, 0.3, False, deterministic=True)
+        return torch.autograd.grad((out * g).sum() + lse[..., :4].sum(), (q, k, v, bias))
+
+    first, second = grads(), grads()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    assert first[3].shape == bias.shape
+
+
+def test_bias_gradient_keeps_bias_dtype():
+    q, k, v, _, mask = make_inputs((2,), 2, 17, 17, 16, mask_shape=(2, 1, 1, 17))
+    bias = torch.randn(1, 2, 17, 17, dtype=torch.float64, requires_grad=True)
+    out = attn_ops.attention(q, k, v, bias, mask, backend="triton")
+    out.sum().backward()
+    assert bias.grad.dtype == torch.float64 and bias.grad.shape == bias.shape
+    q64, k64, v64 = (t.detach().double() for t in (q, k, v))
+    b64 = bias.detach().clone().requires_grad_()
+    ref, _ = attention_reference(q64, k64, v64, b64, mask, None, False)
+    ref.sum().backward()
+    torch.testing.assert_close(bias.grad, b64.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_bwd_option_is_rejected():
+    q, k, v, _, _ = make_inputs((), 1, 16, 16, 16)
+    with pytest.raises(ValueError, match="bwd must be one of"):
+        triton_attention(q, k, v, None, None, 0.25, False, bwd="both")
+    with pytest.raises(ValueError, match="deterministic=False"):
+        triton_attention(q, k, v, None, None, 0.25, False, deterministic=True, bwd="fused")
+
+
+def test_custom_op_registration_opcheck():
+    q, k, v, bias, mask = make_inputs((1, 2), 2, 17, 17, 16, bias_shape=(1, 1, 2, 17, 17),
+                                      mask_shape=(1, 2, 1, 1, 17))
+    torch.library.opcheck(torch.ops.attn_zoo.triton_attn_fwd.default, (q, k, v, bias, mask, 0.25, False, False),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_compiles_without_graph_breaks():
+    q, k, v, bias, mask = make_inputs((1, 2), 2, 17, 17, 16, bias_shape=(1, 1, 2, 17, 17),
+                                      mask_shape=(1, 2, 1, 1, 17))
+
+    def f(q, k, v, bias):
+        out, lse = triton_attention(q, k, v, bias, mask, 0.25, False)
+        return out.float().sum() + lse.sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(q, k, v, bias), (q, k, v, bias))
+    want = torch.autograd.grad(f(q, k, v, bias), (q, k, v, bias))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
