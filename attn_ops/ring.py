@@ -20,7 +20,6 @@ Layouts (positions of the local shard in the full sequence):
 from __future__ import annotations
 
 import functools
-import importlib
 from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -264,11 +263,8 @@ def _lse_backward(spec: _Spec, q, k, v, b, m, causal, need_b):
     info = replace(describe(q, k, v, b, m, causal, True, det), needs_grad=True, lse_needs_grad=True,
                    bias_needs_grad=need_b)
     chosen = registry.select(name, info)
-    entry = getattr(chosen, "lse_backward", None)
-    if not entry:
-        return None
-    mod, fn = entry.split(":")
-    return functools.partial(getattr(importlib.import_module(f"attn_ops.{mod}"), fn), **opts)
+    fn = chosen.load_lse_backward()
+    return None if fn is None else functools.partial(fn, **opts)
 
 
 def _step_grads(spec: _Spec, q, k, v, b, m, causal, out, lse, dout, dlse, delta, need_b):

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from attn_ops import registry
 from attn_ops.reference import attention_reference
 from attn_ops.ring import (ring_attention, ring_positions, shard_sequence, unshard_sequence, zigzag_merge,
                            zigzag_split, _plan_step, local_segments)
@@ -107,7 +108,7 @@ def _reference(case, world, seed):
     return out.detach(), lse.detach(), grads
 
 
-def _check_case(case, world, rank, seed):
+def _check_case(case, world, rank, seed, backend="chunked"):
     name, causal, layout, bias_kind, mask_kind, dtype, lse_loss = case
     out_ref, lse_ref, g_ref = _reference(case, world, seed)
     q, k, v, bias, mask, do, dl, module = _inputs(case, world, seed)
@@ -119,7 +120,7 @@ def _check_case(case, world, rank, seed):
     ml = None if mask is None else (shard(mask) if mask.shape[-2] > 1 else mask)
     strided = lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2)  # noqa: E731 (non-contiguous view)
     out, lse = ring_attention(ql, strided(kl), strided(vl), module if module is not None else bl, ml, causal=causal,
-                              layout=layout, return_lse=True)
+                              layout=layout, return_lse=True, backend=backend)
     _loss(out, lse, shard(do).to(dtype), None if dl is None else shard(dl, -1)).backward()
     # float64: rounding only. float32: a few times plain float32 PyTorch's own error on these inputs.
     tol = 1e-10 if dtype == torch.float64 else 2e-5
@@ -175,6 +176,11 @@ def _worker(rank, world, port, err_dir):
         for i, case in enumerate(CASES):
             _check_case(case, world, rank, seed=1000 + i)
         _check_bad_input(world, rank)
+        # The cases above use chunked, whose registry entry has an lse_backward (one backward call per step
+        # with the merged out/lse). The torch backend has none: the ring recomputes each step's forward.
+        assert registry.get("chunked").lse_backward and registry.get("torch").lse_backward is None
+        for i in (1, 5, 6):
+            _check_case(CASES[i], world, rank, seed=2000 + i, backend="torch")
         dist.barrier()
     except BaseException:
         with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:
