@@ -41,6 +41,7 @@ class ThroughputMonitor(L.Callback):
         self._t0 = None
         self._steps = self._samples = self._tokens = 0
         self._time = 0.0
+        self._warm = (0, 0, 0.0)
 
     def _sync(self, pl_module):
         if pl_module.device.type == "cuda":
@@ -59,9 +60,10 @@ class ThroughputMonitor(L.Callback):
         self._sync(pl_module)
         dt = time.perf_counter() - self._t0
         self._steps += 1
-        if self._steps <= self.warmup_steps:
-            return
         samples, tokens = _batch_counts(batch)
+        if self._steps <= self.warmup_steps:  # kept apart: used only if training stops within warm-up
+            self._warm = (self._warm[0] + samples, self._warm[1] + tokens, self._warm[2] + dt)
+            return
         self._samples += samples
         self._tokens += tokens
         self._time += dt
@@ -76,6 +78,9 @@ class ThroughputMonitor(L.Callback):
     def on_train_end(self, trainer, pl_module):
         mem, kind = peak_memory_mib(pl_module.device)
         timed = max(0, self._steps - self.warmup_steps)
+        if timed == 0:  # too short to skip the warm-up: report the warm-up steps
+            self._samples, self._tokens, self._time = self._warm
+            timed = self._steps
         self.summary = {
             "timed_steps": timed,
             "samples_per_s": self._samples / self._time if self._time else float("nan"),
