@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.utils.checkpoint
@@ -136,6 +136,24 @@ class Linear(nn.Linear):
                 w.zero_()
             if self.bias is not None:
                 self.bias.fill_(1.0 if init == "gating" else 0.0)
+
+
+def fused_linear(x: Tensor, layers: Sequence[nn.Linear]) -> Tuple[Tensor, ...]:
+    """``tuple(layer(x) for layer in layers)`` computed by one matmul on the concatenated weights.
+
+    One read of ``x`` (and one autocast cast of it) instead of one per layer; the outputs are views of
+    one ``[*, sum(out_features)]`` tensor. Parameters and their initialisations stay per layer.
+    """
+    if len(layers) == 1:
+        return (layers[0](x),)
+    w = torch.cat([lin.weight for lin in layers], dim=0)  # [sum(out), in]
+    b = None
+    if any(lin.bias is not None for lin in layers):
+        b = torch.cat([
+            lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features) for lin in layers
+        ])
+    y = nn.functional.linear(x, w, b)  # [*, sum(out)]
+    return y.split([lin.out_features for lin in layers], dim=-1)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -277,15 +295,19 @@ class Attention(nn.Module):
             raise ValueError(
                 f"q_x {tuple(q_x.shape)} and kv_x {tuple(kv_x.shape)} must share the leading batch dims"
             )
-        q = self._heads(self.linear_q(q_x))  # [*, H, Lq, C]
-        k = self._heads(self.linear_k(kv_x))  # [*, H, Lk, C]
-        v = self._heads(self.linear_v(kv_x))  # [*, H, Lk, C]
+        gate = [] if self.linear_g is None else [self.linear_g]
+        if kv_x is q_x:  # self-attention: one matmul for q, k, v (and the gate)
+            q, k, v, *g = fused_linear(q_x, [self.linear_q, self.linear_k, self.linear_v] + gate)
+        else:
+            q, *g = fused_linear(q_x, [self.linear_q] + gate)
+            k, v = fused_linear(kv_x, [self.linear_k, self.linear_v])
+        q, k, v = self._heads(q), self._heads(k), self._heads(v)  # [*, H, L, C]
         o = attn_ops.attention(
             q, k, v, bias, mask, backend=self.attention.backend, **self.attention.options
         )  # [*, H, Lq, C]
         o = o.transpose(-2, -3).flatten(-2)  # [*, Lq, H*C]
-        if self.linear_g is not None:
-            o = o * torch.sigmoid(self.linear_g(q_x))
+        if g:
+            o = o * torch.sigmoid(g[0])
         return self.linear_o(o)
 
 

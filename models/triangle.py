@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .primitives import Attention, LayerNorm, Linear, chunk_rows
+from .primitives import Attention, LayerNorm, Linear, chunk_rows, fused_linear
 
 Tensor = torch.Tensor
 
@@ -42,7 +42,8 @@ class TriangleMultiplication(nn.Module):
         ``chunk_size`` chunks the output stage over rows (inference memory).
         """
         zn = self.layer_norm_in(z)
-        ab = torch.sigmoid(self.linear_ab_g(zn)) * self.linear_ab_p(zn)  # [*, N, N, 2C]
+        ab_g, ab_p, g = fused_linear(zn, [self.linear_ab_g, self.linear_ab_p, self.linear_g])
+        ab = torch.sigmoid(ab_g) * ab_p  # [*, N, N, 2C]
         if pair_mask is not None:
             ab = ab * pair_mask.unsqueeze(-1).to(ab.dtype)
         ab = ab.movedim(-1, -3)  # [*, 2C, N, N]
@@ -53,10 +54,10 @@ class TriangleMultiplication(nn.Module):
             x = torch.matmul(a.transpose(-1, -2), b)  # [*, C, I, J]: sum_k a[k, i] b[k, j]
         x = x.movedim(-3, -1)  # [*, I, J, C]
 
-        def out(x_rows: Tensor, zn_rows: Tensor) -> Tensor:
-            return self.linear_z(self.layer_norm_out(x_rows)) * torch.sigmoid(self.linear_g(zn_rows))
+        def out(x_rows: Tensor, g_rows: Tensor) -> Tensor:
+            return self.linear_z(self.layer_norm_out(x_rows)) * torch.sigmoid(g_rows)
 
-        return chunk_rows(out, [x, zn], [-3, -3], chunk_size, out_dim=-3)
+        return chunk_rows(out, [x, g], [-3, -3], chunk_size, out_dim=-3)
 
 
 class TriangleMultiplicationOutgoing(TriangleMultiplication):

@@ -1,0 +1,286 @@
+"""Benchmark the Evoformer and Pairformer blocks per attention backend, next to Boltz-2's PairformerLayer.
+
+One training step (forward + backward, train mode with dropout, bf16 autocast, fp32 parameters and inputs
+that require grad) per case; median step time over ``--iters`` steps after warm-up, and the extra peak
+device memory of one step beyond parameters and inputs (gradients included). Writes ``blocks.csv`` and
+``blocks.md`` (table + environment) to ``--out`` (default ``$OUT`` or ``bench_out``), row by row, so a run
+cut short still leaves its results. ``--breakdown CASE...`` first times every sub-module of the
+triton-backend block (where the block's time goes).
+
+    python scripts/bench_blocks.py                      # the issue's table (H100: ~5-7 min)
+    python scripts/bench_blocks.py --cases pair384 --backends triton torch --breakdown pair384
+
+Boltz-2 (``boltz.model.layers.pairformer.PairformerLayer``) and cuequivariance are optional imports
+(see ../shared/anchor-wheels/README.md); rows for them are skipped with the reason if they do not import.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from models.evoformer import EvoformerBlock  # noqa: E402
+from models.pairformer import PairformerBlock  # noqa: E402
+
+GIB = 2.0 ** 30
+PADDED = 13  # padded residues at the end of every sequence (real masks, not all-True)
+
+# name: (block, N_res, N_seq)
+CASES = {
+    "evo256": ("evoformer", 256, 128),
+    "evo384": ("evoformer", 384, 128),
+    "pair384": ("pairformer", 384, None),
+    "pair768": ("pairformer", 768, None),
+}
+BACKENDS = ("triton", "triton+compile", "flex", "sdpa", "torch", "boltz", "boltz-cueq")
+BACKEND_OPTIONS = {"flex": {"deterministic": False}}  # flex's bias gradient uses atomics
+
+
+# ------------------------------------------------------------------------------------------------
+# inputs and steps
+# ------------------------------------------------------------------------------------------------
+def _masks(n: int, dev):
+    real = torch.arange(n, device=dev) < n - PADDED  # [N]
+    single = real[None].clone()  # [1, N]
+    pair = single[:, :, None] & single[:, None, :]  # [1, N, N]
+    return single, pair
+
+
+def build_case(case: str, backend: str, dev):
+    """(module, float inputs requiring grad, extra forward args, forward callable)."""
+    kind, n, s_rows = CASES[case]
+    single, pair = _masks(n, dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    if backend in ("boltz", "boltz-cueq"):
+        if kind != "pairformer":
+            raise NotImplementedError("Boltz has no Evoformer block")
+        from boltz.model.layers.pairformer import PairformerLayer
+
+        mod = PairformerLayer(384, 128, num_heads=16, dropout=0.25, pairwise_head_width=32, pairwise_num_heads=4,
+                              v2=True).to(dev)
+        s = torch.randn(1, n, 384, device=dev, generator=g, requires_grad=True)
+        z = torch.randn(1, n, n, 128, device=dev, generator=g, requires_grad=True)
+        use = backend == "boltz-cueq"
+        fwd = lambda: mod(s, z, single.float(), pair.float(), use_kernels=use)  # noqa: E731
+        return mod, [s, z], fwd
+    attn_backend = "triton" if backend == "triton+compile" else backend
+    attention = {"backend": attn_backend, **BACKEND_OPTIONS.get(attn_backend, {})}
+    if kind == "evoformer":
+        mod = EvoformerBlock(c_m=256, c_z=128, attention=attention).to(dev)
+        m = torch.randn(1, s_rows, n, 256, device=dev, generator=g, requires_grad=True)
+        z = torch.randn(1, n, n, 128, device=dev, generator=g, requires_grad=True)
+        msa_mask = single[:, None, :].expand(1, s_rows, n).clone()  # [1, S, N]
+        x, masks = [m, z], (msa_mask, pair)
+    else:
+        mod = PairformerBlock(c_s=384, c_z=128, attention=attention).to(dev)
+        s = torch.randn(1, n, 384, device=dev, generator=g, requires_grad=True)
+        z = torch.randn(1, n, n, 128, device=dev, generator=g, requires_grad=True)
+        x, masks = [s, z], (single, pair)
+    run = torch.compile(mod) if backend == "triton+compile" else mod
+    fwd = lambda: run(*x, *masks)  # noqa: E731
+    return mod, x, fwd
+
+
+def _randomize(mod: torch.nn.Module):
+    """AF2's zero-init final layers would make the attention's gradients vanish; use random weights."""
+    with torch.no_grad():
+        for p in mod.parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+
+
+def measure(mod, inputs, fwd, iters: int, warmup: int):
+    """Median ms of one fwd+bwd step and its extra peak memory (GiB) beyond params and inputs."""
+    mod.train()
+    grads_out = None
+
+    def step():
+        nonlocal grads_out
+        mod.zero_grad(set_to_none=True)
+        for t in inputs:
+            t.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            outs = fwd()
+        if grads_out is None:
+            grads_out = [torch.randn_like(o) for o in outs]
+        torch.autograd.backward(outs, grads_out)
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    mod.zero_grad(set_to_none=True)
+    for t in inputs:
+        t.grad = None
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / GIB
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times), peak
+
+
+# ------------------------------------------------------------------------------------------------
+# sub-module breakdown (where the block's time goes)
+# ------------------------------------------------------------------------------------------------
+def breakdown(case: str, dev, iters: int, warmup: int, backend: str = "triton"):
+    """(sub-module, ms fwd+bwd, peak GiB) for the block of ``case`` with ``backend``."""
+    mod, (x, z), _ = build_case(case, backend, dev)
+    _randomize(mod)
+    kind = CASES[case][0]
+    single, pair = _masks(CASES[case][1], dev)
+    parts = [(name, getattr(mod, name), lambda m: m(z, pair))
+             for name in ("tri_mul_out", "tri_mul_in", "tri_att_start", "tri_att_end")]
+    parts.append(("pair_transition", mod.pair_transition, lambda m: m(z)))
+    if kind == "evoformer":
+        msa_mask = single[:, None, :].expand(*x.shape[:-1]).clone()
+        parts = [
+            ("msa_row_attention", mod.msa_row_attention, lambda m: m(x, z, msa_mask)),
+            ("msa_column_attention", mod.msa_column_attention, lambda m: m(x, msa_mask)),
+            ("msa_transition", mod.msa_transition, lambda m: m(x)),
+            ("outer_product_mean", mod.outer_product_mean, lambda m: m(x, msa_mask)),
+        ] + parts
+    else:
+        parts += [
+            ("attention_pair_bias", mod.attention_pair_bias, lambda m: m(x, z, single)),
+            ("single_transition", mod.single_transition, lambda m: m(x)),
+        ]
+    rows = []
+    for name, sub, call in parts:
+        ms, peak = measure(sub, [x, z], lambda sub=sub, call=call: (call(sub),), iters, warmup)
+        rows.append((name, ms, peak))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------
+def env_lines():
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return [
+        f"- date (UTC): {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M')}",
+        f"- GPU: {props.name}, {props.total_memory / GIB:.0f} GiB",
+        f"- torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
+        f"python {platform.python_version()}",
+        "- step: forward + backward, train mode (dropout on), bf16 autocast, fp32 params and inputs requiring grad;",
+        f"  {PADDED} padded residues per sequence; time = median over the timed steps; peak = extra device memory",
+        "  of one step beyond params and inputs (gradients included).",
+    ]
+
+
+def write_markdown(path, rows, brk, env, notes):
+    with open(path, "w") as f:
+        f.write("# Block benchmark (scripts/bench_blocks.py)\n\n" + "\n".join(env) + "\n\n")
+        f.write("| block | N_res | N_seq | backend | fwd+bwd ms | peak GiB | vs triton (time) | note |\n")
+        f.write("|---|---|---|---|---|---|---|---|\n")
+        tri = {(r["case"]): r for r in rows if r["backend"] == "triton" and r["ms"] != ""}
+        for r in rows:
+            ref = tri.get(r["case"])
+            ratio = f"{r['ms'] / ref['ms']:.2f}x" if ref and r["ms"] != "" and r["ms"] else ""
+            ms = f"{r['ms']:.2f}" if r["ms"] != "" else "-"
+            peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] != "" else "-"
+            f.write(f"| {r['block']} | {r['n_res']} | {r['n_seq'] or '-'} | {r['backend']} | {ms} | {peak} | "
+                    f"{ratio} | {r['note']} |\n")
+        if brk:
+            f.write("\n## Where the triton-backend block's time goes (each sub-module alone, fwd+bwd)\n\n")
+            f.write("| case | sub-module | ms | peak GiB |\n|---|---|---|---|\n")
+            for case, name, ms, peak in brk:
+                f.write(f"| {case} | {name} | {ms:.2f} | {peak:.2f} |\n")
+        for n in notes:
+            f.write(f"\n{n}\n")
+
+
+def _run_item(case, backend, dev, args, t0):
+    kind, n, s_rows = CASES[case]
+    row = dict(block=kind, case=case, n_res=n, n_seq=s_rows or "", backend=backend, ms="", peak_gib="", note="")
+    if time.time() - t0 > args.time_limit:
+        row["note"] = "skipped: time limit"
+        return row
+    t1 = time.time()
+    mod = inputs = fwd = None
+    try:
+        mod, inputs, fwd = build_case(case, backend, dev)
+        _randomize(mod)
+        row["ms"], row["peak_gib"] = measure(mod, inputs, fwd, args.iters, args.warmup)
+        if backend in ("triton+compile", "flex"):
+            row["note"] = f"{time.time() - t1:.0f} s incl. compilation"
+    except Exception as exc:  # OOM, unsupported shape, missing peer: record and go on
+        row["note"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        traceback.print_exc()
+    finally:
+        mod = inputs = fwd = None
+        torch.cuda.empty_cache()
+        torch._dynamo.reset()
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--breakdown", nargs="*", default=None, choices=list(CASES),
+                   help="first time each sub-module of the triton-backend block for these cases")
+    p.add_argument("--time-limit", type=float, default=400.0, help="start nothing new after this many s")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_blocks.py needs a CUDA device")
+    dev = torch.device("cuda")
+    os.makedirs(args.out, exist_ok=True)
+    env = env_lines()
+    print("\n".join(env), flush=True)
+    t0 = time.time()
+    rows, brk, notes = [], [], []
+    md_path = os.path.join(args.out, "blocks.md")
+    for case in args.breakdown or []:
+        try:
+            for name, ms, peak in breakdown(case, dev, args.iters, args.warmup):
+                brk.append((case, name, ms, peak))
+                print(case, name, f"{ms:.2f} ms", f"{peak:.2f} GiB", flush=True)
+        except Exception as exc:
+            notes.append(f"breakdown of {case} failed: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+    # cheap rows for every case first, then the ones that compile (flex, torch.compile), so a time limit
+    # cuts the slow extras rather than whole cases
+    tier = {"flex": 1, "triton+compile": 2}
+    items = [(tier.get(b, 0), ci, bi, c, b) for ci, c in enumerate(args.cases) for bi, b in enumerate(args.backends)
+             if not (b.startswith("boltz") and CASES[c][0] != "pairformer")]
+    fields = ["block", "case", "n_res", "n_seq", "backend", "ms", "peak_gib", "note"]
+    with open(os.path.join(args.out, "blocks.csv"), "w", newline="") as fcsv:
+        w = csv.DictWriter(fcsv, fieldnames=fields)
+        w.writeheader()
+        for _, ci, bi, case, backend in sorted(items):
+            row = _run_item(case, backend, dev, args, t0)
+            row["_order"] = (ci, bi)
+            print({k: v for k, v in row.items() if k != "_order"}, f"[{time.time() - t0:.0f} s]", flush=True)
+            rows.append(row)
+            w.writerow({k: v for k, v in row.items() if k != "_order"})
+            fcsv.flush()
+            write_markdown(md_path, sorted(rows, key=lambda r: r["_order"]), brk, env, notes)
+    print(open(md_path).read())
+
+
+if __name__ == "__main__":
+    main()
