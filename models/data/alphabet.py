@@ -24,7 +24,7 @@ THREE_TO_ONE = {
     "PRO": "P", "SER": "S", "THR": "T", "TRP": "W", "TYR": "Y", "VAL": "V", "MSE": "M",
 }
 
-_LUT = torch.full((128,), UNK, dtype=torch.long)
+_LUT = torch.full((128,), UNK, dtype=torch.long, device="cpu")
 for _i, _a in enumerate(AMINO_ACIDS):
     _LUT[ord(_a)] = _i
     _LUT[ord(_a.lower())] = _i

@@ -17,7 +17,7 @@ import torch
 from .alphabet import THREE_TO_ONE
 
 # AlphaFold2 distogram: 64 bins, edges 2.3125 .. 21.6875 Angstrom (supplement 1.9.8).
-DISTOGRAM_EDGES = torch.linspace(2.3125, 21.6875, 63)
+DISTOGRAM_EDGES = torch.linspace(2.3125, 21.6875, 63, device="cpu")
 NUM_DISTOGRAM_BINS = 64
 CONTACT_CUTOFF = 8.0  # Angstrom between C-beta atoms
 
