@@ -129,3 +129,48 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], ma
             "pass deterministic=False to use it, or bwd='split'"
         )
     return _attend(q, k, v, bias, mask, scale, causal, _pick_fused(bwd, deterministic))
+
+
+def triton_lse_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
+                        scale: float, causal: bool, out: Tensor, lse: Tensor, d_out: Optional[Tensor],
+                        d_lse: Optional[Tensor], need_dbias: bool, bwd: str = "auto", deterministic: bool = True):
+    """Gradients (dq, dk, dv, dbias or None) of attention given its saved (out, lse), without a forward.
+
+    Same shapes as :func:`triton_attention`; ``out`` ``[*batch, H, Lq, Dv]`` and ``lse`` ``[*batch, H, Lq]`` may be
+    the merged results over a larger key set (ring attention): the result is then this key block's share.
+    ``d_out``/``d_lse`` None mean zero. dbias has the bias's own shape and dtype.
+    """
+    if bwd not in BWD_VARIANTS:
+        raise ValueError(f"bwd must be one of {BWD_VARIANTS}, got {bwd!r}")
+    fused = _pick_fused(bwd, deterministic) and not deterministic
+    d_out = torch.zeros_like(out, dtype=v.dtype) if d_out is None else d_out.to(v.dtype)  # dots need v's dtype
+    n = q.ndim - 3
+    if n > 2:  # loop over dim 0: simple and exact; the merge plan of _attend is a later optimisation
+        parts = []
+        for i in range(q.shape[0]):
+            bi = None if bias is None else bias[i if bias.shape[0] > 1 else 0]
+            mi = None if mask is None else mask[i if mask.shape[0] > 1 else 0]
+            parts.append(triton_lse_backward(q[i], k[i], v[i], bi, mi, scale, causal, out[i], lse[i], d_out[i],
+                                             None if d_lse is None else d_lse[i], need_dbias, bwd, deterministic))
+        dq, dk, dv = (torch.stack([p[j] for p in parts]) for j in range(3))
+        db = None
+        if need_dbias:
+            dbs = [p[3] for p in parts]
+            db = torch.stack(dbs) if bias.shape[0] > 1 else sum(dbs[1:], dbs[0]).unsqueeze(0)
+        return dq, dk, dv, db
+    pad = (1,) * (2 - n)
+
+    def five(t):  # [B, R, H, ...] views with unit dims prepended
+        return None if t is None else t.reshape(pad + t.shape)
+
+    q5, k5, v5 = (_dense(five(t)) for t in (q, k, v))
+    out5 = five(out)
+    if out5.stride(-1) != 1:
+        out5 = out5.contiguous()
+    lse4 = five(lse).float().contiguous()
+    dlse4 = None if d_lse is None else five(d_lse).float().contiguous()
+    dq, dk, dv, db = torch.ops.attn_zoo.triton_attn_bwd(
+        five(d_out), dlse4, q5, k5, v5, out5, lse4, five(bias), five(mask), float(scale), bool(causal), fused,
+        bool(need_dbias and bias is not None))
+    db = db.reshape(bias.shape) if (need_dbias and bias is not None) else None
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), db

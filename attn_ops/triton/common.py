@@ -49,20 +49,13 @@ def scores_log2(
     if HAS_BIAS:
         b = tl.load(Bias + offs_m[:, None] * s_bm + offs_n[None, :] * s_bn, mask=in_bounds, other=0.0)
         s += b.to(tl.float32) * 1.4426950408889634
-    keep = None
     if HAS_MASK:
         keep = tl.load(Mask + offs_m[:, None] * s_mm + offs_n[None, :] * s_mn, mask=in_bounds, other=0) != 0
-    if APPLY_CAUSAL:
-        c = offs_n[None, :] <= offs_m[:, None] + (Lk - Lq)
-        keep = c if keep is None else keep & c
-    if CHECK_M:
-        rm = offs_m[:, None] < Lq
-        keep = rm if keep is None else keep & rm
-    if CHECK_N:
-        cn = offs_n[None, :] < Lk
-        keep = cn if keep is None else keep & cn
-    if keep is not None:
         s = tl.where(keep, s, float("-inf"))
+    if APPLY_CAUSAL:
+        s = tl.where(offs_n[None, :] <= offs_m[:, None] + (Lk - Lq), s, float("-inf"))
+    if CHECK_M or CHECK_N:
+        s = tl.where(in_bounds, s, float("-inf"))
     return s
 
 

@@ -67,7 +67,11 @@ def attn_bwd_dbias_kernel(
         h = gh + lh
         m0 = (lm if LOOP_M else pm) * BLOCK_M
         n0 = (ln if LOOP_N else pn) * BLOCK_N
-        if (not CAUSAL) or (n0 <= m0 + BLOCK_M - 1 + (Lk - Lq)):  # skip tiles fully above the diagonal
+        if CAUSAL:  # skip tiles fully above the diagonal
+            active = n0 <= m0 + BLOCK_M - 1 + (Lk - Lq)
+        else:
+            active = n0 >= 0
+        if active:
             offs_m = m0 + tl.arange(0, BLOCK_M)
             offs_n = n0 + tl.arange(0, BLOCK_N)
             m_ok = offs_m < Lq

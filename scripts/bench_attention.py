@@ -1,0 +1,422 @@
+"""Benchmark the attention op side by side: triton (this project), torch, chunked, sdpa, flex, trifast, cuequivariance.
+
+Pair-bias shapes (PERF.md): q, k, v ``[B, R, H, L, D]`` bf16, trainable bias ``[B, 1, H, L, L]`` shared by the R
+rows, key mask ``[B, R, 1, 1, L]``; gradients into q, k, v and bias. No-bias long-context shapes: ``[B, H, L, D]``,
+causal or full. Per backend: forward and forward+backward median time (``triton.testing.do_bench``), TFLOP/s
+(fwd+bwd counted as 3.5x the forward's 4*N*Lq*Lk*D, halved for causal), and the extra peak device memory of one
+fwd+bwd step beyond the inputs (gradients included). Writes ``attention.csv``, ``attention.md`` and
+``attention.png`` into ``--out`` (default ``$OUT`` or ``bench_out``), row by row.
+
+    python scripts/bench_attention.py --set bias            # the pair-bias table
+    python scripts/bench_attention.py --set long            # the no-bias long-context table
+    python scripts/bench_attention.py --set bias --backends triton --profile   # per-kernel times of triton
+    python scripts/bench_attention.py --render DIR ...      # re-render md + png from CSV files
+
+trifast and cuequivariance are optional imports (see ../shared/anchor-wheels/README.md).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MIB = 2.0 ** 20
+H100_BF16_TFLOPS = 989.0  # dense peak, SXM
+H100_HBM_TBS = 3.35
+# name: (B, R, H, L, D, padded keys)
+BIAS_SHAPES = {
+    "triangle 1,256,4,256,32": (1, 256, 4, 256, 32, 0),
+    "triangle 1,512,4,512,32 (13 padded keys)": (1, 512, 4, 512, 32, 13),
+    "triangle 1,768,4,768,32": (1, 768, 4, 768, 32, 0),
+    "MSA rows 1,512,8,384,32": (1, 512, 8, 384, 32, 0),
+    "dense full bias 1,1,16,4096,64": (1, 1, 16, 4096, 64, 0),
+    "dense full bias 4,1,16,2048,128": (4, 1, 16, 2048, 128, 0),
+}
+# name: (B, H, L, D, causal)
+LONG_SHAPES = {
+    "1,16,16384,128 causal": (1, 16, 16384, 128, True),
+    "1,16,16384,128 full": (1, 16, 16384, 128, False),
+    "1,16,16384,64 causal": (1, 16, 16384, 64, True),
+    "1,32,32768,128 causal": (1, 32, 32768, 128, True),
+}
+TARGETS_MS = {  # issue 4, fwd+bwd
+    "triangle 1,768,4,768,32": 3.9,
+    "MSA rows 1,512,8,384,32": 1.5,
+    "dense full bias 4,1,16,2048,128": 2.3,
+    "dense full bias 1,1,16,4096,64": 2.5,
+    "1,16,16384,128 causal": 8.0,
+}
+FIELDS = ["set", "shape", "backend", "fwd_ms", "fwdbwd_ms", "tflops", "peak_mib", "note"]
+
+
+# ----------------------------------------------------------------------------------------------------- inputs
+def bias_inputs(B, R, H, L, D, pad):
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+
+    q, k, v = rnd(B, R, H, L, D), rnd(B, R, H, L, D), rnd(B, R, H, L, D)
+    bias = rnd(B, 1, H, L, L)
+    mask = torch.ones(B, R, 1, 1, L, dtype=torch.bool, device="cuda")
+    if pad:
+        mask[..., L - pad:] = False
+    return q, k, v, bias, mask
+
+
+def long_inputs(B, H, L, D):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return [torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+            for _ in range(3)]
+
+
+# ----------------------------------------------------------------------------------------------- backends
+def attn_ops_fn(name, q, k, v, bias, mask, causal, **opts):
+    import attn_ops
+
+    def run():
+        return attn_ops.attention(q, k, v, bias, mask, causal=causal, backend=name, **opts)
+    return run, [q, k, v] + ([bias] if bias is not None else [])
+
+
+def flex_bias_fn(q, k, v, bias, mask, causal):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    B, R, H, L, D = q.shape
+    flex = torch.compile(flex_attention, dynamic=False)
+    bias4 = bias.view(B, H, L, L)  # [B, H, L, L] from [B, 1, H, L, L]
+    keys = mask.view(B * R, L)  # [B*R, L]
+
+    def score_mod(score, b, h, qi, kj):
+        return torch.where(keys[b, kj], score + bias4[b // R, h, qi, kj], -float("inf"))
+
+    def run():
+        out = flex(q.view(B * R, H, L, D), k.view(B * R, H, L, D), v.view(B * R, H, L, D), score_mod=score_mod)
+        return out.view(B, R, H, L, D)
+    return run, [q, k, v, bias]
+
+
+def flex_long_fn(q, k, v, causal):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    L = q.shape[2]
+    bm = create_block_mask(lambda b, h, qi, kj: qi >= kj, None, None, L, L) if causal else None
+
+    def run():
+        return flex(q, k, v, block_mask=bm)
+    return run, [q, k, v]
+
+
+def sdpa_long_fn(q, k, v, causal, kernel):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    which = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[kernel]
+
+    def run():
+        with sdpa_kernel([which]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return run, [q, k, v]
+
+
+def trifast_fn(q, k, v, bias, mask, causal):
+    import trifast
+
+    B, R, H, L, D = q.shape
+    # trifast layout [b, h, n, n, d], bias [b, h, n, n], mask [b, n, n] True = masked out
+    qt, kt, vt = (t.detach().permute(0, 2, 1, 3, 4).contiguous().requires_grad_() for t in (q, k, v))
+    bt = bias.detach().view(B, H, L, L).clone().requires_grad_()
+    mt = (~mask.view(B, R, L)).contiguous()  # [b, n, n]: row i's key mask, True = masked out
+
+    def run():
+        return trifast.triangle_attention(qt, kt, vt, bt, mt)
+    return run, [qt, kt, vt, bt]
+
+
+def cueq_fn(q, k, v, bias, mask, causal):
+    import cuequivariance_torch as cuet
+
+    def run():
+        return cuet.triangle_attention(q, k, v, bias, mask=mask)
+    return run, [q, k, v, bias]
+
+
+# ----------------------------------------------------------------------------------------------- measuring
+def fwd_flops(n_bh, lq, lk, d, causal):
+    return 4.0 * n_bh * lq * lk * d * (0.5 if causal else 1.0)
+
+
+def measure(make, label):
+    """(fwd ms, fwd+bwd ms, peak MiB) of the callable built by ``make()``."""
+    from triton.testing import do_bench
+
+    run, leaves = make()
+
+    def fwd():
+        return run()
+
+    out = fwd()
+    g = torch.randn_like(out)
+
+    def step():
+        o = run()
+        o.backward(g)
+
+    step()  # compile / autotune outside the timing
+    torch.cuda.synchronize()
+    fwd_ms = do_bench(fwd, return_mode="median")
+    step_ms = do_bench(step, grad_to_none=leaves, return_mode="median")
+    for t in leaves:
+        t.grad = None
+    del out
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / MIB
+    for t in leaves:
+        t.grad = None
+    return fwd_ms, step_ms, peak
+
+
+def profile_triton(make):
+    """Per-kernel CUDA time of one fwd+bwd step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run, _ = make()
+    out = run()
+    g = torch.randn_like(out)
+    for _ in range(2):
+        run().backward(g)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            run().backward(g)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------- sets
+def bias_cases(names, backends):
+    for shape in names:
+        B, R, H, L, D, pad = BIAS_SHAPES[shape]
+        flops = fwd_flops(B * R * H, L, L, D, False)
+        for be in backends:
+            def make(be=be, B=B, R=R, H=H, L=L, D=D, pad=pad):
+                q, k, v, bias, mask = bias_inputs(B, R, H, L, D, pad)
+                if be in ("triton", "torch", "chunked", "sdpa"):
+                    return attn_ops_fn(be, q, k, v, bias, mask, False)
+                if be == "triton-fused":
+                    return attn_ops_fn("triton", q, k, v, bias, mask, False, bwd="fused", deterministic=False)
+                return {"flex": flex_bias_fn, "trifast": trifast_fn, "cuequivariance": cueq_fn}[be](
+                    q, k, v, bias, mask, False)
+            skip = None
+            if be == "torch" and B * R * H * L * L * 4 * 3 > 40 * 2 ** 30:
+                skip = "skipped: materialised scores > 40 GiB"
+            yield "bias", shape, be, make, flops, skip
+
+
+def long_cases(names, backends):
+    for shape in names:
+        B, H, L, D, causal = LONG_SHAPES[shape]
+        flops = fwd_flops(B * H, L, L, D, causal)
+        for be in backends:
+            def make(be=be, B=B, H=H, L=L, D=D, causal=causal):
+                q, k, v = long_inputs(B, H, L, D)
+                if be in ("triton", "chunked"):
+                    run, leaves = attn_ops_fn(be, q, k, v, None, None, causal)
+                    return run, leaves
+                if be == "triton-fused":
+                    return attn_ops_fn("triton", q, k, v, None, None, causal, bwd="fused", deterministic=False)
+                if be in ("sdpa cudnn", "sdpa flash"):
+                    return sdpa_long_fn(q, k, v, causal, be.split()[1])
+                if be == "flex":
+                    return flex_long_fn(q, k, v, causal)
+                raise KeyError(be)
+            skip = "skipped: no-bias long context is not its use" if be in ("torch", "trifast", "cuequivariance") \
+                else None
+            yield "long", shape, be, make, flops, skip
+
+
+# -------------------------------------------------------------------------------------------------- output
+def environment():
+    import triton
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return (f"{gpu}; torch {torch.__version__}; triton {triton.__version__}; "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+
+
+def roofline(shape):
+    """(fwd+bwd GFLOP, compulsory MB, bias re-read MB, ideal ms) for a target shape."""
+    if shape in BIAS_SHAPES:
+        B, R, H, L, D, _ = BIAS_SHAPES[shape]
+        flops = 3.5 * fwd_flops(B * R * H, L, L, D, False)
+        qkv = B * R * H * L * D * 2
+        bias = B * H * L * L * 2
+        # fwd: q k v bias in, o out; bwd: q k v o do bias in, dq dk dv dbias out (+ lse/delta, small)
+        compulsory = 4 * qkv + bias + 10 * qkv + 2 * bias
+        reread = 2 * (R - 1) * bias  # the shared bias read once per row in fwd and bwd (L2 may absorb it)
+    else:
+        B, H, L, D, causal = LONG_SHAPES[shape]
+        flops = 3.5 * fwd_flops(B * H, L, L, D, causal)
+        qkv = B * H * L * D * 2
+        compulsory, reread = 14 * qkv, 0
+    ideal_ms = max(flops / (H100_BF16_TFLOPS * 1e12), compulsory / (H100_HBM_TBS * 1e12)) * 1e3
+    return flops / 1e9, compulsory / 1e6, reread / 1e6, ideal_ms
+
+
+def write_md(rows, path, env):
+    by_shape = {}
+    for r in rows:
+        by_shape.setdefault((r["set"], r["shape"]), []).append(r)
+    lines = [f"# Attention op benchmark\n", f"{env}\n",
+             "bf16; bias sets: q/k/v `[B, R, H, L, D]`, trainable bias `[B, 1, H, L, L]` (gradient summed over R), "
+             "key mask `[B, R, 1, 1, L]`; long sets: `[B, H, L, D]`, no bias. Median of `triton.testing.do_bench`; "
+             "TFLOP/s of fwd+bwd (3.5x forward FLOPs, causal halved); peak = extra memory of one fwd+bwd step.\n",
+             "| shape | backend | fwd ms | fwd+bwd ms | fwd+bwd TFLOP/s | peak MiB | note |",
+             "|---|---|---|---|---|---|---|"]
+    for (_, shape), rs in by_shape.items():
+        for i, r in enumerate(rs):
+            cells = [shape if i == 0 else "", r["backend"]] + [_fmt(r[f]) for f in ("fwd_ms", "fwdbwd_ms", "tflops",
+                                                                                     "peak_mib")] + [r["note"]]
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Targets (issue 4) and roofline", "",
+              "| shape | target ms | triton ms | met | flex ms | triton peak / flex peak MiB | GFLOP | "
+              "compulsory MB | shared-bias re-read MB | roofline ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for shape, target in TARGETS_MS.items():
+        rs = {r["backend"]: r for (_, s), lst in by_shape.items() if s == shape for r in lst}
+        if "triton" not in rs:
+            continue
+        t, f = rs["triton"], rs.get("flex", {})
+        gf, comp, rer, ideal = roofline(shape)
+        met = "yes" if _num(t["fwdbwd_ms"]) is not None and _num(t["fwdbwd_ms"]) <= target else "**no**"
+        lines.append(f"| {shape} | {target} | {_fmt(t['fwdbwd_ms'])} | {met} | {_fmt(f.get('fwdbwd_ms', ''))} | "
+                     f"{_fmt(t['peak_mib'])} / {_fmt(f.get('peak_mib', ''))} | {gf:.0f} | {comp:.0f} | {rer:.0f} | "
+                     f"{ideal:.2f} |")
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+def _num(x):
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _fmt(x):
+    n = _num(x)
+    if n is None:
+        return str(x or "")
+    return f"{n:.3f}" if n < 10 else f"{n:.1f}"
+
+
+def write_png(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not importable: no plot", flush=True)
+        return
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(shapes)), 5))
+    w = 0.8 / max(1, len(backends))
+    for i, be in enumerate(backends):
+        xs, ys = [], []
+        for j, s in enumerate(shapes):
+            for r in rows:
+                if r["shape"] == s and r["backend"] == be and _num(r["fwdbwd_ms"]):
+                    xs.append(j + i * w)
+                    ys.append(_num(r["fwdbwd_ms"]))
+        ax.bar(xs, ys, w, label=be)
+    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(shapes))])
+    ax.set_xticklabels([s.replace(" (13 padded keys)", "*") for s in shapes], rotation=25, ha="right", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("fwd+bwd ms (log)")
+    ax.legend(fontsize=8)
+    ax.set_title("attention fwd+bwd, bf16 (lower is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--set", choices=["bias", "long", "all"], default="all")
+    ap.add_argument("--shapes", nargs="*", help="subset of shape names (substring match)")
+    ap.add_argument("--backends", nargs="*",
+                    default=["triton", "flex", "sdpa", "chunked", "torch", "trifast", "cuequivariance",
+                             "sdpa cudnn", "sdpa flash"])
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--profile", action="store_true", help="print per-kernel times of triton per shape")
+    ap.add_argument("--render", nargs="*", help="re-render md + png from these CSV files, no measuring")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    csv_path, md_path, png_path = (os.path.join(args.out, f"attention.{e}") for e in ("csv", "md", "png"))
+    if args.render:
+        rows = [r for p in args.render for r in csv.DictReader(open(p))]
+        env = open(args.render[0].replace(".csv", ".env")).read().strip() if os.path.exists(
+            args.render[0].replace(".csv", ".env")) else "environment: see CSV source"
+        write_md(rows, md_path, env)
+        write_png(rows, png_path)
+        return
+
+    def pick(names):
+        return [n for n in names if not args.shapes or any(s in n for s in args.shapes)]
+
+    cases = []
+    if args.set in ("bias", "all"):
+        cases += list(bias_cases(pick(BIAS_SHAPES), [b for b in args.backends if not b.startswith("sdpa ")]))
+    if args.set in ("long", "all"):
+        cases += list(long_cases(pick(LONG_SHAPES), [b for b in args.backends if b not in ("sdpa",)]))
+    env = environment()
+    with open(csv_path.replace(".csv", ".env"), "w") as fh:
+        fh.write(env + "\n")
+    print(env, flush=True)
+    rows = []
+    with open(csv_path, "w", newline="") as fh:
+        wr = csv.DictWriter(fh, FIELDS)
+        wr.writeheader()
+        for set_name, shape, be, make, flops, skip in cases:
+            row = dict(set=set_name, shape=shape, backend=be, fwd_ms="", fwdbwd_ms="", tflops="", peak_mib="",
+                       note=skip or "")
+            if not skip:
+                try:
+                    if args.profile and be.startswith("triton"):
+                        profile_triton(make)
+                    f_ms, s_ms, peak = measure(make, f"{shape}/{be}")
+                    row.update(fwd_ms=f"{f_ms:.4f}", fwdbwd_ms=f"{s_ms:.4f}",
+                               tflops=f"{3.5 * flops / (s_ms * 1e-3) / 1e12:.1f}", peak_mib=f"{peak:.0f}")
+                except Exception as exc:  # a peer that fails on a shape is a result, not a crash
+                    row["note"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+                    traceback.print_exc(limit=2)
+                torch.cuda.empty_cache()
+            print(row, flush=True)
+            rows.append(row)
+            wr.writerow(row)
+            fh.flush()
+    try:
+        from attn_ops.triton.tuning import chosen
+        with open(os.path.join(args.out, "triton_configs.txt"), "w") as fh:
+            for k, c in chosen().items():
+                fh.write(f"{k}: {c}\n")
+    except Exception:
+        pass
+    write_md(rows, md_path, env)
+    write_png(rows, png_path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The triton backend on a GPU: the CPU test matrix in bf16/fp16/fp32 at realistic sizes (skipped without CUDA).
+
+Errors are bounded by a small multiple of plain PyTorch's error in the same dtype (tests/helpers.py). The kernels
+use TF32 dots for fp32 inputs, so fp32 cases compare against PyTorch with TF32 matmuls enabled too.
+"""
+import os
+
+import pytest
+import torch
+
+from helpers import check_against_reference, make_inputs
+
+pytestmark = pytest.mark.gpu
+os.environ.setdefault("ATTN_ZOO_NO_TUNE", "1")  # one config per kernel: keeps compile time of this file small
+
+# (name, batch, H, Lq, Lk, D, Dv, bias_shape, mask_shape, causal)
+CASES = [
+    ("triangle_pair_bias", (1, 24), 4, 160, 160, 32, 32, (1, 1, 4, 160, 160), (1, 24, 1, 1, 160), False),
+    ("msa_rows_odd_L", (2, 6), 8, 203, 203, 32, 32, (2, 1, 8, 203, 203), (2, 6, 1, 1, 203), False),
+    ("dense_full_bias_d128", (2,), 4, 256, 256, 128, 128, (2, 4, 256, 256), None, False),
+    ("head_bias_over_batch_d64", (3,), 4, 300, 300, 64, 64, (1, 4, 300, 300), (3, 1, 1, 300), False),
+    ("relpos_bias_h1lk_d80", (), 4, 129, 257, 80, 80, (4, 1, 257), None, False),
+    ("causal_lq_lt_lk_d96", (2,), 4, 200, 333, 96, 96, (2, 4, 200, 333), (2, 1, 1, 333), True),
+    ("causal_lq_gt_lk_d48", (2,), 2, 300, 190, 48, 48, (1, 2, 1, 190), None, True),
+    ("causal_nobias_d128", (1,), 8, 512, 512, 128, 128, None, None, True),
+    ("d256", (1,), 2, 130, 130, 256, 256, (1, 2, 130, 130), (1, 1, 1, 130), False),
+    ("d16_dv40", (2,), 2, 100, 77, 16, 40, (2, 1, 100, 1), (2, 2, 100, 77), False),
+]
+RUNS = [(c, torch.bfloat16, "split") for c in CASES]
+RUNS += [(c, torch.bfloat16, "fused") for c in CASES if c[0] in ("triangle_pair_bias", "dense_full_bias_d128",
+                                                                   "causal_lq_lt_lk_d96", "d256")]
+RUNS += [(c, dt, "split") for c in CASES for dt in (torch.float16, torch.float32)
+         if c[0] in ("msa_rows_odd_L", "relpos_bias_h1lk_d80", "causal_lq_gt_lk_d48", "d16_dv40")]
+
+
+@pytest.fixture
+def tf32_like_kernel(request):
+    """For fp32 cases: plain PyTorch's yardstick uses TF32 matmuls, as the kernels' fp32 dots do."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.parametrize("case,dtype,variant", RUNS, ids=[f"{c[0]}-{str(d)[6:]}-{v}" for c, d, v in RUNS])
+def test_matches_reference_gpu(case, dtype, variant, tf32_like_kernel):
+    _, batch, h, lq, lk, d, dv, bshape, mshape, causal = case
+    q, k, v, bias, mask = make_inputs(batch, h, lq, lk, d, dv, dtype=dtype, bias_shape=bshape, mask_shape=mshape,
+                                      seed=len(case[0]), device="cuda")
+    opts = dict(bwd="split") if variant == "split" else dict(bwd="fused", deterministic=False)
+    check_against_reference("triton", q, k, v, bias, mask, causal=causal, **opts)
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 1, 4, 192, 192), (1, 32, 4, 192, 192), (4, 1, 192)],
+                         ids=["pair_bias_over_rows", "full", "relpos_h1lk"])
+def test_split_backward_is_bitwise_deterministic_gpu(bias_shape):
+    from attn_ops.triton import triton_attention
+
+    q, k, v, bias, mask = make_inputs((1, 32), 4, 192, 192, 32, dtype=torch.bfloat16, bias_shape=bias_shape,
+                                      mask_shape=(1, 32, 1, 1, 192), device="cuda")
+    g = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
+
+    def grads():
+        out, lse = triton_attention(q, k, v, bias, mask, 32 ** -0.5, False, deterministic=True)
+        return torch.autograd.grad((out * g).sum() + lse.sum(), (q, k, v, bias))
+
+    first = grads()
+    for _ in range(3):
+        for a, b in zip(first, grads()):
+            assert torch.equal(a, b)
+
+
+def test_torch_compile_fullgraph_gpu():
+    from attn_ops.triton import triton_attention
+
+    q, k, v, bias, mask = make_inputs((1, 8), 4, 96, 96, 32, dtype=torch.bfloat16, bias_shape=(1, 1, 4, 96, 96),
+                                      mask_shape=(1, 8, 1, 1, 96), device="cuda")
+
+    def f(q, k, v, bias):
+        out, lse = triton_attention(q, k, v, bias, mask, 0.2, False)
+        return out.float().square().sum() + lse.sum()
+
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(f, fullgraph=True)(q, k, v, bias), (q, k, v, bias))
+    want = torch.autograd.grad(f(q, k, v, bias), (q, k, v, bias))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
