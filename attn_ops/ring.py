@@ -96,79 +96,63 @@ def unshard_sequence(shards: Sequence[Tensor], dim: int, layout: str = "contiguo
 
 
 # ----------------------------------------------------------------------------------------------------
-# Step planning: which (query range, key range, causal) attention calls one ring step makes
+# Planning: the K/V parts that visit a rank, and the attention calls one part needs
 # ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Part:
+    lo: int  # local rows [lo, hi) of the owner's K/V block
+    hi: int
+    start: int  # global position of row lo (a part never crosses a segment, so it is contiguous)
+
+
 @dataclass(frozen=True)
 class _Call:
     q_lo: int  # local query rows [q_lo, q_hi)
     q_hi: int
-    k_lo: int  # local rows of the visiting K/V block [k_lo, k_hi)
-    k_hi: int
-    causal: bool  # aligned causal: query i sees key j <= i + (Lk - Lq) within the call
+    causal: bool  # bottom-right aligned: query i sees part key j iff j <= i + (Lk - Lq)
+    k_len: Optional[int] = None  # use only the part's first k_len keys (None: all)
 
 
-def _plan_step(q_segs, k_segs, causal: bool) -> List[_Call]:
-    """Attention calls for local queries (segments ``q_segs``) against a K/V block (segments ``k_segs``).
+def block_parts(layout: str, world: int, rank: int, n_local: int, kv_parts: int) -> List[_Part]:
+    """Rank ``rank``'s K/V block cut into parts: every segment split into ``kv_parts`` near-equal pieces."""
+    parts, pos = [], 0
+    for start, length in local_segments(layout, world, rank, n_local):
+        cuts = [length * i // kv_parts for i in range(kv_parts + 1)]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            if b > a:
+                parts.append(_Part(pos + a, pos + b, start + a))
+        pos += length
+    return parts
 
-    Segments are ``(global_start, length)`` in local order. Under ``causal`` a key segment is skipped when
-    entirely in the future of a query segment, taken whole when entirely in its past, and taken with an
-    aligned causal mask when it covers the same positions; the layouts here produce no other case.
+
+def plan_part(q_segs, part: _Part, causal: bool) -> List[_Call]:
+    """Attention calls of the local queries (segments ``(global_start, length)`` in local order) against one
+    contiguous K/V part. Non-causal: one call over all rows. Causal, per query segment: rows before the part
+    see nothing; rows inside it see the part's keys up to themselves (one bottom-right aligned causal call
+    over the keys before them); rows after it see the whole part. Adjacent whole-part calls are merged.
     """
-    def offsets(segs):
-        out, pos = [], 0
-        for s, n in segs:
-            out.append(pos)
-            pos += n
-        return out
-
-    q_off, k_off = offsets(q_segs), offsets(k_segs)
-    per_q = []  # for each query segment: list of (k_lo, k_hi, causal)
-    for (qs, qn) in q_segs:
-        groups: List[list] = []
-        for (ks, kn), ko in zip(k_segs, k_off):
-            if not causal or ks + kn - 1 <= qs:
-                kind = "full"
-            elif ks > qs + qn - 1:
-                continue  # every key is in the future of every query
-            elif ks == qs and kn == qn:
-                kind = "diag"
-            else:
-                raise NotImplementedError(
-                    f"ring_attention: key segment [{ks}, {ks + kn}) partially overlaps query segment "
-                    f"[{qs}, {qs + qn}); use the contiguous or zigzag layout")
-            # Extend the previous group when the keys are adjacent locally and the previous group is full.
-            if groups and groups[-1][1] == ko and not groups[-1][2]:
-                groups[-1][1] = ko + kn
-                groups[-1][2] = kind == "diag"
-            else:
-                groups.append([ko, ko + kn, kind == "diag"])
-        per_q.append([tuple(g) for g in groups])
+    k0, k1 = part.start, part.start + part.hi - part.lo
+    total = sum(n for _, n in q_segs)
+    if not causal:
+        return [_Call(0, total, False)]
     calls: List[_Call] = []
-    prev = None
-    for (qs, qn), qo, groups in zip(q_segs, q_off, per_q):
-        mergeable = all(not g[2] for g in groups)
-        if prev is not None and mergeable and prev[2] == groups and prev[1] == qo:
-            prev[1] = qo + qn  # same full key ranges as the previous, locally adjacent query segment
-            continue
-        if prev is not None:
-            calls += [_Call(prev[0], prev[1], lo, hi, c) for lo, hi, c in prev[2]]
-        prev = [qo, qo + qn, groups] if mergeable else None
-        if not mergeable:
-            calls += [_Call(qo, qo + qn, lo, hi, c) for lo, hi, c in groups]
-    if prev is not None:
-        calls += [_Call(prev[0], prev[1], lo, hi, c) for lo, hi, c in prev[2]]
+    pos = 0
+    for qs, qn in q_segs:
+        qe = qs + qn
+        o0, o1 = max(qs, k0), min(qe, k1)  # query rows at positions inside the part
+        if o0 < o1:
+            # rows [o0, o1) vs part keys [k0, o1) (later keys are in their future): query i sees k0 + j iff
+            # k0 + j <= o0 + i, i.e. j <= i + (o1 - k0) - (o1 - o0): bottom-right aligned causal.
+            calls.append(_Call(pos + o0 - qs, pos + o1 - qs, True, o1 - k0))
+        a = max(qs, k1)  # rows after the part see all of it
+        if a < qe:
+            lo, hi = pos + a - qs, pos + qn
+            if calls and not calls[-1].causal and calls[-1].q_hi == lo and calls[-1].k_len is None:
+                calls[-1] = _Call(calls[-1].q_lo, hi, False)
+            else:
+                calls.append(_Call(lo, hi, False))
+        pos += qn
     return calls
-
-
-def _global_ranges(segs, lo: int, hi: int) -> List[Tuple[int, int]]:
-    """Global ``[start, stop)`` ranges covered by local rows ``[lo, hi)`` of a shard with segments ``segs``."""
-    out, pos = [], 0
-    for s, n in segs:
-        a, b = max(lo, pos), min(hi, pos + n)
-        if a < b:
-            out.append((s + a - pos, s + b - pos))
-        pos += n
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -180,24 +164,10 @@ def _rows(t: Optional[Tensor], lo: int, hi: int) -> Optional[Tensor]:
     return t[..., lo:hi, :]
 
 
-def _cols(t: Optional[Tensor], ranges) -> Optional[Tensor]:
+def _cols(t: Optional[Tensor], start: int, stop: int) -> Optional[Tensor]:
     if t is None or t.shape[-1] == 1:
         return t
-    if len(ranges) == 1:
-        return t[..., ranges[0][0]:ranges[0][1]]
-    return torch.cat([t[..., a:b] for a, b in ranges], -1)
-
-
-def _add_tile(dst: Tensor, tile: Tensor, lo: int, hi: int, ranges) -> None:
-    """``dst[rows lo:hi, cols ranges] += tile`` for a bias gradient (broadcast dims are not sliced)."""
-    rows = dst if dst.shape[-2] == 1 else dst[..., lo:hi, :]
-    if dst.shape[-1] == 1:
-        rows += tile
-        return
-    pos = 0
-    for a, b in ranges:
-        rows[..., a:b] += tile[..., pos:pos + b - a]
-        pos += b - a
+    return t[..., start:stop]
 
 
 @dataclass
@@ -205,54 +175,109 @@ class _Spec:
     group: object
     world: int
     rank: int
-    prev: int  # global rank we receive from
-    next: int  # global rank we send to
+    peers: List[int]  # global rank of each group rank
     layout: str
     causal: bool
     scale: float
     attn_kwargs: dict
     bias_fn: Optional[Callable]
-    n_bias_params: int
+    kv_parts: int
     grad_dtype: Optional[torch.dtype]
 
+    def peer(self, group_rank: int) -> int:
+        return self.peers[group_rank % self.world]
 
-def _tiles(spec: _Spec, bias, mask, q_pos, k_pos, q_segs, k_segs, call: _Call):
+
+def _keys(call: _Call, part: _Part) -> int:
+    return part.hi - part.lo if call.k_len is None else call.k_len
+
+
+def _tiles(spec: _Spec, bias, mask, q_pos, k_pos, part: _Part, call: _Call):
     """(bias tile, mask tile) for one call; the bias tile comes from ``bias_fn`` when one is given."""
-    ranges = _global_ranges(k_segs, call.k_lo, call.k_hi)
+    kl = _keys(call, part)
+    k0, k1 = part.start, part.start + kl
     if spec.bias_fn is not None:
-        b = spec.bias_fn(q_pos[call.q_lo:call.q_hi], k_pos[call.k_lo:call.k_hi])
+        b = spec.bias_fn(q_pos[call.q_lo:call.q_hi], k_pos[part.lo:part.lo + kl])
     else:
-        b = _cols(_rows(bias, call.q_lo, call.q_hi), ranges)
-    m = _cols(_rows(mask, call.q_lo, call.q_hi), ranges)
-    return b, m, ranges
+        b = _cols(_rows(bias, call.q_lo, call.q_hi), k0, k1)
+    return b, _cols(_rows(mask, call.q_lo, call.q_hi), k0, k1)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Communication
+# The K/V stream: which part every rank computes at each virtual step, and the prefetch of the next one
 # ----------------------------------------------------------------------------------------------------
-def _exchange(spec: _Spec, send: Sequence[Tensor]) -> Tuple[list, List[Tensor]]:
-    """Post sends of ``send`` to the next rank and receives of same-shaped buffers from the previous one."""
-    recv = [torch.empty_like(t) for t in send]
-    ops = [dist.P2POp(dist.isend, t, spec.next, spec.group) for t in send]
-    ops += [dist.P2POp(dist.irecv, t, spec.prev, spec.group) for t in recv]
-    return dist.batch_isend_irecv(ops), recv
+class _KVStream:
+    """Visits (block t = 0..W-1, part p) in order; block t comes from rank r - t.
+
+    Before step i computes, step i + 1's part is requested: every rank posts one grouped batch
+    ``{send to r+1 the part it will need, receive own next part from r-1}`` at the same step index, so the
+    pairing is symmetric (no deadlock under NCCL's in-order p2p) and a part is sent just before its receiver
+    needs it. A rank holds the part being computed, the one arriving and, for W > 2, the previous block
+    (it forwards that block one part at a time); for W = 2 only two parts are ever alive beyond its own K/V.
+    """
+
+    def __init__(self, spec: _Spec, k: Tensor, v: Tensor):
+        self.spec, self.k, self.v = spec, k, v
+        W, r, n = spec.world, spec.rank, k.shape[-2]
+        self.steps = [(t, p) for t in range(W)
+                      for p in range(len(block_parts(spec.layout, W, (r - t) % W, n, spec.kv_parts)))]
+        self.parts = {t: block_parts(spec.layout, W, (r - t) % W, n, spec.kv_parts) for t in range(W)}
+        self.held = {0: None}  # block t -> list of received (k, v) parts (None: own K/V)
+        self.pending = None
+
+    def _get(self, t, p):
+        if self.held.get(t) is None:
+            part = self.parts[t][p]
+            return self.k[..., part.lo:part.hi, :], self.v[..., part.lo:part.hi, :]
+        return self.held[t][p]
+
+    def prefetch(self, i: int) -> None:
+        """Post the exchange that brings step i+1's part (if it comes from another rank)."""
+        if i + 1 >= len(self.steps) or self.steps[i + 1][0] == 0:
+            self.pending = None
+            return
+        t, p = self.steps[i + 1]
+        send = self._get(t - 1, p)  # r+1 needs, at its block t, the block this rank had at block t-1
+        recv = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in send]
+        ops = [dist.P2POp(dist.isend, x.contiguous(), self.spec.peer(self.spec.rank + 1), self.spec.group)
+               for x in send]
+        ops += [dist.P2POp(dist.irecv, x, self.spec.peer(self.spec.rank - 1), self.spec.group) for x in recv]
+        self.pending = (dist.batch_isend_irecv(ops), t, p, recv, ops)
+
+    def finish(self, i: int) -> None:
+        """Wait for the prefetch of step i+1 and drop what no later step needs."""
+        if self.pending is not None:
+            reqs, t, p, recv, _ = self.pending
+            _wait(reqs)
+            self.held.setdefault(t, [None] * len(self.parts[t]))
+            if self.held[t] is None:
+                self.held[t] = [None] * len(self.parts[t])
+            self.held[t][p] = tuple(recv)
+            if t - 1 > 0:
+                self.held[t - 1][p] = None  # forwarded: no longer needed
+            self.pending = None
+        t, p = self.steps[i]
+        if t == self.spec.world - 1 and t > 0:
+            self.held[t][p] = None  # the last block is never forwarded
+
+    def part(self, i: int):
+        t, p = self.steps[i]
+        return t, self.parts[t][p], self._get(t, p)
 
 
 def _wait(reqs) -> None:
-    for r in reqs:
+    for r in reqs or ():
         r.wait()
 
 
 # ----------------------------------------------------------------------------------------------------
-# One step's gradient for the merged softmax
+# One call's gradient for the merged softmax
 # ----------------------------------------------------------------------------------------------------
 def _lse_backward(spec: _Spec, q, k, v, b, m, causal, need_b):
-    """The selected backend's backward-given-(out, lse), if its registry entry declares one (else None).
+    """The selected backend's backward-given-(out, lse) (registry field ``lse_backward``), or None.
 
-    A backend opts in with a ``lse_backward = "module:function"`` field taking
-    ``(q, k, v, bias, mask, scale, causal, out, lse, d_out, d_lse, need_dbias, **options)`` with canonical
-    bias/mask and returning ``(dq, dk, dv, dbias)``. Called with the *merged* out and lse it gives this step's
-    exact share of the gradient without recomputing the step's forward.
+    Called with the *merged* out and lse it gives this call's exact share of the gradient without
+    recomputing the call's forward.
     """
     from . import registry
     from .inputs import describe
@@ -262,19 +287,22 @@ def _lse_backward(spec: _Spec, q, k, v, b, m, causal, need_b):
     det = opts.pop("deterministic", True)
     info = replace(describe(q, k, v, b, m, causal, True, det), needs_grad=True, lse_needs_grad=True,
                    bias_needs_grad=need_b)
-    chosen = registry.select(name, info)
-    fn = chosen.load_lse_backward()
-    return None if fn is None else functools.partial(fn, **opts)
+    fn = registry.select(name, info).load_lse_backward()
+    if fn is None:
+        return None
+    if "deterministic" in spec.attn_kwargs:
+        opts["deterministic"] = det
+    return functools.partial(fn, **opts)
 
 
-def _step_grads(spec: _Spec, q, k, v, b, m, causal, out, lse, dout, dlse, delta, need_b):
-    """Gradients of the merged attention w.r.t. one step's (q, k, v, bias tile).
+def _call_grads(spec: _Spec, q, k, v, b, m, causal, out, lse, dout, dlse, need_b):
+    """Gradients of the merged attention w.r.t. one call's (q, k, v, bias tile).
 
     ``out``, ``lse``: the merged forward results for these query rows; ``dout``, ``dlse``: their upstream
-    gradients; ``delta = rowsum(dout * out) - dlse``. With a backend that declares ``lse_backward`` this is
-    one backward call with the merged (out, lse). Otherwise it recomputes the step's ``(o, lse_step)`` with
-    ``attn_ops.attention`` and backpropagates the upstream gradients that the lse merge sends it (see the
-    module docstring): exact for any backend that returns a differentiable lse.
+    gradients. With a backend that declares ``lse_backward`` this is one backward call with the merged
+    (out, lse). Otherwise the call's ``(o, lse_call)`` is recomputed with ``attn_ops.attention`` and given
+    the upstream gradients that the lse merge sends it, ``w dO`` and ``w (rowsum(dO o) - D)`` with
+    ``w = exp(lse_call - lse)``, ``D = rowsum(dO out) - dlse``: exact for any backend with a differentiable lse.
     """
     from .api import attention
 
@@ -285,10 +313,11 @@ def _step_grads(spec: _Spec, q, k, v, b, m, causal, out, lse, dout, dlse, delta,
         return dq, dk, dv, (db.reshape(b.shape) if need_b else None)
     with torch.enable_grad():
         qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
-        bd = None if b is None else (b.detach().requires_grad_(need_b) if need_b else b.detach())
+        bd = None if b is None else b.detach().requires_grad_(need_b)
         o, l = attention(qd, kd, vd, bd, m, scale=spec.scale, causal=causal, return_lse=True,
                          **spec.attn_kwargs)
         acc = l.dtype
+        delta = (dout.to(acc) * out.to(acc)).sum(-1) - dlse.to(acc)  # [*b, H, Lq]
         finite = torch.isfinite(l) & torch.isfinite(lse)
         w = torch.where(finite, torch.exp(torch.where(finite, l - lse, torch.zeros_like(l))),
                         torch.zeros_like(l))  # [*b, H, Lq]
@@ -300,37 +329,44 @@ def _step_grads(spec: _Spec, q, k, v, b, m, causal, out, lse, dout, dlse, delta,
     return grads[0], grads[1], grads[2], (grads[3] if need_b else None)
 
 
+def _merge_into(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
+    """In place: (out, lse) <- exact merge of (out, lse) with a partial (o, l) over disjoint keys."""
+    l = l.to(lse.dtype)
+    new = torch.logaddexp(lse, l)
+    ok = torch.isfinite(new)
+    safe = torch.where(ok, new, torch.zeros_like(new))
+    a = torch.where(ok, torch.exp(lse - safe), torch.zeros_like(new))  # [*b, H, Lq]
+    c = torch.where(ok, torch.exp(l - safe), torch.zeros_like(new))
+    out.mul_(a.unsqueeze(-1)).addcmul_(o, c.unsqueeze(-1).to(out.dtype))
+    lse.copy_(new)
+
+
 # ----------------------------------------------------------------------------------------------------
 # The autograd function
 # ----------------------------------------------------------------------------------------------------
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec: _Spec, q, k, v, bias, mask, *bias_params):
-        W, r = spec.world, spec.rank
-        n = q.shape[-2]
+        W, r, n = spec.world, spec.rank, q.shape[-2]
         q_segs = local_segments(spec.layout, W, r, n)
         q_pos = ring_positions(n, W, r, spec.layout, device=q.device)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=acc, device=q.device)  # [*b, H, n, Dv]
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)  # [*b, H, n]
-        kv = (k.contiguous(), v.contiguous())  # p2p sends need contiguous buffers
-        for t in range(W):
-            s = (r - t) % W
-            reqs, nxt = _exchange(spec, kv) if t < W - 1 else ([], None)
-            k_segs = local_segments(spec.layout, W, s, n)
-            k_pos = ring_positions(n, W, s, spec.layout, device=q.device)
-            for call in _plan_step(q_segs, k_segs, spec.causal):
-                b, m, _ = _tiles(spec, bias, mask, q_pos, k_pos, q_segs, k_segs, call)
-                o_c, l_c = _attention_nograd(spec, q[..., call.q_lo:call.q_hi, :],
-                                             kv[0][..., call.k_lo:call.k_hi, :],
-                                             kv[1][..., call.k_lo:call.k_hi, :], b, m, call.causal)
+        stream = _KVStream(spec, k, v)
+        for i in range(len(stream.steps)):
+            stream.prefetch(i)
+            t, part, (k_p, v_p) = stream.part(i)
+            k_pos = ring_positions(n, W, (r - t) % W, spec.layout, device=q.device)
+            for call in plan_part(q_segs, part, spec.causal):
+                b, m = _tiles(spec, bias, mask, q_pos, k_pos, part, call)
                 rows = slice(call.q_lo, call.q_hi)
-                o_m, l_m = merge_partials([out[..., rows, :], o_c], [lse[..., rows], l_c.to(acc)])
-                out[..., rows, :] = o_m
-                lse[..., rows] = l_m
-            _wait(reqs)
-            if nxt is not None:
-                kv = tuple(nxt)
+                with torch.no_grad():
+                    kl = _keys(call, part)
+                    o_c, l_c = _attention(spec, q[..., rows, :], k_p[..., :kl, :], v_p[..., :kl, :], b, m,
+                                          call.causal)
+                _merge_into(out[..., rows, :], lse[..., rows], o_c, l_c)
+            stream.finish(i)
         out = out.to(q.dtype)
         lse = lse if q.dtype == torch.float64 else lse.float()
         ctx.spec = spec
@@ -343,10 +379,8 @@ class _RingAttention(torch.autograd.Function):
         spec: _Spec = ctx.spec
         q, k, v, bias, mask, out, lse = ctx.saved_tensors
         bias_params = ctx.bias_params
-        W, r = spec.world, spec.rank
-        n = q.shape[-2]
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        need = ctx.needs_input_grad
+        W, r, n = spec.world, spec.rank, q.shape[-2]
+        need = ctx.needs_input_grad  # (spec, q, k, v, bias, mask, *params)
         need_b_tensor = bias is not None and need[4]
         need_params = spec.bias_fn is not None and any(need[6:])
         need_kv = need[2] or need[3]
@@ -354,72 +388,84 @@ class _RingAttention(torch.autograd.Function):
             d_out = torch.zeros_like(out)
         if d_lse is None:
             d_lse = torch.zeros_like(lse)
-        delta = (d_out.to(acc) * out.to(acc)).sum(-1) - d_lse.to(acc)  # [*b, H, n]
-        grad_dtype = spec.grad_dtype or acc
+        gdt = spec.grad_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
         q_segs = local_segments(spec.layout, W, r, n)
         q_pos = ring_positions(n, W, r, spec.layout, device=q.device)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        db = torch.zeros(bias.shape, dtype=acc, device=q.device) if need_b_tensor else None
+        dq = torch.zeros(q.shape, dtype=gdt, device=q.device)
+        dk = torch.zeros(k.shape, dtype=gdt, device=q.device) if need_kv else None
+        dv = torch.zeros(v.shape, dtype=gdt, device=q.device) if need_kv else None
+        db = torch.zeros(bias.shape, dtype=gdt, device=q.device) if need_b_tensor else None
         dparams = [torch.zeros_like(p) for p in bias_params] if need_params else None
-        kv = (k.contiguous(), v.contiguous())  # p2p sends need contiguous buffers
-        dkv_reqs, dkv_in = [], None
-        for t in range(W):
-            s = (r - t) % W
-            reqs, nxt = _exchange(spec, kv) if t < W - 1 else ([], None)
-            k_segs = local_segments(spec.layout, W, s, n)
-            k_pos = ring_positions(n, W, s, spec.layout, device=q.device)
-            dk_c = torch.zeros(k.shape, dtype=grad_dtype, device=q.device) if need_kv else None
-            dv_c = torch.zeros(v.shape, dtype=grad_dtype, device=q.device) if need_kv else None
-            for call in _plan_step(q_segs, k_segs, spec.causal):
+        stream = _KVStream(spec, k, v)
+        sent = None  # the contribution exchange of the previous step, still in flight
+        for i in range(len(stream.steps)):
+            stream.prefetch(i)
+            t, part, (k_p, v_p) = stream.part(i)
+            k_pos = ring_positions(n, W, (r - t) % W, spec.layout, device=q.device)
+            dk_p = torch.zeros(k_p.shape, dtype=gdt, device=q.device) if need_kv else None
+            dv_p = torch.zeros(v_p.shape, dtype=gdt, device=q.device) if need_kv else None
+            for call in plan_part(q_segs, part, spec.causal):
                 rows = slice(call.q_lo, call.q_hi)
                 with torch.enable_grad() if need_params else torch.no_grad():
-                    b, m, ranges = _tiles(spec, bias, mask, q_pos, k_pos, q_segs, k_segs, call)
+                    b, m = _tiles(spec, bias, mask, q_pos, k_pos, part, call)
                 need_b = need_b_tensor or (need_params and b is not None and b.requires_grad)
-                g_q, g_k, g_v, g_b = _step_grads(
-                    spec, q[..., rows, :], kv[0][..., call.k_lo:call.k_hi, :],
-                    kv[1][..., call.k_lo:call.k_hi, :], b, m, call.causal, out[..., rows, :], lse[..., rows],
-                    d_out[..., rows, :], d_lse[..., rows], delta[..., rows], need_b)
+                kl = _keys(call, part)
+                g_q, g_k, g_v, g_b = _call_grads(spec, q[..., rows, :], k_p[..., :kl, :], v_p[..., :kl, :], b, m,
+                                                 call.causal,
+                                                 out[..., rows, :], lse[..., rows], d_out[..., rows, :],
+                                                 d_lse[..., rows], need_b)
                 dq[..., rows, :] += g_q
                 if need_kv:
-                    dk_c[..., call.k_lo:call.k_hi, :] += g_k
-                    dv_c[..., call.k_lo:call.k_hi, :] += g_v
+                    dk_p[..., :kl, :] += g_k
+                    dv_p[..., :kl, :] += g_v
                 if need_b_tensor:
-                    _add_tile(db, g_b, call.q_lo, call.q_hi, ranges)
+                    k0 = part.start
+                    tile = _cols(_rows(db, call.q_lo, call.q_hi), k0, k0 + kl)
+                    tile += g_b
                 elif need_b:
-                    gp = torch.autograd.grad(b, bias_params, g_b, allow_unused=True)
-                    for acc_p, g in zip(dparams, gp):
+                    for acc_p, g in zip(dparams, torch.autograd.grad(b, bias_params, g_b, allow_unused=True)):
                         if g is not None:
                             acc_p += g
             if need_kv:
-                # The accumulator for this K/V block arrives from the previous holder; add, pass it on.
-                _wait(dkv_reqs)
-                if dkv_in is not None:
-                    dk_c += dkv_in[0]
-                    dv_c += dkv_in[1]
-                if W > 1:
-                    dkv_reqs, dkv_in = _exchange(spec, (dk_c, dv_c))
+                if t == 0:
+                    dk[..., part.lo:part.hi, :] += dk_p
+                    dv[..., part.lo:part.hi, :] += dv_p
                 else:
-                    dkv_in = (dk_c, dv_c)
-            _wait(reqs)
-            if nxt is not None:
-                kv = tuple(nxt)
-        if need_kv:
-            _wait(dkv_reqs)  # after W hops every accumulator is back with its owner
-            dk, dv = dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
-        else:
-            dk = dv = None
-        grads = [None, dq.to(q.dtype), dk, dv,
-                 None if db is None else db.to(bias.dtype), None]
-        if bias_params:
-            grads += [None if dparams is None else g for g in dparams]
-        return tuple(grads)
+                    # Send this part's dK/dV contribution to its owner r - t; receive the contribution of rank
+                    # r + t to this rank's own part p (every rank posts this pair at the same step index).
+                    _finish_sent(sent, dk, dv)
+                    sent = _send_contribution(spec, t, stream.parts[0][stream.steps[i][1]], dk_p, dv_p)
+            stream.finish(i)
+        _finish_sent(sent, dk, dv)
+        grads = [None, dq.to(q.dtype), None if dk is None else dk.to(k.dtype),
+                 None if dv is None else dv.to(v.dtype), None if db is None else db.to(bias.dtype), None]
+        return tuple(grads + (list(dparams) if dparams is not None else [None] * len(bias_params)))
 
 
-def _attention_nograd(spec: _Spec, q, k, v, b, m, causal):
+def _send_contribution(spec: _Spec, t: int, own_part: _Part, dk_p: Tensor, dv_p: Tensor):
+    shape_k = dk_p.shape[:-2] + (own_part.hi - own_part.lo,) + dk_p.shape[-1:]
+    shape_v = dv_p.shape[:-2] + (own_part.hi - own_part.lo,) + dv_p.shape[-1:]
+    recv = [torch.empty(shape_k, dtype=dk_p.dtype, device=dk_p.device),
+            torch.empty(shape_v, dtype=dv_p.dtype, device=dv_p.device)]
+    to, frm = spec.peer(spec.rank - t), spec.peer(spec.rank + t)
+    ops = [dist.P2POp(dist.isend, dk_p, to, spec.group), dist.P2POp(dist.isend, dv_p, to, spec.group),
+           dist.P2POp(dist.irecv, recv[0], frm, spec.group), dist.P2POp(dist.irecv, recv[1], frm, spec.group)]
+    return dist.batch_isend_irecv(ops), own_part, recv, (dk_p, dv_p)
+
+
+def _finish_sent(sent, dk, dv) -> None:
+    if sent is None:
+        return
+    reqs, part, recv, _ = sent
+    _wait(reqs)
+    dk[..., part.lo:part.hi, :] += recv[0]
+    dv[..., part.lo:part.hi, :] += recv[1]
+
+
+def _attention(spec: _Spec, q, k, v, b, m, causal):
     from .api import attention
 
-    with torch.no_grad():
-        return attention(q, k, v, b, m, scale=spec.scale, causal=causal, return_lse=True, **spec.attn_kwargs)
+    return attention(q, k, v, b, m, scale=spec.scale, causal=causal, return_lse=True, **spec.attn_kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -471,8 +517,8 @@ def _agree(group, world: int, rank: int, error: Optional[str], meta) -> None:
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, bias=None, mask: Optional[Tensor] = None, *,
                    group=None, causal: bool = False, layout: str = "contiguous", scale: Optional[float] = None,
-                   backend: str = "auto", return_lse: bool = False, grad_dtype: Optional[torch.dtype] = None,
-                   check: bool = True, **options):
+                   backend: str = "auto", return_lse: bool = False, kv_parts: int = 1,
+                   grad_dtype: Optional[torch.dtype] = None, check: bool = True, **options):
     """Attention over a sequence sharded across the ranks of ``group`` (every rank calls it).
 
     Args:
@@ -497,8 +543,12 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, bias=None, mask: Optional[Te
         backend, **options: the local op used by every step (:func:`attn_ops.attention`); needs lse with grad.
         return_lse: also return lse ``[*batch, H, n]`` (float32; float64 for float64 inputs), natural log of the
             softmax denominator over the whole sequence; differentiable. A row with no key: out 0, lse -inf.
-        grad_dtype: dtype of the dK/dV accumulators that travel in the backward (default float32, float64 for
-            float64 inputs; ``q.dtype`` halves that traffic and memory at low precision).
+        kv_parts: every K/V segment travels as this many parts, each prefetched while the previous one is
+            computed: with W = 2 the extra memory is about 2 parts instead of a whole K/V block (see
+            :class:`_KVStream`); bias and mask tiles are per part too.
+        grad_dtype: dtype of the dQ/dK/dV accumulators and of the dK/dV contributions sent in the backward
+            (default float32, float64 for float64 inputs; ``q.dtype`` halves that memory and traffic at low
+            precision at the cost of one rounding per contribution).
         check: exchange a validity flag and the shapes across ranks first, so that a rank with bad input makes
             every rank raise the same ValueError instead of hanging in a point-to-point op.
 
@@ -506,11 +556,10 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, bias=None, mask: Optional[Te
         out ``[*batch, H, n, Dv]`` in q's dtype (local rows), and with ``return_lse`` also lse.
     """
     if group is None and not (dist.is_available() and dist.is_initialized()):
-        world, rank, prev, nxt = 1, 0, 0, 0
+        world, rank, peers = 1, 0, [0]
     else:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        prev = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
-        nxt = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
+        peers = [dist.get_global_rank(group, i) if group is not None else i for i in range(world)]
     bias_fn = None
     error, meta = None, None
     try:
@@ -523,6 +572,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, bias=None, mask: Optional[Te
                              f"k {tuple(k.shape)}")
         n_total = q.shape[-2] * world
         local_segments(layout, world, rank, q.shape[-2])  # zigzag: even local length
+        if not isinstance(kv_parts, int) or not 1 <= kv_parts <= q.shape[-2] // (2 if layout == "zigzag" else 1):
+            raise ValueError(f"kv_parts must be an int in [1, segment length], got {kv_parts!r}")
         if callable(bias) and not isinstance(bias, torch.Tensor):
             bias_fn, bias = bias, None
         elif bias is not None:
@@ -531,7 +582,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, bias=None, mask: Optional[Te
             mask = _check_side("mask", mask, q, n_total, is_mask=True)
         meta = (tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype), layout, causal, scale,
                 None if bias is None else tuple(bias.shape), bias_fn is not None,
-                None if mask is None else tuple(mask.shape), backend)
+                None if mask is None else tuple(mask.shape), backend, kv_parts)
     except (TypeError, ValueError, NotImplementedError) as exc:
         if world == 1 or not check:
             raise
@@ -539,8 +590,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, bias=None, mask: Optional[Te
     if check:
         _agree(group, world, rank, error, meta)
     params = _fn_params(bias_fn) if bias_fn is not None else ()
-    spec = _Spec(group=group, world=world, rank=rank, prev=prev, next=nxt, layout=layout, causal=causal,
-                 scale=scale, attn_kwargs=dict(backend=backend, **options), bias_fn=bias_fn,
-                 n_bias_params=len(params), grad_dtype=grad_dtype)
+    spec = _Spec(group=group, world=world, rank=rank, peers=peers, layout=layout, causal=causal, scale=scale,
+                 attn_kwargs=dict(backend=backend, **options), bias_fn=bias_fn, kv_parts=kv_parts,
+                 grad_dtype=grad_dtype)
     out, lse = _RingAttention.apply(spec, q, k, v, bias, mask, *params)
     return (out, lse) if return_lse else out

@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 
 from attn_ops import registry
 from attn_ops.reference import attention_reference
-from attn_ops.ring import (ring_attention, ring_positions, shard_sequence, unshard_sequence, zigzag_merge,
-                           zigzag_split, _plan_step, local_segments)
+from attn_ops.ring import (block_parts, local_segments, plan_part, ring_attention, ring_positions, shard_sequence,
+                           unshard_sequence, zigzag_merge, zigzag_split)
 
 
 def _free_port() -> int:
@@ -108,7 +108,7 @@ def _reference(case, world, seed):
     return out.detach(), lse.detach(), grads
 
 
-def _check_case(case, world, rank, seed, backend="chunked"):
+def _check_case(case, world, rank, seed, backend="chunked", kv_parts=1):
     name, causal, layout, bias_kind, mask_kind, dtype, lse_loss = case
     out_ref, lse_ref, g_ref = _reference(case, world, seed)
     q, k, v, bias, mask, do, dl, module = _inputs(case, world, seed)
@@ -120,7 +120,7 @@ def _check_case(case, world, rank, seed, backend="chunked"):
     ml = None if mask is None else (shard(mask) if mask.shape[-2] > 1 else mask)
     strided = lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2)  # noqa: E731 (non-contiguous view)
     out, lse = ring_attention(ql, strided(kl), strided(vl), module if module is not None else bl, ml, causal=causal,
-                              layout=layout, return_lse=True, backend=backend)
+                              layout=layout, return_lse=True, backend=backend, kv_parts=kv_parts)
     _loss(out, lse, shard(do).to(dtype), None if dl is None else shard(dl, -1)).backward()
     # float64: rounding only. float32: a few times plain float32 PyTorch's own error on these inputs.
     tol = 1e-10 if dtype == torch.float64 else 2e-5
@@ -175,6 +175,9 @@ def _worker(rank, world, port, err_dir):
     try:
         for i, case in enumerate(CASES):
             _check_case(case, world, rank, seed=1000 + i)
+        # K/V streamed in 2 parts per segment (prefetch one part while computing the previous one).
+        for i in (0, 1, 2, 5):
+            _check_case(CASES[i], world, rank, seed=3000 + i, kv_parts=2)
         _check_bad_input(world, rank)
         # The cases above use chunked, whose registry entry has an lse_backward (one backward call per step
         # with the merged out/lse). The torch backend has none: the ring recomputes each step's forward.
@@ -213,24 +216,30 @@ def test_zigzag_split_merge_roundtrip_and_positions():
         zigzag_split(x, 1, 5, 0)
 
 
-def test_plan_skips_future_and_balances_zigzag():
-    """Causal zigzag: every rank computes the same number of (query, key) pairs, and never a future one."""
-    world, n = 4, 8
+@pytest.mark.parametrize("layout,parts", [("zigzag", 1), ("zigzag", 3), ("contiguous", 2)])
+def test_plan_covers_exactly_the_causal_pairs(layout, parts):
+    """Causal: the calls of all parts attend each (query, key) pair with key <= query exactly once and no
+    other; with zigzag every rank does the same amount of work."""
+    world, n = 4, 12
     work = []
     for r in range(world):
-        q_segs = local_segments("zigzag", world, r, n)
-        qpos = ring_positions(n, world, r, "zigzag")
-        total = 0
+        qpos = ring_positions(n, world, r, layout)
+        seen = torch.zeros(n, n * world, dtype=torch.long)
         for s in range(world):
-            kpos = ring_positions(n, world, s, "zigzag")
-            for c in _plan_step(q_segs, local_segments("zigzag", world, s, n), True):
-                qq, kk = qpos[c.q_lo:c.q_hi], kpos[c.k_lo:c.k_hi]
-                seen = kk[None, :] <= qq[:, None] if not c.causal else torch.ones(len(qq), len(kk), dtype=torch.bool)
-                if not c.causal:
-                    assert seen.all(), "a non-causal call contains future keys"
-                total += len(qq) * len(kk)
-        work.append(total)
-    assert len(set(work)) == 1, work
+            kpos = ring_positions(n, world, s, layout)
+            for part in block_parts(layout, world, s, n, parts):
+                for c in plan_part(local_segments(layout, world, r, n), part, True):
+                    kl = part.hi - part.lo if c.k_len is None else c.k_len
+                    qq, kk = qpos[c.q_lo:c.q_hi], kpos[part.lo:part.lo + kl]
+                    allowed = torch.ones(len(qq), len(kk), dtype=torch.bool)
+                    if c.causal:
+                        allowed = torch.ones_like(allowed).tril(kl - len(qq))
+                    seen[c.q_lo:c.q_hi][:, kk] += allowed.long()
+        want = (torch.arange(n * world)[None, :] <= qpos[:, None]).long()
+        assert torch.equal(seen, want), (r, seen - want)
+        work.append(int(seen.sum()))
+    if layout == "zigzag":
+        assert len(set(work)) == 1, work
 
 
 def test_world1_without_process_group_matches_attention():
