@@ -30,7 +30,14 @@ class Task(L.LightningModule):
         super().__init__()
         if scheduler_interval not in ("step", "epoch"):
             raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}")
-        self.save_hyperparameters(logger=False, ignore=["net"])
+        # hparams hold plain values only, so checkpoints load with torch.load(weights_only=True)
+        self.save_hyperparameters(logger=False, ignore=["net", "optimizer", "scheduler", "attention"])
+        if attention is not None:
+            from models.primitives import AttentionConfig
+
+            a = AttentionConfig.coerce(attention)
+            self.hparams["attention"] = {"backend": a.backend, **a.options}
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.net = net
 
     def setup(self, stage: str) -> None:
@@ -38,10 +45,10 @@ class Task(L.LightningModule):
             self.net = torch.compile(self.net)
 
     def configure_optimizers(self):
-        optimizer = self.hparams.optimizer(params=self.trainer.model.parameters())
-        if self.hparams.scheduler is None:
+        optimizer = self.optimizer_factory(params=self.trainer.model.parameters())
+        if self.scheduler_factory is None:
             return {"optimizer": optimizer}
-        scheduler = self.hparams.scheduler(optimizer=optimizer)
+        scheduler = self.scheduler_factory(optimizer=optimizer)
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": self.hparams.scheduler_interval,
