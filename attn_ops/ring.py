@@ -394,7 +394,10 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=gdt, device=q.device)
         dk = torch.zeros(k.shape, dtype=gdt, device=q.device) if need_kv else None
         dv = torch.zeros(v.shape, dtype=gdt, device=q.device) if need_kv else None
-        db = torch.zeros(bias.shape, dtype=gdt, device=q.device) if need_b_tensor else None
+        # Each (query, key) pair lies in exactly one call, so a bias with full row and column dims gets every
+        # element written once (kept in its own dtype); a broadcast bias sums over calls (in gdt).
+        db_dtype = bias.dtype if need_b_tensor and bias.shape[-2] == n and bias.shape[-1] == n * W else gdt
+        db = torch.zeros(bias.shape, dtype=db_dtype, device=q.device) if need_b_tensor else None
         dparams = [torch.zeros_like(p) for p in bias_params] if need_params else None
         stream = _KVStream(spec, k, v)
         sent = None  # the contribution exchange of the previous step, still in flight

@@ -1,0 +1,318 @@
+"""Ring attention on 2 GPUs (NCCL) vs the same attention op on 1 GPU: correctness, tokens/s, peak memory.
+
+    torchrun --nproc_per_node=2 scripts/bench_ring.py --check --out results.json
+
+``--check``: ring vs the float64 reference at 2 ranks (small shapes, bf16 and fp32), with the error bounded
+like the CPU tests: ``tolerance * (plain PyTorch's error in that dtype) + 8 ulp``.
+Benchmark: causal ``[1, H, L, D]`` bf16, fwd+bwd with gradients into q, k, v (and the bias). Time is the
+median over iterations of the slowest rank; peak is ``torch.cuda.max_memory_allocated`` during one step,
+inputs (q, k, v, dO, bias) included, per GPU. The 1-GPU baseline runs on rank 0 while rank 1 waits.
+Results are appended as JSON lines to ``--out`` as they come (a deadline stops before the time runs out).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import attn_ops  # noqa: E402
+from attn_ops import registry  # noqa: E402
+from attn_ops.reference import attention_reference  # noqa: E402
+from attn_ops.ring import ring_attention, shard_sequence  # noqa: E402
+
+GiB = 2 ** 30
+ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -23}
+
+
+def log(rank, msg):
+    if rank == 0:
+        print(msg, flush=True)
+
+
+def emit(args, rank, rec):
+    if rank == 0:
+        print(json.dumps(rec), flush=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# Correctness at 2 ranks
+# --------------------------------------------------------------------------------------------------
+class _RelBias(torch.nn.Module):
+    def __init__(self, heads, max_dist=64):
+        super().__init__()
+        self.max_dist = max_dist
+        self.table = torch.nn.Parameter(torch.randn(heads, 2 * max_dist + 1) * 0.5)
+
+    def forward(self, q_pos, k_pos):
+        rel = (k_pos[None, :] - q_pos[:, None]).clamp(-self.max_dist, self.max_dist) + self.max_dist
+        return self.table[:, rel]  # [H, Lq, Lk]
+
+
+def _errs(got, ref):
+    out = []
+    for a, b in zip(got, ref):
+        if a is None:
+            out.append(None)
+            continue
+        a, b = a.double(), b.double()
+        ok = torch.isfinite(b)
+        out.append((a[ok] - b[ok]).abs().max().item())
+    return out
+
+
+def check(args, rank, world, dev):
+    names = ["out", "lse", "dq", "dk", "dv", "dbias"]
+    cases = [
+        dict(name="causal_zigzag_pairbias_keymask", causal=True, layout="zigzag", bias="pair", mask=True, parts=1),
+        dict(name="causal_zigzag_pairbias_parts4", causal=True, layout="zigzag", bias="pair", mask=False, parts=4),
+        dict(name="bidir_contiguous_relbias_module", causal=False, layout="contiguous", bias="module", mask=True,
+             parts=2),
+    ]
+    for dtype in (torch.bfloat16, torch.float32):
+        for gdt in (None, dtype):
+            for case in cases:
+                if gdt is not None and case["bias"] == "module":
+                    continue
+                t0 = time.time()
+                g = torch.Generator(device=dev).manual_seed(7)
+                B, H, L, D = 2, 4, args.check_len, 64
+                q, k, v, do = (torch.randn(B, H, L, D, generator=g, device=dev, dtype=torch.float64) for _ in range(4))
+                module = None
+                bias = None
+                if case["bias"] == "pair":
+                    bias = torch.randn(1, H, L, L, generator=g, device=dev, dtype=torch.float64)
+                else:
+                    torch.manual_seed(3)
+                    module = _RelBias(H).to(dev)
+                mask = (torch.rand(B, 1, 1, L, generator=g, device=dev) > 0.3) if case["mask"] else None
+                if mask is not None:
+                    mask[..., 0] = True
+
+                def full_run(dt, upcast):
+                    leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+                    if module is not None:
+                        m64 = _RelBias(H).to(dev).to(dt)
+                        m64.load_state_dict(module.state_dict())
+                        pos = torch.arange(L, device=dev)
+                        b_in, b_leaf = m64(pos, pos), m64.table
+                    else:
+                        b_leaf = bias.detach().to(dt).requires_grad_()
+                        b_in = b_leaf
+                    o, l = attention_reference(*leaves, b_in, mask, None, case["causal"], upcast=upcast)
+                    o.backward(do.to(dt))
+                    return [o, l] + [t.grad for t in leaves] + [b_leaf.grad]
+
+                ref = full_run(torch.float64, True)
+                plain = full_run(dtype, False)  # plain low-precision PyTorch: the yardstick
+                shard = lambda t, d=-2: shard_sequence(t, d, world, rank, case["layout"])  # noqa: E731
+                ql, kl, vl = (shard(t).to(dtype).requires_grad_() for t in (q, k, v))
+                if module is not None:
+                    mod_r = _RelBias(H).to(dev)
+                    mod_r.load_state_dict(module.state_dict())
+                    b_arg = mod_r
+                else:
+                    b_arg = shard(bias).to(dtype).requires_grad_()
+                o, l = ring_attention(ql, kl, vl, b_arg, mask, causal=case["causal"], layout=case["layout"],
+                                      backend=args.backend, return_lse=True, kv_parts=case["parts"], grad_dtype=gdt)
+                o.backward(shard(do).to(dtype))
+                b_grad = (mod_r.table.grad if module is not None else b_arg.grad)
+                if module is not None:
+                    b_grad = b_grad.clone()
+                    dist.all_reduce(b_grad)
+                    ref_b, plain_b = ref[5], plain[5]
+                else:
+                    ref_b, plain_b = shard(ref[5]), shard(plain[5])
+                got = [o, l, ql.grad, kl.grad, vl.grad, b_grad]
+                ref_l = [shard(ref[0]), shard(ref[1], -1), shard(ref[2]), shard(ref[3]), shard(ref[4]), ref_b]
+                plain_l = [shard(plain[0]), shard(plain[1], -1), shard(plain[2]), shard(plain[3]), shard(plain[4]),
+                           plain_b]
+                e_ring, e_plain = _errs(got, ref_l), _errs(plain_l, ref_l)
+                tol = registry.get(args.backend if args.backend != "auto" else "triton").tolerance.get(dtype, 2.0) \
+                    if args.backend in registry.BACKENDS else 2.0
+                rows = {}
+                ok = True
+                for nme, er, ep, r in zip(names, e_ring, e_plain, ref_l):
+                    scale = max(r.double().abs().max().item(), 1.0)
+                    bound = tol * ep + 8 * ULP[dtype] * scale
+                    t_er = torch.tensor([er], device=dev, dtype=torch.float64)
+                    dist.all_reduce(t_er, op=dist.ReduceOp.MAX)
+                    rows[nme] = dict(ring=t_er.item(), plain_torch=ep, bound=bound, ok=t_er.item() <= bound)
+                    ok &= t_er.item() <= bound
+                emit(args, rank, dict(kind="check", case=case["name"], dtype=str(dtype), grad_dtype=str(gdt),
+                                      backend=args.backend, ok=ok, errors=rows, seconds=round(time.time() - t0, 1)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Benchmark
+# --------------------------------------------------------------------------------------------------
+class _Dev:
+    """CUDA timing and memory stats; on CPU (``--cpu`` smoke runs) wall time and zeros."""
+
+    def __init__(self, dev):
+        self.cuda = dev.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def reset_peak(self):
+        if self.cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def allocated(self):
+        return torch.cuda.memory_allocated() if self.cuda else 0
+
+    def peak(self):
+        return torch.cuda.max_memory_allocated() if self.cuda else 0
+
+
+def _step_time(fn, iters, d: _Dev, barrier=True):
+    times = []
+    for _ in range(iters):
+        if barrier:
+            dist.barrier()
+        d.sync()
+        t0 = time.perf_counter()
+        fn()
+        d.sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def bench_one(args, rank, world, dev, L, bias_kind, mode, parts=1, gdt=None):
+    """mode "single": rank 0 alone on the full length; mode "ring": every rank on its shard."""
+    H, D = args.heads, args.dim
+    n = L if mode == "single" else L // world
+    d = _Dev(dev)
+    d.reset_peak()
+    g = torch.Generator(device=dev).manual_seed(rank)
+    q, k, v = (torch.randn(1, H, n, D, generator=g, device=dev, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    do = torch.randn(1, H, n, D, generator=g, device=dev, dtype=torch.bfloat16)
+    bias = None
+    if bias_kind == "pair":
+        bias = torch.randn(1, H, n, L, generator=g, device=dev, dtype=torch.bfloat16).requires_grad_()
+    elif bias_kind == "keys":
+        bias = torch.randn(1, H, 1, L, generator=g, device=dev, dtype=torch.bfloat16).requires_grad_()
+
+    def step():
+        for t in (q, k, v, bias):
+            if t is not None:
+                t.grad = None
+        if mode == "single":
+            o = attn_ops.attention(q, k, v, bias, causal=True, backend=args.backend)
+        else:
+            o = ring_attention(q, k, v, bias, causal=True, layout="zigzag", backend=args.backend,
+                               kv_parts=parts, grad_dtype=gdt)
+        o.backward(do)
+
+    sync = mode == "ring"
+    step()  # warm-up (and kernel tuning)
+    for t in (q, k, v, bias):
+        if t is not None:
+            t.grad = None
+    d.sync()
+    d.reset_peak()
+    base = d.allocated()
+    ms = _step_time(step, args.iters, d, barrier=sync)
+    peak = d.peak()
+    if sync:
+        t = torch.tensor([ms, peak], device=dev, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        ms, peak = t[0].item(), int(t[1].item())
+    del q, k, v, do, bias
+    return dict(ms=round(ms, 2), tokens_per_s=round(L / (ms / 1e3)), peak_gib=round(peak / GiB, 3),
+                inputs_gib=round(base / GiB, 3))
+
+
+def bench(args, rank, world, dev, t_start):
+    for L in args.lengths:
+        for bias_kind in args.biases:
+            if bias_kind == "pair" and L > args.max_pair_len:
+                continue
+            if time.time() - t_start > args.deadline:
+                log(rank, f"deadline reached, skipping L={L} bias={bias_kind}")
+                return
+            rec = dict(kind="bench", L=L, bias=bias_kind, heads=args.heads, dim=args.dim, backend=args.backend)
+            single = None
+            if rank == 0:
+                try:
+                    single = bench_one(args, rank, world, dev, L, bias_kind, "single")
+                except torch.cuda.OutOfMemoryError:
+                    single = "OOM"
+                _Dev(dev).reset_peak()
+            dist.barrier()
+            rec["single"] = single
+            for parts in args.kv_parts:
+                for gname in args.grad_dtypes:
+                    gdt = None if gname == "float32" else getattr(torch, gname)
+                    r = bench_one(args, rank, world, dev, L, bias_kind, "ring", parts, gdt)
+                    if isinstance(single, dict):
+                        r["speedup"] = round(single["ms"] / r["ms"], 3)
+                        r["peak_ratio"] = round(r["peak_gib"] / max(single["peak_gib"], 1e-9), 3)
+                    rec[f"ring_parts{parts}_{gname}"] = r
+            emit(args, rank, rec)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_ring.jsonl")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--backend", default="triton")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--biases", nargs="+", default=["none", "keys", "pair"])
+    ap.add_argument("--max-pair-len", type=int, default=32768)
+    ap.add_argument("--kv-parts", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--grad-dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--cpu", action="store_true", help="gloo on CPU, for a smoke run of the script")
+    ap.add_argument("--check-len", type=int, default=2048)
+    ap.add_argument("--deadline", type=float, default=240.0, help="seconds after which no new config starts")
+    args = ap.parse_args()
+    t_start = time.time()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if args.cpu:  # smoke run of this script on gloo
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    else:
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=dev, timeout=datetime.timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+
+    lse_bwd = registry.get(args.backend).lse_backward if args.backend in registry.BACKENDS else None
+    emit(args, rank, dict(kind="env", gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                          world=world, torch=torch.__version__, triton=triton_version, cuda=torch.version.cuda, backend=args.backend,
+                          backend_lse_backward=lse_bwd,
+                          date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                          nccl_nvls=os.environ.get("NCCL_NVLS_ENABLE")))
+    if args.check:
+        check(args, rank, world, dev)
+    if not args.no_bench:
+        bench(args, rank, world, dev, t_start)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
