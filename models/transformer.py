@@ -157,19 +157,33 @@ class TransformerBlock(nn.Module):
         q, k, v = self.rope(qkv[0], positions), self.rope(qkv[1], positions), qkv[2]
         mask = None if pad_mask is None else pad_mask[:, None, None, :]  # [B, 1, 1, L] key padding
         opts = dict(backend=self.attention.backend, **self.attention.options)
-        if self.process_group is None:
+        group = resolve_group(self.process_group)
+        if group is None:
             bias = None if self.rel_bias is None else self.rel_bias(positions, positions)  # [H, n, n]
             o = attn_ops.attention(q, k, v, bias, mask, causal=self.causal, **opts)
         else:
-            o = ring_attention(q, k, v, self.rel_bias, mask, group=self.process_group, causal=self.causal,
+            o = ring_attention(q, k, v, self.rel_bias, mask, group=group, causal=self.causal,
                                layout=self.layout, **opts)
         o = o.transpose(1, 2).reshape(B, n, d)  # [B, H, n, Dh] -> [B, n, d]
         x = x + self.drop(self.out(o))
         return x + self.drop(self.ffn(self.norm_ffn(x)))
 
 
+def resolve_group(group):
+    """``process_group`` as given to the blocks: None, a ProcessGroup, or ``"world"`` (the default group once
+    ``torch.distributed`` is initialised, e.g. by Lightning's DDP strategy; None while it is not or W = 1)."""
+    if isinstance(group, str):
+        if group != "world":
+            raise ValueError(f"process_group must be None, a ProcessGroup or 'world', got {group!r}")
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        return dist.group.WORLD
+    return group
+
+
 def local_positions(n: int, group, layout: str, device) -> Tensor:
     """Long ``[n]`` global positions of this rank's shard (``arange(n)`` without a group)."""
+    group = resolve_group(group)
     if group is None:
         return torch.arange(n, device=device)
     return ring_positions(n, dist.get_world_size(group), dist.get_rank(group), layout, device=device)
@@ -182,8 +196,11 @@ class TransformerLM(nn.Module):
     """Token embedding -> ``num_layers`` blocks -> LayerNorm -> vocabulary logits.
 
     ``causal=True``: a causal LM; ``causal=False``: a bidirectional (ESM-2-style, masked-LM) encoder.
-    With ``process_group`` the model runs context-parallel: ``tokens``/``pad_mask`` are this rank's shard
-    (see :func:`shard_for_context_parallel`) and the logits are the shard's logits.
+    With ``process_group`` (a group, or ``"world"`` resolved at the first forward) the model runs
+    context-parallel: ``tokens``/``pad_mask`` are this rank's shard (:meth:`shard_batch`) and the logits
+    are the shard's logits. Train it with every rank of the group seeing the same batches (Lightning:
+    ``Trainer(strategy="ddp", use_distributed_sampler=False)``); DDP's gradient average over the group then
+    equals the single-device gradient of the mean loss when ranks score equal token counts.
     """
 
     def __init__(self, vocab_size: int, d_model: int, num_layers: int, num_heads: int, causal: bool = True,
@@ -209,11 +226,12 @@ class TransformerLM(nn.Module):
             raise ValueError(f"pad_mask must be bool {tuple(tokens.shape)} like tokens, got "
                              f"{pad_mask.dtype} {tuple(pad_mask.shape)}")
         B, n = tokens.shape
-        world = 1 if self.process_group is None else dist.get_world_size(self.process_group)
+        group = resolve_group(self.process_group)
+        world = 1 if group is None else dist.get_world_size(group)
         if self.max_len is not None and n * world > self.max_len:
             raise ValueError(f"sequence length {n * world} (local {n} x {world} ranks) exceeds max_len {self.max_len}")
-        positions = local_positions(n, self.process_group, self.layout, tokens.device)
-        full_mask = None if pad_mask is None else gather_sequence(pad_mask, self.process_group, self.layout)
+        positions = local_positions(n, group, self.layout, tokens.device)
+        full_mask = None if pad_mask is None else gather_sequence(pad_mask, group, self.layout)
         x = self.embed(tokens)  # [B, n, d]
         for block in self.blocks:
             if self.checkpoint and self.training and torch.is_grad_enabled():
@@ -221,6 +239,19 @@ class TransformerLM(nn.Module):
             else:
                 x = block(x, full_mask, positions)
         return self.head(self.norm(x))
+
+
+    def shard_batch(self, batch: dict, keys: Sequence[str] = ("tokens", "pad_mask", "target", "loss_mask")) -> dict:
+        """In context-parallel mode, this rank's sequence shard of every ``[B, L, ...]`` entry in ``keys``
+        (others pass through); otherwise the batch unchanged. Every rank must hold the same batch."""
+        group = resolve_group(self.process_group)
+        if group is None:
+            return batch
+        out = dict(batch)
+        for key in keys:
+            if key in out and out[key] is not None:
+                out[key], = shard_for_context_parallel([out[key]], group, self.layout)
+        return out
 
 
 def esm2_like(vocab_size: int = 33, d_model: int = 320, num_layers: int = 6, num_heads: int = 20, **kwargs):

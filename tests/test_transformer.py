@@ -129,7 +129,7 @@ def _cp_case(rank, world, causal, layout):
     kw = dict(vocab_size=11, d_model=32, num_layers=2, num_heads=4, causal=causal, rel_pos_bias=True,
               attention="chunked", layout=layout)
     single = _perturb_final_linears(_lm(seed=11, **kw))
-    cp = _perturb_final_linears(_lm(seed=11, process_group=dist.group.WORLD, **kw))
+    cp = _perturb_final_linears(_lm(seed=11, process_group="world" if causal else dist.group.WORLD, **kw))
     g = torch.Generator().manual_seed(12)
     tokens = torch.randint(0, 11, (2, 16), generator=g)
     pad = torch.rand(2, 16, generator=g) > 0.3
@@ -137,7 +137,9 @@ def _cp_case(rank, world, causal, layout):
     weight = torch.randn(2, 16, 11, generator=g, dtype=torch.float64)
     ref = single(tokens, pad)
     (ref * weight).sum().backward()
-    t_loc, p_loc, w_loc = shard_for_context_parallel([tokens, pad, weight], layout=layout)
+    local = cp.shard_batch({"tokens": tokens, "pad_mask": pad, "weight": weight},
+                           keys=("tokens", "pad_mask", "weight"))
+    t_loc, p_loc, w_loc = local["tokens"], local["pad_mask"], local["weight"]
     out = cp(t_loc, p_loc)
     (out * w_loc).sum().backward()
     ref_loc, = shard_for_context_parallel([ref.detach()], layout=layout)
