@@ -238,35 +238,120 @@ def bench_one(args, rank, world, dev, L, bias_kind, mode, parts=1, gdt=None):
 
 
 def bench(args, rank, world, dev, t_start):
+    configs = [(L, b) for L in args.lengths for b in args.biases if b != "pair" or L <= args.max_pair_len]
+    if args.oom_pair_len:
+        configs.append((args.oom_pair_len, "pair"))  # a length whose dense pair bias does not fit one GPU
+    variants = [tuple(v.split(":")) for v in args.variants]  # "parts:grad_dtype"
+    for L, bias_kind in configs:
+        if time.time() - t_start > args.deadline:
+            log(rank, f"deadline reached, skipping L={L} bias={bias_kind}")
+            return
+        rec = dict(kind="bench", L=L, bias=bias_kind, heads=args.heads, dim=args.dim, backend=args.backend)
+        for parts, gname in variants:
+            gdt = None if gname == "float32" else getattr(torch, gname)
+            rec[f"ring_parts{parts}_{gname}"] = bench_one(args, rank, world, dev, L, bias_kind, "ring", int(parts), gdt)
+        single = None
+        if rank == 0:  # after the ring runs, so that an OOM here cannot strand the other rank in a p2p op
+            try:
+                single = bench_one(args, rank, world, dev, L, bias_kind, "single")
+            except torch.cuda.OutOfMemoryError as exc:
+                single = f"OOM ({str(exc)[:120]})"
+            _Dev(dev).reset_peak()
+        dist.barrier()
+        rec["single"] = single
+        for key, r in rec.items():
+            if key.startswith("ring_") and isinstance(single, dict):
+                r["speedup"] = round(single["ms"] / r["ms"], 3)
+                r["peak_ratio"] = round(r["peak_gib"] / max(single["peak_gib"], 1e-9), 3)
+        emit(args, rank, rec)
+
+
+def bench_torch_cp(args, rank, world, dev, t_start):
+    """PyTorch's ``context_parallel`` (ring SDPA, no bias) on the same shapes, for a side-by-side row."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = init_device_mesh("cuda", (world,))
     for L in args.lengths:
-        for bias_kind in args.biases:
-            if bias_kind == "pair" and L > args.max_pair_len:
-                continue
-            if time.time() - t_start > args.deadline:
-                log(rank, f"deadline reached, skipping L={L} bias={bias_kind}")
-                return
-            rec = dict(kind="bench", L=L, bias=bias_kind, heads=args.heads, dim=args.dim, backend=args.backend)
-            single = None
-            if rank == 0:
-                try:
-                    single = bench_one(args, rank, world, dev, L, bias_kind, "single")
-                except torch.cuda.OutOfMemoryError:
-                    single = "OOM"
-                _Dev(dev).reset_peak()
-            dist.barrier()
-            rec["single"] = single
-            for parts in args.kv_parts:
-                for gname in args.grad_dtypes:
-                    gdt = None if gname == "float32" else getattr(torch, gname)
-                    r = bench_one(args, rank, world, dev, L, bias_kind, "ring", parts, gdt)
-                    if isinstance(single, dict):
-                        r["speedup"] = round(single["ms"] / r["ms"], 3)
-                        r["peak_ratio"] = round(r["peak_gib"] / max(single["peak_gib"], 1e-9), 3)
-                    rec[f"ring_parts{parts}_{gname}"] = r
-            emit(args, rank, rec)
+        if time.time() - t_start > args.deadline:
+            log(rank, f"deadline reached, skipping torch context_parallel L={L}")
+            return
+        d = _Dev(dev)
+        g = torch.Generator(device=dev).manual_seed(0)  # the same full tensors on every rank
+        q, k, v, do = (torch.randn(1, args.heads, L, args.dim, generator=g, device=dev, dtype=torch.bfloat16)
+                       for _ in range(4))
+        rec = dict(kind="torch_context_parallel", L=L, heads=args.heads, dim=args.dim)
+        try:
+            with context_parallel(mesh, buffers=[q, k, v, do], buffer_seq_dims=[2, 2, 2, 2]):
+                for t in (q, k, v):
+                    t.requires_grad_()
+
+                def step():
+                    for t in (q, k, v):
+                        t.grad = None
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+
+                step()
+                d.sync()
+                d.reset_peak()
+                ms = _step_time(step, args.iters, d)
+                peak = d.peak()
+            t = torch.tensor([ms, peak], device=dev, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            rec.update(ms=round(t[0].item(), 2), tokens_per_s=round(L / (t[0].item() / 1e3)),
+                       peak_gib=round(t[1].item() / GiB, 3))
+        except Exception as exc:  # report, do not crash the run
+            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        emit(args, rank, rec)
+        del q, k, v, do
+
+
+def report(path: str) -> str:
+    """Markdown tables from a results file written by this script."""
+    recs = [json.loads(x) for x in open(path) if x.strip().startswith("{")]
+    lines = []
+    for r in recs:
+        if r["kind"] == "env":
+            lines.append(f"- {r['world']} x {r['gpu']}, torch {r['torch']}, triton {r['triton']}, CUDA {r['cuda']}, "
+                         f"inner backend `{r['backend']}` (lse_backward: `{r['backend_lse_backward']}`), {r['date']}, "
+                         f"NCCL_NVLS_ENABLE={r['nccl_nvls']}")
+    checks = [r for r in recs if r["kind"] == "check"]
+    if checks:
+        lines += ["", "| check (2 ranks) | dtype | grad_dtype | ok | max ring err / bound (out, lse, dq, dk, dv, dbias) |",
+                  "|---|---|---|---|---|"]
+        for r in checks:
+            errs = ", ".join(f"{e['ring']:.2e}/{e['bound']:.1e}" for e in r["errors"].values())
+            lines.append(f"| {r['case']} | {r['dtype']} | {r['grad_dtype']} | {r['ok']} | {errs} |")
+    benches = [r for r in recs if r["kind"] == "bench"]
+    if benches:
+        lines += ["", "| L | bias | run | ms (fwd+bwd) | tokens/s | speed-up vs 1 GPU | peak GiB/GPU | peak vs 1 GPU |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in benches:
+            s1 = r["single"]
+            if isinstance(s1, dict):
+                lines.append(f"| {r['L']} | {r['bias']} | 1 GPU | {s1['ms']} | {s1['tokens_per_s']} | 1 | "
+                             f"{s1['peak_gib']} | 1 |")
+            else:
+                lines.append(f"| {r['L']} | {r['bias']} | 1 GPU | {s1} | | | | |")
+            for key, x in r.items():
+                if key.startswith("ring_"):
+                    lines.append(f"| {r['L']} | {r['bias']} | 2 GPUs {key[5:]} | {x['ms']} | {x['tokens_per_s']} | "
+                                 f"{x.get('speedup', '')} | {x['peak_gib']} | {x.get('peak_ratio', '')} |")
+    tcp = [r for r in recs if r["kind"] == "torch_context_parallel"]
+    if tcp:
+        lines += ["", "| L | PyTorch context_parallel (2 GPUs, SDPA, no bias) | ms | tokens/s | peak GiB/GPU |",
+                  "|---|---|---|---|---|"]
+        for r in tcp:
+            lines.append(f"| {r['L']} | {r.get('error', 'ok')} | {r.get('ms', '')} | {r.get('tokens_per_s', '')} | "
+                         f"{r.get('peak_gib', '')} |")
+    return "\n".join(lines)
 
 
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--report":
+        print(report(sys.argv[2]))
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_ring.jsonl")
     ap.add_argument("--check", action="store_true")
@@ -275,11 +360,13 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--biases", nargs="+", default=["none", "keys", "pair"])
     ap.add_argument("--max-pair-len", type=int, default=32768)
-    ap.add_argument("--kv-parts", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--grad-dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--variants", nargs="+", default=["1:float32", "4:float32", "4:bfloat16"],
+                    help="ring variants as kv_parts:grad_dtype")
+    ap.add_argument("--oom-pair-len", type=int, default=0, help="extra pair-bias length expected to OOM on 1 GPU")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--torch-cp", action="store_true", help="also time PyTorch's context_parallel (no bias)")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU, for a smoke run of the script")
     ap.add_argument("--check-len", type=int, default=2048)
     ap.add_argument("--deadline", type=float, default=240.0, help="seconds after which no new config starts")
@@ -310,6 +397,8 @@ def main():
         check(args, rank, world, dev)
     if not args.no_bench:
         bench(args, rank, world, dev, t_start)
+    if args.torch_cp:
+        bench_torch_cp(args, rank, world, dev, t_start)
     dist.barrier()
     dist.destroy_process_group()
 
