@@ -21,6 +21,10 @@ EXPERIMENTS = {
     "pairformer_msa": TINY_MSA + ["model.net.trunk.stack.num_blocks=1"],
     "esm2_mlm": TINY_LM + ["data.max_len=32", "data.msa_rows=query"],
     "longctx_clm": TINY_LM + ["data.seq_len=32", "data.msa_rows=query"],
+    # GPU benchmarks, on CPU here with tiny shapes and fp32
+    "bench_evoformer": ["trainer=cpu", "model.net.trunk.num_blocks=1", "model.net.trunk.c_m=16", "model.net.trunk.c_z=8",
+                        "model.net.trunk.c_hidden_mul=8", "data.msa_depth=3", "data.length=12", "data.train_samples=2"],
+    "bench_longctx": ["trainer=cpu", "data.seq_len=32", "data.train_samples=2"] + TINY_LM[:3],
 }
 EXPERIMENT_FILES = sorted(p.stem for p in (Path(train.ROOT) / "configs" / "experiment").glob("*.yaml"))
 
