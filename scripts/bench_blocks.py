@@ -43,6 +43,7 @@ CASES = {
     "pair768": ("pairformer", 768, None),
 }
 BACKENDS = ("triton", "triton+compile", "flex", "sdpa", "torch", "boltz", "boltz-cueq")
+# "triton+compile": torch.compile of the whole triton-backend block (Inductor fuses the glue around the op)
 BACKEND_OPTIONS = {"flex": {"deterministic": False}}  # flex's bias gradient uses atomics
 
 
@@ -73,7 +74,7 @@ def build_case(case: str, backend: str, dev):
         use = backend == "boltz-cueq"
         fwd = lambda: mod(s, z, single.float(), pair.float(), use_kernels=use)  # noqa: E731
         return mod, [s, z], fwd
-    attn_backend = "triton" if backend == "triton+compile" else backend
+    attn_backend = backend.split("+")[0]
     attention = {"backend": attn_backend, **BACKEND_OPTIONS.get(attn_backend, {})}
     if kind == "evoformer":
         mod = EvoformerBlock(c_m=256, c_z=128, attention=attention).to(dev)
@@ -86,7 +87,7 @@ def build_case(case: str, backend: str, dev):
         s = torch.randn(1, n, 384, device=dev, generator=g, requires_grad=True)
         z = torch.randn(1, n, n, 128, device=dev, generator=g, requires_grad=True)
         x, masks = [s, z], (single, pair)
-    run = torch.compile(mod) if backend == "triton+compile" else mod
+    run = torch.compile(mod) if backend.endswith("+compile") else mod  # whole block, as a user would
     fwd = lambda: run(*x, *masks)  # noqa: E731
     return mod, x, fwd
 
@@ -140,6 +141,24 @@ def measure(mod, inputs, fwd, iters: int, warmup: int):
 # ------------------------------------------------------------------------------------------------
 # sub-module breakdown (where the block's time goes)
 # ------------------------------------------------------------------------------------------------
+def attention_alone(kind, n, dev, backend, iters, warmup):
+    """The attention op alone at the block's triangle-attention shape: q, k, v ``[1, N, 4, N, 32]`` bf16,
+    bias ``[1, 1, 4, N, N]`` shared over rows (with gradient), key mask ``[1, N, 1, 1, N]``."""
+    import attn_ops
+
+    g = torch.Generator(device=dev).manual_seed(1)
+    q, k, v = (torch.randn(1, n, 4, n, 32, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
+               for _ in range(3))
+    bias = torch.randn(1, 1, 4, n, n, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
+    _, pair = _masks(n, dev)
+    mask = pair[:, :, None, None, :]
+    opts = BACKEND_OPTIONS.get(backend, {})
+    holder = torch.nn.Module()
+    ms, peak = measure(holder, [q, k, v, bias],
+                       lambda: (attn_ops.attention(q, k, v, bias, mask, backend=backend, **opts),), iters, warmup)
+    return ("attention op alone (triangle shape)", ms, peak)
+
+
 def breakdown(case: str, dev, iters: int, warmup: int, backend: str = "triton"):
     """(sub-module, ms fwd+bwd, peak GiB) for the block of ``case`` with ``backend``."""
     mod, (x, z), _ = build_case(case, backend, dev)
@@ -162,7 +181,7 @@ def breakdown(case: str, dev, iters: int, warmup: int, backend: str = "triton"):
             ("attention_pair_bias", mod.attention_pair_bias, lambda m: m(x, z, single)),
             ("single_transition", mod.single_transition, lambda m: m(x)),
         ]
-    rows = []
+    rows = [attention_alone(kind, CASES[case][1], dev, backend, iters, warmup)]
     for name, sub, call in parts:
         ms, peak = measure(sub, [x, z], lambda sub=sub, call=call: (call(sub),), iters, warmup)
         rows.append((name, ms, peak))

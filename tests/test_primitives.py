@@ -264,3 +264,26 @@ def test_transition_chunked_equals_plain(cls):
     for shape in ((2, 5, 4, 6), (2, 5, 6)):
         x = torch.randn(*shape, dtype=torch.float64)
         assert rel_err(tr(x, chunk_size=2), tr(x)) < 1e-14
+
+
+def test_layer_norm_under_autocast_returns_low_precision_within_bound():
+    """Under autocast our LayerNorm normalises in bf16 (float32 accumulation) and returns bf16, where
+    nn.LayerNorm returns float32 that the next linear rounds to bf16; the error vs float64 stays within
+    3x of that rounded PyTorch result's."""
+    from models.primitives import LayerNorm
+
+    g = torch.Generator().manual_seed(0)
+    ln = LayerNorm(128)
+    with torch.no_grad():
+        ln.weight.copy_(1 + 0.3 * torch.randn(128, generator=g))
+        ln.bias.copy_(0.3 * torch.randn(128, generator=g))
+    x = torch.randn(64, 128, generator=g) * 2 + 0.5
+    ref = torch.nn.functional.layer_norm(x.double(), (128,), ln.weight.double(), ln.bias.double(), 1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = ln(x)
+        plain = torch.nn.LayerNorm.forward(ln, x)
+    assert ours.dtype == torch.bfloat16 and plain.dtype == torch.float32
+    err = (ours.double() - ref).abs().max().item()
+    base = (plain.to(torch.bfloat16).double() - ref).abs().max().item()
+    assert 0 < err <= 3 * base
+    assert torch.equal(ln(x), plain)  # without autocast: exactly nn.LayerNorm
