@@ -13,6 +13,9 @@ from .reference import attention_reference
 from .ring import ring_attention, ring_positions, shard_sequence, unshard_sequence, zigzag_merge, zigzag_split
 
 
+registry.warm_up()
+
+
 def backends():
     """Names of the backends usable in this process (``auto`` picks among them)."""
     return registry.available()

@@ -52,24 +52,53 @@ class Backend:
     tolerance: Dict[torch.dtype, float] = field(default_factory=lambda: dict(DEFAULT_TOLERANCE))
 
     def unavailable_reason(self) -> Optional[str]:
-        if self.requires is None:
-            return None
-        try:
-            importlib.import_module(self.requires)
-        except Exception as exc:  # ImportError, or a broken install
-            return f"{self.requires} cannot be imported ({type(exc).__name__}: {exc})"
-        return None
+        return _probe(self.requires)
 
     def load(self, entry: Optional[str] = None) -> Callable:
-        mod, fn = (entry or self.entry).split(":")
-        return getattr(importlib.import_module(f"attn_ops.{mod}" if mod else "attn_ops"), fn)
+        return _resolve(entry or self.entry)
 
     def load_lse_backward(self) -> Optional[Callable]:
         return None if self.lse_backward is None else self.load(self.lse_backward)
 
 
+_PROBED: Dict[str, Optional[str]] = {}
+_RESOLVED: Dict[str, Callable] = {}
+
+
+def _probe(module: Optional[str]) -> Optional[str]:
+    """Why ``module`` cannot be imported (None if it can); probed once, so compiled code only reads a dict."""
+    if module is None:
+        return None
+    if module not in _PROBED:
+        try:
+            importlib.import_module(module)
+            _PROBED[module] = None
+        except Exception as exc:  # ImportError, or a broken install
+            _PROBED[module] = f"{module} cannot be imported ({type(exc).__name__}: {exc})"
+    return _PROBED[module]
+
+
+def _resolve(entry: str) -> Callable:
+    """The function named ``"module:function"`` (relative to attn_ops), imported once and cached."""
+    if entry not in _RESOLVED:
+        mod, fn = entry.split(":")
+        _RESOLVED[entry] = getattr(importlib.import_module(f"attn_ops.{mod}" if mod else "attn_ops"), fn)
+    return _RESOLVED[entry]
+
+
+def warm_up() -> None:
+    """Probe availability and import every available backend's functions (done at import of attn_ops),
+    so that dispatch inside ``torch.compile`` is plain dict reads."""
+    for b in BACKENDS.values():
+        if b.unavailable_reason() is None:
+            b.load()
+            if b.lse_backward:
+                b.load_lse_backward()
+
+
 def _triton_devices() -> FrozenSet[str]:
-    # The interpreter runs the kernels on CPU tensors (slowly): for tests and debugging only.
+    # The interpreter runs the kernels on CPU tensors (slowly): for tests and debugging only. Like Triton
+    # itself, this reads TRITON_INTERPRET when attn_ops is first imported.
     return frozenset({"cuda", "cpu"}) if os.environ.get("TRITON_INTERPRET") == "1" else frozenset({"cuda"})
 
 
@@ -90,7 +119,7 @@ def _registry() -> Dict[str, Backend]:
             name="triton", entry="triton:triton_attention",
             description="this project's fused Triton kernels",
             devices=_triton_devices(), dtypes=LOW_AND_FP32, min_head_dim=16, max_head_dim=256,
-            options=frozenset({"bwd"}), requires="triton",
+            options=frozenset({"bwd"}), requires="attn_ops.triton", lse_backward="triton:triton_lse_backward",
         ),
         "sdpa": Backend(
             name="sdpa", entry="adapters:sdpa_attention",
@@ -123,8 +152,6 @@ def validate_backend_name(name) -> str:
 
 def get(name: str) -> Backend:
     validate_backend_name(name)
-    if name == "triton":  # TRITON_INTERPRET may be set after import
-        return _registry()["triton"]
     return BACKENDS[name]
 
 

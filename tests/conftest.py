@@ -2,6 +2,12 @@ import os
 import sys
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors. Triton (and attn_ops'
+# registry) read this at import, so it is set before any test module imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -14,8 +20,6 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -85,3 +85,15 @@ def test_deterministic_chunked_backward_is_bitwise_repeatable():
         runs.append(torch.autograd.grad(out.sum() + lse[torch.isfinite(lse)].sum(), (q, k, v, bias)))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_dispatch_traces_under_torch_compile_without_graph_breaks():
+    # The registry's choice must be plain Python that Dynamo can trace (no importlib in the call path).
+    q, k, v, bias, mask, causal = _case("pair-bias-over-rows", torch.float32, seed=6)
+
+    def f(q, k, v, bias):
+        out, lse = attn_ops.attention(q, k, v, bias, mask, return_lse=True, backend="auto", chunk_size=16)
+        return out.sum() + lse[torch.isfinite(lse)].sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v, bias), f(q, k, v, bias))
