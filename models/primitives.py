@@ -289,6 +289,38 @@ class Attention(nn.Module):
         # [*, L, H*C] -> [*, L, H, C] -> [*, H, L, C]
         return x.unflatten(-1, (self.num_heads, self.c_hidden)).transpose(-2, -3)
 
+    def project(self, q_x: Tensor, kv_x: Tensor, extra: Sequence[nn.Linear] = ()) -> Tuple[Tensor, ...]:
+        """Projections ``(q, k, v, g, *extra)``, each ``[*, L, out]`` (``g`` None without gating).
+
+        Self-attention (``kv_x is q_x``) computes all of them, plus the ``extra`` linears of ``q_x`` (e.g.
+        a pair-bias projection of the same normalised input), with one matmul.
+        """
+        if q_x.shape[:-2] != kv_x.shape[:-2]:
+            raise ValueError(
+                f"q_x {tuple(q_x.shape)} and kv_x {tuple(kv_x.shape)} must share the leading batch dims"
+            )
+        gate = [] if self.linear_g is None else [self.linear_g]
+        if kv_x is q_x:
+            q, k, v, *rest = fused_linear(q_x, [self.linear_q, self.linear_k, self.linear_v] + gate + list(extra))
+        else:
+            q, *rest = fused_linear(q_x, [self.linear_q] + gate + list(extra))
+            k, v = fused_linear(kv_x, [self.linear_k, self.linear_v])
+        g = rest.pop(0) if gate else None
+        return (q, k, v, g, *rest)
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], bias: Optional[Tensor], mask: Optional[Tensor]
+    ) -> Tensor:
+        """Attention on projected ``q [*, Lq, H*C]``, ``k, v [*, Lk, H*C]``, gate ``g [*, Lq, H*C]`` -> ``[*, Lq, c_q]``."""
+        q, k, v = self._heads(q), self._heads(k), self._heads(v)  # [*, H, L, C]
+        o = attn_ops.attention(
+            q, k, v, bias, mask, backend=self.attention.backend, **self.attention.options
+        )  # [*, H, Lq, C]
+        o = o.transpose(-2, -3).flatten(-2)  # [*, Lq, H*C]
+        if g is not None:
+            o = o * torch.sigmoid(g)
+        return self.linear_o(o)
+
     def forward(
         self,
         q_x: Tensor,
@@ -307,24 +339,8 @@ class Attention(nn.Module):
         Returns:
             ``[*, Lq, c_q]``. A query with no key to attend gets the output projection's bias only.
         """
-        if q_x.shape[:-2] != kv_x.shape[:-2]:
-            raise ValueError(
-                f"q_x {tuple(q_x.shape)} and kv_x {tuple(kv_x.shape)} must share the leading batch dims"
-            )
-        gate = [] if self.linear_g is None else [self.linear_g]
-        if kv_x is q_x:  # self-attention: one matmul for q, k, v (and the gate)
-            q, k, v, *g = fused_linear(q_x, [self.linear_q, self.linear_k, self.linear_v] + gate)
-        else:
-            q, *g = fused_linear(q_x, [self.linear_q] + gate)
-            k, v = fused_linear(kv_x, [self.linear_k, self.linear_v])
-        q, k, v = self._heads(q), self._heads(k), self._heads(v)  # [*, H, L, C]
-        o = attn_ops.attention(
-            q, k, v, bias, mask, backend=self.attention.backend, **self.attention.options
-        )  # [*, H, Lq, C]
-        o = o.transpose(-2, -3).flatten(-2)  # [*, Lq, H*C]
-        if g:
-            o = o * torch.sigmoid(g[0])
-        return self.linear_o(o)
+        q, k, v, g = self.project(q_x, kv_x)
+        return self.attend(q, k, v, g, bias, mask)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -99,11 +99,13 @@ class TriangleAttention(nn.Module):
             z = z.transpose(-2, -3)  # [*, J, I, c_z]
             pair_mask = None if pair_mask is None else pair_mask.transpose(-1, -2)
         zn = self.layer_norm(z)  # [*, I, J, c_z]
-        bias = self.linear_bias(zn).movedim(-1, -3).contiguous()  # [*, H, J, K]
-        bias = bias.unsqueeze(-4)  # [*, 1, H, J, K]: shared by all rows i
+        # q, k, v, gate and the pair bias of the same normalised input: one matmul
+        q, k, v, g, bias = self.mha.project(zn, zn, extra=[self.linear_bias])  # [*, I, J, H*C] / [*, J, K, H]
+        bias = bias.movedim(-1, -3).contiguous().unsqueeze(-4)  # [*, 1, H, J, K]: shared by all rows i
         mask = None if pair_mask is None else pair_mask[..., :, None, None, :]  # [*, I, 1, 1, K]
         out = chunk_rows(
-            lambda x, m: self.mha(x, x, bias=bias, mask=m), [zn, mask], [-3, -4], chunk_size, out_dim=-3
+            lambda q, k, v, g, m: self.mha.attend(q, k, v, g, bias, m),
+            [q, k, v, g, mask], [-3, -3, -3, -3, -4], chunk_size, out_dim=-3,
         )  # [*, I, J, c_z]
         if not self.starting:
             out = out.transpose(-2, -3)
