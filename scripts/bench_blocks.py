@@ -188,6 +188,20 @@ def breakdown(case: str, dev, iters: int, warmup: int, backend: str = "triton"):
     return rows
 
 
+def kernel_profile(case: str, dev, path: str, backend: str = "triton", steps: int = 3) -> None:
+    """torch.profiler over ``steps`` fwd+bwd steps of the block: the top CUDA kernels by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    mod, inputs, fwd = build_case(case, backend, dev)
+    _randomize(mod)
+    measure(mod, inputs, fwd, iters=1, warmup=2)  # warm-up, autotuning
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        measure(mod, inputs, fwd, iters=steps - 1, warmup=0)
+    table = prof.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=90)
+    with open(path, "w") as f:
+        f.write(f"# {case}, backend {backend}: {steps} fwd+bwd steps, CUDA kernels by total time\n\n{table}\n")
+
+
 # ------------------------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------------------------
@@ -261,6 +275,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--breakdown", nargs="*", default=None, choices=list(CASES),
                    help="first time each sub-module of the triton-backend block for these cases")
+    p.add_argument("--profile", nargs="*", default=None, choices=list(CASES),
+                   help="write the top CUDA kernels of the triton-backend block to profile_CASE.txt")
     p.add_argument("--time-limit", type=float, default=400.0, help="start nothing new after this many s")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -279,6 +295,13 @@ def main(argv=None):
                 print(case, name, f"{ms:.2f} ms", f"{peak:.2f} GiB", flush=True)
         except Exception as exc:
             notes.append(f"breakdown of {case} failed: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+    for case in args.profile or []:
+        try:
+            kernel_profile(case, dev, os.path.join(args.out, f"profile_{case}.txt"))
+        except Exception as exc:
+            notes.append(f"profile of {case} failed: {type(exc).__name__}: {exc}")
             traceback.print_exc()
         torch.cuda.empty_cache()
     # cheap rows for every case first, then the ones that compile (flex, torch.compile), so a time limit
