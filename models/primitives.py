@@ -202,7 +202,7 @@ class SharedDropout(nn.Module):
         shape = list(x.shape)
         shape[self.shared_dim] = 1
         keep = torch.empty(shape, device=x.device, dtype=x.dtype).bernoulli_(1.0 - self.p)
-        return x * keep / (1.0 - self.p)
+        return x * keep.div_(1.0 - self.p)  # scale the small shared mask, not x: one pass over x
 
     def extra_repr(self) -> str:
         return f"p={self.p}, shared_dim={self.shared_dim}"
