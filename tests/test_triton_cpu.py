@@ -27,6 +27,8 @@ CASES = [
     ("key_bias_over_rows_and_q", (), 3, 20, L, 16, 24, (3, 1, L), (3, 20, L), False),
     ("query_bias_over_keys", (2,), 2, L, 20, 24, 16, (1, 1, L, 1), None, False),
     ("causal_lq_lt_lk", (2,), 2, 20, L, 16, 16, (2, 2, 20, L), (2, 1, 1, L), True),
+    ("causal_square_full_bias_row_mask", (2,), 2, L, L, 16, 16, (2, 2, L, L), (2, 1, L, 1), True),
+    ("causal_pair_bias_over_rows", (1, 3), 2, L, L, 16, 16, (1, 1, 2, L, L), (1, 3, 1, 1, L), True),
     ("causal_lq_gt_lk_empty_rows", (), 2, L, 20, 16, 16, (1, 20), None, True),
     ("three_lead_dims_loop", (2, 2, 3), 1, 17, 17, 16, 16, (2, 1, 3, 1, 17, 17), (1, 2, 1, 1, 1, 17), False),
 ]

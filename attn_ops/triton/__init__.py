@@ -10,12 +10,12 @@ Layers (each one screen): ``common.py``/``forward.py``/``backward.py``/``dbias.p
 """
 import torch
 
-from .attention import BWD_VARIANTS, triton_attention
+from .attention import BWD_VARIANTS, triton_attention, triton_lse_backward
 
 SUPPORTED_HEAD_DIMS = (16, 256)  # (min, max) for both D and Dv; any value in between (padded blocks)
 SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 BIAS_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 DETERMINISTIC_BWD = ("split",)  # "fused" uses atomics for dq
 
-__all__ = ["triton_attention", "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "BIAS_DTYPES", "BWD_VARIANTS",
+__all__ = ["triton_attention", "triton_lse_backward", "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "BIAS_DTYPES", "BWD_VARIANTS",
            "DETERMINISTIC_BWD"]

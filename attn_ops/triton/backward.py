@@ -8,7 +8,7 @@ The ``- dlse`` term carries a loss on lse into every gradient (d lse / dS = P).
 import triton
 import triton.language as tl
 
-from .common import batch_offset, load_lse2, load_rows, scores_log2, split_batch
+from .common import batch_offset, load_lse2, load_rows, scores_log2, scores_log2_t, split_batch
 
 
 @triton.jit
@@ -35,6 +35,44 @@ def bwd_preprocess_kernel(
 
 
 @triton.jit
+def _dkdv_tiles(
+    dk, dv, k, v, Q, dOut, Lse, Delta, Bias, Mask, dQacc, dBias, offs_n, lo, hi, Lq, Lk, D, Dv,
+    s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale, scale,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
+    FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Fold query tiles [lo, hi) into dk [BN, BD], dv [BN, BDV] of one key tile (transposed tiles [BN, BM])."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    n_ok = offs_n < Lk
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < Lq
+        qT = tl.load(Q + offs_m[None, :] * s_qm + offs_d[:, None],
+                     mask=m_ok[None, :] & (offs_d[:, None] < D), other=0.0)  # [BD, BM]
+        do = load_rows(dOut, offs_m, s_dm, offs_dv, Dv, m_ok)  # [BM, BDV]
+        lse2 = load_lse2(Lse, offs_m, Lq)
+        delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
+        sT = scores_log2_t(k, qT, Bias, Mask, offs_m, offs_n, Lq, Lk, s_bm, s_bn, s_mm, s_mn, qk_scale,
+                           HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK)  # [BN, BM]
+        pT = tl.exp2(sT - lse2[None, :])
+        dv += tl.dot(pT.to(do.dtype), do)
+        dpT = tl.dot(v, tl.trans(do))  # [BN, BM]
+        dsT = pT * (dpT - delta[None, :])
+        dsT_lp = dsT.to(qT.dtype)
+        dk += tl.dot(dsT_lp, tl.trans(qT))
+        if DIRECT_DBIAS:
+            tl.store(dBias + offs_n[:, None] * s_gn + offs_m[None, :] * s_gm, dsT.to(dBias.dtype.element_ty),
+                     mask=n_ok[:, None] & m_ok[None, :])
+        if FUSED_DQ:
+            dq = tl.dot(tl.trans(dsT_lp), k) * scale  # [BM, BD]
+            tl.atomic_add(dQacc + offs_m[:, None] * s_qm + offs_d[None, :], dq,
+                          mask=m_ok[:, None] & (offs_d[None, :] < D))
+    return dk, dv
+
+
+@triton.jit
 def attn_bwd_dkdv_kernel(
     Q, K, V, Bias, Mask, dOut, Lse, Delta, dQacc, dK, dV, dBias,
     s_qb, s_qr, s_qh, s_qm,
@@ -49,17 +87,15 @@ def attn_bwd_dkdv_kernel(
     FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """One program per (key tile, b*r*h): loops over query tiles, writes dK, dV [B, R, H, Lk, D|Dv].
+    """One program per (key tile, b*r*h): loops over query tiles, writes dK, dV (k's and v's strides).
 
-    FUSED_DQ: also adds scale * dS K into the fp32 dQacc [B, R, H, Lq, D] with atomics (not deterministic).
-    DIRECT_DBIAS: the bias has every dim full, so this program owns dBias[b, r, h, :, key tile]: plain stores.
-    dQacc and dK/dV/dO/Q share q's contiguous-last-dim layout; Lse/Delta are contiguous [B, R, H, Lq].
+    FUSED_DQ: also adds scale * dS K into the fp32 dQacc (q's strides) with atomics (not deterministic).
+    DIRECT_DBIAS (fused variant only): the bias has every dim full, so this program owns
+    dBias[b, r, h, :, key tile] and stores dS there. Lse/Delta are contiguous [B, R, H, Lq].
     """
     pid_n = tl.program_id(0)
     b, r, h = split_batch(tl.program_id(1), R, H)
     q_off = batch_offset(b, r, h, s_qb, s_qr, s_qh)
-    k_off = batch_offset(b, r, h, s_kb, s_kr, s_kh)
-    v_off = batch_offset(b, r, h, s_vb, s_vr, s_vh)
     Q += q_off
     dOut += batch_offset(b, r, h, s_db, s_dr, s_dh)
     row = ((b * R + r) * H + h).to(tl.int64) * Lq
@@ -79,60 +115,83 @@ def attn_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     n_ok = offs_n < Lk
+    k_off = batch_offset(b, r, h, s_kb, s_kr, s_kh)
+    v_off = batch_offset(b, r, h, s_vb, s_vr, s_vh)
     k = load_rows(K + k_off, offs_n, s_kn, offs_d, D, n_ok)  # [BN, BD]
     v = load_rows(V + v_off, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    CHECK: tl.constexpr = not (EVEN_M and EVEN_N)
 
-    lo = 0
-    if CAUSAL:  # query m sees key n iff m >= n - (Lk - Lq)
+    if CAUSAL:
+        # query m sees key n iff m >= n - (Lk - Lq): tiles from lo hold the diagonal up to m_full; after, no test
         lo = (tl.maximum(n0 - (Lk - Lq), 0) // BLOCK_M) * BLOCK_M
-    for m0 in range(lo, Lq, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < Lq
-        q = load_rows(Q, offs_m, s_qm, offs_d, D, m_ok)  # [BM, BD]
-        do = load_rows(dOut, offs_m, s_dm, offs_dv, Dv, m_ok)  # [BM, BDV]
-        lse2 = load_lse2(Lse, offs_m, Lq)
-        delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
-        s = scores_log2(q, k, Bias, Mask, offs_m, offs_n, Lq, Lk, s_bm, s_bn, s_mm, s_mn, qk_scale,
-                        HAS_BIAS, HAS_MASK, CAUSAL, not EVEN_M, not EVEN_N)  # [BM, BN]
-        p = tl.exp2(s - lse2[:, None])
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-        dp = tl.dot(do, tl.trans(v))  # [BM, BN]
-        ds = p * (dp - delta[:, None])
-        ds_lp = ds.to(q.dtype)
-        dk += tl.dot(tl.trans(ds_lp), q)
-        if DIRECT_DBIAS:
-            tl.store(dBias + offs_m[:, None] * s_gm + offs_n[None, :] * s_gn, ds.to(dBias.dtype.element_ty),
-                     mask=m_ok[:, None] & n_ok[None, :])
-        if FUSED_DQ:
-            dq = tl.dot(ds_lp, k) * scale  # [BM, BD]
-            tl.atomic_add(dQacc + offs_m[:, None] * s_qm + offs_d[None, :], dq,
-                          mask=m_ok[:, None] & (offs_d[None, :] < D))
+        m_full = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - (Lk - Lq), 0), BLOCK_M) * BLOCK_M
+        m_full = tl.minimum(tl.maximum(m_full, lo), Lq)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, dOut, Lse, Delta, Bias, Mask, dQacc, dBias, offs_n, lo, m_full,
+                             Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale, scale,
+                             HAS_BIAS, HAS_MASK, True, CHECK, FUSED_DQ, DIRECT_DBIAS, BLOCK_M, BLOCK_D, BLOCK_DV)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, dOut, Lse, Delta, Bias, Mask, dQacc, dBias, offs_n, m_full, Lq,
+                             Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale, scale,
+                             HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, BLOCK_M, BLOCK_D, BLOCK_DV)
+    else:
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, dOut, Lse, Delta, Bias, Mask, dQacc, dBias, offs_n, 0, Lq,
+                             Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale, scale,
+                             HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, BLOCK_M, BLOCK_D, BLOCK_DV)
 
-    dk_off = batch_offset(b, r, h, s_kb, s_kr, s_kh)
-    tl.store(dK + dk_off + offs_n[:, None] * s_kn + offs_d[None, :], (dk * scale).to(dK.dtype.element_ty),
+    tl.store(dK + k_off + offs_n[:, None] * s_kn + offs_d[None, :], (dk * scale).to(dK.dtype.element_ty),
              mask=n_ok[:, None] & (offs_d[None, :] < D))
-    dv_off = batch_offset(b, r, h, s_vb, s_vr, s_vh)
-    tl.store(dV + dv_off + offs_n[:, None] * s_vn + offs_dv[None, :], dv.to(dV.dtype.element_ty),
+    tl.store(dV + v_off + offs_n[:, None] * s_vn + offs_dv[None, :], dv.to(dV.dtype.element_ty),
              mask=n_ok[:, None] & (offs_dv[None, :] < Dv))
 
 
 @triton.jit
+def _dq_tiles(
+    dq, q, do, lse2, delta, K, V, Bias, Mask, dBias, offs_m, lo, hi, Lq, Lk, D, Dv,
+    s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
+    DIRECT_DBIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Fold key tiles [lo, hi) into dq [BM, BD] of one query tile; store dS into dBias when it owns the rows."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < Lq
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < Lk
+        k = load_rows(K, offs_n, s_kn, offs_d, D, n_ok)  # [BN, BD]
+        v = load_rows(V, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
+        s = scores_log2(q, k, Bias, Mask, offs_m, offs_n, Lq, Lk, s_bm, s_bn, s_mm, s_mn, qk_scale,
+                        HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, CHECK)  # [BM, BN]
+        p = tl.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+        if DIRECT_DBIAS:
+            tl.store(dBias + offs_m[:, None] * s_gm + offs_n[None, :] * s_gn, ds.to(dBias.dtype.element_ty),
+                     mask=m_ok[:, None] & n_ok[None, :])
+    return dq
+
+
+@triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, Bias, Mask, dOut, Lse, Delta, dQ,
+    Q, K, V, Bias, Mask, dOut, Lse, Delta, dQ, dBias,
     s_qb, s_qr, s_qh, s_qm,
     s_kb, s_kr, s_kh, s_kn,
     s_vb, s_vr, s_vh, s_vn,
     s_bb, s_br, s_bh, s_bm, s_bn,
     s_mb, s_mr, s_mh, s_mm, s_mn,
     s_db, s_dr, s_dh, s_dm,
+    s_gb, s_gr, s_gh, s_gm, s_gn,
     R, H, Lq, Lk, D, Dv, qk_scale, scale,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, DIRECT_DBIAS: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """One program per (query tile, b*r*h): loops over key tiles, writes dQ (same strides as Q)."""
+    """One program per (query tile, b*r*h): loops over key tiles, writes dQ (q's strides).
+
+    DIRECT_DBIAS: the bias has every dim full, so this program owns dBias[b, r, h, query tile, :] (plain stores).
+    """
     pid_m = tl.program_id(0)
     b, r, h = split_batch(tl.program_id(1), R, H)
     q_off = batch_offset(b, r, h, s_qb, s_qr, s_qh)
@@ -143,6 +202,8 @@ def attn_bwd_dq_kernel(
         Bias += batch_offset(b, r, h, s_bb, s_br, s_bh)
     if HAS_MASK:
         Mask += batch_offset(b, r, h, s_mb, s_mr, s_mh)
+    if DIRECT_DBIAS:
+        dBias += batch_offset(b, r, h, s_gb, s_gr, s_gh)
 
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -154,20 +215,20 @@ def attn_bwd_dq_kernel(
     lse2 = load_lse2(Lse + row, offs_m, Lq)
     delta = tl.load(Delta + row + offs_m, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    hi = Lk
+    CHECK: tl.constexpr = not (EVEN_M and EVEN_N)
     if CAUSAL:
         hi = tl.minimum(Lk, m0 + BLOCK_M + (Lk - Lq))
-    for n0 in range(0, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < Lk
-        k = load_rows(K, offs_n, s_kn, offs_d, D, n_ok)  # [BN, BD]
-        v = load_rows(V, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
-        s = scores_log2(q, k, Bias, Mask, offs_m, offs_n, Lq, Lk, s_bm, s_bn, s_mm, s_mn, qk_scale,
-                        HAS_BIAS, HAS_MASK, CAUSAL, not EVEN_M, not EVEN_N)  # [BM, BN]
-        p = tl.exp2(s - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        full_hi = (tl.maximum(m0 + 1 + (Lk - Lq), 0) // BLOCK_N) * BLOCK_N
+        full_hi = tl.minimum(full_hi, tl.maximum(hi, 0))
+        dq = _dq_tiles(dq, q, do, lse2, delta, K, V, Bias, Mask, dBias, offs_m, 0, full_hi, Lq, Lk, D, Dv,
+                       s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
+                       HAS_BIAS, HAS_MASK, False, CHECK, DIRECT_DBIAS, BLOCK_N, BLOCK_D, BLOCK_DV)
+        dq = _dq_tiles(dq, q, do, lse2, delta, K, V, Bias, Mask, dBias, offs_m, full_hi, hi, Lq, Lk, D, Dv,
+                       s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
+                       HAS_BIAS, HAS_MASK, True, CHECK, DIRECT_DBIAS, BLOCK_N, BLOCK_D, BLOCK_DV)
+    else:
+        dq = _dq_tiles(dq, q, do, lse2, delta, K, V, Bias, Mask, dBias, offs_m, 0, Lk, Lq, Lk, D, Dv,
+                       s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
+                       HAS_BIAS, HAS_MASK, False, CHECK, DIRECT_DBIAS, BLOCK_N, BLOCK_D, BLOCK_DV)
     tl.store(dQ + q_off + offs_m[:, None] * s_qm + offs_d[None, :], (dq * scale).to(dQ.dtype.element_ty),
              mask=m_ok[:, None] & (offs_d[None, :] < D))

@@ -67,3 +67,27 @@ def load_lse2(Lse, offs_m, Lq):
     """
     lse = tl.load(Lse + offs_m, mask=offs_m < Lq, other=0.0) * 1.4426950408889634
     return tl.where(lse == float("-inf"), 0.0, lse)
+
+
+@triton.jit
+def scores_log2_t(
+    k, qT, Bias, Mask, offs_m, offs_n, Lq, Lk, s_bm, s_bn, s_mm, s_mn, qk_scale,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
+):
+    """Transposed tile of :func:`scores_log2`: k [BN, D] x qT [D, BM] -> sT [BN, BM] (log2 domain, -inf masked).
+
+    The dK/dV kernel works on transposed tiles so that no [BM, BN] matrix needs a transpose before its dots.
+    """
+    s = tl.dot(k, qT) * qk_scale
+    in_bounds = (offs_n[:, None] < Lk) & (offs_m[None, :] < Lq)
+    if HAS_BIAS:
+        b = tl.load(Bias + offs_n[:, None] * s_bn + offs_m[None, :] * s_bm, mask=in_bounds, other=0.0)
+        s += b.to(tl.float32) * 1.4426950408889634
+    if HAS_MASK:
+        keep = tl.load(Mask + offs_n[:, None] * s_mn + offs_m[None, :] * s_mm, mask=in_bounds, other=0) != 0
+        s = tl.where(keep, s, float("-inf"))
+    if APPLY_CAUSAL:
+        s = tl.where(offs_n[:, None] <= offs_m[None, :] + (Lk - Lq), s, float("-inf"))
+    if CHECK:
+        s = tl.where(in_bounds, s, float("-inf"))
+    return s

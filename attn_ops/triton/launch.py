@@ -93,8 +93,9 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     """dq, dk, dv (same shapes/strides as q, k, v) and dbias (bias's own shape and dtype, or None).
 
     ``fused``: one pass over key tiles with dQ by fp32 atomics (not bitwise deterministic). Otherwise a dK/dV
-    kernel over key tiles and a dQ kernel over query tiles, no atomics. dBias is written by the dK/dV kernel
-    when the bias has every dim full, else by the deterministic reduction kernel in ``dbias.py``.
+    kernel over key tiles and a dQ kernel over query tiles, no atomics. dBias is written by the dQ kernel
+    (dK/dV kernel when fused) when the bias has every dim full, else by the deterministic reduction kernel in
+    ``dbias.py``.
     """
     B, R, H, Lq, D = q.shape
     Lk, Dv = k.shape[3], v.shape[4]
@@ -119,7 +120,10 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     dq = torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=dev)
     dk = torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=dev)
     dv = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=dev)
-    dbias = torch.empty(bias.shape, dtype=bias.dtype, device=dev) if direct_dbias else None
+    dbias = None
+    if direct_dbias:  # causal: tiles above the diagonal are never visited, so they must start at zero
+        dbias = (torch.zeros if causal else torch.empty)(bias.shape, dtype=bias.dtype, device=dev)
+    gs = (0,) * 5 if dbias is None else _bstrides(dbias)
     dq_acc = torch.empty_strided(q.shape, q.stride(), dtype=torch.float32, device=dev) if fused else None
     common = (*_rows(q), *_rows(k), *_rows(v), *sb, *sm, *_rows(do))
     flags = dict(HAS_BIAS=has_bias, HAS_MASK=has_mask, CAUSAL=causal)
@@ -129,12 +133,11 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     def launch_dkdv(c):
         if fused:
             dq_acc.zero_()
-        gs = (0,) * 5 if dbias is None else _bstrides(dbias)
         attn_bwd_dkdv_kernel[(triton.cdiv(Lk, c.block_n), B * R * H)](
             q, k, v, bias_t, mask_t, do, lse, delta, q if dq_acc is None else dq_acc, dk, dv,
             q if dbias is None else dbias, *common, *gs,
             R, H, Lq, Lk, D, Dv, scale * LOG2E, scale, **flags,
-            FUSED_DQ=fused, DIRECT_DBIAS=direct_dbias, EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
+            FUSED_DQ=fused, DIRECT_DBIAS=direct_dbias and fused, EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
@@ -147,8 +150,8 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     else:
         def launch_dq(c):
             attn_bwd_dq_kernel[(triton.cdiv(Lq, c.block_m), B * R * H)](
-                q, k, v, bias_t, mask_t, do, lse, delta, dq, *common,
-                R, H, Lq, Lk, D, Dv, scale * LOG2E, scale, **flags,
+                q, k, v, bias_t, mask_t, do, lse, delta, dq, q if dbias is None else dbias, *common, *gs,
+                R, H, Lq, Lk, D, Dv, scale * LOG2E, scale, **flags, DIRECT_DBIAS=direct_dbias,
                 EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
                 BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
                 num_warps=c.num_warps, num_stages=c.num_stages,
@@ -173,7 +176,7 @@ def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, has_
     def launch(c):
         n_mt, n_nt = triton.cdiv(Lq, c.block_m), triton.cdiv(Lk, c.block_n)
         tiles = (1 if loop_m else n_mt) * (1 if loop_n else n_nt)
-        total = (B // BB) * (R // BR) * (H // BH) * (n_mt if loop_m else 1) * (n_nt if loop_n else 1)
+        total = (B // BB) * (R // BR) * (H // BH)  # batch steps summed into each tile
         splits = _dbias_splits(tiles * n_groups, total, q.device)
         per = triton.cdiv(total, splits)
         splits = triton.cdiv(total, per)
@@ -183,6 +186,7 @@ def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, has_
             *_rows(q), *_rows(k), *_rows(v), *_bstrides(bias), *sm, *_rows(do), part.stride(0), *_bstrides(part[0]),
             B, R, H, BB, BR, BH, Lq, Lk, D, Dv, scale * LOG2E, per,
             HAS_MASK=has_mask, CAUSAL=causal, LOOP_M=loop_m, LOOP_N=loop_n,
+            EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
