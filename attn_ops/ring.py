@@ -125,6 +125,27 @@ def block_parts(layout: str, world: int, rank: int, n_local: int, kv_parts: int)
     return parts
 
 
+def split_rows(calls: List[_Call], part: _Part, q_chunk: Optional[int]) -> List[_Call]:
+    """Cut every call into calls of at most ``q_chunk`` query rows (smaller per-call temporaries).
+
+    A bottom-right aligned causal call keeps its alignment: rows [s, e) of a call with Lq rows and kl keys
+    need the first ``e + kl - Lq`` keys.
+    """
+    if not q_chunk:
+        return calls
+    out = []
+    for c in calls:
+        nq = c.q_hi - c.q_lo
+        kl = part.hi - part.lo if c.k_len is None else c.k_len
+        for s in range(0, nq, q_chunk):
+            e = min(nq, s + q_chunk)
+            if c.causal:
+                out.append(_Call(c.q_lo + s, c.q_lo + e, True, e + kl - nq))
+            else:
+                out.append(_Call(c.q_lo + s, c.q_lo + e, False, c.k_len))
+    return out
+
+
 def plan_part(q_segs, part: _Part, causal: bool) -> List[_Call]:
     """Attention calls of the local queries (segments ``(global_start, length)`` in local order) against one
     contiguous K/V part. Non-causal: one call over all rows. Causal, per query segment: rows before the part
@@ -182,6 +203,7 @@ class _Spec:
     attn_kwargs: dict
     bias_fn: Optional[Callable]
     kv_parts: int
+    q_chunk: Optional[int]
     grad_dtype: Optional[torch.dtype]
 
     def peer(self, group_rank: int) -> int:
@@ -358,7 +380,7 @@ class _RingAttention(torch.autograd.Function):
             stream.prefetch(i)
             t, part, (k_p, v_p) = stream.part(i)
             k_pos = ring_positions(n, W, (r - t) % W, spec.layout, device=q.device)
-            for call in plan_part(q_segs, part, spec.causal):
+            for call in split_rows(plan_part(q_segs, part, spec.causal), part, spec.q_chunk):
                 b, m = _tiles(spec, bias, mask, q_pos, k_pos, part, call)
                 rows = slice(call.q_lo, call.q_hi)
                 with torch.no_grad():
@@ -407,7 +429,7 @@ class _RingAttention(torch.autograd.Function):
             k_pos = ring_positions(n, W, (r - t) % W, spec.layout, device=q.device)
             dk_p = torch.zeros(k_p.shape, dtype=gdt, device=q.device) if need_kv else None
             dv_p = torch.zeros(v_p.shape, dtype=gdt, device=q.device) if need_kv else None
-            for call in plan_part(q_segs, part, spec.causal):
+            for call in split_rows(plan_part(q_segs, part, spec.causal), part, spec.q_chunk):
                 rows = slice(call.q_lo, call.q_hi)
                 with torch.enable_grad() if need_params else torch.no_grad():
                     b, m = _tiles(spec, bias, mask, q_pos, k_pos, part, call)
@@ -424,7 +446,10 @@ class _RingAttention(torch.autograd.Function):
                 if need_b_tensor:
                     k0 = part.start
                     tile = _cols(_rows(db, call.q_lo, call.q_hi), k0, k0 + kl)
-                    tile += g_b
+                    if db.dtype == bias.dtype and db.shape[-2] == n:  # every element has exactly one writer
+                        tile.copy_(g_b)
+                    else:
+                        tile += g_b
                 elif need_b:
                     for acc_p, g in zip(dparams, torch.autograd.grad(b, bias_params, g_b, allow_unused=True)):
                         if g is not None:
@@ -521,7 +546,8 @@ def _agree(group, world: int, rank: int, error: Optional[str], meta) -> None:
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, bias=None, mask: Optional[Tensor] = None, *,
                    group=None, causal: bool = False, layout: str = "contiguous", scale: Optional[float] = None,
                    backend: str = "auto", return_lse: bool = False, kv_parts: int = 1,
-                   grad_dtype: Optional[torch.dtype] = None, check: bool = True, **options):
+                   q_chunk: Optional[int] = None, grad_dtype: Optional[torch.dtype] = None, check: bool = True,
+                   **options):
     """Attention over a sequence sharded across the ranks of ``group`` (every rank calls it).
 
     Args:
@@ -549,6 +575,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, bias=None, mask: Optional[Te
         kv_parts: every K/V segment travels as this many parts, each prefetched while the previous one is
             computed: with W = 2 the extra memory is about 2 parts instead of a whole K/V block (see
             :class:`_KVStream`); bias and mask tiles are per part too.
+        q_chunk: at most this many query rows per attention call (None: no limit); bounds the per-call
+            temporaries (the call's dQ, a copy of its query rows) at the cost of more, smaller calls.
         grad_dtype: dtype of the dQ/dK/dV accumulators and of the dK/dV contributions sent in the backward
             (default float32, float64 for float64 inputs; ``q.dtype`` halves that memory and traffic at low
             precision at the cost of one rounding per contribution).
@@ -577,6 +605,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, bias=None, mask: Optional[Te
         local_segments(layout, world, rank, q.shape[-2])  # zigzag: even local length
         if not isinstance(kv_parts, int) or not 1 <= kv_parts <= q.shape[-2] // (2 if layout == "zigzag" else 1):
             raise ValueError(f"kv_parts must be an int in [1, segment length], got {kv_parts!r}")
+        if q_chunk is not None and (not isinstance(q_chunk, int) or q_chunk < 1):
+            raise ValueError(f"q_chunk must be None or a positive int, got {q_chunk!r}")
         if callable(bias) and not isinstance(bias, torch.Tensor):
             bias_fn, bias = bias, None
         elif bias is not None:
@@ -585,7 +615,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, bias=None, mask: Optional[Te
             mask = _check_side("mask", mask, q, n_total, is_mask=True)
         meta = (tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype), layout, causal, scale,
                 None if bias is None else tuple(bias.shape), bias_fn is not None,
-                None if mask is None else tuple(mask.shape), backend, kv_parts)
+                None if mask is None else tuple(mask.shape), backend, kv_parts, q_chunk)
     except (TypeError, ValueError, NotImplementedError) as exc:
         if world == 1 or not check:
             raise
@@ -595,6 +625,6 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, bias=None, mask: Optional[Te
     params = _fn_params(bias_fn) if bias_fn is not None else ()
     spec = _Spec(group=group, world=world, rank=rank, peers=peers, layout=layout, causal=causal, scale=scale,
                  attn_kwargs=dict(backend=backend, **options), bias_fn=bias_fn, kv_parts=kv_parts,
-                 grad_dtype=grad_dtype)
+                 q_chunk=q_chunk, grad_dtype=grad_dtype)
     out, lse = _RingAttention.apply(spec, q, k, v, bias, mask, *params)
     return (out, lse) if return_lse else out

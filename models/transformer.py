@@ -124,16 +124,20 @@ class TransformerBlock(nn.Module):
         attention: what ``AttentionConfig.coerce`` takes (backend name plus options).
         process_group: run context-parallel over this group (inputs are the local sequence shard).
         layout: sequence layout over the group, ``zigzag`` (balanced causal work) or ``contiguous``.
+        ring_options: extra ``ring_attention`` arguments in context-parallel mode (``kv_parts``, ``q_chunk``,
+            ``grad_dtype``, ``check``); ignored without a group.
     """
 
     def __init__(self, d_model: int, num_heads: int, ffn_mult=8 / 3, causal: bool = False,
                  rel_pos_bias: bool = False, dropout: float = 0.0, attention=None, process_group=None,
-                 layout: str = "zigzag", rel_pos_buckets: int = 32, rel_pos_max_distance: int = 128):
+                 layout: str = "zigzag", rel_pos_buckets: int = 32, rel_pos_max_distance: int = 128,
+                 ring_options: Optional[dict] = None):
         super().__init__()
         if d_model % num_heads:
             raise ValueError(f"d_model {d_model} is not divisible by num_heads {num_heads}")
         self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
         self.causal, self.layout, self.process_group = causal, layout, process_group
+        self.ring_options = dict(ring_options or {})  # kv_parts, q_chunk, grad_dtype, check (ring mode only)
         self.attention = AttentionConfig.coerce(attention)
         self.norm_attn = LayerNorm(d_model)
         self.qkv = Linear(d_model, 3 * d_model, bias=False, init="glorot")
@@ -163,7 +167,7 @@ class TransformerBlock(nn.Module):
             o = attn_ops.attention(q, k, v, bias, mask, causal=self.causal, **opts)
         else:
             o = ring_attention(q, k, v, self.rel_bias, mask, group=group, causal=self.causal,
-                               layout=self.layout, **opts)
+                               layout=self.layout, **self.ring_options, **opts)
         o = o.transpose(1, 2).reshape(B, n, d)  # [B, H, n, Dh] -> [B, n, d]
         x = x + self.drop(self.out(o))
         return x + self.drop(self.ffn(self.norm_ffn(x)))
@@ -206,7 +210,7 @@ class TransformerLM(nn.Module):
     def __init__(self, vocab_size: int, d_model: int, num_layers: int, num_heads: int, causal: bool = True,
                  rel_pos_bias: bool = False, max_len: Optional[int] = None, attention=None, process_group=None,
                  checkpoint: bool = False, ffn_mult=8 / 3, dropout: float = 0.0, layout: str = "zigzag",
-                 padding_idx: Optional[int] = None):
+                 padding_idx: Optional[int] = None, ring_options: Optional[dict] = None):
         super().__init__()
         self.vocab_size, self.max_len, self.checkpoint = vocab_size, max_len, checkpoint
         self.process_group, self.layout = process_group, layout
@@ -214,7 +218,7 @@ class TransformerLM(nn.Module):
         nn.init.normal_(self.embed.weight, std=d_model ** -0.5)
         self.blocks = nn.ModuleList(
             TransformerBlock(d_model, num_heads, ffn_mult, causal, rel_pos_bias, dropout, attention,
-                             process_group, layout) for _ in range(num_layers))
+                             process_group, layout, ring_options=ring_options) for _ in range(num_layers))
         self.norm = LayerNorm(d_model)
         self.head = Linear(d_model, vocab_size, bias=False, init="default")
 

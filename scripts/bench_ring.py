@@ -215,7 +215,7 @@ def _step_time(fn, iters, d: _Dev, barrier=True):
     return statistics.median(times)
 
 
-def bench_one(args, rank, world, dev, L, bias_kind, mode, parts=1, gdt=None):
+def bench_one(args, rank, world, dev, L, bias_kind, mode, parts=1, gdt=None, q_div=0):
     """mode "single": rank 0 alone on the full length; mode "ring": every rank on its shard."""
     H, D = args.heads, args.dim
     n = L if mode == "single" else L // world
@@ -239,7 +239,7 @@ def bench_one(args, rank, world, dev, L, bias_kind, mode, parts=1, gdt=None):
             o = attn_ops.attention(q, k, v, bias, causal=True, backend=args.backend)
         else:
             o = ring_attention(q, k, v, bias, causal=True, layout="zigzag", backend=args.backend,
-                               kv_parts=parts, grad_dtype=gdt)
+                               kv_parts=parts, grad_dtype=gdt, q_chunk=(n // q_div) if q_div else None)
         o.backward(do)
 
     sync = mode == "ring"
@@ -265,22 +265,30 @@ def bench(args, rank, world, dev, t_start):
     configs = [(L, b) for L in args.lengths for b in args.biases if b != "pair" or L <= args.max_pair_len]
     if args.oom_pair_len:
         configs.append((args.oom_pair_len, "pair"))  # a length whose dense pair bias does not fit one GPU
-    variants = [tuple(v.split(":")) for v in args.variants]  # "parts:grad_dtype"
+    variants = [(v.split(":") + ["0"])[:3] for v in args.variants]  # "parts:grad_dtype[:q_chunk divisor]"
     for L, bias_kind in configs:
         if time.time() - t_start > args.deadline:
             log(rank, f"deadline reached, skipping L={L} bias={bias_kind}")
             return
         rec = dict(kind="bench", L=L, bias=bias_kind, heads=args.heads, dim=args.dim, backend=args.backend)
-        for parts, gname in variants:
+        for parts, gname, qd in variants:
             gdt = None if gname == "float32" else getattr(torch, gname)
-            rec[f"ring_parts{parts}_{gname}"] = bench_one(args, rank, world, dev, L, bias_kind, "ring", int(parts), gdt)
+            name = f"ring_parts{parts}_{gname}" + (f"_qchunk_n/{qd}" if int(qd) else "")
+            rec[name] = bench_one(args, rank, world, dev, L, bias_kind, "ring", int(parts), gdt, int(qd))
         single = None
         if rank == 0:  # after the ring runs, so that an OOM here cannot strand the other rank in a p2p op
-            try:
-                single = bench_one(args, rank, world, dev, L, bias_kind, "single")
-            except torch.cuda.OutOfMemoryError as exc:
-                single = f"OOM ({str(exc)[:120]})"
-            _Dev(dev).reset_peak()
+            # A dense [1, H, L, L] bf16 bias and its gradient alone: do not launch what cannot fit (kernels with
+            # such tiles also risk 32-bit offsets overflow).
+            need = 2 * 2 * args.heads * L * L if bias_kind == "pair" else 0
+            total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else float("inf")
+            if need > total:
+                single = f"does not fit: bias + its gradient need {need / GiB:.0f} GiB > {total / GiB:.0f} GiB"
+            else:
+                try:
+                    single = bench_one(args, rank, world, dev, L, bias_kind, "single")
+                except torch.cuda.OutOfMemoryError as exc:
+                    single = f"OOM ({str(exc)[:120]})"
+                _Dev(dev).reset_peak()
         dist.barrier()
         rec["single"] = single
         for key, r in rec.items():
@@ -388,7 +396,7 @@ def main():
     ap.add_argument("--biases", nargs="+", default=["none", "pair", "keys"])
     ap.add_argument("--max-pair-len", type=int, default=32768)
     ap.add_argument("--variants", nargs="+", default=["1:float32", "4:float32", "4:bfloat16"],
-                    help="ring variants as kv_parts:grad_dtype")
+                    help="ring variants as kv_parts:grad_dtype[:d] (d: q_chunk = local length / d)")
     ap.add_argument("--oom-pair-len", type=int, default=0, help="extra pair-bias length expected to OOM on 1 GPU")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128)

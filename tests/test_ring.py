@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from attn_ops import registry
 from attn_ops.reference import attention_reference
 from attn_ops.ring import (block_parts, local_segments, plan_part, ring_attention, ring_positions, shard_sequence,
-                           unshard_sequence, zigzag_merge, zigzag_split)
+                           split_rows, unshard_sequence, zigzag_merge, zigzag_split)
 
 
 def _free_port() -> int:
@@ -108,7 +108,7 @@ def _reference(case, world, seed):
     return out.detach(), lse.detach(), grads
 
 
-def _check_case(case, world, rank, seed, backend="chunked", kv_parts=1):
+def _check_case(case, world, rank, seed, backend="chunked", kv_parts=1, q_chunk=None):
     name, causal, layout, bias_kind, mask_kind, dtype, lse_loss = case
     out_ref, lse_ref, g_ref = _reference(case, world, seed)
     q, k, v, bias, mask, do, dl, module = _inputs(case, world, seed)
@@ -120,7 +120,8 @@ def _check_case(case, world, rank, seed, backend="chunked", kv_parts=1):
     ml = None if mask is None else (shard(mask) if mask.shape[-2] > 1 else mask)
     strided = lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2)  # noqa: E731 (non-contiguous view)
     out, lse = ring_attention(ql, strided(kl), strided(vl), module if module is not None else bl, ml, causal=causal,
-                              layout=layout, return_lse=True, backend=backend, kv_parts=kv_parts)
+                              layout=layout, return_lse=True, backend=backend, kv_parts=kv_parts,
+                              q_chunk=q_chunk)
     _loss(out, lse, shard(do).to(dtype), None if dl is None else shard(dl, -1)).backward()
     # float64: rounding only. float32: a few times plain float32 PyTorch's own error on these inputs.
     tol = 1e-10 if dtype == torch.float64 else 2e-5
@@ -177,7 +178,7 @@ def _worker(rank, world, port, err_dir):
             _check_case(case, world, rank, seed=1000 + i)
         # K/V streamed in 2 parts per segment (prefetch one part while computing the previous one).
         for i in (0, 1, 2, 5):
-            _check_case(CASES[i], world, rank, seed=3000 + i, kv_parts=2)
+            _check_case(CASES[i], world, rank, seed=3000 + i, kv_parts=2, q_chunk=3 if i % 2 else None)
         _check_bad_input(world, rank)
         # The cases above use chunked, whose registry entry has an lse_backward (one backward call per step
         # with the merged out/lse). The torch backend has none: the ring recomputes each step's forward.
@@ -216,8 +217,9 @@ def test_zigzag_split_merge_roundtrip_and_positions():
         zigzag_split(x, 1, 5, 0)
 
 
-@pytest.mark.parametrize("layout,parts", [("zigzag", 1), ("zigzag", 3), ("contiguous", 2)])
-def test_plan_covers_exactly_the_causal_pairs(layout, parts):
+@pytest.mark.parametrize("layout,parts,q_chunk", [("zigzag", 1, None), ("zigzag", 3, None), ("contiguous", 2, None),
+                                                  ("zigzag", 2, 5)])
+def test_plan_covers_exactly_the_causal_pairs(layout, parts, q_chunk):
     """Causal: the calls of all parts attend each (query, key) pair with key <= query exactly once and no
     other; with zigzag every rank does the same amount of work."""
     world, n = 4, 12
@@ -228,7 +230,7 @@ def test_plan_covers_exactly_the_causal_pairs(layout, parts):
         for s in range(world):
             kpos = ring_positions(n, world, s, layout)
             for part in block_parts(layout, world, s, n, parts):
-                for c in plan_part(local_segments(layout, world, r, n), part, True):
+                for c in split_rows(plan_part(local_segments(layout, world, r, n), part, True), part, q_chunk):
                     kl = part.hi - part.lo if c.k_len is None else c.k_len
                     qq, kk = qpos[c.q_lo:c.q_hi], kpos[part.lo:part.lo + kl]
                     allowed = torch.ones(len(qq), len(kk), dtype=torch.bool)

@@ -127,7 +127,7 @@ def _free_port() -> int:
 
 def _cp_case(rank, world, causal, layout):
     kw = dict(vocab_size=11, d_model=32, num_layers=2, num_heads=4, causal=causal, rel_pos_bias=True,
-              attention="chunked", layout=layout)
+              attention="chunked", layout=layout, ring_options={"kv_parts": 2} if causal else None)
     single = _perturb_final_linears(_lm(seed=11, **kw))
     cp = _perturb_final_linears(_lm(seed=11, process_group="world" if causal else dist.group.WORLD, **kw))
     g = torch.Generator().manual_seed(12)
