@@ -159,10 +159,11 @@ def fused_linear(x: Tensor, layers: Sequence[nn.Linear]) -> Tuple[Tensor, ...]:
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` over the last dim (elementwise affine, eps 1e-5).
 
-    Under autocast, plain ``nn.LayerNorm`` returns float32, which every following linear casts back to
-    bf16/fp16: on pair tensors ``[B, N, N, c]`` that is the largest memory traffic of a block. Here the
-    input is cast to the autocast dtype first and normalised there (the kernel accumulates in float32),
-    so the output is already in the dtype the next matmul wants. Without autocast: plain LayerNorm.
+    Under autocast, plain ``nn.LayerNorm`` returns float32 (even for a bf16 input), which every following
+    linear casts back to bf16/fp16: on pair tensors ``[B, N, N, c]`` that is the largest memory traffic of
+    a block. Here a float32 input is cast to the autocast dtype first and normalised there (the kernel
+    accumulates in float32), so the output is already in the dtype the next matmul wants. Without
+    autocast: plain LayerNorm.
     """
 
     def __init__(self, c: int, eps: float = 1e-5):
@@ -170,7 +171,7 @@ class LayerNorm(nn.LayerNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         dev = x.device.type
-        if x.dtype == torch.float32 and torch.is_autocast_enabled(dev):
+        if torch.is_autocast_enabled(dev) and x.dtype in (torch.float32, torch.get_autocast_dtype(dev)):
             dt = torch.get_autocast_dtype(dev)
             with torch.autocast(dev, enabled=False):
                 return nn.functional.layer_norm(

@@ -7,12 +7,12 @@ Each module returns the residual update (the caller adds it, with dropout).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import nn
 
-from .primitives import Attention, LayerNorm, Linear, chunk_rows, fused_linear
+from .primitives import Attention, LayerNorm, Linear, chunk_rows
 
 Tensor = torch.Tensor
 
@@ -36,22 +36,36 @@ class TriangleMultiplication(nn.Module):
         self.linear_z = Linear(c_hidden, c_z, init="final")
         self.linear_g = Linear(c_z, c_z, init="gating")
 
+    def _project_channels_first(self, zn: Tensor) -> Tuple[Tensor, Tensor]:
+        """The gate and projection of ``zn [*, N, N, c_z]``, produced channels-first ``[*, 2C, N, N]``.
+
+        One batched matmul ``W @ zn^T`` (bias fused) writes the layout the triangle matmul needs, so
+        ``a`` and ``b`` are contiguous slices and no ``[*, 2C, N, N]`` transpose copy is made.
+        """
+        lead, n = zn.shape[:-3], zn.shape[-2]
+        w = torch.cat([self.linear_ab_g.weight, self.linear_ab_p.weight], dim=0)  # [4C, c_z]
+        bias = torch.cat([self.linear_ab_g.bias, self.linear_ab_p.bias], dim=0)  # [4C]
+        zt = zn.reshape(-1, n * n, zn.shape[-1]).transpose(-1, -2)  # [B', c_z, N*N]
+        y = torch.baddbmm(bias[None, :, None], w.expand(zt.shape[0], -1, -1), zt)  # [B', 4C, N*N]
+        y = y.reshape(*lead, 4 * self.c_hidden, n, n)  # [*, 4C, N, N]
+        return y[..., : 2 * self.c_hidden, :, :], y[..., 2 * self.c_hidden :, :, :]
+
     def forward(self, z: Tensor, pair_mask: Optional[Tensor] = None, chunk_size: Optional[int] = None) -> Tensor:
         """z ``[*, N, N, c_z]``, pair_mask ``[*, N, N]`` bool -> update ``[*, N, N, c_z]``.
 
         ``chunk_size`` chunks the output stage over rows (inference memory).
         """
-        zn = self.layer_norm_in(z)
-        ab_g, ab_p, g = fused_linear(zn, [self.linear_ab_g, self.linear_ab_p, self.linear_g])
-        ab = torch.sigmoid(ab_g) * ab_p  # [*, N, N, 2C]
+        zn = self.layer_norm_in(z)  # [*, N, N, c_z]
+        ab_g, ab_p = self._project_channels_first(zn)  # [*, 2C, N, N] each, contiguous
+        ab = torch.sigmoid(ab_g) * ab_p  # [*, 2C, N, N]
         if pair_mask is not None:
-            ab = ab * pair_mask.unsqueeze(-1).to(ab.dtype)
-        ab = ab.movedim(-1, -3)  # [*, 2C, N, N]
-        a, b = ab[..., : self.c_hidden, :, :], ab[..., self.c_hidden :, :, :]  # [*, C, N, N] each
+            ab = ab * pair_mask.unsqueeze(-3).to(ab.dtype)
+        a, b = ab[..., : self.c_hidden, :, :], ab[..., self.c_hidden :, :, :]  # [*, C, N, N] each, contiguous
         if self.outgoing:
             x = torch.matmul(a, b.transpose(-1, -2))  # [*, C, I, J]: sum_k a[i, k] b[j, k]
         else:
             x = torch.matmul(a.transpose(-1, -2), b)  # [*, C, I, J]: sum_k a[k, i] b[k, j]
+        g = self.linear_g(zn)  # [*, I, J, c_z]
         x = x.movedim(-3, -1)  # [*, I, J, C]
 
         def out(x_rows: Tensor, g_rows: Tensor) -> Tensor:
