@@ -141,22 +141,26 @@ def measure(mod, inputs, fwd, iters: int, warmup: int):
 # ------------------------------------------------------------------------------------------------
 # sub-module breakdown (where the block's time goes)
 # ------------------------------------------------------------------------------------------------
-def attention_alone(kind, n, dev, backend, iters, warmup):
-    """The attention op alone at the block's triangle-attention shape: q, k, v ``[1, N, 4, N, 32]`` bf16,
-    bias ``[1, 1, 4, N, N]`` shared over rows (with gradient), key mask ``[1, N, 1, 1, N]``."""
+def attention_alone(shape: str, n: int, dev, backend, iters, warmup):
+    """The attention op alone, bf16, gradients into q, k, v and bias, 13 padded keys:
+    ``triangle``: q, k, v ``[1, N, 4, N, 32]``, bias ``[1, 1, 4, N, N]`` shared over rows, mask ``[1, N, 1, 1, N]``;
+    ``single``: q, k, v ``[1, 16, N, 24]``, bias ``[1, 16, N, N]``, mask ``[1, 1, 1, N]`` (AttentionPairBias)."""
     import attn_ops
 
     g = torch.Generator(device=dev).manual_seed(1)
-    q, k, v = (torch.randn(1, n, 4, n, 32, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
+    single, pair = _masks(n, dev)
+    if shape == "triangle":
+        qkv_shape, bias_shape, mask = (1, n, 4, n, 32), (1, 1, 4, n, n), pair[:, :, None, None, :]
+    else:
+        qkv_shape, bias_shape, mask = (1, 16, n, 24), (1, 16, n, n), single[:, None, None, :]
+    q, k, v = (torch.randn(qkv_shape, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
                for _ in range(3))
-    bias = torch.randn(1, 1, 4, n, n, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
-    _, pair = _masks(n, dev)
-    mask = pair[:, :, None, None, :]
+    bias = torch.randn(bias_shape, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
     opts = BACKEND_OPTIONS.get(backend, {})
     holder = torch.nn.Module()
     ms, peak = measure(holder, [q, k, v, bias],
                        lambda: (attn_ops.attention(q, k, v, bias, mask, backend=backend, **opts),), iters, warmup)
-    return ("attention op alone (triangle shape)", ms, peak)
+    return (f"attention op alone, {shape} shape", ms, peak)
 
 
 def breakdown(case: str, dev, iters: int, warmup: int, backend: str = "triton"):
@@ -181,7 +185,9 @@ def breakdown(case: str, dev, iters: int, warmup: int, backend: str = "triton"):
             ("attention_pair_bias", mod.attention_pair_bias, lambda m: m(x, z, single)),
             ("single_transition", mod.single_transition, lambda m: m(x)),
         ]
-    rows = [attention_alone(kind, CASES[case][1], dev, backend, iters, warmup)]
+    rows = [attention_alone("triangle", CASES[case][1], dev, backend, iters, warmup)]
+    if kind == "pairformer":
+        rows.append(attention_alone("single", CASES[case][1], dev, backend, iters, warmup))
     for name, sub, call in parts:
         ms, peak = measure(sub, [x, z], lambda sub=sub, call=call: (call(sub),), iters, warmup)
         rows.append((name, ms, peak))
