@@ -231,27 +231,28 @@ def _tiles(spec: _Spec, bias, mask, q_pos, k_pos, part: _Part, call: _Call):
 class _KVStream:
     """Visits (block t = 0..W-1, part p) in order; block t comes from rank r - t.
 
-    Before step i computes, step i + 1's part is requested: every rank posts one grouped batch
-    ``{send to r+1 the part it will need, receive own next part from r-1}`` at the same step index, so the
-    pairing is symmetric (no deadlock under NCCL's in-order p2p) and a part is sent just before its receiver
-    needs it. A rank holds the part being computed, the one arriving and, for W > 2, the previous block
-    (it forwards that block one part at a time); for W = 2 only two parts are ever alive beyond its own K/V.
+    Block 0 (this rank's own K/V) needs no communication and is visited one whole segment at a time; every
+    other block travels in ``kv_parts`` parts per segment. Before step i computes, step i + 1's part is
+    requested: every rank posts one grouped batch ``{send to r+1 the part it will need, receive its own next
+    part from r-1}`` at the same step index, so the pairing is symmetric (no deadlock under NCCL's in-order
+    p2p) and a part is sent just before its receiver needs it. A rank holds the part being computed, the one
+    arriving and, for W > 2, the previous block (which it forwards one part at a time); for W = 2 only two
+    parts are alive beyond its own K/V.
     """
 
     def __init__(self, spec: _Spec, k: Tensor, v: Tensor):
         self.spec, self.k, self.v = spec, k, v
         W, r, n = spec.world, spec.rank, k.shape[-2]
-        self.steps = [(t, p) for t in range(W)
-                      for p in range(len(block_parts(spec.layout, W, (r - t) % W, n, spec.kv_parts)))]
-        self.parts = {t: block_parts(spec.layout, W, (r - t) % W, n, spec.kv_parts) for t in range(W)}
-        self.held = {0: None}  # block t -> list of received (k, v) parts (None: own K/V)
+        # the partition parts travel in (the same for every block's owner), and the one block 0 is computed in
+        self.wire = {t: block_parts(spec.layout, W, (r - t) % W, n, spec.kv_parts) for t in range(W)}
+        self.parts = dict(self.wire)
+        self.parts[0] = block_parts(spec.layout, W, r, n, 1)
+        self.steps = [(t, p) for t in range(W) for p in range(len(self.parts[t]))]
+        self.held = {}  # block t >= 1 -> list of received (k, v) parts
         self.pending = None
 
-    def _get(self, t, p):
-        if self.held.get(t) is None:
-            part = self.parts[t][p]
-            return self.k[..., part.lo:part.hi, :], self.v[..., part.lo:part.hi, :]
-        return self.held[t][p]
+    def _own(self, part: _Part):
+        return self.k[..., part.lo:part.hi, :], self.v[..., part.lo:part.hi, :]
 
     def prefetch(self, i: int) -> None:
         """Post the exchange that brings step i+1's part (if it comes from another rank)."""
@@ -259,7 +260,8 @@ class _KVStream:
             self.pending = None
             return
         t, p = self.steps[i + 1]
-        send = self._get(t - 1, p)  # r+1 needs, at its block t, the block this rank had at block t-1
+        # r+1 needs, at its block t, the block this rank had at block t-1 (its own K/V when t = 1)
+        send = self._own(self.wire[0][p]) if t == 1 else self.held[t - 1][p]
         recv = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in send]
         ops = [dist.P2POp(dist.isend, x.contiguous(), self.spec.peer(self.spec.rank + 1), self.spec.group)
                for x in send]
@@ -271,10 +273,7 @@ class _KVStream:
         if self.pending is not None:
             reqs, t, p, recv, _ = self.pending
             _wait(reqs)
-            self.held.setdefault(t, [None] * len(self.parts[t]))
-            if self.held[t] is None:
-                self.held[t] = [None] * len(self.parts[t])
-            self.held[t][p] = tuple(recv)
+            self.held.setdefault(t, [None] * len(self.parts[t]))[p] = tuple(recv)
             if t - 1 > 0:
                 self.held[t - 1][p] = None  # forwarded: no longer needed
             self.pending = None
@@ -284,7 +283,8 @@ class _KVStream:
 
     def part(self, i: int):
         t, p = self.steps[i]
-        return t, self.parts[t][p], self._get(t, p)
+        part = self.parts[t][p]
+        return t, p, part, (self._own(part) if t == 0 else self.held[t][p])
 
 
 def _wait(reqs) -> None:
@@ -378,7 +378,7 @@ class _RingAttention(torch.autograd.Function):
         stream = _KVStream(spec, k, v)
         for i in range(len(stream.steps)):
             stream.prefetch(i)
-            t, part, (k_p, v_p) = stream.part(i)
+            t, p, part, (k_p, v_p) = stream.part(i)
             k_pos = ring_positions(n, W, (r - t) % W, spec.layout, device=q.device)
             for call in split_rows(plan_part(q_segs, part, spec.causal), part, spec.q_chunk):
                 b, m = _tiles(spec, bias, mask, q_pos, k_pos, part, call)
@@ -425,10 +425,14 @@ class _RingAttention(torch.autograd.Function):
         sent = None  # the contribution exchange of the previous step, still in flight
         for i in range(len(stream.steps)):
             stream.prefetch(i)
-            t, part, (k_p, v_p) = stream.part(i)
+            t, p, part, (k_p, v_p) = stream.part(i)
             k_pos = ring_positions(n, W, (r - t) % W, spec.layout, device=q.device)
-            dk_p = torch.zeros(k_p.shape, dtype=gdt, device=q.device) if need_kv else None
-            dv_p = torch.zeros(v_p.shape, dtype=gdt, device=q.device) if need_kv else None
+            dk_p = dv_p = None
+            if need_kv and t == 0:  # own K/V: accumulate in place
+                dk_p, dv_p = dk[..., part.lo:part.hi, :], dv[..., part.lo:part.hi, :]
+            elif need_kv:
+                dk_p = torch.zeros(k_p.shape, dtype=gdt, device=q.device)
+                dv_p = torch.zeros(v_p.shape, dtype=gdt, device=q.device)
             for call in split_rows(plan_part(q_segs, part, spec.causal), part, spec.q_chunk):
                 rows = slice(call.q_lo, call.q_hi)
                 with torch.enable_grad() if need_params else torch.no_grad():
@@ -454,15 +458,11 @@ class _RingAttention(torch.autograd.Function):
                     for acc_p, g in zip(dparams, torch.autograd.grad(b, bias_params, g_b, allow_unused=True)):
                         if g is not None:
                             acc_p += g
-            if need_kv:
-                if t == 0:
-                    dk[..., part.lo:part.hi, :] += dk_p
-                    dv[..., part.lo:part.hi, :] += dv_p
-                else:
-                    # Send this part's dK/dV contribution to its owner r - t; receive the contribution of rank
-                    # r + t to this rank's own part p (every rank posts this pair at the same step index).
-                    _finish_sent(sent, dk, dv)
-                    sent = _send_contribution(spec, t, stream.parts[0][stream.steps[i][1]], dk_p, dv_p)
+            if need_kv and t > 0:
+                # Send this part's dK/dV contribution to its owner r - t; receive the contribution of rank r + t
+                # to this rank's own part p (every rank posts this pair at the same step index).
+                _finish_sent(sent, dk, dv)
+                sent = _send_contribution(spec, t, stream.wire[0][p], dk_p, dv_p)
             stream.finish(i)
         _finish_sent(sent, dk, dv)
         grads = [None, dq.to(q.dtype), None if dk is None else dk.to(k.dtype),

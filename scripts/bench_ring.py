@@ -298,6 +298,40 @@ def bench(args, rank, world, dev, t_start):
         emit(args, rank, rec)
 
 
+def profile(args, rank, world, dev, L):
+    """Kernel-time tables (rank 0) of one ring fwd+bwd step per variant, at length L without bias."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    path = os.path.join(os.path.dirname(os.path.abspath(args.out)), "profile.txt")
+    n = L // world
+    for v in args.variants:
+        parts, gname, qd = (v.split(":") + ["0"])[:3]
+        g = torch.Generator(device=dev).manual_seed(rank)
+        q, k, v_, do = (torch.randn(1, args.heads, n, args.dim, generator=g, device=dev, dtype=torch.bfloat16)
+                        for _ in range(4))
+        for t in (q, k, v_):
+            t.requires_grad_()
+
+        def step():
+            o = ring_attention(q, k, v_, causal=True, layout="zigzag", backend=args.backend, kv_parts=int(parts),
+                               grad_dtype=None if gname == "float32" else getattr(torch, gname),
+                               q_chunk=(n // int(qd)) if int(qd) else None)
+            o.backward(do)
+
+        step()
+        torch.cuda.synchronize()
+        dist.barrier()
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
+            step()
+            torch.cuda.synchronize()
+        if rank == 0:
+            with open(path, "a") as f:
+                f.write(f"\n### L={L} variant {v} (rank 0)\n")
+                f.write(pr.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+        del q, k, v_, do
+
+
 def bench_torch_cp(args, rank, world, dev, t_start):
     """PyTorch's ``context_parallel`` (ring SDPA, no bias) on the same shapes, for a side-by-side row."""
     import torch.nn.functional as F
@@ -402,6 +436,7 @@ def main():
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--torch-cp", action="store_true", help="also time PyTorch's context_parallel (no bias)")
+    ap.add_argument("--profile", action="store_true", help="kernel tables of one step per variant (profile.txt)")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU, for a smoke run of the script")
     ap.add_argument("--check-len", type=int, default=2048)
     ap.add_argument("--deadline", type=float, default=240.0, help="seconds after which no new config starts")
@@ -432,6 +467,8 @@ def main():
         check(args, rank, world, dev)
     if not args.no_bench:
         bench(args, rank, world, dev, t_start)
+    if args.profile and dev.type == "cuda":
+        profile(args, rank, world, dev, args.lengths[0])
     if args.torch_cp:
         bench_torch_cp(args, rank, world, dev, t_start)
     dist.barrier()
