@@ -74,15 +74,19 @@ def _errs(got, ref):
 def check(args, rank, world, dev):
     names = ["out", "lse", "dq", "dk", "dv", "dbias"]
     cases = [
-        dict(name="causal_zigzag_pairbias_keymask", causal=True, layout="zigzag", bias="pair", mask=True, parts=1),
-        dict(name="causal_zigzag_pairbias_parts4", causal=True, layout="zigzag", bias="pair", mask=False, parts=4),
+        dict(name="causal_zigzag_pairbias_keymask", causal=True, layout="zigzag", bias="pair", mask=True, parts=1,
+             q_div=0),
+        dict(name="causal_zigzag_pairbias_parts4_qchunk", causal=True, layout="zigzag", bias="pair", mask=False,
+             parts=4, q_div=8),
         dict(name="bidir_contiguous_relbias_module", causal=False, layout="contiguous", bias="module", mask=True,
-             parts=2),
+             parts=2, q_div=0),
     ]
     for dtype in (torch.bfloat16, torch.float32):
         for gdt in ((None, dtype) if dtype != torch.float32 else (None,)):
             for case in cases:
-                if gdt is not None and case["bias"] == "module":
+                if (gdt is not None or dtype == torch.float32) and case["bias"] == "module":
+                    continue
+                if dtype == torch.float32 and case["parts"] > 1:
                     continue
                 t0 = time.time()
                 g = torch.Generator(device=dev).manual_seed(7)
@@ -141,7 +145,8 @@ def check(args, rank, world, dev):
                 else:
                     b_arg = shard(bias).to(dtype).requires_grad_()
                 o, l = ring_attention(ql, kl, vl, b_arg, mask, causal=case["causal"], layout=case["layout"],
-                                      backend=args.backend, return_lse=True, kv_parts=case["parts"], grad_dtype=gdt)
+                                      backend=args.backend, return_lse=True, kv_parts=case["parts"], grad_dtype=gdt,
+                                      q_chunk=(L // world // case["q_div"]) if case["q_div"] else None)
                 o.backward(shard(do).to(dtype))
                 b_grad = (mod_r.table.grad if module is not None else b_arg.grad)
                 if module is not None:
@@ -319,16 +324,19 @@ def profile(args, rank, world, dev, L):
                                q_chunk=(n // int(qd)) if int(qd) else None)
             o.backward(do)
 
+        d = _Dev(dev)
         step()
-        torch.cuda.synchronize()
+        d.sync()
         dist.barrier()
-        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if d.cuda else [])
+        with prof(activities=acts) as pr:
             step()
-            torch.cuda.synchronize()
+            d.sync()
         if rank == 0:
             with open(path, "a") as f:
                 f.write(f"\n### L={L} variant {v} (rank 0)\n")
-                f.write(pr.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+                f.write(pr.key_averages().table(sort_by="cuda_time_total" if d.cuda else "cpu_time_total",
+                                                row_limit=18, max_name_column_width=60))
         del q, k, v_, do
 
 
@@ -467,10 +475,10 @@ def main():
         check(args, rank, world, dev)
     if not args.no_bench:
         bench(args, rank, world, dev, t_start)
-    if args.profile and dev.type == "cuda":
-        profile(args, rank, world, dev, args.lengths[0])
     if args.torch_cp:
         bench_torch_cp(args, rank, world, dev, t_start)
+    if args.profile:
+        profile(args, rank, world, dev, args.lengths[0])
     dist.barrier()
     dist.destroy_process_group()
 
