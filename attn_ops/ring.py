@@ -2,15 +2,17 @@
 
 The sequence of length ``L`` is sharded over the ``W`` ranks of a group; each rank holds ``n = L / W``
 queries, keys and values (its *local shard*). K/V blocks travel around the ring (rank r sends to r+1,
-receives from r-1) with asynchronous point-to-point ops that overlap the current step's compute; every
-step runs ``attn_ops.attention(..., return_lse=True)`` of the local queries against the visiting keys and
-the partial results merge by their log-sum-exp (the online-softmax identity, exact).
+receives from r-1) in parts, each prefetched with asynchronous point-to-point ops while the previous part is
+computed; every part runs ``attn_ops.attention(..., return_lse=True)`` of the local queries against the
+visiting keys and the partial results merge in place by their log-sum-exp (the online-softmax identity,
+exact).
 
-The backward is a custom ``autograd.Function``: it sends K/V around the ring once more together with the
-dK/dV accumulators for that block, so per-rank memory stays O(local) (no received K/V is kept from the
-forward). Each step's gradient is exact for the *merged* softmax: with ``w = exp(lse_step - lse)`` the step
-receives upstream gradients ``w * dO`` for its output and ``w * (rowsum(dO * o_step) - D)`` for its lse,
-``D = rowsum(dO * O) - dlse``, which makes its internal softmax gradient equal the full one.
+The backward is a custom ``autograd.Function``: K/V travel around the ring once more, and the dK/dV
+contribution of each visiting part goes straight back to its owner, so per-rank memory stays O(local) (no
+received K/V is kept from the forward). Each call's gradient is exact for the *merged* softmax: a backend
+that declares ``lse_backward`` (triton, chunked) runs its backward with the merged (out, lse); any other
+backend recomputes the call and receives the upstream gradients that the lse merge sends it
+(see :func:`_call_grads`).
 
 Layouts (positions of the local shard in the full sequence):
     ``contiguous``: rank r holds ``[r n, (r+1) n)``.
@@ -26,8 +28,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .inputs import causal_mask, check_inputs
-from .merge import merge_partials
+from .inputs import check_inputs
 
 Tensor = torch.Tensor
 LAYOUTS = ("contiguous", "zigzag")

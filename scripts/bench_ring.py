@@ -467,7 +467,8 @@ def main():
 
     lse_bwd = registry.get(args.backend).lse_backward if args.backend in registry.BACKENDS else None
     emit(args, rank, dict(kind="env", gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                          world=world, torch=torch.__version__, triton=triton_version, cuda=torch.version.cuda, backend=args.backend,
+                          world=world, torch=torch.__version__, triton=triton_version, cuda=torch.version.cuda,
+                          backend=args.backend,
                           backend_lse_backward=lse_bwd,
                           date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                           nccl_nvls=os.environ.get("NCCL_NVLS_ENABLE")))
