@@ -170,8 +170,9 @@ class OuterProductMean(nn.Module):
             outer = outer.unflatten(-1, (-1, self.c_hidden)).unflatten(-3, (ni, self.c_hidden))
             # [B, Ni, C, N, D] -> [B, Ni, N, C, D] -> [B, Ni, N, C*D]
             outer = outer.transpose(-2, -3).flatten(-2)
-            outer = outer / (count_rows.unsqueeze(-1).to(outer.dtype) + self.eps)
-            return self.linear_out(outer)  # [B, Ni, N, c_z]
+            # Linear(sum / count) = (W sum) / count + bias: divide the c_z-wide result, not the C*D-wide sum
+            out = nn.functional.linear(outer, self.linear_out.weight)  # [B, Ni, N, c_z]
+            return out / (count_rows.unsqueeze(-1) + self.eps).to(out.dtype) + self.linear_out.bias.to(out.dtype)
 
         return chunk_rows(rows, [a, count], [-2, -2], chunk_size, out_dim=-3)
 
