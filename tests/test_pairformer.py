@@ -129,6 +129,17 @@ def test_attention_pair_bias_matches_definition():
     assert rel_err(mod(s, z, single_mask), want) < 1e-13
 
 
+def test_block_traces_without_graph_break_under_autocast():
+    """Dynamo captures the whole block in one graph, also under bf16 autocast (our LayerNorm queries the
+    autocast state): no graph break in the model code (chunked backend on CPU)."""
+    s, z, single_mask, pair_mask = _inputs(N=6, seed=12, dtype=torch.float32)
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(PairformerBlock(**W, attention="chunked"))(s, z, single_mask, pair_mask)
+    assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
 @pytest.mark.gpu
 def test_compiled_block_with_triton_has_no_graph_break():
     """torch.compile(fullgraph=True) raises on any graph break; the compiled block must match eager."""
