@@ -161,3 +161,12 @@ def test_compiled_block_with_triton_has_no_graph_break():
     assert s.grad is not None and torch.isfinite(s.grad).all() and torch.isfinite(z.grad).all()
     # fp32: eager and compiled run the same attention kernels; Inductor only reorders fp32 sums elsewhere
     assert rel_err(cs, es) < 1e-4 and rel_err(cz, ez) < 1e-4
+
+
+@pytest.mark.gpu
+def test_triton_block_agrees_with_torch_on_gpu_in_bf16():
+    """On the GPU kernels (not the interpreter), under bf16 autocast: outputs and all gradients within the
+    registry's bf16 tolerance of PyTorch's own bf16 error (vs float64)."""
+    s, z, single_mask, pair_mask = _inputs(N=40, seed=13)
+    compare_backend_to_torch(lambda attn: PairformerBlock(**W, attention=attn), [s, z], [single_mask, pair_mask],
+                             "triton", seed=14, device="cuda", autocast=torch.bfloat16)

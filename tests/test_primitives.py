@@ -76,7 +76,7 @@ def skip_unless_backend(name):
         pytest.skip(f"backend {name!r} is listed but its entry {registry.get(name).entry} does not load: {exc}")
 
 
-def compare_backend_to_torch(build, float_inputs, masks, backend, seed=0):
+def compare_backend_to_torch(build, float_inputs, masks, backend, seed=0, device="cpu", autocast=None):
     """Run the module ``build(attention)`` with ``backend`` and with ``torch`` in float32 and with ``torch``
     in float64, all on the same random parameters and inputs, and compare outputs and every gradient
     (inputs and parameters) to float64 (STYLE.md item 6, ``tol`` from the registry):
@@ -87,19 +87,27 @@ def compare_backend_to_torch(build, float_inputs, masks, backend, seed=0):
       but equally exact summation order then looks several times worse on that tensor alone), plus 8 ulps;
     - on average over all tensors: relative error <= tol * PyTorch's.
     A wrong mask, bias broadcast or gradient shows up as relative errors of 1e-3 or more, far above both.
+    With ``autocast`` (e.g. torch.bfloat16) the float32 runs use autocast on ``device`` and the ulp floor
+    is that dtype's.
     """
     from attn_ops import registry
     from helpers import ULP
 
+    import contextlib
+
     state = randomize_(build("torch"), seed=seed).state_dict()
     xs32 = [x.float() for x in float_inputs]
+    masks = [m.to(device) for m in masks]
 
     def run(attention, dtype):
         mod = build(attention)
         mod.load_state_dict(state)
-        mod = mod.to(dtype).eval()
-        xs = [x.detach().to(dtype).requires_grad_(True) for x in xs32]
-        outs = mod(*xs, *masks)
+        mod = mod.to(device=device, dtype=dtype).eval()
+        xs = [x.detach().to(device=device, dtype=dtype).requires_grad_(True) for x in xs32]
+        amp = autocast is not None and dtype != torch.float64
+        ctx = torch.autocast(torch.device(device).type, dtype=autocast) if amp else contextlib.nullcontext()
+        with ctx:
+            outs = mod(*xs, *masks)
         outs = outs if isinstance(outs, tuple) else (outs,)
         names = [n for n, _ in mod.named_parameters()]
         grads = torch.autograd.grad(weighted_sum(outs), xs + list(mod.parameters()))
@@ -111,8 +119,9 @@ def compare_backend_to_torch(build, float_inputs, masks, backend, seed=0):
     ref = run("torch", torch.float64)
     base = run("torch", torch.float32)
     got = run(backend, torch.float32)
-    tol = registry.get(backend).tolerance[torch.float32]
-    ulp = ULP[torch.float32]
+    low = autocast or torch.float32
+    tol = registry.get(backend).tolerance[low]
+    ulp = ULP[low]
     rows, nonzero = [], 0
     for (name, r), (_, b), (_, a) in zip(ref, base, got):
         assert a.shape == r.shape, name
