@@ -8,7 +8,7 @@ The ``- dlse`` term carries a loss on lse into every gradient (d lse / dS = P).
 import triton
 import triton.language as tl
 
-from .common import batch_offset, load_lse2, load_rows, scores_log2, scores_log2_t, split_batch
+from .common import batch_offset, load_lse2, load_rows, mm, scores_log2, scores_log2_t, split_batch
 
 
 @triton.jit
@@ -57,16 +57,16 @@ def _dkdv_tiles(
         sT = scores_log2_t(k, qT, Bias, Mask, offs_m, offs_n, Lq, Lk, s_bm, s_bn, s_mm, s_mn, qk_scale,
                            HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK)  # [BN, BM]
         pT = tl.exp2(sT - lse2[None, :])
-        dv += tl.dot(pT.to(do.dtype), do)
-        dpT = tl.dot(v, tl.trans(do))  # [BN, BM]
+        dv += mm(pT.to(do.dtype), do)
+        dpT = mm(v, tl.trans(do))  # [BN, BM]
         dsT = pT * (dpT - delta[None, :])
         dsT_lp = dsT.to(qT.dtype)
-        dk += tl.dot(dsT_lp, tl.trans(qT))
+        dk += mm(dsT_lp, tl.trans(qT))
         if DIRECT_DBIAS:
             tl.store(dBias + offs_n[:, None] * s_gn + offs_m[None, :] * s_gm, dsT.to(dBias.dtype.element_ty),
                      mask=n_ok[:, None] & m_ok[None, :])
         if FUSED_DQ:
-            dq = tl.dot(tl.trans(dsT_lp), k) * scale  # [BM, BD]
+            dq = mm(tl.trans(dsT_lp), k) * scale  # [BM, BD]
             tl.atomic_add(dQacc + offs_m[:, None] * s_qm + offs_d[None, :], dq,
                           mask=m_ok[:, None] & (offs_d[None, :] < D))
     return dk, dv
@@ -164,9 +164,9 @@ def _dq_tiles(
         s = scores_log2(q, k, Bias, Mask, offs_m, offs_n, Lq, Lk, s_bm, s_bn, s_mm, s_mn, qk_scale,
                         HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, CHECK)  # [BM, BN]
         p = tl.exp2(s - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v))
+        dp = mm(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        dq += mm(ds.to(k.dtype), k)
         if DIRECT_DBIAS:
             tl.store(dBias + offs_m[:, None] * s_gm + offs_n[None, :] * s_gn, ds.to(dBias.dtype.element_ty),
                      mask=m_ok[:, None] & n_ok[None, :])

@@ -13,6 +13,15 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def mm(a, b):
+    """a @ b with fp32 accumulation; fp32 inputs use full-precision products ("ieee"), not TF32."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def batch_offset(b, r, h, s_b, s_r, s_h):
     """Element offset of batch (b, r, h) in a tensor with batch strides (s_b, s_r, s_h), in int64."""
     return b.to(tl.int64) * s_b + r.to(tl.int64) * s_r + h.to(tl.int64) * s_h
@@ -42,14 +51,18 @@ def scores_log2(
     """log2-domain logits of one tile: q [BM, D] x k [BN, D] -> [BM, BN] fp32, -inf where not attended.
 
     ``Bias``/``Mask`` point at this program's (b, r, h) slice; ``qk_scale`` = scale * log2(e).
+    HAS_MASK: 0 none, 1 a key mask (broadcast over Lq: one [BN] vector), 2 a mask that varies over Lq.
     Rows >= Lq (when CHECK_M) and columns >= Lk (when CHECK_N) are -inf too.
     """
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = mm(q, tl.trans(k)) * qk_scale
     in_bounds = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
     if HAS_BIAS:
         b = tl.load(Bias + offs_m[:, None] * s_bm + offs_n[None, :] * s_bn, mask=in_bounds, other=0.0)
         s += b.to(tl.float32) * 1.4426950408889634
-    if HAS_MASK:
+    if HAS_MASK == 1:  # key mask: one vector per tile
+        keep = tl.load(Mask + offs_n * s_mn, mask=offs_n < Lk, other=0) != 0
+        s = tl.where(keep[None, :], s, float("-inf"))
+    if HAS_MASK == 2:
         keep = tl.load(Mask + offs_m[:, None] * s_mm + offs_n[None, :] * s_mn, mask=in_bounds, other=0) != 0
         s = tl.where(keep, s, float("-inf"))
     if APPLY_CAUSAL:
@@ -78,12 +91,15 @@ def scores_log2_t(
 
     The dK/dV kernel works on transposed tiles so that no [BM, BN] matrix needs a transpose before its dots.
     """
-    s = tl.dot(k, qT) * qk_scale
+    s = mm(k, qT) * qk_scale
     in_bounds = (offs_n[:, None] < Lk) & (offs_m[None, :] < Lq)
     if HAS_BIAS:
         b = tl.load(Bias + offs_n[:, None] * s_bn + offs_m[None, :] * s_bm, mask=in_bounds, other=0.0)
         s += b.to(tl.float32) * 1.4426950408889634
-    if HAS_MASK:
+    if HAS_MASK == 1:  # key mask: one vector per tile
+        keep = tl.load(Mask + offs_n * s_mn, mask=offs_n < Lk, other=0) != 0
+        s = tl.where(keep[:, None], s, float("-inf"))
+    if HAS_MASK == 2:
         keep = tl.load(Mask + offs_n[:, None] * s_mn + offs_m[None, :] * s_mm, mask=in_bounds, other=0) != 0
         s = tl.where(keep, s, float("-inf"))
     if APPLY_CAUSAL:

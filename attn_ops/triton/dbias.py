@@ -5,13 +5,13 @@ The bias has own shape ``[BB, BR, BH, BLq, BLk]`` with every dim 1 or full. A pr
 and loops, in a fixed order, over everything that tile sums: the broadcast batch indices (and, for a bias
 broadcast over Lq or Lk, all query or key tiles). It recomputes dS = P * (dO V^T - delta) per step and
 accumulates it in fp32 registers, so no ``[R, H, Lq, Lk]`` buffer exists and the result has the same bits
-every run. ``SPLIT`` programs may share one tile's batch loop (contiguous chunks); their fp32 partial sums go
-to ``dBiasPart[split]`` and the host adds them in a fixed order.
+every run. Several programs may share one tile's batch loop (contiguous chunks, grid axis 2); their fp32 partial
+sums go to ``dBiasPart[split]`` and the host adds them in a fixed order (one split: written in the bias's dtype).
 """
 import triton
 import triton.language as tl
 
-from .common import batch_offset, load_lse2, load_rows
+from .common import batch_offset, load_lse2, load_rows, mm
 
 
 @triton.jit
@@ -31,8 +31,11 @@ def _ds_tile(
     v = load_rows(V, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
     lse2 = load_lse2(Lse, offs_m, Lq)
     delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
-    s = tl.dot(q, tl.trans(k)) * qk_scale + bias2
-    if HAS_MASK:
+    s = mm(q, tl.trans(k)) * qk_scale + bias2
+    if HAS_MASK == 1:  # key mask
+        keep = tl.load(Mask + offs_n * s_mn, mask=n_ok, other=0) != 0
+        s = tl.where(keep[None, :], s, float("-inf"))
+    if HAS_MASK == 2:
         keep = tl.load(Mask + offs_m[:, None] * s_mm + offs_n[None, :] * s_mn,
                        mask=m_ok[:, None] & n_ok[None, :], other=0) != 0
         s = tl.where(keep, s, float("-inf"))
@@ -41,7 +44,7 @@ def _ds_tile(
     if CHECK:
         s = tl.where(m_ok[:, None] & n_ok[None, :], s, float("-inf"))
     p = tl.exp2(s - lse2[:, None])
-    dp = tl.dot(do, tl.trans(v))
+    dp = mm(do, tl.trans(v))
     return p * (dp - delta[:, None])
 
 
@@ -136,12 +139,13 @@ def attn_bwd_dbias_kernel(
     Out = dBiasPart + pid_s.to(tl.int64) * s_ps + batch_offset(gb, gr, gh, s_pb, s_pr, s_ph)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    ty = dBiasPart.dtype.element_ty  # the bias's dtype with one split, else fp32 partials
     if LOOP_M and LOOP_N:
-        tl.store(Out, tl.sum(tl.sum(acc, 1), 0))
+        tl.store(Out, tl.sum(tl.sum(acc, 1), 0).to(ty))
     elif LOOP_M:
-        tl.store(Out + offs_n * s_pn, tl.sum(acc, 0), mask=offs_n < Lk)
+        tl.store(Out + offs_n * s_pn, tl.sum(acc, 0).to(ty), mask=offs_n < Lk)
     elif LOOP_N:
-        tl.store(Out + offs_m * s_pm, tl.sum(acc, 1), mask=offs_m < Lq)
+        tl.store(Out + offs_m * s_pm, tl.sum(acc, 1).to(ty), mask=offs_m < Lq)
     else:
-        tl.store(Out + offs_m[:, None] * s_pm + offs_n[None, :] * s_pn, acc,
+        tl.store(Out + offs_m[:, None] * s_pm + offs_n[None, :] * s_pn, acc.to(ty),
                  mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk))

@@ -7,7 +7,7 @@ natural log, -inf for a row with no key).
 import triton
 import triton.language as tl
 
-from .common import batch_offset, load_rows, scores_log2, split_batch
+from .common import batch_offset, load_rows, mm, scores_log2, split_batch
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _fwd_tiles(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + mm(p.to(v.dtype), v)
         m_i = m_new
     return acc, l_i, m_i
 

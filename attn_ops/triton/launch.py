@@ -39,6 +39,13 @@ def _mask_u8(mask: Optional[Tensor]) -> Optional[Tensor]:
     return None if mask is None else mask.view(torch.uint8)
 
 
+def _mask_kind(mask: Optional[Tensor]) -> int:
+    """HAS_MASK for the kernels: 0 none, 1 a key mask (size 1 along Lq), 2 a mask varying along Lq."""
+    if mask is None:
+        return 0
+    return 1 if mask.shape[3] == 1 else 2
+
+
 def _key(q: Tensor, v: Tensor, bias, mask, causal: bool, *extra) -> Tuple:
     B, R, H, Lq, D = q.shape
     nbatch = (B * R * H).bit_length()
@@ -67,7 +74,7 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
             q, k, v, bias_t, mask_t, out, lse,
             *_rows(q), *_rows(k), *_rows(v), *sb, *sm, *_rows(out),
             R, H, Lq, Lk, D, Dv, scale * LOG2E,
-            HAS_BIAS=bias is not None, HAS_MASK=mask is not None, CAUSAL=causal,
+            HAS_BIAS=bias is not None, HAS_MASK=_mask_kind(mask), CAUSAL=causal,
             EVEN_N=Lk % c.block_n == 0,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
             num_warps=c.num_warps, num_stages=c.num_stages,
@@ -81,7 +88,7 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
 def _dbias_splits(n_programs: int, total_steps: int, device: torch.device) -> int:
     """How many programs share one dbias tile's reduction loop: enough programs to fill the device."""
     if device.type == "cuda":
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
     else:
         target = 8  # the CPU interpreter: small, but exercises the split path in tests
     return max(1, min(total_steps, 64, triton.cdiv(target, n_programs)))
@@ -126,7 +133,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     gs = (0,) * 5 if dbias is None else _bstrides(dbias)
     dq_acc = torch.empty_strided(q.shape, q.stride(), dtype=torch.float32, device=dev) if fused else None
     common = (*_rows(q), *_rows(k), *_rows(v), *sb, *sm, *_rows(do))
-    flags = dict(HAS_BIAS=has_bias, HAS_MASK=has_mask, CAUSAL=causal)
+    flags = dict(HAS_BIAS=has_bias, HAS_MASK=_mask_kind(mask), CAUSAL=causal)
     key = _key(q, v, bias, mask, causal, fused, direct_dbias)
 
     # 2. dK, dV (+ dQ by atomics when fused, + dBias when it is unbroadcast)
@@ -161,11 +168,11 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
 
     # 4. dBias of a broadcast bias: deterministic tile-owner reduction
     if want_dbias:
-        dbias = _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, has_mask, key)
+        dbias = _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, _mask_kind(mask), key)
     return dq, dk, dv, dbias
 
 
-def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, has_mask, key) -> Tensor:
+def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, mask_kind, key) -> Tensor:
     B, R, H, Lq, D = q.shape
     Lk, Dv = k.shape[3], v.shape[4]
     BB, BR, BH, BLq, BLk = bias.shape
@@ -180,12 +187,14 @@ def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, has_
         splits = _dbias_splits(tiles * n_groups, total, q.device)
         per = triton.cdiv(total, splits)
         splits = triton.cdiv(total, per)
-        part = torch.empty((splits,) + tuple(bias.shape), dtype=torch.float32, device=q.device)
+        # one split: the kernel writes dbias in the bias's dtype; else fp32 partials summed below
+        part = torch.empty((splits,) + tuple(bias.shape), dtype=bias.dtype if splits == 1 else torch.float32,
+                           device=q.device)
         attn_bwd_dbias_kernel[(tiles, n_groups, splits)](
             q, k, v, bias, mask_t, do, lse, delta, part,
             *_rows(q), *_rows(k), *_rows(v), *_bstrides(bias), *sm, *_rows(do), part.stride(0), *_bstrides(part[0]),
             B, R, H, BB, BR, BH, Lq, Lk, D, Dv, scale * LOG2E, per,
-            HAS_MASK=has_mask, CAUSAL=causal, LOOP_M=loop_m, LOOP_N=loop_n,
+            HAS_MASK=mask_kind, CAUSAL=causal, LOOP_M=loop_m, LOOP_N=loop_n,
             EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
             num_warps=c.num_warps, num_stages=c.num_stages,
@@ -196,5 +205,6 @@ def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, has_
     launch(cfg)
     part = state["part"]
     # fixed-order sum over the splits: same bits every run
-    total = part[0] if part.shape[0] == 1 else part.sum(0)
-    return total.to(bias.dtype)
+    if part.shape[0] == 1:
+        return part[0]
+    return part.sum(0).to(bias.dtype)

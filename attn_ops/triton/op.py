@@ -59,11 +59,14 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, bias, mask, out, lse)
     ctx.scale, ctx.causal, ctx.fused = scale, causal, fused_bwd
+    ctx.set_materialize_grads(False)  # an unused lse sends None, not a zeros buffer
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, bias, mask, out, lse = ctx.saved_tensors
     need_dbias = bias is not None and ctx.needs_input_grad[3]
+    if dout is None:  # only lse was used
+        dout = torch.zeros_like(out)
     dq, dk, dv, dbias = torch.ops.attn_zoo.triton_attn_bwd(
         dout, dlse, q, k, v, out, lse, bias, mask, ctx.scale, ctx.causal, ctx.fused, need_dbias)
     return dq, dk, dv, (dbias if need_dbias else None), None, None, None, None
