@@ -22,6 +22,7 @@ Layouts (positions of the local shard in the full sequence):
 from __future__ import annotations
 
 import functools
+import zlib
 from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -211,6 +212,13 @@ class _Spec:
         return self.peers[group_rank % self.world]
 
 
+def _positions(spec: _Spec, n: int, rank: int, device) -> Optional[Tensor]:
+    """Global positions of rank ``rank``'s shard, only when a bias callable needs them."""
+    if spec.bias_fn is None:
+        return None
+    return ring_positions(n, spec.world, rank % spec.world, spec.layout, device=device)
+
+
 def _keys(call: _Call, part: _Part) -> int:
     return part.hi - part.lo if call.k_len is None else call.k_len
 
@@ -372,7 +380,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, spec: _Spec, q, k, v, bias, mask, *bias_params):
         W, r, n = spec.world, spec.rank, q.shape[-2]
         q_segs = local_segments(spec.layout, W, r, n)
-        q_pos = ring_positions(n, W, r, spec.layout, device=q.device)
+        q_pos = _positions(spec, n, r, q.device)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=acc, device=q.device)  # [*b, H, n, Dv]
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)  # [*b, H, n]
@@ -380,7 +388,7 @@ class _RingAttention(torch.autograd.Function):
         for i in range(len(stream.steps)):
             stream.prefetch(i)
             t, p, part, (k_p, v_p) = stream.part(i)
-            k_pos = ring_positions(n, W, (r - t) % W, spec.layout, device=q.device)
+            k_pos = _positions(spec, n, r - t, q.device)
             for call in split_rows(plan_part(q_segs, part, spec.causal), part, spec.q_chunk):
                 b, m = _tiles(spec, bias, mask, q_pos, k_pos, part, call)
                 rows = slice(call.q_lo, call.q_hi)
@@ -413,7 +421,7 @@ class _RingAttention(torch.autograd.Function):
             d_lse = torch.zeros_like(lse)
         gdt = spec.grad_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
         q_segs = local_segments(spec.layout, W, r, n)
-        q_pos = ring_positions(n, W, r, spec.layout, device=q.device)
+        q_pos = _positions(spec, n, r, q.device)
         dq = torch.zeros(q.shape, dtype=gdt, device=q.device)
         dk = torch.zeros(k.shape, dtype=gdt, device=q.device) if need_kv else None
         dv = torch.zeros(v.shape, dtype=gdt, device=q.device) if need_kv else None
@@ -427,7 +435,7 @@ class _RingAttention(torch.autograd.Function):
         for i in range(len(stream.steps)):
             stream.prefetch(i)
             t, p, part, (k_p, v_p) = stream.part(i)
-            k_pos = ring_positions(n, W, (r - t) % W, spec.layout, device=q.device)
+            k_pos = _positions(spec, n, r - t, q.device)
             dk_p = dv_p = None
             if need_kv and t == 0:  # own K/V: accumulate in place
                 dk_p, dv_p = dk[..., part.lo:part.hi, :], dv[..., part.lo:part.hi, :]
@@ -527,21 +535,39 @@ def _fn_params(bias_fn) -> Tuple[Tensor, ...]:
     return tuple(p for p in params() if p.requires_grad)
 
 
+def _flag_device(group) -> torch.device:
+    """Where the agreement flags live: CPU when the group has gloo (no GPU synchronisation), else the
+    current CUDA device (one tiny NCCL all-reduce)."""
+    g = dist.group.WORLD if group is None else group
+    if "gloo" in str(dist.get_backend(g)) or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _agree(group, world: int, rank: int, error: Optional[str], meta) -> None:
-    """All ranks exchange (error, meta); raise the same ValueError on every rank if any failed or differ."""
+    """Every rank learns whether any rank failed its checks or sees other shapes/options; if so all raise the
+    same ValueError (before any point-to-point op, so nobody hangs).
+
+    Fast path: one all-reduce (max) of (failed flag, digest, -digest); only on disagreement are the messages
+    gathered.
+    """
     if world == 1:
         if error:
             raise ValueError(f"ring_attention: {error}")
+        return
+    digest = zlib.crc32(repr(meta).encode()) if error is None else -1
+    flags = torch.tensor([int(error is not None), digest, -digest], dtype=torch.int64, device=_flag_device(group))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    failed, hi, neg_lo = flags.tolist()
+    if failed == 0 and hi == -neg_lo:  # no rank failed and every digest is the same
         return
     gathered = [None] * world
     dist.all_gather_object(gathered, (rank, error, meta), group=group)
     errors = [f"rank {g[0]}: {g[1]}" for g in gathered if g[1]]
     if errors:
         raise ValueError("ring_attention: bad input on " + "; ".join(errors))
-    metas = [g[2] for g in gathered]
-    if any(m != metas[0] for m in metas):
-        detail = "; ".join(f"rank {g[0]}: {g[2]}" for g in gathered)
-        raise ValueError(f"ring_attention: ranks disagree on shapes/options ({detail})")
+    detail = "; ".join(f"rank {g[0]}: {g[2]}" for g in gathered)
+    raise ValueError(f"ring_attention: ranks disagree on shapes/options ({detail})")
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, bias=None, mask: Optional[Tensor] = None, *,
