@@ -358,13 +358,13 @@ def bench_torch_cp(args, rank, world, dev, t_start):
         rec = dict(kind="torch_context_parallel", L=L, heads=args.heads, dim=args.dim)
         try:
             with context_parallel(mesh, buffers=[q, k, v, do], buffer_seq_dims=[2, 2, 2, 2]):
-                for t in (q, k, v):
-                    t.requires_grad_()
+                # leaves over the sharded buffers (the buffers themselves are resized back on exit)
+                qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
                 def step():
-                    for t in (q, k, v):
+                    for t in (qg, kg, vg):
                         t.grad = None
-                    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+                    F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(do)
 
                 step()
                 d.sync()
