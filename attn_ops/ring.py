@@ -406,6 +406,7 @@ class _RingAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, d_out, d_lse):
         spec: _Spec = ctx.spec
         q, k, v, bias, mask, out, lse = ctx.saved_tensors
@@ -612,6 +613,10 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, bias=None, mask: Optional[Te
 
     Returns:
         out ``[*batch, H, n, Dv]`` in q's dtype (local rows), and with ``return_lse`` also lse.
+
+    Limits: the backward is once-differentiable; ``torch.compile`` graph-breaks around the ring (the inner op
+    compiles); an error that strikes one rank *after* the agreement (out of memory, say) leaves the others in a
+    point-to-point op until the process group's timeout.
     """
     if group is None and not (dist.is_available() and dist.is_initialized()):
         world, rank, peers = 1, 0, [0]
