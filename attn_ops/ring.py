@@ -428,8 +428,8 @@ class _RingAttention(torch.autograd.Function):
         dv = torch.zeros(v.shape, dtype=gdt, device=q.device) if need_kv else None
         # Each (query, key) pair lies in exactly one call, so a bias with full row and column dims gets every
         # element written once (kept in its own dtype); a broadcast bias sums over calls (in gdt).
-        db_dtype = bias.dtype if need_b_tensor and bias.shape[-2] == n and bias.shape[-1] == n * W else gdt
-        db = torch.zeros(bias.shape, dtype=db_dtype, device=q.device) if need_b_tensor else None
+        db_once = need_b_tensor and bias.shape[-2] == n and bias.shape[-1] == n * W
+        db = torch.zeros(bias.shape, dtype=bias.dtype if db_once else gdt, device=q.device) if need_b_tensor else None
         dparams = [torch.zeros_like(p) for p in bias_params] if need_params else None
         stream = _KVStream(spec, k, v)
         sent = None  # the contribution exchange of the previous step, still in flight
@@ -460,7 +460,7 @@ class _RingAttention(torch.autograd.Function):
                 if need_b_tensor:
                     k0 = part.start
                     tile = _cols(_rows(db, call.q_lo, call.q_hi), k0, k0 + kl)
-                    if db.dtype == bias.dtype and db.shape[-2] == n:  # every element has exactly one writer
+                    if db_once:  # every element has exactly one writer
                         tile.copy_(g_b)
                     else:
                         tile += g_b

@@ -50,6 +50,7 @@ CASES = [
     ("module_bias_causal", True, "zigzag", "module", "keys", torch.float64, True),
     ("dead_rows", False, "contiguous", "full", "dead", torch.float64, True),
     ("fp32_causal_bias", True, "zigzag", "full", "keys", torch.float32, True),
+    ("querybias_cols_broadcast", True, "zigzag", "queries", None, torch.float64, False),
 ]
 
 
@@ -63,6 +64,7 @@ def _inputs(case, world, seed):
         "full": torch.randn(B, H, L, L, generator=g, dtype=torch.float64),
         "keys": torch.randn(1, H, 1, L, generator=g, dtype=torch.float64) * 3,  # uneven per-key offsets
         "rows": torch.randn(1, 1, L, L, generator=g, dtype=torch.float64).triu() * 2,  # asymmetric pattern
+        "queries": torch.randn(B, H, L, 1, generator=g, dtype=torch.float64),  # one value per query row
         "module": None,
     }[bias_kind]
     mask = {
