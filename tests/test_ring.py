@@ -51,6 +51,7 @@ CASES = [
     ("dead_rows", False, "contiguous", "full", "dead", torch.float64, True),
     ("fp32_causal_bias", True, "zigzag", "full", "keys", torch.float32, True),
     ("querybias_cols_broadcast", True, "zigzag", "queries", None, torch.float64, False),
+    ("msa_rows_5d_value_dim", True, "zigzag", "shared5d", "keys5d", torch.float64, True),
 ]
 
 
@@ -58,13 +59,17 @@ def _inputs(case, world, seed):
     name, causal, layout, bias_kind, mask_kind, dtype, lse_loss = case
     g = torch.Generator().manual_seed(seed)
     B, H, L, D = 2, 2, 8 * world, 8
-    q, k, v = (torch.randn(B, H, L, D, generator=g, dtype=torch.float64) for _ in range(3))
+    lead = (B, 3) if name.startswith("msa") else (B,)  # [B, R, H, L, D] like Evoformer rows
+    Dv = 5 if name.startswith("msa") else D  # a value head dim of its own
+    q, k = (torch.randn(*lead, H, L, D, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(*lead, H, L, Dv, generator=g, dtype=torch.float64)
     bias = {
         None: None,
         "full": torch.randn(B, H, L, L, generator=g, dtype=torch.float64),
         "keys": torch.randn(1, H, 1, L, generator=g, dtype=torch.float64) * 3,  # uneven per-key offsets
         "rows": torch.randn(1, 1, L, L, generator=g, dtype=torch.float64).triu() * 2,  # asymmetric pattern
         "queries": torch.randn(B, H, L, 1, generator=g, dtype=torch.float64),  # one value per query row
+        "shared5d": torch.randn(B, 1, H, L, L, generator=g, dtype=torch.float64),  # shared by the R rows
         "module": None,
     }[bias_kind]
     mask = {
@@ -72,13 +77,14 @@ def _inputs(case, world, seed):
         "keys": torch.rand(B, 1, 1, L, generator=g) > 0.3,
         "rows": torch.rand(B, 1, L, L, generator=g) > 0.3,
         "dead": torch.rand(B, 1, L, L, generator=g) > 0.3,
+        "keys5d": torch.rand(B, 3, 1, 1, L, generator=g) > 0.3,
     }[mask_kind]
     if mask_kind == "dead":
         mask[:, :, 3] = False  # query row 3 sees nothing: out 0, lse -inf, zero grads
     if mask is not None and mask_kind != "dead":
         mask[..., 0] = True  # every row keeps a key, so the float64 comparison is well defined
-    do = torch.randn(B, H, L, D, generator=g, dtype=torch.float64)
-    dl = torch.randn(B, H, L, generator=g, dtype=torch.float64) if lse_loss else None
+    do = torch.randn(*lead, H, L, Dv, generator=g, dtype=torch.float64)
+    dl = torch.randn(*lead, H, L, generator=g, dtype=torch.float64) if lse_loss else None
     module = RelBias(H, 5) if bias_kind == "module" else None
     if module is not None:
         with torch.no_grad():
