@@ -302,12 +302,14 @@ class Attention(nn.Module):
             )
         gate = [] if self.linear_g is None else [self.linear_g]
         if kv_x is q_x:
-            q, k, v, *rest = fused_linear(q_x, [self.linear_q, self.linear_k, self.linear_v] + gate + list(extra))
+            outs = fused_linear(q_x, [self.linear_q, self.linear_k, self.linear_v] + gate + list(extra))
+            q, k, v, rest = outs[0], outs[1], outs[2], outs[3:]
         else:
-            q, *rest = fused_linear(q_x, [self.linear_q] + gate + list(extra))
+            outs = fused_linear(q_x, [self.linear_q] + gate + list(extra))
+            q, rest = outs[0], outs[1:]
             k, v = fused_linear(kv_x, [self.linear_k, self.linear_v])
-        g = rest.pop(0) if gate else None
-        return (q, k, v, g, *rest)
+        g = rest[0] if gate else None
+        return (q, k, v, g) + tuple(rest[len(gate):])
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], bias: Optional[Tensor], mask: Optional[Tensor]
