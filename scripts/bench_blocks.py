@@ -12,6 +12,14 @@ triton-backend block (where the block's time goes).
 
 Boltz-2 (``boltz.model.layers.pairformer.PairformerLayer``) and cuequivariance are optional imports
 (see ../shared/anchor-wheels/README.md); rows for them are skipped with the reason if they do not import.
+On the GPU machine install them into a folder of your own (a shared ``.site`` may hold other versions,
+and ``pip --target`` silently keeps what is there), and run pytest without it on the path (its
+``platformdirs`` registers a pytest plugin that fails to load):
+
+    mkdir -p .site_blocks && python3 -m pip install -q --upgrade --no-index --no-deps --target .site_blocks \
+        .peers/*.whl && tar xJf .peers/cue.tar.xz -C .site_blocks
+    python -m pytest tests/test_pairformer.py tests/test_evoformer.py -m gpu -q
+    PYTHONPATH=$PWD/.site_blocks python scripts/bench_blocks.py --breakdown pair384 pair768 --profile pair384
 """
 from __future__ import annotations
 
@@ -65,7 +73,13 @@ def build_case(case: str, backend: str, dev):
     if backend in ("boltz", "boltz-cueq"):
         if kind != "pairformer":
             raise NotImplementedError("Boltz has no Evoformer block")
-        from boltz.model.layers.pairformer import PairformerLayer
+        try:
+            from boltz.model.layers.pairformer import PairformerLayer
+        except ImportError as exc:
+            import importlib.util
+
+            spec = importlib.util.find_spec("boltz")
+            raise ImportError(f"{exc} (boltz found at {spec.origin if spec else None})") from exc
 
         mod = PairformerLayer(384, 128, num_heads=16, dropout=0.25, pairwise_head_width=32, pairwise_num_heads=4,
                               v2=True).to(dev)
