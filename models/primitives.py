@@ -174,9 +174,10 @@ class LayerNorm(nn.LayerNorm):
         if torch.is_autocast_enabled(dev) and x.dtype in (torch.float32, torch.get_autocast_dtype(dev)):
             dt = torch.get_autocast_dtype(dev)
             with torch.autocast(dev, enabled=False):
-                return nn.functional.layer_norm(
-                    x.to(dt), self.normalized_shape, self.weight.to(dt), self.bias.to(dt), self.eps
-                )
+                # one pass that casts and, for a transposed view (ending node, MSA columns), also
+                # makes it contiguous, instead of a strided cast followed by layer_norm's own copy
+                x = x.to(dt, memory_format=torch.contiguous_format)
+                return nn.functional.layer_norm(x, self.normalized_shape, self.weight.to(dt), self.bias.to(dt), self.eps)
         return super().forward(x)
 
 
