@@ -17,6 +17,7 @@ from models.evoformer import (  # noqa: E402
     ExtraMSABlock,
     ExtraMSAStack,
     MSAColumnGlobalAttention,
+    MSARowAttentionWithPairBias,
     OuterProductMean,
 )
 from models.triangle import (  # noqa: E402
@@ -181,6 +182,63 @@ def test_incoming_equals_outgoing_on_transposed_input():
     want = _transposed(out(_transposed(z), _transposed(pair_mask)))
     assert rel_err(inc(z, pair_mask), want) < 1e-13
     assert rel_err(inc(z, pair_mask), out(z, pair_mask)) > 1e-3
+
+
+def test_triangle_attention_starting_node_matches_definition():
+    """AF2 Alg. 13: o_ij = g_ij * sum_k softmax_k(q_ij . k_ik / sqrt(c) + b_jk, masked by mask_ik) v_ik."""
+    g = torch.Generator().manual_seed(20)
+    z = torch.randn(2, 5, 5, 8, generator=g, dtype=torch.float64)
+    pair_mask = torch.rand(2, 5, 5, generator=g) > 0.3
+    mod = randomize_(TriangleAttentionStartingNode(8, 16, 2, attention="torch"), seed=21).double()
+    att = mod.mha
+    zn = mod.layer_norm(z)
+    q, k, v = (lin(zn).unflatten(-1, (2, 16)) for lin in (att.linear_q, att.linear_k, att.linear_v))  # [b,i,j,h,c]
+    b = mod.linear_bias(zn)  # [b, j, k, h]
+    logits = torch.einsum("bijhc,bikhc->bihjk", q, k) / 4.0 + b.permute(0, 3, 1, 2)[:, None]
+    logits = logits.masked_fill(~pair_mask[:, :, None, None, :], float("-inf"))
+    p = torch.nan_to_num(torch.softmax(logits, -1))
+    o = torch.einsum("bihjk,bikhc->bijhc", p, v).flatten(-2) * torch.sigmoid(att.linear_g(zn))
+    assert rel_err(mod(z, pair_mask), att.linear_o(o)) < 1e-13
+
+
+def test_msa_row_attention_with_pair_bias_matches_definition():
+    """AF2 Alg. 7: o_si = g_si * sum_j softmax_j(q_si . k_sj / sqrt(c) + b_ij, masked by msa_mask_sj) v_sj."""
+    m, z, msa_mask, _ = _inputs(S=3, N=5, seed=24)
+    mod = randomize_(MSARowAttentionWithPairBias(W["c_m"], W["c_z"], 16, 2, attention="torch"), seed=25).double()
+    att = mod.mha
+    mn = mod.layer_norm_m(m)
+    q, k, v = (lin(mn).unflatten(-1, (2, 16)) for lin in (att.linear_q, att.linear_k, att.linear_v))  # [b,s,i,h,c]
+    b = mod.linear_z(mod.layer_norm_z(z))  # [b, i, j, h]
+    logits = torch.einsum("bsihc,bsjhc->bshij", q, k) / 4.0 + b.permute(0, 3, 1, 2)[:, None]
+    logits = logits.masked_fill(~msa_mask[:, :, None, None, :], float("-inf"))
+    p = torch.nan_to_num(torch.softmax(logits, -1))
+    o = torch.einsum("bshij,bsjhc->bsihc", p, v).flatten(-2) * torch.sigmoid(att.linear_g(mn))
+    assert rel_err(mod(m, z, msa_mask), att.linear_o(o)) < 1e-13
+
+
+def test_triangle_multiplication_outgoing_matches_definition():
+    """AF2 Alg. 11: x_ij = sum_k a_ik b_jk, a = sigmoid(gate) * proj (masked), out = g * Linear(LN(x))."""
+    g = torch.Generator().manual_seed(22)
+    z = torch.randn(2, 5, 5, 8, generator=g, dtype=torch.float64)
+    pair_mask = torch.rand(2, 5, 5, generator=g) > 0.3
+    mod = randomize_(TriangleMultiplicationOutgoing(8, 4), seed=23).double()
+    zn = mod.layer_norm_in(z)
+    ab = torch.sigmoid(mod.linear_ab_g(zn)) * mod.linear_ab_p(zn) * pair_mask[..., None]
+    a, b = ab[..., :4], ab[..., 4:]
+    x = torch.einsum("bikc,bjkc->bijc", a, b)
+    want = torch.sigmoid(mod.linear_g(zn)) * mod.linear_z(mod.layer_norm_out(x))
+    assert rel_err(mod(z, pair_mask), want) < 1e-13
+    assert rel_err(mod(z, pair_mask, chunk_size=2), want) < 1e-13
+
+
+@pytest.mark.parametrize("kind", list(BLOCKS))
+def test_dropout_placement_follows_the_paper(kind):
+    """Row-wise (mask shared over rows, dim -3) on MSA row attention, triangle multiplications and the
+    starting node; column-wise (shared over columns, dim -2) on the ending node (AF2 Alg. 6)."""
+    block = _block(kind, dropout=0.25)
+    assert block.msa_dropout_row.shared_dim == -3 and block.pair_dropout_row.shared_dim == -3
+    assert block.pair_dropout_col.shared_dim == -2
+    assert block.msa_dropout_row.p == block.pair_dropout_row.p == block.pair_dropout_col.p == 0.25
 
 
 def test_outer_product_mean_matches_definition():

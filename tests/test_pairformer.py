@@ -129,6 +129,23 @@ def test_attention_pair_bias_matches_definition():
     assert rel_err(mod(s, z, single_mask), want) < 1e-13
 
 
+def test_dropout_placement_follows_the_paper():
+    """AF3 Alg. 17: row-wise dropout (shared over rows) on the triangle multiplications and the starting
+    node, column-wise on the ending node, none on the single track."""
+    block = PairformerBlock(**W, pair_dropout=0.25)
+    assert block.pair_dropout_row.shared_dim == -3 and block.pair_dropout_col.shared_dim == -2
+    assert block.pair_dropout_row.p == block.pair_dropout_col.p == 0.25
+    s, z, single_mask, pair_mask = _inputs(N=5, seed=15, dtype=torch.float32)
+    randomize_(block).train()
+    torch.manual_seed(0)
+    s1, _ = block(s, z, single_mask, pair_mask)
+    torch.manual_seed(1)
+    s2, z2 = block(s, z, single_mask, pair_mask)
+    assert not torch.equal(s1, s2)  # dropout is on (through z)
+    block.eval()
+    assert torch.equal(block(s, z, single_mask, pair_mask)[1], block(s, z, single_mask, pair_mask)[1])
+
+
 def test_block_traces_without_graph_break_under_autocast():
     """Dynamo captures the whole block in one graph, also under bf16 autocast (our LayerNorm queries the
     autocast state): no graph break in the model code (chunked backend on CPU)."""
