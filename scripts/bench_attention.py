@@ -290,8 +290,9 @@ def write_md(rows, path, env):
              "|---|---|---|---|---|---|---|"]
     for (_, shape), rs in by_shape.items():
         for i, r in enumerate(rs):
-            cells = [shape if i == 0 else "", r["backend"]] + [_fmt(r[f]) for f in ("fwd_ms", "fwdbwd_ms", "tflops",
-                                                                                     "peak_mib")] + [r["note"]]
+            cells = [shape if i == 0 else "", r["backend"]] + [_fmt(r[f]) for f in ("fwd_ms", "fwdbwd_ms",
+                                                                                     "tflops")]
+            cells += [_fmt_int(r["peak_mib"]), r["note"]]
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Targets (issue 4) and roofline", "",
               "| shape | target ms | triton ms | met | flex ms | triton peak / flex peak MiB | GFLOP | "
@@ -304,7 +305,7 @@ def write_md(rows, path, env):
         gf, comp, rer, ideal = roofline(shape)
         met = "yes" if _num(t["fwdbwd_ms"]) is not None and _num(t["fwdbwd_ms"]) <= target else "**no**"
         lines.append(f"| {shape} | {target} | {_fmt(t['fwdbwd_ms'])} | {met} | {_fmt(f.get('fwdbwd_ms', ''))} | "
-                     f"{_fmt(t['peak_mib'])} / {_fmt(f.get('peak_mib', ''))} | {gf:.0f} | {comp:.0f} | {rer:.0f} | "
+                     f"{_fmt_int(t['peak_mib'])} / {_fmt_int(f.get('peak_mib', ''))} | {gf:.0f} | {comp:.0f} | {rer:.0f} | "
                      f"{ideal:.2f} |")
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")
@@ -322,6 +323,11 @@ def _fmt(x):
     if n is None:
         return str(x or "")
     return f"{n:.3f}" if n < 10 else f"{n:.1f}"
+
+
+def _fmt_int(x):
+    n = _num(x)
+    return "" if n is None else f"{n:.0f}"
 
 
 def write_png(rows, path):
