@@ -305,8 +305,8 @@ def write_md(rows, path, env):
         gf, comp, rer, ideal = roofline(shape)
         met = "yes" if _num(t["fwdbwd_ms"]) is not None and _num(t["fwdbwd_ms"]) <= target else "**no**"
         lines.append(f"| {shape} | {target} | {_fmt(t['fwdbwd_ms'])} | {met} | {_fmt(f.get('fwdbwd_ms', ''))} | "
-                     f"{_fmt_int(t['peak_mib'])} / {_fmt_int(f.get('peak_mib', ''))} | {gf:.0f} | {comp:.0f} | {rer:.0f} | "
-                     f"{ideal:.2f} |")
+                     f"{_fmt_int(t['peak_mib'])} / {_fmt_int(f.get('peak_mib', ''))} | {gf:.0f} | {comp:.0f} | "
+                     f"{rer:.0f} | {ideal:.2f} |")
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")
 

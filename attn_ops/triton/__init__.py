@@ -17,5 +17,5 @@ SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 BIAS_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 DETERMINISTIC_BWD = ("split",)  # "fused" uses atomics for dq
 
-__all__ = ["triton_attention", "triton_lse_backward", "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "BIAS_DTYPES", "BWD_VARIANTS",
-           "DETERMINISTIC_BWD"]
+__all__ = ["triton_attention", "triton_lse_backward", "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "BIAS_DTYPES",
+           "BWD_VARIANTS", "DETERMINISTIC_BWD"]
