@@ -63,7 +63,7 @@ def _dkdv_tiles(
         dsT_lp = dsT.to(qT.dtype)
         dk += mm(dsT_lp, tl.trans(qT))
         if DIRECT_DBIAS:
-            tl.store(dBias + offs_n[:, None] * s_gn + offs_m[None, :] * s_gm, dsT.to(dBias.dtype.element_ty),
+            tl.store(dBias + offs_n[:, None].to(tl.int64) * s_gn + offs_m[None, :].to(tl.int64) * s_gm, dsT.to(dBias.dtype.element_ty),
                      mask=n_ok[:, None] & m_ok[None, :])
         if FUSED_DQ:
             dq = mm(tl.trans(dsT_lp), k) * scale  # [BM, BD]
@@ -168,7 +168,7 @@ def _dq_tiles(
         ds = p * (dp - delta[:, None])
         dq += mm(ds.to(k.dtype), k)
         if DIRECT_DBIAS:
-            tl.store(dBias + offs_m[:, None] * s_gm + offs_n[None, :] * s_gn, ds.to(dBias.dtype.element_ty),
+            tl.store(dBias + offs_m[:, None].to(tl.int64) * s_gm + offs_n[None, :].to(tl.int64) * s_gn, ds.to(dBias.dtype.element_ty),
                      mask=m_ok[:, None] & n_ok[None, :])
     return dq
 

@@ -57,13 +57,13 @@ def scores_log2(
     s = mm(q, tl.trans(k)) * qk_scale
     in_bounds = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
     if HAS_BIAS:
-        b = tl.load(Bias + offs_m[:, None] * s_bm + offs_n[None, :] * s_bn, mask=in_bounds, other=0.0)
+        b = tl.load(Bias + offs_m[:, None].to(tl.int64) * s_bm + offs_n[None, :].to(tl.int64) * s_bn, mask=in_bounds, other=0.0)
         s += b.to(tl.float32) * 1.4426950408889634
     if HAS_MASK == 1:  # key mask: one vector per tile
-        keep = tl.load(Mask + offs_n * s_mn, mask=offs_n < Lk, other=0) != 0
+        keep = tl.load(Mask + offs_n.to(tl.int64) * s_mn, mask=offs_n < Lk, other=0) != 0
         s = tl.where(keep[None, :], s, float("-inf"))
     if HAS_MASK == 2:
-        keep = tl.load(Mask + offs_m[:, None] * s_mm + offs_n[None, :] * s_mn, mask=in_bounds, other=0) != 0
+        keep = tl.load(Mask + offs_m[:, None].to(tl.int64) * s_mm + offs_n[None, :].to(tl.int64) * s_mn, mask=in_bounds, other=0) != 0
         s = tl.where(keep, s, float("-inf"))
     if APPLY_CAUSAL:
         s = tl.where(offs_n[None, :] <= offs_m[:, None] + (Lk - Lq), s, float("-inf"))
@@ -94,13 +94,13 @@ def scores_log2_t(
     s = mm(k, qT) * qk_scale
     in_bounds = (offs_n[:, None] < Lk) & (offs_m[None, :] < Lq)
     if HAS_BIAS:
-        b = tl.load(Bias + offs_n[:, None] * s_bn + offs_m[None, :] * s_bm, mask=in_bounds, other=0.0)
+        b = tl.load(Bias + offs_n[:, None].to(tl.int64) * s_bn + offs_m[None, :].to(tl.int64) * s_bm, mask=in_bounds, other=0.0)
         s += b.to(tl.float32) * 1.4426950408889634
     if HAS_MASK == 1:  # key mask: one vector per tile
-        keep = tl.load(Mask + offs_n * s_mn, mask=offs_n < Lk, other=0) != 0
+        keep = tl.load(Mask + offs_n.to(tl.int64) * s_mn, mask=offs_n < Lk, other=0) != 0
         s = tl.where(keep[:, None], s, float("-inf"))
     if HAS_MASK == 2:
-        keep = tl.load(Mask + offs_n[:, None] * s_mn + offs_m[None, :] * s_mm, mask=in_bounds, other=0) != 0
+        keep = tl.load(Mask + offs_n[:, None].to(tl.int64) * s_mn + offs_m[None, :].to(tl.int64) * s_mm, mask=in_bounds, other=0) != 0
         s = tl.where(keep, s, float("-inf"))
     if APPLY_CAUSAL:
         s = tl.where(offs_n[:, None] <= offs_m[None, :] + (Lk - Lq), s, float("-inf"))

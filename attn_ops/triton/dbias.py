@@ -33,10 +33,10 @@ def _ds_tile(
     delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
     s = mm(q, tl.trans(k)) * qk_scale + bias2
     if HAS_MASK == 1:  # key mask
-        keep = tl.load(Mask + offs_n * s_mn, mask=n_ok, other=0) != 0
+        keep = tl.load(Mask + offs_n.to(tl.int64) * s_mn, mask=n_ok, other=0) != 0
         s = tl.where(keep[None, :], s, float("-inf"))
     if HAS_MASK == 2:
-        keep = tl.load(Mask + offs_m[:, None] * s_mm + offs_n[None, :] * s_mn,
+        keep = tl.load(Mask + offs_m[:, None].to(tl.int64) * s_mm + offs_n[None, :].to(tl.int64) * s_mn,
                        mask=m_ok[:, None] & n_ok[None, :], other=0) != 0
         s = tl.where(keep, s, float("-inf"))
     if CAUSAL:
@@ -104,7 +104,7 @@ def attn_bwd_dbias_kernel(
                 for nt in range(n_lo, n_hi):
                     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
                     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-                    bias2 = tl.load(Bias + offs_m[:, None] * s_bm + offs_n[None, :] * s_bn,
+                    bias2 = tl.load(Bias + offs_m[:, None].to(tl.int64) * s_bm + offs_n[None, :].to(tl.int64) * s_bn,
                                     mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk), other=0.0)
                     acc += _ds_tile(Q + batch_offset(b, r, h, s_qb, s_qr, s_qh),
                                     K + batch_offset(b, r, h, s_kb, s_kr, s_kh),
@@ -120,7 +120,7 @@ def attn_bwd_dbias_kernel(
         if CAUSAL:  # a tile entirely above the diagonal gets zero: skip its loop
             if pn * BLOCK_N > pm * BLOCK_M + BLOCK_M - 1 + (Lk - Lq):
                 t_hi = t_lo
-        bias2 = tl.load(Bias + offs_m[:, None] * s_bm + offs_n[None, :] * s_bn,
+        bias2 = tl.load(Bias + offs_m[:, None].to(tl.int64) * s_bm + offs_n[None, :].to(tl.int64) * s_bn,
                         mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk), other=0.0)
         bias2 = bias2.to(tl.float32) * 1.4426950408889634  # loaded once for the whole loop
         for t in range(t_lo, t_hi):
@@ -143,9 +143,9 @@ def attn_bwd_dbias_kernel(
     if LOOP_M and LOOP_N:
         tl.store(Out, tl.sum(tl.sum(acc, 1), 0).to(ty))
     elif LOOP_M:
-        tl.store(Out + offs_n * s_pn, tl.sum(acc, 0).to(ty), mask=offs_n < Lk)
+        tl.store(Out + offs_n.to(tl.int64) * s_pn, tl.sum(acc, 0).to(ty), mask=offs_n < Lk)
     elif LOOP_N:
-        tl.store(Out + offs_m * s_pm, tl.sum(acc, 1).to(ty), mask=offs_m < Lq)
+        tl.store(Out + offs_m.to(tl.int64) * s_pm, tl.sum(acc, 1).to(ty), mask=offs_m < Lq)
     else:
-        tl.store(Out + offs_m[:, None] * s_pm + offs_n[None, :] * s_pn, acc.to(ty),
+        tl.store(Out + offs_m[:, None].to(tl.int64) * s_pm + offs_n[None, :].to(tl.int64) * s_pn, acc.to(ty),
                  mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk))
