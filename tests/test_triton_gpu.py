@@ -76,3 +76,26 @@ def test_torch_compile_fullgraph_gpu():
     want = torch.autograd.grad(f(q, k, v, bias), (q, k, v, bias))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def test_bias_slice_over_2_31_elements_gpu():
+    # A [L, L] bias slice with L^2 > 2^31 elements: row/column offsets must be 64-bit.
+    from attn_ops.reference import attention_reference
+    from attn_ops.triton import triton_attention
+
+    L, tail = 46400, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 1, L, 16, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))
+    bias = torch.randn(1, 1, L, L, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    out, lse = triton_attention(q, k, v, bias, None, 0.25, False)
+    g_out = torch.zeros_like(out)
+    g_out[..., -tail:, :] = torch.randn(1, 1, tail, 16, device="cuda", dtype=torch.bfloat16, generator=g)
+    dq, db = torch.autograd.grad(out, (q, bias), g_out)
+    ref_out, ref_lse = attention_reference(q[..., -tail:, :].float(), k.float(), v.float(),
+                                           bias[..., -tail:, :].float(), None, 0.25)
+    torch.testing.assert_close(out[..., -tail:, :].float(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse[..., -tail:], ref_lse, atol=2e-2, rtol=1e-3)
+    rdq, rdb = torch.autograd.grad(ref_out, (q, bias), g_out[..., -tail:, :].float())
+    torch.testing.assert_close(dq[..., -tail:, :].float(), rdq[..., -tail:, :].float(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(db[..., -tail:, :].float(), rdb[..., -tail:, :].float(), atol=1e-3, rtol=3e-2)
