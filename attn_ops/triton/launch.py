@@ -20,6 +20,11 @@ from .tuning import interpreting, pick
 Tensor = torch.Tensor
 
 
+def _width(q, D, Dv) -> int:
+    """Head width in 16-bit units, for pruning tile candidates (fp32 tiles take twice the shared memory)."""
+    return max(D, Dv) * q.element_size() // 2
+
+
 def _bstrides(t: Tensor) -> Tuple[int, ...]:
     """Strides of a 5-D tensor, 0 on size-1 dims (broadcast)."""
     return tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride()))
@@ -80,7 +85,7 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
-    cfg = pick("fwd", _key(q, v, bias, mask, causal), max(D, Dv), Lq, Lk, launch)
+    cfg = pick("fwd", _key(q, v, bias, mask, causal), _width(q, D, Dv), Lq, Lk, launch)
     launch(cfg)
     return out, lse
 
@@ -149,7 +154,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
-    launch_dkdv(pick("dkdv", key, max(D, Dv), Lq, Lk, launch_dkdv))
+    launch_dkdv(pick("dkdv", key, _width(q, D, Dv), Lq, Lk, launch_dkdv))
 
     # 3. dQ over query tiles (split variant)
     if fused:
@@ -164,7 +169,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
                 num_warps=c.num_warps, num_stages=c.num_stages,
             )
 
-        launch_dq(pick("dq", key, max(D, Dv), Lq, Lk, launch_dq))
+        launch_dq(pick("dq", key, _width(q, D, Dv), Lq, Lk, launch_dq))
 
     # 4. dBias of a broadcast bias: deterministic tile-owner reduction
     if want_dbias:
@@ -201,7 +206,7 @@ def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, mask
         )
         state["part"] = part
 
-    cfg = pick("dbias", key + (tuple(bias.shape),), max(D, Dv), Lq, Lk, launch)
+    cfg = pick("dbias", key + (tuple(bias.shape),), _width(q, D, Dv), Lq, Lk, launch)
     launch(cfg)
     part = state["part"]
     # fixed-order sum over the splits: same bits every run

@@ -32,7 +32,10 @@ def interpreting() -> bool:
 
 
 def candidates(kernel: str, head_dim: int, lq: int, lk: int) -> List[Cfg]:
-    """Pruned candidates: big head dims need small tiles (registers, shared memory); tiny L, small tiles."""
+    """Pruned candidates: big head dims need small tiles (registers, shared memory); tiny L, small tiles.
+
+    ``head_dim`` is the padded width in 16-bit units (the caller doubles it for fp32 inputs).
+    """
     out = []
     for c in _CANDIDATES[kernel]:
         if head_dim > 128 and (c.block_m * c.block_n > 64 * 64 or c.num_stages > 2):
@@ -61,7 +64,7 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
         return cfg
     cands = candidates(kernel, head_dim, lq, lk)
     if len(cands) == 1 or os.environ.get("ATTN_ZOO_NO_TUNE") == "1":
-        cfg = cands[0]
+        cfg = _first_that_launches(cands, launch)
     else:
         from triton.testing import do_bench
 
@@ -76,6 +79,19 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
         cfg = best[1] if best is not None else cands[-1]
     _CACHE[full_key] = cfg
     return cfg
+
+
+def _first_that_launches(cands: List[Cfg], launch: Callable[[Cfg], None]) -> Cfg:
+    """The first candidate whose kernel compiles and launches (shared memory and registers permitting)."""
+    from triton.runtime.errors import OutOfResources
+
+    for c in cands[:-1]:
+        try:
+            launch(c)
+            return c
+        except OutOfResources:
+            continue
+    return cands[-1]
 
 
 def chosen() -> Dict[Tuple, Cfg]:
