@@ -71,6 +71,10 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
+    if cfg.get("matmul_precision"):  # "high" lets fp32 matmuls use TF32 tensor cores
+        import torch
+
+        torch.set_float32_matmul_precision(cfg.matmul_precision)
     validate_attention(cfg)
 
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)

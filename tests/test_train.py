@@ -17,7 +17,7 @@ TINY_MSA = ["data.crop_size=16", "data.msa_depth=4", "data.batch_size=2", "data.
 TINY_LM = ["model.net.d_model=32", "model.net.num_layers=1", "model.net.num_heads=2", "data.batch_size=2",
            "data.train_samples=4", "data.val_samples=2"]
 EXPERIMENTS = {
-    "evoformer_msa": TINY_MSA + ["model.net.trunk.num_blocks=1"],
+    "evoformer_msa": TINY_MSA + ["model.net.trunk.num_blocks=1", "model.net.trunk.c_m=16", "model.net.trunk.c_z=8"],
     "pairformer_msa": TINY_MSA + ["model.net.trunk.stack.num_blocks=1"],
     "esm2_mlm": TINY_LM + ["data.max_len=32", "data.msa_rows=query"],
     "longctx_clm": TINY_LM + ["data.seq_len=32", "data.msa_rows=query"],
@@ -57,7 +57,7 @@ def _three_steps(backend, tmp_path, precision="32-true"):
     cfg = make_cfg(["experiment=evoformer_msa", f"attention={backend}", "callbacks=none", "logger=csv", "test=false",
                     "trainer.max_steps=3", "trainer.limit_val_batches=0", "trainer.log_every_n_steps=1",
                     f"trainer.precision={precision}", "model.net.trunk.msa_dropout=0", "model.net.trunk.pair_dropout=0",
-                    "model.net.trunk.num_blocks=1"] + TINY_MSA, out)
+                    "model.net.trunk.num_blocks=1", "model.net.trunk.c_m=16", "model.net.trunk.c_z=8"] + TINY_MSA, out)
     train.train(cfg)
     return torch.tensor(_step_losses(out), dtype=torch.float64)
 
@@ -95,7 +95,8 @@ def _adam_steps(trainer) -> set:
 def test_crash_then_resume_continues_step_and_optimizer_state(tmp_path):
     common = ["experiment=evoformer_msa", "attention=torch", "callbacks=default", "~callbacks.progress_bar", "test=false",
               "trainer.max_steps=6", "trainer.max_epochs=-1", "trainer.limit_val_batches=1",
-              "callbacks.last_checkpoint.every_n_train_steps=2", "model.net.trunk.num_blocks=1", "~logger"] + TINY_MSA
+              "callbacks.last_checkpoint.every_n_train_steps=2", "model.net.trunk.num_blocks=1", "model.net.trunk.c_m=16",
+              "model.net.trunk.c_z=8", "~logger"] + TINY_MSA
     crash = make_cfg(common + [f"+callbacks.crash._target_={__name__}.CrashAtStep", "+callbacks.crash.step=3"], tmp_path)
     with pytest.raises(RuntimeError, match="simulated crash"):
         train.train(crash)

@@ -2,6 +2,10 @@
 
 One task serves both; the data decides which: masked-LM batches score the BERT-masked positions,
 causal-LM batches score every next token (the network is built with ``causal=True``).
+
+Context-parallel training of the long-context LM (ring attention over the DDP group):
+``trainer=ddp trainer.use_distributed_sampler=false model.net.process_group=world`` (every rank draws the
+same batches from the same seed and keeps its shard of the sequence).
 """
 from __future__ import annotations
 
@@ -14,6 +18,10 @@ class LanguageModelTask(Task):
     ``loss_mask & pad_mask``. Logged: loss, perplexity, accuracy, tokens (scored per batch)."""
 
     def step(self, batch):
+        # context parallel (net built with process_group): every rank holds the same batch and keeps its
+        # sequence shard; Lightning's DDP gradient averaging then gives the full-sequence mean loss
+        if hasattr(self.net, "shard_batch"):
+            batch = self.net.shard_batch(batch)
         logits = self.net(batch["tokens"], batch["pad_mask"])
         mask = batch["loss_mask"] & batch["pad_mask"]
         loss, n = masked_cross_entropy(logits, batch["target"], mask)
