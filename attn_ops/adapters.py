@@ -37,13 +37,18 @@ def sdpa_attention(q, k, v, bias, mask, scale, causal, deterministic=True):
             attn_mask = attn_mask.masked_fill(~full_mask, float("-inf"))
     elif full_mask is not None:
         attn_mask = full_mask
-    if attn_mask is not None:
-        attn_mask = attn_mask.expand(q.shape[:-1] + (k.shape[-2],))
     lead = q.shape[:-3]
     n = math.prod(lead) if lead else 1
-    # SDPA wants [N, H, L, D]; leading dims merge only where all tensors allow a view.
+    # SDPA's fused kernels want [N, H, L, D]: leading dims flatten into N (views for q, k, v).
     q4, k4, v4 = (t.reshape((n,) + t.shape[-3:]) for t in (q, k, v))
-    m4 = None if attn_mask is None else attn_mask.reshape((n,) + attn_mask.shape[-3:])
+    m4 = None
+    if attn_mask is not None:
+        attn_mask = attn_mask.reshape((1,) * (q.ndim - attn_mask.ndim) + tuple(attn_mask.shape))
+        tail = attn_mask.shape[-3:]  # [H or 1, Lq or 1, Lk or 1]: SDPA broadcasts these itself
+        if all(s == 1 for s in attn_mask.shape[:-3]):
+            m4 = attn_mask.reshape((1,) + tail)
+        else:  # a mask shared over some batch dims only: SDPA has no way to broadcast it, so it is copied
+            m4 = attn_mask.expand(lead + tail).reshape((n,) + tail)
     out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=m4, scale=scale)
     out = out.reshape(q.shape[:-1] + v.shape[-1:])
     if live is not None:

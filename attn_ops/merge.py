@@ -65,8 +65,10 @@ def blockwise_attention(q, k, v, bias=None, mask=None, *, kv_chunk: int, q_chunk
     from .api import attention
 
     for name, val in (("kv_chunk", kv_chunk), ("q_chunk", q_chunk)):
-        if val is not None and (not isinstance(val, int) or val < 1):
+        if (val is not None or name == "kv_chunk") and (not isinstance(val, int) or val < 1):
             raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
     bias, mask, scale = check_inputs(q, k, v, bias, mask, scale)
     lq, lk = q.shape[-2], k.shape[-2]
     q_chunk = q_chunk or lq

@@ -29,6 +29,17 @@ def make_inputs(batch, h, lq, lk, d, dv=None, dtype=torch.float32, bias_shape=No
     return q, k, v, bias, mask
 
 
+def empty_some_rows(mask):
+    """Make some (not all) query rows fully masked, in place: every key of the first broadcast slice of a key
+    mask (Lq dim 1), else the first query row of every slice."""
+    if mask.shape[-2] == 1:
+        mask[(0,) * (mask.ndim - 2)] = False
+    else:
+        mask[..., 0, :] = False
+    assert mask.any() and not mask.all(), "mask must keep some keys and hide some rows"
+    return mask
+
+
 def grads_of(out, lse, inputs, g_out, g_lse):
     """Gradients of <out, g_out> + <lse, g_lse> (lse's -inf rows ignored) w.r.t. the tensors in ``inputs``."""
     loss = (out.double() * g_out).sum()
@@ -93,6 +104,14 @@ def check_against_reference(backend, q, k, v, bias, mask, causal=False, lse_loss
     refs = [t for t in (ref_out, ref_lse) if t is not None] + list(ref)
     lps = [t for t in (lp_out, lp_lse) if t is not None] + list(lp)
     assert len(outs) == len(names), f"{backend}: expected {names}, got {len(outs)} tensors"
+    assert out.dtype == dtype, f"{backend}: out dtype {out.dtype}, q dtype {dtype}"
+    if lse is not None:
+        want = torch.float64 if dtype == torch.float64 else torch.float32
+        assert lse.dtype == want, f"{backend}: lse dtype {lse.dtype}, want {want}"
+        finite = torch.isfinite(ref_lse)
+        assert finite.any(), f"{backend}: every query row is fully masked: the comparison would be vacuous"
+    for g, leaf in zip(got, [t for t in leaves if t is not None and t.requires_grad]):
+        assert g is not None and g.dtype == leaf.dtype, f"{backend}: gradient dtype differs from its input's"
     for name, a, r, p in zip(names, outs, refs, lps):
         assert a is not None and a.shape == r.shape, f"{backend}: {name} missing or wrong shape"
         assert not torch.isnan(a).any(), f"{backend}: NaN in {name}"

@@ -66,3 +66,11 @@ def test_merge_rejects_mismatched_parts():
         merge_partials([torch.zeros(2, 3), torch.zeros(2, 4)], [torch.zeros(2), torch.zeros(2)])
     with pytest.raises(ValueError, match="as many outs as lses"):
         merge_partials([torch.zeros(2, 3)], [])
+
+
+def test_blockwise_rejects_bad_chunks():
+    q, k, v, _, _ = make_inputs((1,), 1, 4, 4, 8, seed=9)
+    with pytest.raises(ValueError, match="kv_chunk must be a positive int, got None"):
+        attn_ops.blockwise_attention(q, k, v, kv_chunk=None)
+    with pytest.raises(ValueError, match="q_chunk must be a positive int, got 0"):
+        attn_ops.blockwise_attention(q, k, v, kv_chunk=2, q_chunk=0)

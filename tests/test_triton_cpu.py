@@ -4,6 +4,7 @@ Tiny shapes (the interpreter is slow); errors are bounded by a small multiple of
 the same dtype (tests/helpers.py). fp32 and fp16 only (bf16 is broken in the interpreter).
 """
 import os
+import zlib
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
@@ -45,7 +46,7 @@ RUNS += [(c, torch.float16, "fused") for c in CASES if c[0] in FUSED[:2]]
 def test_matches_reference(case, dtype, variant):
     _, batch, h, lq, lk, d, dv, bshape, mshape, causal = case
     q, k, v, bias, mask = make_inputs(batch, h, lq, lk, d, dv, dtype=dtype, bias_shape=bshape, mask_shape=mshape,
-                                      seed=hash(case[0]) % 1000)
+                                      seed=zlib.crc32(case[0].encode()) % 1000)
     opts = dict(bwd="split") if variant == "split" else dict(bwd="fused", deterministic=False)
     check_against_reference("triton", q, k, v, bias, mask, causal=causal, **opts)
 
