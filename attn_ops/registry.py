@@ -41,6 +41,8 @@ class Backend:
     lse: bool = True
     lse_grad: bool = True
     deterministic_bias_grad: bool = True  # bias gradient reduced without atomics
+    # devices where the q/k/v backward gives the same bits every run; None = all of ``devices``
+    deterministic_devices: Optional[FrozenSet[str]] = None
     grad_devices: Optional[FrozenSet[str]] = None  # devices where backward works; None = all of ``devices``
     options: FrozenSet[str] = field(default_factory=frozenset)
     requires: Optional[str] = None  # module that must import
@@ -125,6 +127,8 @@ def _registry() -> Dict[str, Backend]:
             name="sdpa", entry="adapters:sdpa_attention",
             description="torch.nn.functional.scaled_dot_product_attention; bias as attn_mask; no lse",
             devices=frozenset({"cpu", "cuda"}), dtypes=FLOATS, lse=False, lse_grad=False,
+            # its flash / memory-efficient CUDA backwards accumulate dq with atomics
+            deterministic_devices=frozenset({"cpu"}),
         ),
         "flex": Backend(
             name="flex", entry="adapters:flex_attention",
@@ -186,6 +190,9 @@ def not_supported_reasons(name: str, inputs: AttnInputs) -> List[str]:
         reasons.append("does not return lse")
     if inputs.lse_needs_grad and not b.lse_grad:
         reasons.append("no gradient through lse")
+    det_devices = b.devices if b.deterministic_devices is None else b.deterministic_devices
+    if inputs.deterministic and inputs.needs_grad and inputs.device not in det_devices:
+        reasons.append(f"backward is not deterministic on {inputs.device} (pass deterministic=False to allow it)")
     if inputs.deterministic and inputs.bias_needs_grad and not b.deterministic_bias_grad:
         reasons.append("bias gradient uses atomics, not deterministic (pass deterministic=False to allow it)")
     return reasons
@@ -194,6 +201,8 @@ def not_supported_reasons(name: str, inputs: AttnInputs) -> List[str]:
 def priority(inputs: AttnInputs) -> Sequence[str]:
     """Order in which ``auto`` tries backends."""
     if inputs.device == "cuda":
+        # sdpa (cuDNN/flash) is fastest without a bias; with deterministic=True and gradients it is
+        # rejected (atomics in its backward) and triton serves.
         if not inputs.has_bias and not inputs.needs_lse:
             return ("sdpa", "triton", "flex", "chunked", "torch")
         return ("triton", "flex", "sdpa", "chunked", "torch")

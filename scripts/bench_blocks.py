@@ -52,7 +52,8 @@ CASES = {
 }
 BACKENDS = ("triton", "triton+compile", "flex", "sdpa", "torch", "boltz", "boltz-cueq")
 # "triton+compile": torch.compile of the whole triton-backend block (Inductor fuses the glue around the op)
-BACKEND_OPTIONS = {"flex": {"deterministic": False}}  # flex's bias gradient uses atomics
+# flex's bias gradient and sdpa's CUDA backward use atomics: allowed explicitly
+BACKEND_OPTIONS = {"flex": {"deterministic": False}, "sdpa": {"deterministic": False}}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -106,3 +106,18 @@ def test_sdpa_does_not_copy_a_bias_shared_by_every_batch_dim(monkeypatch):
     q, k, v, bias, _ = make_inputs((1, 5), 2, 6, 6, 16, bias_shape=(1, 1, 2, 6, 6), seed=12)
     attn_ops.attention(q, k, v, bias, backend="sdpa")
     assert seen["mask_shape"] == (1, 2, 6, 6)  # broadcast by SDPA over the 5 rows, not copied 5 times
+
+
+def test_auto_on_cuda_keeps_sdpa_for_inference_and_deterministic_training_off_it():
+    from dataclasses import replace
+
+    from attn_ops import registry
+    from attn_ops.inputs import describe
+
+    q, k, v, _, _, _ = _case("no-batch-no-bias", torch.float32)
+    cpu = describe(q, k, v, None, None, True, False, True)
+    cuda = replace(cpu, device="cuda")
+    assert not registry.not_supported_reasons("sdpa", cpu)  # CPU kernels: deterministic
+    assert "backward is not deterministic on cuda" in " ".join(registry.not_supported_reasons("sdpa", cuda))
+    assert not registry.not_supported_reasons("sdpa", replace(cuda, deterministic=False))
+    assert not registry.not_supported_reasons("sdpa", replace(cuda, needs_grad=False))

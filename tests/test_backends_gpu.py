@@ -22,5 +22,5 @@ def test_gpu_backend_matches_reference(backend, dtype, name):
                                       seed=11, device="cuda")
     if mask is not None:
         empty_some_rows(mask)
-    opts = {"deterministic": False} if backend == "flex" else {}
+    opts = {"deterministic": False} if backend in ("flex", "sdpa") else {}  # atomics in their CUDA backward
     check_against_reference(backend, q, k, v, bias, mask, causal=causal, **opts)
