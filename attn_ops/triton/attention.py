@@ -57,12 +57,17 @@ def _merge(t: Optional[Tensor], groups: List[List[int]], tail: int) -> Optional[
     return t.reshape(tuple(sizes) + tuple(t.shape[-tail:]))
 
 
-def _pick_fused(bwd: str, deterministic: bool) -> bool:
-    if bwd == "fused":
-        return True
-    if bwd == "split":
-        return False
-    return False  # "auto": split; the fused pass (dq by atomics) measured slower on every benchmark shape
+def _check_bwd(bwd: str, deterministic: bool) -> bool:
+    """Validate the ``bwd`` option; True for the fused (atomic dq) backward. "auto" is split, which was faster
+    on every shape measured on an H100."""
+    if bwd not in BWD_VARIANTS:
+        raise ValueError(f"bwd must be one of {BWD_VARIANTS}, got {bwd!r}")
+    if bwd == "fused" and deterministic:
+        raise ValueError(
+            "bwd='fused' accumulates dq with atomics and is not bitwise deterministic; "
+            "pass deterministic=False to use it, or bwd='split'"
+        )
+    return bwd == "fused"
 
 
 def _canonical_call(q, k, v, bias, mask, scale, causal, fused) -> Tuple[Tensor, Tensor]:
@@ -122,18 +127,12 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], ma
         denominator of ``q k^T * scale + bias`` over attended keys. A row with no key gives out 0, lse -inf and
         zero, finite gradients.
     """
-    if bwd not in BWD_VARIANTS:
-        raise ValueError(f"bwd must be one of {BWD_VARIANTS}, got {bwd!r}")
-    if bwd == "fused" and deterministic:
-        raise ValueError(
-            "bwd='fused' accumulates dq with atomics and is not bitwise deterministic; "
-            "pass deterministic=False to use it, or bwd='split'"
-        )
+    fused = _check_bwd(bwd, deterministic)
     if bias is not None and bias.ndim < q.ndim:  # the API pads already; direct callers may not
         bias = bias.reshape((1,) * (q.ndim - bias.ndim) + tuple(bias.shape))
     if mask is not None and mask.ndim < q.ndim:
         mask = mask.reshape((1,) * (q.ndim - mask.ndim) + tuple(mask.shape))
-    return _attend(q, k, v, bias, mask, scale, causal, _pick_fused(bwd, deterministic))
+    return _attend(q, k, v, bias, mask, scale, causal, fused)
 
 
 def triton_lse_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
@@ -145,9 +144,7 @@ def triton_lse_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
     the merged results over a larger key set (ring attention): the result is then this key block's share.
     ``d_out``/``d_lse`` None mean zero. dbias has the bias's own shape and dtype.
     """
-    if bwd not in BWD_VARIANTS:
-        raise ValueError(f"bwd must be one of {BWD_VARIANTS}, got {bwd!r}")
-    fused = _pick_fused(bwd, deterministic) and not deterministic
+    fused = _check_bwd(bwd, deterministic)
     d_out = torch.zeros_like(out, dtype=v.dtype) if d_out is None else d_out.to(v.dtype)  # dots need v's dtype
     n = q.ndim - 3
     if n > 2:  # loop over dim 0: simple and exact; the merge plan of _attend is a later optimisation
