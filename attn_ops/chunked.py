@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .inputs import causal_mask
+from .inputs import causal_mask, narrow_bcast
 
 Tensor = torch.Tensor
 DEFAULT_CHUNK = 256
@@ -19,15 +19,8 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _key_slice(t: Optional[Tensor], start: int, stop: int) -> Optional[Tensor]:
-    """Columns [start, stop) of a bias/mask whose last dim is Lk or 1 (broadcast)."""
-    if t is None or t.shape[-1] == 1:
-        return t
-    return t[..., start:stop]
-
-
 def _tile_mask(mask, causal, lq, lk, start, stop, device):
-    m = _key_slice(mask, start, stop)
+    m = narrow_bcast(mask, -1, start, stop)
     if causal:
         cm = causal_mask(lq, stop - start, device, q_offset=lk - lq, k_offset=start)
         m = cm if m is None else m & cm
@@ -59,7 +52,7 @@ class _ChunkedAttention(torch.autograd.Function):
         out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=acc, device=q.device)  # [*b, H, Lq, Dv]
         for start in range(0, lk, chunk):
             stop = min(start + chunk, lk)
-            s = _scores(q, k[..., start:stop, :], _key_slice(bias, start, stop),
+            s = _scores(q, k[..., start:stop, :], narrow_bcast(bias, -1, start, stop),
                         _tile_mask(mask, causal, lq, lk, start, stop, q.device), scale, acc)
             new_max = torch.maximum(row_max, s.amax(-1))
             safe_max = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
@@ -109,7 +102,7 @@ def chunked_lse_backward(q, k, v, bias, mask, scale, causal, out, lse, d_out, d_
     for start in range(0, lk, chunk_size):
         stop = min(start + chunk_size, lk)
         k_c, v_c = k[..., start:stop, :].to(acc), v[..., start:stop, :].to(acc)
-        s = _scores(q, k_c, _key_slice(bias, start, stop),
+        s = _scores(q, k_c, narrow_bcast(bias, -1, start, stop),
                     _tile_mask(mask, causal, lq, lk, start, stop, q.device), scale, acc)
         p = torch.exp(s - lse_sub.unsqueeze(-1))  # [*b, H, Lq, c]
         dv[..., start:stop, :] = torch.matmul(p.transpose(-1, -2), d_out)

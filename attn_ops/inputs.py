@@ -136,6 +136,13 @@ def describe(q, k, v, bias, mask, causal, return_lse, deterministic) -> AttnInpu
     )
 
 
+def narrow_bcast(t: Optional[Tensor], dim: int, start: int, stop: int) -> Optional[Tensor]:
+    """``t`` narrowed to [start, stop) along ``dim``, unless it is None or broadcast (size 1) there."""
+    if t is None or t.shape[dim] == 1:
+        return t
+    return t.narrow(dim, start, stop - start)
+
+
 def causal_mask(lq: int, lk: int, device, q_offset: int = 0, k_offset: int = 0) -> Tensor:
     """Bool [lq, lk]: query i (global index q_offset + i) sees key j when j <= i + (Lk_total - Lq_total).
 

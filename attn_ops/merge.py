@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .inputs import causal_mask, check_inputs
+from .inputs import causal_mask, check_inputs, narrow_bcast
 
 Tensor = torch.Tensor
 
@@ -48,12 +48,6 @@ def merge_partials(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> Tuple[Tens
     return out.to(outs[0].dtype), lse
 
 
-def _rows(t: Optional[Tensor], start: int, stop: int, dim: int) -> Optional[Tensor]:
-    if t is None or t.shape[dim] == 1:
-        return t
-    return t.narrow(dim, start, stop - start)
-
-
 def blockwise_attention(q, k, v, bias=None, mask=None, *, kv_chunk: int, q_chunk: Optional[int] = None,
                         scale=None, causal: bool = False, return_lse: bool = False, backend: str = "auto",
                         **options):
@@ -81,12 +75,12 @@ def blockwise_attention(q, k, v, bias=None, mask=None, *, kv_chunk: int, q_chunk
             ke = min(ks + kv_chunk, lk)
             if causal and ks > (qe - 1) + (lk - lq):
                 break  # every later key block is in the future of every query of this chunk
-            m = _rows(_rows(mask, qs, qe, -2), ks, ke, -1)
+            m = narrow_bcast(narrow_bcast(mask, -2, qs, qe), -1, ks, ke)
             if causal:
                 cm = causal_mask(qe - qs, ke - ks, q.device, q_offset=qs + lk - lq, k_offset=ks)
                 m = cm if m is None else m & cm
             o, l = attention(q[..., qs:qe, :], k[..., ks:ke, :], v[..., ks:ke, :],
-                             _rows(_rows(bias, qs, qe, -2), ks, ke, -1), m, scale=scale,
+                             narrow_bcast(narrow_bcast(bias, -2, qs, qe), -1, ks, ke), m, scale=scale,
                              return_lse=True, backend=backend, **options)
             parts_o.append(o)
             parts_l.append(l)

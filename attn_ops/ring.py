@@ -29,7 +29,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .inputs import check_inputs
+from .inputs import check_inputs, narrow_bcast
 
 Tensor = torch.Tensor
 LAYOUTS = ("contiguous", "zigzag")
@@ -182,15 +182,11 @@ def plan_part(q_segs, part: _Part, causal: bool) -> List[_Call]:
 # Bias / mask tiles
 # ----------------------------------------------------------------------------------------------------
 def _rows(t: Optional[Tensor], lo: int, hi: int) -> Optional[Tensor]:
-    if t is None or t.shape[-2] == 1:
-        return t
-    return t[..., lo:hi, :]
+    return narrow_bcast(t, -2, lo, hi)
 
 
 def _cols(t: Optional[Tensor], start: int, stop: int) -> Optional[Tensor]:
-    if t is None or t.shape[-1] == 1:
-        return t
-    return t[..., start:stop]
+    return narrow_bcast(t, -1, start, stop)
 
 
 @dataclass
