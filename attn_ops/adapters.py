@@ -68,29 +68,31 @@ def _call_flex(device_type: str, q, k, v, score_mod, scale):
 
     from torch.nn.attention import flex_attention as fa
 
-    fn = _compiled_flex() if device_type == "cuda" else fa.flex_attention
-    with warnings.catch_warnings():
-        # Off CUDA, flex runs unfused (materialised scores): acceptable for the CPU fallback it is there.
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    def call(fn):
         if hasattr(fa, "AuxRequest"):
             out, aux = fn(q, k, v, score_mod=score_mod, scale=scale, return_aux=fa.AuxRequest(lse=True))
             return out, aux.lse
         return fn(q, k, v, score_mod=score_mod, scale=scale, return_lse=True)
 
+    if device_type == "cuda":
+        return call(_compiled_flex())
+    with warnings.catch_warnings():
+        # Off CUDA, flex runs unfused (materialised scores): acceptable for the CPU fallback it is there.
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return call(fa.flex_attention)
 
-def _index(t: Tensor, lead_sizes, b, h, q_idx, kv_idx):
-    """t[b0, b1, ..., h, q, kv] for a flattened batch index b, with size-1 (broadcast) dims read at 0."""
+
+def _index(t: Tensor, lead_sizes, b, *tail):
+    """``t[b0, b1, ..., *tail]`` for a flattened batch index ``b`` (``tail`` = h, q_idx[, kv_idx]); dims of
+    size 1 (broadcast) are read at 0."""
     idx = []
     rest = b
     for i in range(len(lead_sizes) - 1, -1, -1):
-        size = lead_sizes[i]
-        idx.append(0 if t.shape[i] == 1 else rest % size)
-        rest = rest // size
+        idx.append(0 if t.shape[i] == 1 else rest % lead_sizes[i])
+        rest = rest // lead_sizes[i]
     idx.reverse()
     n = len(lead_sizes)
-    idx.append(0 if t.shape[n] == 1 else h)
-    idx.append(0 if t.shape[n + 1] == 1 else q_idx)
-    idx.append(0 if t.shape[n + 2] == 1 else kv_idx)
+    idx += [0 if t.shape[n + j] == 1 else x for j, x in enumerate(tail)]
     return t[tuple(idx)]
 
 
@@ -117,7 +119,7 @@ def flex_attention(q, k, v, bias, mask, scale, causal, deterministic=True):
             c = kv_idx <= q_idx + shift
             keep = c if keep is None else keep & c
         if keep is not None:
-            dead_row = ~_index_row(live_idx, lead, b, h, q_idx)
+            dead_row = ~_index(live_idx, lead, b, h, q_idx)
             score = torch.where(keep | dead_row, score, -float("inf"))
         return score
 
@@ -130,15 +132,3 @@ def flex_attention(q, k, v, bias, mask, scale, causal, deterministic=True):
         lse = torch.where(live.squeeze(-1), lse, torch.full((), float("-inf"), device=lse.device))
     return out, lse
 
-
-def _index_row(t: Tensor, lead_sizes, b, h, q_idx):
-    idx = []
-    rest = b
-    for i in range(len(lead_sizes) - 1, -1, -1):
-        idx.append(0 if t.shape[i] == 1 else rest % lead_sizes[i])
-        rest = rest // lead_sizes[i]
-    idx.reverse()
-    n = len(lead_sizes)
-    idx.append(0 if t.shape[n] == 1 else h)
-    idx.append(0 if t.shape[n + 1] == 1 else q_idx)
-    return t[tuple(idx)]
