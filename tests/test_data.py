@@ -98,6 +98,16 @@ def _atom_lines(src):
     return [i for i, l in enumerate(src) if l.startswith("ATOM")]
 
 
+def test_mmcif_keeps_selenomethionine_and_true_residue_numbers():
+    # 4zey chain A: two selenomethionines (MSE, stored as HETATM) and an unresolved loop after the first
+    # residue (author numbers jump), which must keep its sequence separation.
+    s = read_mmcif(SAMPLE_DIR / "mmcif" / "4zey.cif")
+    assert s.sequence.startswith("GMEGPL") and "YLSEAMKLT" in s.sequence  # M = MSE, not dropped
+    gaps = (s.residue_index[1:] - s.residue_index[:-1])
+    assert (gaps >= 1).all() and (gaps > 1).any()  # strictly increasing, with the unresolved loop kept
+    assert s.residue_index.shape == (len(s.sequence),) and s.residue_index[0] == 0
+
+
 def test_mmcif_bad_coordinate_names_file_and_line(tmp_path):
     src = (SAMPLE_DIR / "mmcif" / "3u8v.cif").read_text().splitlines()
     i = _atom_lines(src)[7]

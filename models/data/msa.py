@@ -5,6 +5,7 @@ so an example has either MSA depth or a structure, and the task weighs each loss
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import lightning as L
 import torch
@@ -21,12 +22,13 @@ from .transforms import bert_mask, crop_start, subsample_msa
 @dataclass
 class Entry:
     """One protein: ``msa`` ``[S, L]`` tokens; ``distogram`` ``[L, L]`` bins and ``distogram_mask``
-    ``[L, L]`` (all False without a structure)."""
+    ``[L, L]`` (all False without a structure); ``residue_index`` ``[L]`` (None: 0..L-1)."""
 
     name: str
     msa: torch.Tensor
     distogram: torch.Tensor
     distogram_mask: torch.Tensor
+    residue_index: Optional[torch.Tensor] = None
 
 
 def load_entries(msa_dir=None, mmcif_dir=None, max_msa_rows: int | None = None) -> list[Entry]:
@@ -42,7 +44,7 @@ def load_entries(msa_dir=None, mmcif_dir=None, max_msa_rows: int | None = None) 
     for path in list_files(resolve(mmcif_dir, "mmcif"), (".cif", ".mmcif")):
         s = read_mmcif(path)
         bins, pair_mask = distogram_bins(s.coords, s.mask)  # [N, N], [N, N]
-        entries.append(Entry(path.stem, encode(s.sequence)[None], bins, pair_mask))
+        entries.append(Entry(path.stem, encode(s.sequence)[None], bins, pair_mask, s.residue_index))
     # drop exact duplicates of an earlier protein (the sample has 3zee and 4i6p, the same chain), so
     # one copy cannot sit in train and the other in val
     seen, unique = set(), []
@@ -87,7 +89,7 @@ class MSADataset(Dataset):
             "msa": corrupted,
             "msa_target": msa,
             "msa_loss_mask": chosen,
-            "residue_index": torch.arange(n)[crop],
+            "residue_index": (torch.arange(n) if e.residue_index is None else e.residue_index)[crop],
             "distogram": e.distogram[crop, crop],
             "distogram_mask": e.distogram_mask[crop, crop],
         }

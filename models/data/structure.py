@@ -25,13 +25,16 @@ CONTACT_CUTOFF = 8.0  # Angstrom between C-beta atoms
 @dataclass
 class Structure:
     """One protein chain: ``sequence`` (length N), ``coords`` ``[N, 3]`` float32 C-beta (C-alpha for
-    Gly) positions in Angstrom, ``mask`` ``[N]`` bool (False where that atom is not resolved)."""
+    Gly) positions in Angstrom, ``mask`` ``[N]`` bool (False where that atom is not resolved),
+    ``residue_index`` ``[N]`` long: the author residue numbers, so gaps of unresolved residues keep
+    their true sequence separation."""
 
     name: str
     chain: str
     sequence: str
     coords: torch.Tensor
     mask: torch.Tensor
+    residue_index: torch.Tensor
 
 
 def distogram_bins(coords: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +110,8 @@ def read_mmcif(path: str | Path, chain: str | None = None, min_residues: int = 1
         raise ValueError(f"{locate_atom_site_error(path)} (biotite: {type(err).__name__}: {err})") from err
     if not np.all(np.isfinite(atoms.coord)):
         raise ValueError(locate_atom_site_error(path) + " (non-finite coordinates)")
-    atoms = atoms[struc.filter_amino_acids(atoms) & ~atoms.hetero]
+    # amino acids, including modified ones stored as HETATM (selenomethionine, MSE)
+    atoms = atoms[struc.filter_amino_acids(atoms)]
     chains = {}
     for c in np.unique(atoms.chain_id):
         chains[str(c)] = atoms[atoms.chain_id == c]
@@ -122,9 +126,10 @@ def read_mmcif(path: str | Path, chain: str | None = None, min_residues: int = 1
     a = chains[chain]
     starts = struc.get_residue_starts(a)
     ends = list(starts[1:]) + [a.array_length()]
-    seq, coords, mask = [], [], []
+    seq, coords, mask, res_ids = [], [], [], []
     for s, e in zip(starts, ends):
         res = a[s:e]
+        res_ids.append(int(res.res_id[0]))
         name = str(res.res_name[0])
         seq.append(THREE_TO_ONE.get(name, "X"))
         want = "CA" if name == "GLY" else "CB"
@@ -139,4 +144,5 @@ def read_mmcif(path: str | Path, chain: str | None = None, min_residues: int = 1
         sequence="".join(seq),
         coords=torch.tensor(np.stack(coords), dtype=torch.float32),  # [N, 3]
         mask=torch.tensor(mask, dtype=torch.bool),  # [N]
+        residue_index=torch.tensor(res_ids, dtype=torch.long) - res_ids[0],  # [N]
     )
