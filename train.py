@@ -102,7 +102,9 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
     if cfg.get("test", False):
         ckpt = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
-        if ckpt is None and cfg.get("train", True):
+        if ckpt is None and not cfg.get("train", True):  # test only: the checkpoint the user named
+            ckpt = resolve_ckpt_path(cfg)
+        if ckpt is None:
             print("[train] no best checkpoint: testing the current weights", flush=True)
         trainer.test(model=model, datamodule=datamodule, ckpt_path=ckpt)
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})

@@ -161,9 +161,9 @@ class LayerNorm(nn.LayerNorm):
 
     Under autocast, plain ``nn.LayerNorm`` returns float32 (even for a bf16 input), which every following
     linear casts back to bf16/fp16: on pair tensors ``[B, N, N, c]`` that is the largest memory traffic of
-    a block. Here a float32 input is cast to the autocast dtype first and normalised there (the kernel
-    accumulates in float32), so the output is already in the dtype the next matmul wants. Without
-    autocast: plain LayerNorm.
+    a block. Here the output comes back in the autocast dtype, the one the next matmul wants: a float32
+    input is normalised in float32 first (a large mean would swamp a bf16 cast), a low-precision input is
+    normalised in its own dtype (the kernel accumulates in float32). Without autocast: plain LayerNorm.
     """
 
     def __init__(self, c: int, eps: float = 1e-5):
@@ -174,10 +174,15 @@ class LayerNorm(nn.LayerNorm):
         if torch.is_autocast_enabled(dev) and x.dtype in (torch.float32, torch.get_autocast_dtype(dev)):
             dt = torch.get_autocast_dtype(dev)
             with torch.autocast(dev, enabled=False):
-                # one pass that casts and, for a transposed view (ending node, MSA columns), also
-                # makes it contiguous, instead of a strided cast followed by layer_norm's own copy
-                x = x.to(dt, memory_format=torch.contiguous_format)
-                return nn.functional.layer_norm(x, self.normalized_shape, self.weight.to(dt), self.bias.to(dt), self.eps)
+                if x.dtype == dt:
+                    # already low precision: one pass that also makes a transposed view (ending node,
+                    # MSA columns) contiguous, instead of layer_norm's own copy
+                    x = x.contiguous()
+                    return nn.functional.layer_norm(x, self.normalized_shape, self.weight.to(dt),
+                                                    self.bias.to(dt), self.eps)
+                # float32 residual stream: normalise in float32 (a large mean would swamp a bf16 input),
+                # then hand the next matmul the autocast dtype
+                return super().forward(x).to(dt)
         return super().forward(x)
 
 

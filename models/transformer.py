@@ -259,8 +259,10 @@ class TransformerLM(nn.Module):
 
 
 def esm2_like(vocab_size: int = 33, d_model: int = 320, num_layers: int = 6, num_heads: int = 20, **kwargs):
-    """An ESM-2-style protein encoder (bidirectional, pre-norm, RoPE); defaults are ESM-2 8M's sizes."""
-    kwargs.setdefault("padding_idx", 1)  # ESM's <pad>
+    """An ESM-2-style protein encoder (bidirectional, pre-norm, RoPE); defaults are ESM-2 8M's sizes.
+
+    Pass ``padding_idx`` for your alphabet's pad token (``models.data.alphabet.PAD`` for this project's).
+    """
     return TransformerLM(vocab_size, d_model, num_layers, num_heads, causal=False, **kwargs)
 
 

@@ -42,7 +42,7 @@ class Task(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         if self.hparams.compile and stage == "fit":
-            self.net = torch.compile(self.net)
+            self.net.compile()  # in place: state_dict keys (and checkpoints) stay those of the plain net
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(params=self.trainer.model.parameters())
