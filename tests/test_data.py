@@ -216,3 +216,18 @@ def test_synthetic_msa_shapes():
     dm = SyntheticMSADataModule(batch_size=2, train_samples=2, val_samples=2, msa_depth=3, length=9)
     b = next(iter(dm.train_dataloader()))
     assert b["msa"].shape == (2, 3, 9) and b["distogram"].shape == (2, 9, 9) and b["distogram_mask"].all()
+
+
+def test_structure_of_an_aligned_protein_joins_its_msa(tmp_path):
+    from models.data.msa import load_entries
+    from models.data.structure import read_mmcif
+
+    s = read_mmcif(SAMPLE_DIR / "mmcif" / "3u8v.cif")
+    d = tmp_path / "msas"
+    d.mkdir()
+    write(d, "3u8v.a3m", f">query\n{s.sequence}\n>hit\n{s.sequence[:-3]}---\n")
+    entries = load_entries(msa_dir=str(d), mmcif_dir=str(SAMPLE_DIR / "mmcif" / "3u8v.cif"))
+    assert len(entries) == 1  # one protein: the alignment, now carrying the structure's distogram
+    e = entries[0]
+    assert e.msa.shape[0] == 2 and e.distogram_mask.any()
+    assert torch.equal(e.residue_index, s.residue_index)

@@ -41,12 +41,20 @@ def load_entries(msa_dir=None, mmcif_dir=None, max_msa_rows: int | None = None) 
         entries.append(
             Entry(path.stem, tokens, torch.zeros(n, n, dtype=torch.long), torch.zeros(n, n, dtype=torch.bool))
         )
+    by_query = {tuple(e.msa[0].tolist()): e for e in entries}
     for path in list_files(resolve(mmcif_dir, "mmcif"), (".cif", ".mmcif")):
         s = read_mmcif(path)
         bins, pair_mask = distogram_bins(s.coords, s.mask)  # [N, N], [N, N]
-        entries.append(Entry(path.stem, encode(s.sequence)[None], bins, pair_mask, s.residue_index))
-    # drop exact duplicates of an earlier protein (the sample has 3zee and 4i6p, the same chain), so
-    # one copy cannot sit in train and the other in val
+        key = tuple(encode(s.sequence).tolist())
+        match = by_query.get(key)
+        if match is not None and not match.distogram_mask.any():
+            # the structure of a protein that has an alignment: its distogram joins that MSA
+            match.distogram, match.distogram_mask, match.residue_index = bins, pair_mask, s.residue_index
+        elif match is None:
+            by_query[key] = Entry(path.stem, encode(s.sequence)[None], bins, pair_mask, s.residue_index)
+            entries.append(by_query[key])
+    # exact duplicates of an earlier protein are dropped (the sample has 3zee and 4i6p, the same chain),
+    # so one copy cannot sit in train and the other in val
     seen, unique = set(), []
     for e in entries:
         key = tuple(e.msa[0].tolist())
