@@ -66,6 +66,21 @@ def test_causal_blocks_see_no_future(causal):
         assert diff[:10].min() > 1e-6  # a bidirectional encoder sees it everywhere
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_padded_positions_do_not_change_real_ones(causal):
+    # pad tokens anywhere (not only at the end) are keys nobody attends: changing them leaves real outputs
+    model = _perturb_final_linears(_lm(causal=causal, rel_pos_bias=True)).eval()
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 11, (2, 16), generator=g)
+    real = torch.rand(2, 16, generator=g) > 0.3
+    real[:, 0] = True
+    assert (~real).any()
+    changed = torch.where(real, tokens, torch.randint(0, 11, (2, 16), generator=g))
+    assert not torch.equal(changed, tokens)
+    a, b = model(tokens, real), model(changed, real)
+    torch.testing.assert_close(a[real], b[real], rtol=0, atol=1e-5)
+
+
 def test_rope_is_relative():
     """<rope(q, i), rope(k, j)> depends only on i - j."""
     rope = RotaryEmbedding(8).double()
