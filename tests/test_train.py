@@ -119,3 +119,22 @@ def test_missing_ckpt_path_is_an_error(tmp_path):
     cfg = make_cfg(["experiment=evoformer_msa", f"ckpt_path={tmp_path / 'nope.ckpt'}"], tmp_path)
     with pytest.raises(ValueError, match="nope.ckpt"):
         train.resolve_ckpt_path(cfg)
+
+
+def test_contact_precision_counts_separation_in_residue_numbers():
+    from models.tasks.metrics import long_range_contact_precision
+
+    n, bins = 30, 64
+    distogram = torch.full((1, n, n), bins - 1)
+    distogram[0, 0, 10] = distogram[0, 10, 0] = 0  # the only contact: 10 apart in the crop
+    logits = torch.zeros(1, n, n, bins)
+    logits[..., bins - 1] = 5.0
+    logits[0, 0, 10, :] = 0.0
+    logits[0, 0, 10, 0] = 10.0
+    pair_mask = torch.ones(1, n, n, dtype=torch.bool)
+    gap = torch.cat([torch.arange(6), torch.arange(6, n) + 20])[None]  # 20 unresolved residues after #5
+    p_plain, k_plain = long_range_contact_precision(logits, distogram, pair_mask)
+    p_gap, k_gap = long_range_contact_precision(logits, distogram, pair_mask, residue_index=gap)
+    assert k_plain == k_gap == 1
+    assert p_plain == 0  # |0 - 10| < 24 in crop positions: not a long-range pair
+    assert p_gap > 0  # 30 residues apart in the chain: long-range, and the top-scored pair

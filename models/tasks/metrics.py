@@ -29,22 +29,27 @@ def masked_accuracy(logits, target, mask) -> torch.Tensor:
 
 
 def long_range_contact_precision(
-    distogram_logits: torch.Tensor, distogram: torch.Tensor, pair_mask: torch.Tensor, min_separation: int = 24
+    distogram_logits: torch.Tensor, distogram: torch.Tensor, pair_mask: torch.Tensor, min_separation: int = 24,
+    residue_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Top-L long-range contact precision, averaged over the examples that have a structure.
 
     distogram_logits ``[B, N, N, bins]``, distogram ``[B, N, N]`` target bins, pair_mask ``[B, N, N]``
     (True where both residues are resolved). For each example the L pairs (L = resolved residues)
     with |i - j| >= ``min_separation`` and the highest P(d <= 8 A) are scored; precision = fraction
-    that are true contacts. -> (mean precision, number of examples scored).
+    that are true contacts. ``residue_index`` ``[B, N]`` (default 0..N-1) gives the sequence separation,
+    so residues on either side of an unresolved loop count as far as they are. -> (mean precision, number
+    of examples scored).
     """
     p_contact = distogram_logits.float().softmax(-1)[..., :CONTACT_BINS].sum(-1)  # [B, N, N]
     n = p_contact.shape[-1]
-    idx = torch.arange(n, device=p_contact.device)
-    far = (idx[None, :] - idx[:, None]) >= min_separation  # [N, N], upper triangle only
+    if residue_index is None:
+        residue_index = torch.arange(n, device=p_contact.device).expand(p_contact.shape[0], n)
+    # [B, N, N], upper triangle only
+    far = (residue_index[:, None, :] - residue_index[:, :, None]) >= min_separation
     precisions = []
     for b in range(p_contact.shape[0]):
-        valid = pair_mask[b] & far
+        valid = pair_mask[b] & far[b]
         if not valid.any():
             continue
         length = int(pair_mask[b].diagonal().sum())

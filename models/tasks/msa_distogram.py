@@ -39,7 +39,8 @@ class MSADistogramTask(Task):
             logs["distogram_loss"] = dist_loss.detach()
         if not self.training and n_pairs > 0:
             precision, n = long_range_contact_precision(
-                out["distogram_logits"].detach(), batch["distogram"], batch["distogram_mask"]
+                out["distogram_logits"].detach(), batch["distogram"], batch["distogram_mask"],
+                residue_index=batch["residue_index"],
             )
             if n > 0:
                 logs["contact_precision"] = precision
