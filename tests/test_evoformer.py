@@ -2,16 +2,10 @@
 (torch / chunked / triton under the interpreter), checkpointed and chunked runs equal plain ones,
 the ending-node / incoming modules equal the starting-node / outgoing ones on transposed input,
 and the outer product mean and global column attention against their definitions."""
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # the Triton kernels run under the interpreter on CPU
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from models.evoformer import (  # noqa: E402
+from models.evoformer import (
     EvoformerBlock,
     EvoformerStack,
     ExtraMSABlock,
@@ -20,13 +14,13 @@ from models.evoformer import (  # noqa: E402
     MSARowAttentionWithPairBias,
     OuterProductMean,
 )
-from models.triangle import (  # noqa: E402
+from models.triangle import (
     TriangleAttentionEndingNode,
     TriangleAttentionStartingNode,
     TriangleMultiplicationIncoming,
     TriangleMultiplicationOutgoing,
 )
-from test_primitives import (  # noqa: E402
+from test_primitives import (
     compare_backend_to_torch,
     param_grads,
     randomize_,

@@ -1,18 +1,12 @@
 """Pairformer: shapes, padding invariance (values and gradients), backends agree (torch / chunked /
 triton under the interpreter), checkpointed and chunked runs equal plain ones, attention with pair bias
 against its definition; on a GPU, torch.compile(fullgraph=True) of a block with the triton backend."""
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # the Triton kernels run under the interpreter on CPU
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from attn_ops.reference import attention_reference  # noqa: E402
-from models.pairformer import AttentionPairBias, PairformerBlock, PairformerStack  # noqa: E402
-from test_primitives import (  # noqa: E402
+from attn_ops.reference import attention_reference
+from models.pairformer import AttentionPairBias, PairformerBlock, PairformerStack
+from test_primitives import (
     compare_backend_to_torch,
     param_grads,
     randomize_,
