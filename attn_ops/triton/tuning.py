@@ -79,6 +79,8 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
                 ms = do_bench(lambda: launch(c), warmup=3, rep=15)
             except Exception:  # out of resources for this shape: skip the candidate
                 continue
+            if os.environ.get("ATTN_ZOO_TUNE_LOG") == "1":
+                print(f"tune {kernel} {key}: {c} {ms:.3f} ms", flush=True)
             if best is None or ms < best[0]:
                 best = (ms, c)
         cfg = best[1] if best is not None else cands[-1]
