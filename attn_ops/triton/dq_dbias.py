@@ -3,9 +3,10 @@
 A bias ``[BB, BR, BH, Lq, Lk]`` broadcast over some of (B, R, H) (triangle attention's ``[1, 1, H, L, L]`` shared
 by all R rows) gets the gradient ``dBias = sum over the broadcast members of dS``. Instead of a separate kernel
 that recomputes P a third time, the dQ pass owns it: one program per (query tile, bias batch index, split) walks
-the members it sums in groups of GROUP, holding the group as the leading dim of 3-D tiles ``[G, BM, *]``.
-Per key tile it forms dS ``[G, BM, BN]`` (the shared bias tile is loaded once for the group), adds dS K into
-each member's dQ, and adds ``sum_g dS`` into its own fp32 partial dBias rows. The program owns those rows (no
+the members it sums in groups of GROUP (1, 2 or 4; one dQ accumulator each, unrolled: Triton's 3-D dots
+measured 2-5x slower on an H100). Per key tile it forms each member's dS ``[BM, BN]`` (the shared bias tile is
+loaded once for the group), adds dS K into that member's dQ, and adds the group's summed dS into its own fp32
+partial dBias rows (a read-modify-write per GROUP members). The program owns those rows (no
 other program writes them) and visits members in a fixed order, so the result has the same bits every run;
 splits of the member loop write separate partials that the host sums in a fixed order.
 """
@@ -13,13 +14,38 @@ import triton
 import triton.language as tl
 
 from .common import batch_offset, mm
+from .dbias import _ds_tile
 
 
 @triton.jit
-def _rows3(base, offs, stride, offs_d, D, ok):
-    """[G, len(offs), BLOCK_D] tile: rows ``offs`` of G matrices at element offsets ``base`` [G]."""
-    ptrs = base[:, None, None] + offs[None, :, None].to(tl.int64) * stride + offs_d[None, None, :]
-    return tl.load(ptrs, mask=ok[None, :, None] & (offs_d[None, None, :] < D), other=0.0)
+def _member(t, gb, gr, gh, lr_n, lh_n):
+    """(b, r, h) of member ``t`` of bias index (gb, gr, gh)'s broadcast set (extent 1 where not broadcast)."""
+    return gb + t // (lr_n * lh_n), gr + (t // lh_n) % lr_n, gh + t % lh_n
+
+
+@triton.jit
+def _member_ds(
+    t, gb, gr, gh, lr_n, lh_n, R, H, Q, K, V, dOut, Lse, Delta, Mask, bias2, offs_m, offs_n, Lq, Lk, D, Dv,
+    s_qb, s_qr, s_qh, s_qm, s_kb, s_kr, s_kh, s_kn, s_vb, s_vr, s_vh, s_vn, s_mb, s_mr, s_mh, s_mm, s_mn,
+    s_db, s_dr, s_dh, s_dm, qk_scale,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, CHECK: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """dS [BM, BN] and the k tile of member ``t`` (q, dO, lse, delta rows re-read: L1/L2 hits)."""
+    b, r, h = _member(t, gb, gr, gh, lr_n, lh_n)
+    row = ((b * R + r) * H + h).to(tl.int64) * Lq
+    return _ds_tile(Q + batch_offset(b, r, h, s_qb, s_qr, s_qh), K + batch_offset(b, r, h, s_kb, s_kr, s_kh),
+                    V + batch_offset(b, r, h, s_vb, s_vr, s_vh), dOut + batch_offset(b, r, h, s_db, s_dr, s_dh),
+                    Lse + row, Delta + row, Mask + batch_offset(b, r, h, s_mb, s_mr, s_mh), bias2, offs_m, offs_n,
+                    Lq, Lk, D, Dv, s_qm, s_kn, s_vn, s_dm, s_mm, s_mn, qk_scale, HAS_MASK, CAUSAL, CHECK,
+                    BLOCK_D, BLOCK_DV)
+
+
+@triton.jit
+def _store_dq(dQ, dq, t, gb, gr, gh, lr_n, lh_n, offs_m, offs_d, Lq, D, s_qb, s_qr, s_qh, s_qm, scale):
+    b, r, h = _member(t, gb, gr, gh, lr_n, lh_n)
+    ptrs = dQ + batch_offset(b, r, h, s_qb, s_qr, s_qh) + offs_m[:, None].to(tl.int64) * s_qm + offs_d[None, :]
+    tl.store(ptrs, (dq * scale).to(dQ.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
 
 
 @triton.jit
@@ -37,6 +63,7 @@ def attn_bwd_dq_dbias_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
+    tl.static_assert(GROUP == 1 or GROUP == 2 or GROUP == 4)
     pid_m = tl.program_id(0)  # query tile
     pid_g = tl.program_id(1)  # bias batch index over BB*BR*BH
     pid_s = tl.program_id(2)  # split of the member loop
@@ -53,8 +80,6 @@ def attn_bwd_dq_dbias_kernel(
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    offs_g = tl.arange(0, GROUP)
     m_ok = offs_m < Lq
     Bias += batch_offset(gb, gr, gh, s_bb, s_br, s_bh)  # broadcast dims have stride 0
     Part = dBiasPart + pid_s.to(tl.int64) * s_ps + batch_offset(gb, gr, gh, s_pb, s_pr, s_ph)
@@ -63,50 +88,49 @@ def attn_bwd_dq_dbias_kernel(
         hi = tl.minimum(Lk, tl.maximum(m0 + BLOCK_M + (Lk - Lq), 0))
 
     for u in range(u_lo, u_hi):
-        t = u * GROUP + offs_g  # [G] member index within this bias index's broadcast set
-        b = gb + t // (lr_n * lh_n)
-        r = gr + (t // lh_n) % lr_n
-        h = gh + t % lh_n
-        q_off = batch_offset(b, r, h, s_qb, s_qr, s_qh)  # [G]
-        k_off = batch_offset(b, r, h, s_kb, s_kr, s_kh)
-        v_off = batch_offset(b, r, h, s_vb, s_vr, s_vh)
-        m_off = batch_offset(b, r, h, s_mb, s_mr, s_mh)
-        row = ((b * R + r) * H + h).to(tl.int64) * Lq
-        q = _rows3(Q + q_off, offs_m, s_qm, offs_d, D, m_ok)  # [G, BM, BD]
-        do = _rows3(dOut + batch_offset(b, r, h, s_db, s_dr, s_dh), offs_m, s_dm, offs_dv, Dv, m_ok)
-        lse2 = tl.load(Lse + row[:, None] + offs_m[None, :], mask=m_ok[None, :], other=0.0) * 1.4426950408889634
-        lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # empty rows: every score is -inf, so P = 0
-        delta = tl.load(Delta + row[:, None] + offs_m[None, :], mask=m_ok[None, :], other=0.0)  # [G, BM]
-        dq = tl.zeros([GROUP, BLOCK_M, BLOCK_D], dtype=tl.float32)
+        t = u * GROUP
+        dq0 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        dq1 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        dq2 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        dq3 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for n0 in range(0, hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < Lk
-            in_bounds = m_ok[:, None] & n_ok[None, :]
-            k = _rows3(K + k_off, offs_n, s_kn, offs_d, D, n_ok)  # [G, BN, BD]
-            v = _rows3(V + v_off, offs_n, s_vn, offs_dv, Dv, n_ok)  # [G, BN, BDV]
+            in_bounds = m_ok[:, None] & (offs_n[None, :] < Lk)
             bias2 = tl.load(Bias + offs_m[:, None].to(tl.int64) * s_bm + offs_n[None, :].to(tl.int64) * s_bn,
-                            mask=in_bounds, other=0.0).to(tl.float32) * 1.4426950408889634  # shared: [BM, BN]
-            s = mm(q, tl.trans(k, (0, 2, 1))) * qk_scale + bias2[None, :, :]  # [G, BM, BN]
-            if HAS_MASK == 1:  # key mask: [G, BN]
-                keep = tl.load(Mask + m_off[:, None] + offs_n[None, :].to(tl.int64) * s_mn,
-                               mask=n_ok[None, :], other=0) != 0
-                s = tl.where(keep[:, None, :], s, float("-inf"))
-            if HAS_MASK == 2:
-                keep = tl.load(Mask + m_off[:, None, None] + offs_m[None, :, None].to(tl.int64) * s_mm
-                               + offs_n[None, None, :].to(tl.int64) * s_mn, mask=in_bounds[None, :, :], other=0) != 0
-                s = tl.where(keep, s, float("-inf"))
-            if CAUSAL:
-                s = tl.where((offs_n[None, :] <= offs_m[:, None] + (Lk - Lq))[None, :, :], s, float("-inf"))
-            if CHECK:
-                s = tl.where(in_bounds[None, :, :], s, float("-inf"))
-            p = tl.exp2(s - lse2[:, :, None])
-            dp = mm(do, tl.trans(v, (0, 2, 1)))
-            ds = p * (dp - delta[:, :, None])  # [G, BM, BN] fp32
-            dq += mm(ds.to(k.dtype), k)
+                            mask=in_bounds, other=0.0).to(tl.float32) * 1.4426950408889634  # shared by the group
+            ds, k = _member_ds(t, gb, gr, gh, lr_n, lh_n, R, H, Q, K, V, dOut, Lse, Delta, Mask, bias2, offs_m,
+                               offs_n, Lq, Lk, D, Dv, s_qb, s_qr, s_qh, s_qm, s_kb, s_kr, s_kh, s_kn, s_vb, s_vr,
+                               s_vh, s_vn, s_mb, s_mr, s_mh, s_mm, s_mn, s_db, s_dr, s_dh, s_dm, qk_scale,
+                               HAS_MASK, CAUSAL, CHECK, BLOCK_D, BLOCK_DV)
+            dq0 += mm(ds.to(k.dtype), k)
+            acc = ds
+            if GROUP > 1:
+                ds, k = _member_ds(t + 1, gb, gr, gh, lr_n, lh_n, R, H, Q, K, V, dOut, Lse, Delta, Mask, bias2,
+                                   offs_m, offs_n, Lq, Lk, D, Dv, s_qb, s_qr, s_qh, s_qm, s_kb, s_kr, s_kh, s_kn,
+                                   s_vb, s_vr, s_vh, s_vn, s_mb, s_mr, s_mh, s_mm, s_mn, s_db, s_dr, s_dh, s_dm,
+                                   qk_scale, HAS_MASK, CAUSAL, CHECK, BLOCK_D, BLOCK_DV)
+                dq1 += mm(ds.to(k.dtype), k)
+                acc += ds
+            if GROUP > 2:
+                ds, k = _member_ds(t + 2, gb, gr, gh, lr_n, lh_n, R, H, Q, K, V, dOut, Lse, Delta, Mask, bias2,
+                                   offs_m, offs_n, Lq, Lk, D, Dv, s_qb, s_qr, s_qh, s_qm, s_kb, s_kr, s_kh, s_kn,
+                                   s_vb, s_vr, s_vh, s_vn, s_mb, s_mr, s_mh, s_mm, s_mn, s_db, s_dr, s_dh, s_dm,
+                                   qk_scale, HAS_MASK, CAUSAL, CHECK, BLOCK_D, BLOCK_DV)
+                dq2 += mm(ds.to(k.dtype), k)
+                acc += ds
+                ds, k = _member_ds(t + 3, gb, gr, gh, lr_n, lh_n, R, H, Q, K, V, dOut, Lse, Delta, Mask, bias2,
+                                   offs_m, offs_n, Lq, Lk, D, Dv, s_qb, s_qr, s_qh, s_qm, s_kb, s_kr, s_kh, s_kn,
+                                   s_vb, s_vr, s_vh, s_vn, s_mb, s_mr, s_mh, s_mm, s_mn, s_db, s_dr, s_dh, s_dm,
+                                   qk_scale, HAS_MASK, CAUSAL, CHECK, BLOCK_D, BLOCK_DV)
+                dq3 += mm(ds.to(k.dtype), k)
+                acc += ds
             part = Part + offs_m[:, None].to(tl.int64) * s_pm + offs_n[None, :].to(tl.int64) * s_pn
-            acc = tl.sum(ds, 0)
             if u > u_lo:  # this program's own rows: plain read-modify-write, fixed order
                 acc += tl.load(part, mask=in_bounds, other=0.0)
             tl.store(part, acc, mask=in_bounds)
-        dq_ptrs = dQ + q_off[:, None, None] + offs_m[None, :, None].to(tl.int64) * s_qm + offs_d[None, None, :]
-        tl.store(dq_ptrs, (dq * scale).to(dQ.dtype.element_ty), mask=m_ok[None, :, None] & (offs_d[None, None, :] < D))
+        _store_dq(dQ, dq0, t, gb, gr, gh, lr_n, lh_n, offs_m, offs_d, Lq, D, s_qb, s_qr, s_qh, s_qm, scale)
+        if GROUP > 1:
+            _store_dq(dQ, dq1, t + 1, gb, gr, gh, lr_n, lh_n, offs_m, offs_d, Lq, D, s_qb, s_qr, s_qh, s_qm, scale)
+        if GROUP > 2:
+            _store_dq(dQ, dq2, t + 2, gb, gr, gh, lr_n, lh_n, offs_m, offs_d, Lq, D, s_qb, s_qr, s_qh, s_qm, scale)
+            _store_dq(dQ, dq3, t + 3, gb, gr, gh, lr_n, lh_n, offs_m, offs_d, Lq, D, s_qb, s_qr, s_qh, s_qm, scale)
