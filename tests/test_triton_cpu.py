@@ -32,9 +32,9 @@ CASES = [
     ("causal_pair_bias_over_rows", (1, 3), 2, L, L, 16, 16, (1, 1, 2, L, L), (1, 3, 1, 1, L), True),
     ("causal_lq_gt_lk_empty_rows", (), 2, L, 20, 16, 16, (1, 20), None, True),
     ("three_lead_dims_loop", (2, 2, 3), 1, 17, 17, 16, 16, (2, 1, 3, 1, 17, 17), (1, 2, 1, 1, 1, 17), False),
-    # grouped dQ + dBias kernel: 8 rows share the bias -> groups of 2 rows, member loop split over 2 programs
-    ("pair_bias_grouped_split", (1, 8), 2, L, L, 16, 16, (1, 1, 2, L, L), (1, 8, 1, 1, L), False),
-    ("causal_pair_bias_row_mask_grouped", (1, 4), 2, 20, L, 16, 24, (1, 1, 2, 20, L), (1, 4, 1, 20, L), True),
+    # few dBias tiles (L=20), 8 rows share them: the reduction splits over programs; causal with a row mask
+    ("pair_bias_split_reduction", (1, 8), 2, 20, 20, 16, 16, (1, 1, 2, 20, 20), (1, 8, 1, 1, 20), False),
+    ("causal_pair_bias_row_mask", (1, 4), 2, 20, L, 16, 24, (1, 1, 2, 20, L), (1, 4, 1, 20, L), True),
 ]
 
 
@@ -95,23 +95,6 @@ def test_split_backward_is_bitwise_deterministic(bias_shape):
     for a, b in zip(first, second):
         assert torch.equal(a, b)
     assert first[3].shape == bias.shape
-
-
-@pytest.mark.parametrize("bias_shape,grouped", [((1, 1, 2, 33, 33), True), ((2, 1, 2, 33, 33), True),
-                                                ((1, 1, 2, 1, 33), False), ((2, 3, 2, 33, 33), False)],
-                         ids=["over_batch_and_rows", "over_rows", "over_rows_and_queries", "full"])
-def test_dbias_kernel_choice(monkeypatch, bias_shape, grouped):
-    """A bias shared over batch dims only takes the grouped dQ + dBias pass; others keep their kernels."""
-    from attn_ops.triton import launch
-
-    calls = []
-    for name in ("_dq_dbias", "_dbias_reduce"):
-        monkeypatch.setattr(launch, name, (lambda f, n: lambda *a: calls.append(n) or f(*a))(getattr(launch, name), name))
-    q, k, v, bias, mask = make_inputs((2, 3), 2, 33, 33, 16, bias_shape=bias_shape, mask_shape=(2, 3, 1, 1, 33))
-    out = triton_attention(q, k, v, bias, mask, 0.3, False)[0]
-    torch.autograd.grad(out.sum(), bias)
-    full = bias_shape == (2, 3, 2, 33, 33)
-    assert calls == ([] if full else ["_dq_dbias" if grouped else "_dbias_reduce"])
 
 
 def test_bias_gradient_keeps_bias_dtype():

@@ -20,8 +20,7 @@ def _ds_tile(
     qk_scale, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, CHECK: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """dS [BM, BN] (fp32) of one tile of one (b, r, h), and its k tile [BN, BD]; ``bias2`` is the bias tile
-    already times log2(e)."""
+    """dS [BM, BN] (fp32) of one tile of one (b, r, h); ``bias2`` is the bias tile already times log2(e)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Lq
@@ -46,7 +45,7 @@ def _ds_tile(
         s = tl.where(m_ok[:, None] & n_ok[None, :], s, float("-inf"))
     p = tl.exp2(s - lse2[:, None])
     dp = mm(do, tl.trans(v))
-    return p * (dp - delta[:, None]), k
+    return p * (dp - delta[:, None])
 
 
 @triton.jit
@@ -107,7 +106,7 @@ def attn_bwd_dbias_kernel(
                     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
                     bias2 = tl.load(Bias + offs_m[:, None].to(tl.int64) * s_bm + offs_n[None, :].to(tl.int64) * s_bn,
                                     mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk), other=0.0)
-                    ds, _ = _ds_tile(Q + batch_offset(b, r, h, s_qb, s_qr, s_qh),
+                    acc += _ds_tile(Q + batch_offset(b, r, h, s_qb, s_qr, s_qh),
                                     K + batch_offset(b, r, h, s_kb, s_kr, s_kh),
                                     V + batch_offset(b, r, h, s_vb, s_vr, s_vh),
                                     dOut + batch_offset(b, r, h, s_db, s_dr, s_dh), Lse + row, Delta + row,
@@ -115,7 +114,6 @@ def attn_bwd_dbias_kernel(
                                     bias2.to(tl.float32) * 1.4426950408889634, offs_m, offs_n, Lq, Lk, D, Dv,
                                     s_qm, s_kn, s_vn, s_dm, s_mm, s_mn, qk_scale, HAS_MASK, CAUSAL, True,
                                     BLOCK_D, BLOCK_DV)
-                    acc += ds
     else:  # the common case (pair bias shared over rows/batch): one fixed tile, flat pipelined loop
         offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -130,14 +128,13 @@ def attn_bwd_dbias_kernel(
             r = gr + (t // lh_n) % lr_n
             h = gh + t % lh_n
             row = ((b * R + r) * H + h).to(tl.int64) * Lq
-            ds, _ = _ds_tile(Q + batch_offset(b, r, h, s_qb, s_qr, s_qh),
+            acc += _ds_tile(Q + batch_offset(b, r, h, s_qb, s_qr, s_qh),
                             K + batch_offset(b, r, h, s_kb, s_kr, s_kh),
                             V + batch_offset(b, r, h, s_vb, s_vr, s_vh),
                             dOut + batch_offset(b, r, h, s_db, s_dr, s_dh), Lse + row, Delta + row,
                             Mask + batch_offset(b, r, h, s_mb, s_mr, s_mh),
                             bias2, offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_kn, s_vn, s_dm, s_mm, s_mn, qk_scale,
                             HAS_MASK, CAUSAL, CHECK, BLOCK_D, BLOCK_DV)
-            acc += ds
 
     Out = dBiasPart + pid_s.to(tl.int64) * s_ps + batch_offset(gb, gr, gh, s_pb, s_pr, s_ph)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)

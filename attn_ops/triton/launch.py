@@ -14,7 +14,6 @@ import triton
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
 from .common import LOG2E
 from .dbias import attn_bwd_dbias_kernel
-from .dq_dbias import attn_bwd_dq_dbias_kernel
 from .forward import attn_fwd_kernel
 from .tuning import interpreting, pick
 
@@ -91,13 +90,13 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
     return out, lse
 
 
-def _dbias_splits(n_programs: int, total_steps: int, device: torch.device, per_sm: int = 4, most: int = 64) -> int:
+def _dbias_splits(n_programs: int, total_steps: int, device: torch.device) -> int:
     """How many programs share one dbias tile's reduction loop: enough programs to fill the device."""
     if device.type == "cuda":
-        target = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
     else:
         target = 8  # the CPU interpreter: small, but exercises the split path in tests
-    return max(1, min(total_steps, most, triton.cdiv(target, n_programs)))
+    return max(1, min(total_steps, 64, triton.cdiv(target, n_programs)))
 
 
 def _even_splits(n_steps: int, splits: int) -> Tuple[int, int]:
@@ -113,9 +112,8 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
 
     ``fused``: one pass over key tiles with dQ by fp32 atomics (not bitwise deterministic). Otherwise a dK/dV
     kernel over key tiles and a dQ kernel over query tiles, no atomics. dBias is written by the dQ kernel
-    (dK/dV kernel when fused) when the bias has every dim full; a bias shared over batch dims only (the pair
-    bias) gets it from the grouped dQ kernel of ``dq_dbias.py`` in the split variant; other broadcast patterns
-    (over Lq or Lk, or the fused variant) from the deterministic reduction kernel in ``dbias.py``.
+    (dK/dV kernel when fused) when the bias has every dim full, else by the deterministic reduction kernel in
+    ``dbias.py``.
     """
     B, R, H, Lq, D = q.shape
     Lk, Dv = k.shape[3], v.shape[4]
@@ -128,7 +126,6 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     dims = (B, R, H, Lq, Lk)
     direct_dbias = need_dbias and tuple(bias.shape) == dims
     want_dbias = need_dbias and not direct_dbias
-    grouped_dbias = want_dbias and not fused and tuple(bias.shape[3:]) == (Lq, Lk)
 
     # 1. delta = rowsum(dO * O) - dlse: [B, R, H, Lq] fp32
     delta = torch.empty((B, R, H, Lq), dtype=torch.float32, device=dev)
@@ -168,8 +165,6 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     # 3. dQ over query tiles (split variant)
     if fused:
         dq.copy_(dq_acc)
-    elif grouped_dbias:
-        dbias = _dq_dbias(q, k, v, bias, mask_t, sm, do, lse, delta, dq, scale, causal, _mask_kind(mask), key)
     else:
         def launch_dq(c):
             attn_bwd_dq_kernel[(triton.cdiv(Lq, c.block_m), B * R * H)](
@@ -182,8 +177,8 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
 
         launch_dq(pick("dq", key, _width(q, D, Dv), Lq, Lk, launch_dq))
 
-    # 4. dBias of a bias broadcast over Lq or Lk (or fused): deterministic tile-owner reduction
-    if want_dbias and not grouped_dbias:
+    # 4. dBias of a broadcast bias: deterministic tile-owner reduction
+    if want_dbias:
         dbias = _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, _mask_kind(mask), key)
     return dq, dk, dv, dbias
 
@@ -222,39 +217,3 @@ def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, mask
     if part.shape[0] == 1:
         return part[0]
     return part.sum(0).to(bias.dtype)
-
-
-def _dq_dbias(q, k, v, bias, mask_t, sm, do, lse, delta, dq, scale, causal, mask_kind, key) -> Tensor:
-    """Writes dq and returns dbias of a bias shared over batch dims (full over Lq, Lk): see ``dq_dbias.py``."""
-    B, R, H, Lq, D = q.shape
-    Lk, Dv = k.shape[3], v.shape[4]
-    BB, BR, BH = bias.shape[:3]
-    n_groups = BB * BR * BH
-    total = (B // BB) * (R // BR) * (H // BH)  # batch members summed into each dbias entry
-    state = {}
-
-    def launch(c):
-        group = c.group
-        while total % group:
-            group //= 2
-        n_units = total // group
-        n_mt = triton.cdiv(Lq, c.block_m)
-        per, splits = _even_splits(n_units, _dbias_splits(n_mt * n_groups, n_units, q.device, per_sm=2, most=8))
-        # fp32 partial sums, one per split; causal: tiles above the diagonal are never visited, so start at 0
-        part = (torch.zeros if causal else torch.empty)((splits,) + tuple(bias.shape), dtype=torch.float32,
-                                                         device=q.device)
-        attn_bwd_dq_dbias_kernel[(n_mt, n_groups, splits)](
-            q, k, v, bias, mask_t, do, lse, delta, dq, part,
-            *_rows(q), *_rows(k), *_rows(v), *_bstrides(bias), *sm, *_rows(do), part.stride(0), *_bstrides(part[0]),
-            B, R, H, BB, BR, BH, Lq, Lk, D, Dv, scale * LOG2E, scale, per,
-            HAS_MASK=mask_kind, CAUSAL=causal, EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
-            GROUP=group, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
-            num_warps=c.num_warps, num_stages=c.num_stages,
-        )
-        state["part"] = part
-
-    cfg = pick("dq_dbias", key + (tuple(bias.shape),), _width(q, D, Dv), Lq, Lk, launch)
-    launch(cfg)
-    part = state["part"]
-    # fixed-order sum over the splits: same bits every run
-    return (part[0] if part.shape[0] == 1 else part.sum(0)).to(bias.dtype)

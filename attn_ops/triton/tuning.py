@@ -13,7 +13,6 @@ class Cfg(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
-    group: int = 1  # dq_dbias only: batch members (1, 2 or 4) that share one bias tile load and dBias update
 
 
 _CACHE: Dict[Tuple, Cfg] = {}
@@ -24,10 +23,8 @@ _CANDIDATES = {
     "dkdv": [Cfg(64, 128, 8, 3), Cfg(32, 128, 4, 3), Cfg(64, 64, 4, 3), Cfg(32, 64, 4, 3), Cfg(128, 128, 8, 2)],
     "dq": [Cfg(128, 64, 8, 3), Cfg(64, 64, 4, 3), Cfg(128, 32, 4, 3), Cfg(64, 128, 8, 3)],
     "dbias": [Cfg(64, 64, 4, 3), Cfg(128, 64, 8, 3), Cfg(64, 128, 8, 3), Cfg(128, 128, 8, 2), Cfg(32, 64, 4, 3)],
-    "dq_dbias": [Cfg(64, 64, 4, 3, 4), Cfg(64, 64, 4, 3, 2), Cfg(32, 64, 4, 3, 4), Cfg(128, 64, 8, 3, 2),
-                 Cfg(64, 128, 8, 3, 2), Cfg(128, 32, 4, 3, 4), Cfg(64, 32, 4, 3, 4)],
 }
-_INTERPRETER = Cfg(32, 16, 4, 1, 4)
+_INTERPRETER = Cfg(32, 16, 4, 1)
 
 
 def interpreting() -> bool:
@@ -44,8 +41,6 @@ def candidates(kernel: str, head_dim: int, lq: int, lk: int) -> List[Cfg]:
         if head_dim > 128 and (c.block_m * c.block_n > 64 * 64 or c.num_stages > 2):
             continue
         if head_dim > 64 and kernel == "dkdv" and c.block_m * c.block_n > 64 * 128:
-            continue
-        if head_dim > 64 and c.group * c.block_m * c.block_n > 2 * 64 * 64:  # G dq accumulators live at once
             continue
         if c.block_m > max(16, 1 << (lq - 1).bit_length()) or c.block_n > max(16, 1 << (lk - 1).bit_length()):
             continue
