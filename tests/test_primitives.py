@@ -45,7 +45,7 @@ def weighted_sum(tensors, seed=123):
     g = torch.Generator().manual_seed(seed)
     total = 0.0
     for t in tensors:
-        w = torch.randn(t.shape, generator=g, dtype=torch.float64)
+        w = torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.device)
         total = total + (t.double() * w).sum()
     return total
 

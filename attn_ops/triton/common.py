@@ -93,9 +93,10 @@ def scores_log2_t(
     """
     s = mm(k, qT) * qk_scale
     in_bounds = (offs_n[:, None] < Lk) & (offs_m[None, :] < Lq)
-    if HAS_BIAS:
-        b = tl.load(Bias + offs_n[:, None].to(tl.int64) * s_bn + offs_m[None, :].to(tl.int64) * s_bm, mask=in_bounds, other=0.0)
-        s += b.to(tl.float32) * 1.4426950408889634
+    if HAS_BIAS:  # loaded in the bias's own row-major order (coalesced along keys), transposed in registers
+        b = tl.load(Bias + offs_m[:, None].to(tl.int64) * s_bm + offs_n[None, :].to(tl.int64) * s_bn,
+                    mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk), other=0.0)
+        s += tl.trans(b).to(tl.float32) * 1.4426950408889634
     if HAS_MASK == 1:  # key mask: one vector per tile
         keep = tl.load(Mask + offs_n.to(tl.int64) * s_mn, mask=offs_n < Lk, other=0) != 0
         s = tl.where(keep[:, None], s, float("-inf"))
