@@ -43,6 +43,26 @@ def load_rows(base, offs, stride, offs_d, D, ok):
 
 
 @triton.jit
+def load_tile(Base, offs_m, offs_n, s_m, s_n, Lm, Ln):
+    """Tile ``[len(offs_m), len(offs_n)]`` of a 2-D slice with strides (s_m, s_n) (0 on a broadcast dim); 0 out of range.
+
+    Offsets in int64: a bias slice may span more than 2^31 elements.
+    """
+    return tl.load(Base + offs_m[:, None].to(tl.int64) * s_m + offs_n[None, :].to(tl.int64) * s_n,
+                   mask=(offs_m[:, None] < Lm) & (offs_n[None, :] < Ln), other=0)
+
+
+@triton.jit
+def key_mask_add(Mask, offs_n, s_mn, Lk):
+    """A key mask as an additive log2-domain term ``[BN]``: 0 where attended, -inf where masked or past Lk.
+
+    Added to the logits together with the bias (two FMAs per score), it costs less than a select per score.
+    """
+    keep = tl.load(Mask + offs_n.to(tl.int64) * s_mn, mask=offs_n < Lk, other=0) != 0
+    return tl.where(keep, 0.0, float("-inf"))
+
+
+@triton.jit
 def scores_log2(
     q, k, Bias, Mask, offs_m, offs_n, Lq, Lk, s_bm, s_bn, s_mm, s_mn, qk_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
@@ -54,21 +74,22 @@ def scores_log2(
     HAS_MASK: 0 none, 1 a key mask (broadcast over Lq: one [BN] vector), 2 a mask that varies over Lq.
     Rows >= Lq (when CHECK_M) and columns >= Lk (when CHECK_N) are -inf too.
     """
-    s = mm(q, tl.trans(k)) * qk_scale
-    in_bounds = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
     if HAS_BIAS:
-        b = tl.load(Bias + offs_m[:, None].to(tl.int64) * s_bm + offs_n[None, :].to(tl.int64) * s_bn, mask=in_bounds, other=0.0)
-        s += b.to(tl.float32) * 1.4426950408889634
-    if HAS_MASK == 1:  # key mask: one vector per tile
-        keep = tl.load(Mask + offs_n.to(tl.int64) * s_mn, mask=offs_n < Lk, other=0) != 0
-        s = tl.where(keep[None, :], s, float("-inf"))
+        add = load_tile(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk).to(tl.float32) * 1.4426950408889634
+        if HAS_MASK == 1:
+            add = add + key_mask_add(Mask, offs_n, s_mn, Lk)[None, :]
+        s = mm(q, tl.trans(k)) * qk_scale + add
+    elif HAS_MASK == 1:
+        s = mm(q, tl.trans(k)) * qk_scale + key_mask_add(Mask, offs_n, s_mn, Lk)[None, :]
+    else:
+        s = mm(q, tl.trans(k)) * qk_scale
     if HAS_MASK == 2:
-        keep = tl.load(Mask + offs_m[:, None].to(tl.int64) * s_mm + offs_n[None, :].to(tl.int64) * s_mn, mask=in_bounds, other=0) != 0
+        keep = load_tile(Mask, offs_m, offs_n, s_mm, s_mn, Lq, Lk) != 0
         s = tl.where(keep, s, float("-inf"))
     if APPLY_CAUSAL:
         s = tl.where(offs_n[None, :] <= offs_m[:, None] + (Lk - Lq), s, float("-inf"))
     if CHECK_M or CHECK_N:
-        s = tl.where(in_bounds, s, float("-inf"))
+        s = tl.where((offs_m[:, None] < Lq) & (offs_n[None, :] < Lk), s, float("-inf"))
     return s
 
 
@@ -91,20 +112,20 @@ def scores_log2_t(
 
     The dK/dV kernel works on transposed tiles so that no [BM, BN] matrix needs a transpose before its dots.
     """
-    s = mm(k, qT) * qk_scale
-    in_bounds = (offs_n[:, None] < Lk) & (offs_m[None, :] < Lq)
     if HAS_BIAS:  # loaded in the bias's own row-major order (coalesced along keys), transposed in registers
-        b = tl.load(Bias + offs_m[:, None].to(tl.int64) * s_bm + offs_n[None, :].to(tl.int64) * s_bn,
-                    mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk), other=0.0)
-        s += tl.trans(b).to(tl.float32) * 1.4426950408889634
-    if HAS_MASK == 1:  # key mask: one vector per tile
-        keep = tl.load(Mask + offs_n.to(tl.int64) * s_mn, mask=offs_n < Lk, other=0) != 0
-        s = tl.where(keep[:, None], s, float("-inf"))
+        add = tl.trans(load_tile(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk)).to(tl.float32) * 1.4426950408889634
+        if HAS_MASK == 1:
+            add = add + key_mask_add(Mask, offs_n, s_mn, Lk)[:, None]
+        s = mm(k, qT) * qk_scale + add
+    elif HAS_MASK == 1:
+        s = mm(k, qT) * qk_scale + key_mask_add(Mask, offs_n, s_mn, Lk)[:, None]
+    else:
+        s = mm(k, qT) * qk_scale
     if HAS_MASK == 2:
-        keep = tl.load(Mask + offs_n[:, None].to(tl.int64) * s_mn + offs_m[None, :].to(tl.int64) * s_mm, mask=in_bounds, other=0) != 0
+        keep = tl.trans(load_tile(Mask, offs_m, offs_n, s_mm, s_mn, Lq, Lk)) != 0
         s = tl.where(keep, s, float("-inf"))
     if APPLY_CAUSAL:
         s = tl.where(offs_n[:, None] <= offs_m[None, :] + (Lk - Lq), s, float("-inf"))
     if CHECK:
-        s = tl.where(in_bounds, s, float("-inf"))
+        s = tl.where((offs_n[:, None] < Lk) & (offs_m[None, :] < Lq), s, float("-inf"))
     return s

@@ -11,7 +11,7 @@ sums go to ``dBiasPart[split]`` and the host adds them in a fixed order (one spl
 import triton
 import triton.language as tl
 
-from .common import batch_offset, load_lse2, load_rows, mm
+from .common import batch_offset, key_mask_add, load_lse2, load_rows, load_tile, mm
 
 
 @triton.jit
@@ -31,13 +31,12 @@ def _ds_tile(
     v = load_rows(V, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
     lse2 = load_lse2(Lse, offs_m, Lq)
     delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
-    s = mm(q, tl.trans(k)) * qk_scale + bias2
-    if HAS_MASK == 1:  # key mask
-        keep = tl.load(Mask + offs_n.to(tl.int64) * s_mn, mask=n_ok, other=0) != 0
-        s = tl.where(keep[None, :], s, float("-inf"))
+    if HAS_MASK == 1:  # key mask: added with the bias (see key_mask_add)
+        s = mm(q, tl.trans(k)) * qk_scale + (bias2 + key_mask_add(Mask, offs_n, s_mn, Lk)[None, :])
+    else:
+        s = mm(q, tl.trans(k)) * qk_scale + bias2
     if HAS_MASK == 2:
-        keep = tl.load(Mask + offs_m[:, None].to(tl.int64) * s_mm + offs_n[None, :].to(tl.int64) * s_mn,
-                       mask=m_ok[:, None] & n_ok[None, :], other=0) != 0
+        keep = load_tile(Mask, offs_m, offs_n, s_mm, s_mn, Lq, Lk) != 0
         s = tl.where(keep, s, float("-inf"))
     if CAUSAL:
         s = tl.where(offs_n[None, :] <= offs_m[:, None] + (Lk - Lq), s, float("-inf"))
@@ -104,8 +103,7 @@ def attn_bwd_dbias_kernel(
                 for nt in range(n_lo, n_hi):
                     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
                     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-                    bias2 = tl.load(Bias + offs_m[:, None].to(tl.int64) * s_bm + offs_n[None, :].to(tl.int64) * s_bn,
-                                    mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk), other=0.0)
+                    bias2 = load_tile(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk)
                     acc += _ds_tile(Q + batch_offset(b, r, h, s_qb, s_qr, s_qh),
                                     K + batch_offset(b, r, h, s_kb, s_kr, s_kh),
                                     V + batch_offset(b, r, h, s_vb, s_vr, s_vh),
@@ -120,8 +118,7 @@ def attn_bwd_dbias_kernel(
         if CAUSAL:  # a tile entirely above the diagonal gets zero: skip its loop
             if pn * BLOCK_N > pm * BLOCK_M + BLOCK_M - 1 + (Lk - Lq):
                 t_hi = t_lo
-        bias2 = tl.load(Bias + offs_m[:, None].to(tl.int64) * s_bm + offs_n[None, :].to(tl.int64) * s_bn,
-                        mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk), other=0.0)
+        bias2 = load_tile(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk)
         bias2 = bias2.to(tl.float32) * 1.4426950408889634  # loaded once for the whole loop
         for t in range(t_lo, t_hi):
             b = gb + t // (lr_n * lh_n)
