@@ -218,8 +218,10 @@ def bias_cases(names, backends):
                     return attn_ops_fn(be, q, k, v, bias, mask, False)
                 if be == "sdpa":  # its CUDA backward uses atomics: allowed explicitly
                     return attn_ops_fn(be, q, k, v, bias, mask, False, deterministic=False)
-                if be == "triton-fused":
+                if be == "triton-fused":  # dq and the shared bias's gradient by atomics: one backward pass
                     return attn_ops_fn("triton", q, k, v, bias, mask, False, bwd="fused", deterministic=False)
+                if be == "triton-atomic":  # split dq kernel; the shared bias's gradient by atomics
+                    return attn_ops_fn("triton", q, k, v, bias, mask, False, bwd="split", deterministic=False)
                 return {"flex": flex_bias_fn, "trifast": trifast_fn, "cuequivariance": cueq_fn}[be](
                     q, k, v, bias, mask, False)
             skip = None

@@ -44,10 +44,14 @@ def main():
         ms = do_bench(lambda: attn_forward(q, k, v, b, m, scale, False), warmup=25, rep=200, return_mode="median")
         rows.append((f"fwd {name}", ms))
         out, lse = attn_forward(q, k, v, b, m, scale, False)
-        for need in ((True, False) if b is not None else (False,)):
-            ms = do_bench(lambda: attn_backward(do, None, q, k, v, out, lse, b, m, scale, False, False, need),
+        variants = [(False, True, False), (False, False, False)] if b is not None else [(False, False, False)]
+        if name == "bias+mask":  # the non-deterministic variants: dBias by atomics, with split or fused dq
+            variants += [(False, True, True), (True, True, True)]
+        for fused, need, atomic in variants:
+            ms = do_bench(lambda: attn_backward(do, None, q, k, v, out, lse, b, m, scale, False, fused, need, atomic),
                           warmup=25, rep=200, return_mode="median")
-            rows.append((f"bwd {name}{' +dbias' if need else ''}", ms))
+            tag = (" +dbias" if need else "") + (" atomic" if atomic else "") + (" fused-dq" if fused else "")
+            rows.append((f"bwd {name}{tag}", ms))
         print(rows[-1], flush=True)
     print("\n| step | ms | G scores/s |\n|---|---|---|")
     for name, ms in rows:

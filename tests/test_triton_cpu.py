@@ -43,6 +43,9 @@ FUSED = ("pair_bias_over_rows", "causal_lq_lt_lk", "query_bias_over_keys", "caus
 RUNS = [(c, dt, "split") for c in CASES for dt in (torch.float32, torch.float16)]
 RUNS += [(c, torch.float32, "fused") for c in CASES if c[0] in FUSED]
 RUNS += [(c, torch.float16, "fused") for c in CASES if c[0] in FUSED[:2]]
+# split dq with the broadcast bias's gradient summed by atomics in the dK/dV pass (deterministic=False)
+ATOMIC = ("pair_bias_over_rows", "causal_pair_bias_over_rows")
+RUNS += [(c, dt, "atomic") for c in CASES if c[0] in ATOMIC for dt in (torch.float32, torch.float16)]
 
 
 @pytest.mark.parametrize("case,dtype,variant", RUNS, ids=[f"{c[0]}-{str(d)[6:]}-{v}" for c, d, v in RUNS])
@@ -50,7 +53,8 @@ def test_matches_reference(case, dtype, variant):
     _, batch, h, lq, lk, d, dv, bshape, mshape, causal = case
     q, k, v, bias, mask = make_inputs(batch, h, lq, lk, d, dv, dtype=dtype, bias_shape=bshape, mask_shape=mshape,
                                       seed=zlib.crc32(case[0].encode()) % 1000)
-    opts = dict(bwd="split") if variant == "split" else dict(bwd="fused", deterministic=False)
+    opts = {"split": dict(bwd="split"), "fused": dict(bwd="fused", deterministic=False),
+            "atomic": dict(bwd="split", deterministic=False)}[variant]
     check_against_reference("triton", q, k, v, bias, mask, causal=causal, **opts)
 
 
@@ -121,7 +125,7 @@ def test_bad_bwd_option_is_rejected():
 def test_custom_op_registration_opcheck():
     q, k, v, bias, mask = make_inputs((1, 2), 2, 17, 17, 16, bias_shape=(1, 1, 2, 17, 17),
                                       mask_shape=(1, 2, 1, 1, 17))
-    torch.library.opcheck(torch.ops.attn_zoo.triton_attn_fwd.default, (q, k, v, bias, mask, 0.25, False, False),
+    torch.library.opcheck(torch.ops.attn_zoo.triton_attn_fwd.default, (q, k, v, bias, mask, 0.25, False, False, False),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 

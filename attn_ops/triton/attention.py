@@ -57,9 +57,9 @@ def _merge(t: Optional[Tensor], groups: List[List[int]], tail: int) -> Optional[
     return t.reshape(tuple(sizes) + tuple(t.shape[-tail:]))
 
 
-def _check_bwd(bwd: str, deterministic: bool) -> bool:
-    """Validate the ``bwd`` option; True for the fused (atomic dq) backward. "auto" is split, which was faster
-    on every shape measured on an H100."""
+def _check_bwd(bwd: str, deterministic: bool) -> Tuple[bool, bool]:
+    """Validate the ``bwd`` option: (fused, atomic_dbias). "auto" is split, which was faster on every shape
+    measured on an H100; ``deterministic=False`` also lets a broadcast bias's gradient be summed by atomics."""
     if bwd not in BWD_VARIANTS:
         raise ValueError(f"bwd must be one of {BWD_VARIANTS}, got {bwd!r}")
     if bwd == "fused" and deterministic:
@@ -67,16 +67,16 @@ def _check_bwd(bwd: str, deterministic: bool) -> bool:
             "bwd='fused' accumulates dq with atomics and is not bitwise deterministic; "
             "pass deterministic=False to use it, or bwd='split'"
         )
-    return bwd == "fused"
+    return bwd == "fused", not deterministic
 
 
-def _canonical_call(q, k, v, bias, mask, scale, causal, fused) -> Tuple[Tensor, Tensor]:
-    """q, k, v with exactly two leading dims -> (out, lse) via the custom op."""
+def _canonical_call(q, k, v, bias, mask, scale, causal, mode) -> Tuple[Tensor, Tensor]:
+    """q, k, v with exactly two leading dims -> (out, lse) via the custom op; ``mode`` = (fused, atomic_dbias)."""
     q, k, v = _dense(q), _dense(k), _dense(v)
-    return torch.ops.attn_zoo.triton_attn_fwd(q, k, v, bias, mask, float(scale), bool(causal), fused)
+    return torch.ops.attn_zoo.triton_attn_fwd(q, k, v, bias, mask, float(scale), bool(causal), *mode)
 
 
-def _attend(q, k, v, bias, mask, scale, causal, fused) -> Tuple[Tensor, Tensor]:
+def _attend(q, k, v, bias, mask, scale, causal, mode) -> Tuple[Tensor, Tensor]:
     n = q.ndim - 3
     lead = q.shape[:n]
     if n <= 2:
@@ -85,21 +85,21 @@ def _attend(q, k, v, bias, mask, scale, causal, fused) -> Tuple[Tensor, Tensor]:
         q5, k5, v5 = (t.reshape(pad + t.shape) for t in (q, k, v))
         b5 = None if bias is None else bias.reshape(pad + bias.shape)
         m5 = None if mask is None else mask.reshape(pad + mask.shape)
-        out, lse = _canonical_call(q5, k5, v5, b5, m5, scale, causal, fused)
+        out, lse = _canonical_call(q5, k5, v5, b5, m5, scale, causal, mode)
         return out.reshape(lead + out.shape[2:]), lse.reshape(lead + lse.shape[2:])
     groups = _merge_plan(q, bias, mask)
     if len(groups) <= 2:
         # [G1, G2, H, L, D]: each group of leading dims merged into one
         qm, km, vm = (_merge(t, groups, 3) for t in (q, k, v))
         bm, mm = _merge(bias, groups, 3), _merge(mask, groups, 3)
-        out, lse = _attend(qm, km, vm, bm, mm, scale, causal, fused)
+        out, lse = _attend(qm, km, vm, bm, mm, scale, causal, mode)
         return out.reshape(lead + out.shape[-3:]), lse.reshape(lead + lse.shape[-2:])
     # More than two broadcast patterns: loop over dim 0 (autograd sums a shared bias's gradient).
     outs, lses = [], []
     for i in range(q.shape[0]):
         bi = None if bias is None else bias[i if bias.shape[0] > 1 else 0]
         mi = None if mask is None else mask[i if mask.shape[0] > 1 else 0]
-        o, s = _attend(q[i], k[i], v[i], bi, mi, scale, causal, fused)
+        o, s = _attend(q[i], k[i], v[i], bi, mi, scale, causal, mode)
         outs.append(o)
         lses.append(s)
     return torch.stack(outs), torch.stack(lses)
@@ -118,7 +118,9 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], ma
             its gradient comes back in its own shape and dtype, summed over broadcast dims.
         mask: None or bool with the same rule; True = attend.
         scale: logit scale. causal: query i sees key j iff ``j <= i + (Lk - Lq)``.
-        deterministic: True (default) gives bitwise-identical gradients on repeated calls (no atomics).
+        deterministic: True (default) gives bitwise-identical gradients on repeated calls (no atomics). False
+            sums the gradient of a bias broadcast over batch dims with fp32 atomics in the dK/dV pass (one pass
+            fewer) and allows ``bwd="fused"``.
         bwd: ``"split"`` (dK/dV and dQ kernels), ``"fused"`` (one pass, dQ by fp32 atomics; needs
             ``deterministic=False``) or ``"auto"`` (split: faster on every shape measured on an H100).
 
@@ -127,12 +129,12 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], ma
         denominator of ``q k^T * scale + bias`` over attended keys. A row with no key gives out 0, lse -inf and
         zero, finite gradients.
     """
-    fused = _check_bwd(bwd, deterministic)
+    mode = _check_bwd(bwd, deterministic)
     if bias is not None and bias.ndim < q.ndim:  # the API pads already; direct callers may not
         bias = bias.reshape((1,) * (q.ndim - bias.ndim) + tuple(bias.shape))
     if mask is not None and mask.ndim < q.ndim:
         mask = mask.reshape((1,) * (q.ndim - mask.ndim) + tuple(mask.shape))
-    return _attend(q, k, v, bias, mask, scale, causal, fused)
+    return _attend(q, k, v, bias, mask, scale, causal, mode)
 
 
 def triton_lse_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
@@ -144,7 +146,7 @@ def triton_lse_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
     the merged results over a larger key set (ring attention): the result is then this key block's share.
     ``d_out``/``d_lse`` None mean zero. dbias has the bias's own shape and dtype.
     """
-    fused = _check_bwd(bwd, deterministic)
+    fused, atomic = _check_bwd(bwd, deterministic)
     d_out = torch.zeros_like(out, dtype=v.dtype) if d_out is None else d_out.to(v.dtype)  # dots need v's dtype
     n = q.ndim - 3
     if n > 2:  # loop over dim 0: simple and exact; the merge plan of _attend is a later optimisation
@@ -173,6 +175,6 @@ def triton_lse_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
     dlse4 = None if d_lse is None else five(d_lse).float().contiguous()
     dq, dk, dv, db = torch.ops.attn_zoo.triton_attn_bwd(
         five(d_out), dlse4, q5, k5, v5, out5, lse4, five(bias), five(mask), float(scale), bool(causal), fused,
-        bool(need_dbias and bias is not None))
+        bool(need_dbias and bias is not None), atomic)
     db = db.reshape(bias.shape) if (need_dbias and bias is not None) else None
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), db

@@ -39,7 +39,7 @@ def _dkdv_tiles(
     dk, dv, k, v, Q, dOut, Lse, Delta, Bias, Mask, dQacc, dBias, offs_n, lo, hi, Lq, Lk, D, Dv,
     s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
-    FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr,
+    FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, ATOMIC_DBIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Fold query tiles [lo, hi) into dk [BN, BD], dv [BN, BDV] of one key tile (transposed tiles [BN, BM])."""
@@ -65,10 +65,13 @@ def _dkdv_tiles(
         if DIRECT_DBIAS:
             tl.store(dBias + offs_n[:, None].to(tl.int64) * s_gn + offs_m[None, :].to(tl.int64) * s_gm, dsT.to(dBias.dtype.element_ty),
                      mask=n_ok[:, None] & m_ok[None, :])
+        if ATOMIC_DBIAS:  # fp32 accumulator of the bias's shape, shared by the programs of its broadcast dims
+            tl.atomic_add(dBias + offs_n[:, None].to(tl.int64) * s_gn + offs_m[None, :].to(tl.int64) * s_gm, dsT,
+                          mask=n_ok[:, None] & m_ok[None, :], sem="relaxed")
         if FUSED_DQ:
             dq = mm(tl.trans(dsT_lp), k) * scale  # [BM, BD]
             tl.atomic_add(dQacc + offs_m[:, None] * s_qm + offs_d[None, :], dq,
-                          mask=m_ok[:, None] & (offs_d[None, :] < D))
+                          mask=m_ok[:, None] & (offs_d[None, :] < D), sem="relaxed")
     return dk, dv
 
 
@@ -84,14 +87,17 @@ def attn_bwd_dkdv_kernel(
     s_gb, s_gr, s_gh, s_gm, s_gn,
     R, H, Lq, Lk, D, Dv, qk_scale, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, ATOMIC_DBIAS: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """One program per (key tile, b*r*h): loops over query tiles, writes dK, dV (k's and v's strides).
 
     FUSED_DQ: also adds scale * dS K into the fp32 dQacc (q's strides) with atomics (not deterministic).
     DIRECT_DBIAS (fused variant only): the bias has every dim full, so this program owns
-    dBias[b, r, h, :, key tile] and stores dS there. Lse/Delta are contiguous [B, R, H, Lq].
+    dBias[b, r, h, :, key tile] and stores dS there. ATOMIC_DBIAS: the bias is broadcast over batch dims (full
+    over Lq and Lk); dBias is an fp32 accumulator (bias's strides, 0 on broadcast dims) that every program
+    adds its dS tiles into with atomics (not deterministic). Lse/Delta are contiguous [B, R, H, Lq].
     """
     pid_n = tl.program_id(0)
     b, r, h = split_batch(tl.program_id(1), R, H)
@@ -105,7 +111,7 @@ def attn_bwd_dkdv_kernel(
         Bias += batch_offset(b, r, h, s_bb, s_br, s_bh)
     if HAS_MASK:
         Mask += batch_offset(b, r, h, s_mb, s_mr, s_mh)
-    if DIRECT_DBIAS:
+    if DIRECT_DBIAS or ATOMIC_DBIAS:
         dBias += batch_offset(b, r, h, s_gb, s_gr, s_gh)
     if FUSED_DQ:
         dQacc += q_off
@@ -130,14 +136,14 @@ def attn_bwd_dkdv_kernel(
         m_full = tl.minimum(tl.maximum(m_full, lo), Lq)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q, dOut, Lse, Delta, Bias, Mask, dQacc, dBias, offs_n, lo, m_full,
                              Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale, scale,
-                             HAS_BIAS, HAS_MASK, True, CHECK, FUSED_DQ, DIRECT_DBIAS, BLOCK_M, BLOCK_D, BLOCK_DV)
+                             HAS_BIAS, HAS_MASK, True, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS, BLOCK_M, BLOCK_D, BLOCK_DV)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q, dOut, Lse, Delta, Bias, Mask, dQacc, dBias, offs_n, m_full, Lq,
                              Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale, scale,
-                             HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, BLOCK_M, BLOCK_D, BLOCK_DV)
+                             HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS, BLOCK_M, BLOCK_D, BLOCK_DV)
     else:
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q, dOut, Lse, Delta, Bias, Mask, dQacc, dBias, offs_n, 0, Lq,
                              Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale, scale,
-                             HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, BLOCK_M, BLOCK_D, BLOCK_DV)
+                             HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS, BLOCK_M, BLOCK_D, BLOCK_DV)
 
     tl.store(dK + k_off + offs_n[:, None] * s_kn + offs_d[None, :], (dk * scale).to(dK.dtype.element_ty),
              mask=n_ok[:, None] & (offs_d[None, :] < D))

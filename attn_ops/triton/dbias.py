@@ -11,7 +11,7 @@ sums go to ``dBiasPart[split]`` and the host adds them in a fixed order (one spl
 import triton
 import triton.language as tl
 
-from .common import batch_offset, key_mask_add, load_lse2, load_rows, load_tile, mm
+from .common import batch_offset, load_lse2, load_rows, load_tile, mm
 
 
 @triton.jit
@@ -31,10 +31,10 @@ def _ds_tile(
     v = load_rows(V, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
     lse2 = load_lse2(Lse, offs_m, Lq)
     delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
-    if HAS_MASK == 1:  # key mask: added with the bias (see key_mask_add)
-        s = mm(q, tl.trans(k)) * qk_scale + (bias2 + key_mask_add(Mask, offs_n, s_mn, Lk)[None, :])
-    else:
-        s = mm(q, tl.trans(k)) * qk_scale + bias2
+    s = mm(q, tl.trans(k)) * qk_scale + bias2
+    if HAS_MASK == 1:  # key mask: a select here (the bias tile is loop-invariant, so no add to fold it into)
+        keep = tl.load(Mask + offs_n.to(tl.int64) * s_mn, mask=n_ok, other=0) != 0
+        s = tl.where(keep[None, :], s, float("-inf"))
     if HAS_MASK == 2:
         keep = load_tile(Mask, offs_m, offs_n, s_mm, s_mn, Lq, Lk) != 0
         s = tl.where(keep, s, float("-inf"))

@@ -17,16 +17,17 @@ Tensor = torch.Tensor
 
 @torch.library.custom_op("attn_zoo::triton_attn_fwd", mutates_args=())
 def triton_attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
-                    scale: float, causal: bool, fused_bwd: bool) -> Tuple[Tensor, Tensor]:
+                    scale: float, causal: bool, fused_bwd: bool, atomic_dbias: bool) -> Tuple[Tensor, Tensor]:
     """out ``[B, R, H, Lq, Dv]`` (q.dtype) and lse ``[B, R, H, Lq]`` (fp32, natural log, -inf on empty rows).
 
-    ``fused_bwd`` only selects the backward variant (one pass with dQ by atomics vs split kernels).
+    ``fused_bwd`` and ``atomic_dbias`` only select the backward's variant (one pass with dQ by atomics vs split
+    kernels; a broadcast bias's gradient by atomics vs the deterministic reduction kernel).
     """
     return attn_forward(q, k, v, bias, mask, scale, causal)
 
 
 @triton_attn_fwd.register_fake
-def _(q, k, v, bias, mask, scale, causal, fused_bwd):
+def _(q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias):
     out = q.new_empty(q.shape[:-1] + v.shape[-1:])
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
     return out, lse
@@ -35,30 +36,30 @@ def _(q, k, v, bias, mask, scale, causal, fused_bwd):
 @torch.library.custom_op("attn_zoo::triton_attn_bwd", mutates_args=())
 def triton_attn_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                     lse: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], scale: float, causal: bool,
-                    fused: bool, need_dbias: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                    fused: bool, need_dbias: bool, atomic_dbias: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv (q, k, v's shapes and strides) and dbias (bias's own shape and dtype; empty when not needed)."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     if dlse is not None:
         dlse = dlse.contiguous()  # the kernels index it as [B, R, H, Lq]; autograd may hand an expanded view
     dq, dk, dv, dbias = attn_backward(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused,
-                                      need_dbias and bias is not None)
+                                      need_dbias and bias is not None, atomic_dbias)
     if dbias is None:
         dbias = q.new_empty((0,))
     return dq, dk, dv, dbias
 
 
 @triton_attn_bwd.register_fake
-def _(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbias):
+def _(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbias, atomic_dbias):
     dbias = bias.new_empty(bias.shape) if (need_dbias and bias is not None) else q.new_empty((0,))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bias, mask, scale, causal, fused_bwd = inputs
+    q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, bias, mask, out, lse)
-    ctx.scale, ctx.causal, ctx.fused = scale, causal, fused_bwd
+    ctx.scale, ctx.causal, ctx.fused, ctx.atomic_dbias = scale, causal, fused_bwd, atomic_dbias
     ctx.set_materialize_grads(False)  # an unused lse sends None, not a zeros buffer
 
 
@@ -68,8 +69,8 @@ def _backward(ctx, dout, dlse):
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
     dq, dk, dv, dbias = torch.ops.attn_zoo.triton_attn_bwd(
-        dout, dlse, q, k, v, out, lse, bias, mask, ctx.scale, ctx.causal, ctx.fused, need_dbias)
-    return dq, dk, dv, (dbias if need_dbias else None), None, None, None, None
+        dout, dlse, q, k, v, out, lse, bias, mask, ctx.scale, ctx.causal, ctx.fused, need_dbias, ctx.atomic_dbias)
+    return dq, dk, dv, (dbias if need_dbias else None), None, None, None, None, None
 
 
 torch.library.register_autograd("attn_zoo::triton_attn_fwd", _backward, setup_context=_setup_context)
