@@ -8,7 +8,7 @@ The ``- dlse`` term carries a loss on lse into every gradient (d lse / dS = P).
 import triton
 import triton.language as tl
 
-from .common import batch_offset, load_lse2, load_rows, mm, scores_log2, scores_log2_t, split_batch
+from .common import batch_offset, bias_log2, load_lse2, load_rows, mm, scores_log2, scores_log2_t, split_batch
 
 
 @triton.jit
@@ -35,6 +35,48 @@ def bwd_preprocess_kernel(
 
 
 @triton.jit
+def _dkdv_step(
+    dk, dv, k, v, Q, dOut, Lse, Delta, Mask, dQacc, baddT, offs_m, offs_n, Lq, Lk, D, Dv,
+    s_qm, s_dm, s_mm, s_mn, qk_scale, scale,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
+    FUSED_DQ: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Fold one query tile into dk [BN, BD], dv [BN, BDV] of one key tile of one row; returns dS^T [BN, BM] too."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < Lq
+    qT = tl.load(Q + offs_m[None, :] * s_qm + offs_d[:, None],
+                 mask=m_ok[None, :] & (offs_d[:, None] < D), other=0.0)  # [BD, BM]
+    do = load_rows(dOut, offs_m, s_dm, offs_dv, Dv, m_ok)  # [BM, BDV]
+    lse2 = load_lse2(Lse, offs_m, Lq)
+    delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
+    sT = scores_log2_t(k, qT, baddT, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, qk_scale,
+                       HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK)  # [BN, BM]
+    pT = tl.exp2(sT - lse2[None, :])
+    dv += mm(pT.to(do.dtype), do)
+    dpT = mm(v, tl.trans(do))  # [BN, BM]
+    dsT = pT * (dpT - delta[None, :])
+    dsT_lp = dsT.to(qT.dtype)
+    dk += mm(dsT_lp, tl.trans(qT))
+    if FUSED_DQ:
+        dq = mm(tl.trans(dsT_lp), k) * scale  # [BM, BD]
+        tl.atomic_add(dQacc + offs_m[:, None] * s_qm + offs_d[None, :], dq,
+                      mask=m_ok[:, None] & (offs_d[None, :] < D), sem="relaxed")
+    return dk, dv, dsT
+
+
+@triton.jit
+def _store_dbias_t(dBias, dsT, offs_m, offs_n, Lq, Lk, s_gm, s_gn, ATOMIC: tl.constexpr):
+    """dS^T [BN, BM] into dBias (plain store where the program owns the tile, else fp32 atomics)."""
+    ptrs = dBias + offs_n[:, None].to(tl.int64) * s_gn + offs_m[None, :].to(tl.int64) * s_gm
+    ok = (offs_n[:, None] < Lk) & (offs_m[None, :] < Lq)
+    if ATOMIC:
+        tl.atomic_add(ptrs, dsT, mask=ok, sem="relaxed")
+    else:
+        tl.store(ptrs, dsT.to(dBias.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _dkdv_tiles(
     dk, dv, k, v, Q, dOut, Lse, Delta, Bias, Mask, dQacc, dBias, offs_n, lo, hi, Lq, Lk, D, Dv,
     s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale, scale,
@@ -43,36 +85,28 @@ def _dkdv_tiles(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Fold query tiles [lo, hi) into dk [BN, BD], dv [BN, BDV] of one key tile (transposed tiles [BN, BM])."""
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        baddT = 0.0
+        if HAS_BIAS:
+            baddT = tl.trans(bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk))
+        dk, dv, dsT = _dkdv_step(dk, dv, k, v, Q, dOut, Lse, Delta, Mask, dQacc, baddT, offs_m, offs_n, Lq, Lk,
+                                 D, Dv, s_qm, s_dm, s_mm, s_mn, qk_scale, scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL,
+                                 CHECK, FUSED_DQ, BLOCK_D, BLOCK_DV)
+        if DIRECT_DBIAS or ATOMIC_DBIAS:
+            _store_dbias_t(dBias, dsT, offs_m, offs_n, Lq, Lk, s_gm, s_gn, ATOMIC_DBIAS)
+    return dk, dv
+
+
+@triton.jit
+def _store_dkdv(dK, dV, dk, dv, offs_n, s_kn, s_vn, Lk, D, Dv, scale, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     n_ok = offs_n < Lk
-    for m0 in range(lo, hi, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < Lq
-        qT = tl.load(Q + offs_m[None, :] * s_qm + offs_d[:, None],
-                     mask=m_ok[None, :] & (offs_d[:, None] < D), other=0.0)  # [BD, BM]
-        do = load_rows(dOut, offs_m, s_dm, offs_dv, Dv, m_ok)  # [BM, BDV]
-        lse2 = load_lse2(Lse, offs_m, Lq)
-        delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
-        sT = scores_log2_t(k, qT, Bias, Mask, offs_m, offs_n, Lq, Lk, s_bm, s_bn, s_mm, s_mn, qk_scale,
-                           HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK)  # [BN, BM]
-        pT = tl.exp2(sT - lse2[None, :])
-        dv += mm(pT.to(do.dtype), do)
-        dpT = mm(v, tl.trans(do))  # [BN, BM]
-        dsT = pT * (dpT - delta[None, :])
-        dsT_lp = dsT.to(qT.dtype)
-        dk += mm(dsT_lp, tl.trans(qT))
-        if DIRECT_DBIAS:
-            tl.store(dBias + offs_n[:, None].to(tl.int64) * s_gn + offs_m[None, :].to(tl.int64) * s_gm, dsT.to(dBias.dtype.element_ty),
-                     mask=n_ok[:, None] & m_ok[None, :])
-        if ATOMIC_DBIAS:  # fp32 accumulator of the bias's shape, shared by the programs of its broadcast dims
-            tl.atomic_add(dBias + offs_n[:, None].to(tl.int64) * s_gn + offs_m[None, :].to(tl.int64) * s_gm, dsT,
-                          mask=n_ok[:, None] & m_ok[None, :], sem="relaxed")
-        if FUSED_DQ:
-            dq = mm(tl.trans(dsT_lp), k) * scale  # [BM, BD]
-            tl.atomic_add(dQacc + offs_m[:, None] * s_qm + offs_d[None, :], dq,
-                          mask=m_ok[:, None] & (offs_d[None, :] < D), sem="relaxed")
-    return dk, dv
+    tl.store(dK + offs_n[:, None] * s_kn + offs_d[None, :], (dk * scale).to(dK.dtype.element_ty),
+             mask=n_ok[:, None] & (offs_d[None, :] < D))
+    tl.store(dV + offs_n[:, None] * s_vn + offs_dv[None, :], dv.to(dV.dtype.element_ty),
+             mask=n_ok[:, None] & (offs_dv[None, :] < Dv))
 
 
 @triton.jit
@@ -88,67 +122,117 @@ def attn_bwd_dkdv_kernel(
     R, H, Lq, Lk, D, Dv, qk_scale, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
     FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, ATOMIC_DBIAS: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """One program per (key tile, b*r*h): loops over query tiles, writes dK, dV (k's and v's strides).
+    """One program per (key tile, b * (R / ROWS) * h): loops over query tiles, writes dK, dV (k's and v's strides).
 
     FUSED_DQ: also adds scale * dS K into the fp32 dQacc (q's strides) with atomics (not deterministic).
     DIRECT_DBIAS (fused variant only): the bias has every dim full, so this program owns
     dBias[b, r, h, :, key tile] and stores dS there. ATOMIC_DBIAS: the bias is broadcast over batch dims (full
     over Lq and Lk); dBias is an fp32 accumulator (bias's strides, 0 on broadcast dims) that every program
-    adds its dS tiles into with atomics (not deterministic). Lse/Delta are contiguous [B, R, H, Lq].
+    adds its dS tiles into with atomics (not deterministic). ROWS = 2 (a bias shared over R, not causal, not
+    FUSED_DQ): rows r and r + 1 share each bias tile load (and one atomic add of their summed dS). Lse/Delta are
+    contiguous [B, R, H, Lq].
     """
     pid_n = tl.program_id(0)
-    b, r, h = split_batch(tl.program_id(1), R, H)
-    q_off = batch_offset(b, r, h, s_qb, s_qr, s_qh)
-    Q += q_off
-    dOut += batch_offset(b, r, h, s_db, s_dr, s_dh)
-    row = ((b * R + r) * H + h).to(tl.int64) * Lq
-    Lse += row
-    Delta += row
+    b, rp, h = split_batch(tl.program_id(1), (R + ROWS - 1) // ROWS, H)
+    r = rp * ROWS
     if HAS_BIAS:
         Bias += batch_offset(b, r, h, s_bb, s_br, s_bh)
-    if HAS_MASK:
-        Mask += batch_offset(b, r, h, s_mb, s_mr, s_mh)
     if DIRECT_DBIAS or ATOMIC_DBIAS:
         dBias += batch_offset(b, r, h, s_gb, s_gr, s_gh)
-    if FUSED_DQ:
-        dQacc += q_off
 
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     n_ok = offs_n < Lk
+    CHECK: tl.constexpr = not (EVEN_M and EVEN_N)
+    # this row's pointers
+    q_off = batch_offset(b, r, h, s_qb, s_qr, s_qh)
     k_off = batch_offset(b, r, h, s_kb, s_kr, s_kh)
     v_off = batch_offset(b, r, h, s_vb, s_vr, s_vh)
+    Q_r = Q + q_off
+    dO_r = dOut + batch_offset(b, r, h, s_db, s_dr, s_dh)
+    row = ((b * R + r) * H + h).to(tl.int64) * Lq
+    Mask_r = Mask + batch_offset(b, r, h, s_mb, s_mr, s_mh)
+    dQ_r = dQacc + q_off
     k = load_rows(K + k_off, offs_n, s_kn, offs_d, D, n_ok)  # [BN, BD]
     v = load_rows(V + v_off, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    CHECK: tl.constexpr = not (EVEN_M and EVEN_N)
 
-    if CAUSAL:
+    if ROWS == 2:
+        r2 = tl.minimum(r + 1, R - 1)
+        q_off2 = batch_offset(b, r2, h, s_qb, s_qr, s_qh)
+        k_off2 = batch_offset(b, r2, h, s_kb, s_kr, s_kh)
+        v_off2 = batch_offset(b, r2, h, s_vb, s_vr, s_vh)
+        row2 = ((b * R + r2) * H + h).to(tl.int64) * Lq
+        Mask2 = Mask + batch_offset(b, r2, h, s_mb, s_mr, s_mh)
+        dO2 = dOut + batch_offset(b, r2, h, s_db, s_dr, s_dh)
+        k2 = load_rows(K + k_off2, offs_n, s_kn, offs_d, D, n_ok)
+        v2 = load_rows(V + v_off2, offs_n, s_vn, offs_dv, Dv, n_ok)
+        dk2 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv2 = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+        # the repeated row of an odd R must not add its dS to the shared dBias twice
+        w2 = (r + 1 < R).to(tl.float32)
+        for m0 in range(0, Lq, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            baddT = 0.0
+            if HAS_BIAS:
+                baddT = tl.trans(bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk))  # once for both rows
+            dk, dv, dsT = _dkdv_step(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Mask_r, dQ_r, baddT,
+                                     offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm, s_mn, qk_scale, scale,
+                                     HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, BLOCK_D, BLOCK_DV)
+            dk2, dv2, dsT2 = _dkdv_step(dk2, dv2, k2, v2, Q + q_off2, dO2, Lse + row2, Delta + row2, Mask2,
+                                        dQacc + q_off2, baddT, offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm,
+                                        s_mn, qk_scale, scale, HAS_BIAS, HAS_MASK, False, CHECK,
+                                        FUSED_DQ, BLOCK_D, BLOCK_DV)
+            if ATOMIC_DBIAS:
+                _store_dbias_t(dBias, dsT + dsT2 * w2, offs_m, offs_n, Lq, Lk, s_gm, s_gn, True)
+        if r + 1 < R:
+            _store_dkdv(dK + k_off2, dV + v_off2, dk2, dv2, offs_n, s_kn, s_vn, Lk, D, Dv, scale, BLOCK_D, BLOCK_DV)
+    elif CAUSAL:
         # query m sees key n iff m >= n - (Lk - Lq): tiles from lo hold the diagonal up to m_full; after, no test
         lo = (tl.maximum(n0 - (Lk - Lq), 0) // BLOCK_M) * BLOCK_M
         m_full = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - (Lk - Lq), 0), BLOCK_M) * BLOCK_M
         m_full = tl.minimum(tl.maximum(m_full, lo), Lq)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, dOut, Lse, Delta, Bias, Mask, dQacc, dBias, offs_n, lo, m_full,
-                             Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale, scale,
-                             HAS_BIAS, HAS_MASK, True, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS, BLOCK_M, BLOCK_D, BLOCK_DV)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, dOut, Lse, Delta, Bias, Mask, dQacc, dBias, offs_n, m_full, Lq,
-                             Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale, scale,
-                             HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS, BLOCK_M, BLOCK_D, BLOCK_DV)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, dQ_r, dBias, offs_n,
+                             lo, m_full, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
+                             scale, HAS_BIAS, HAS_MASK, True, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS, BLOCK_M,
+                             BLOCK_D, BLOCK_DV)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, dQ_r, dBias, offs_n,
+                             m_full, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
+                             scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS, BLOCK_M,
+                             BLOCK_D, BLOCK_DV)
     else:
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, dOut, Lse, Delta, Bias, Mask, dQacc, dBias, offs_n, 0, Lq,
-                             Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale, scale,
-                             HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS, BLOCK_M, BLOCK_D, BLOCK_DV)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, dQ_r, dBias, offs_n,
+                             0, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
+                             scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS, BLOCK_M,
+                             BLOCK_D, BLOCK_DV)
+    _store_dkdv(dK + k_off, dV + v_off, dk, dv, offs_n, s_kn, s_vn, Lk, D, Dv, scale, BLOCK_D, BLOCK_DV)
 
-    tl.store(dK + k_off + offs_n[:, None] * s_kn + offs_d[None, :], (dk * scale).to(dK.dtype.element_ty),
-             mask=n_ok[:, None] & (offs_d[None, :] < D))
-    tl.store(dV + v_off + offs_n[:, None] * s_vn + offs_dv[None, :], dv.to(dV.dtype.element_ty),
-             mask=n_ok[:, None] & (offs_dv[None, :] < Dv))
+
+@triton.jit
+def _dq_step(
+    dq, q, do, lse2, delta, K, V, Mask, badd, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_mm, s_mn, qk_scale,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Fold one key tile into dq [BM, BD] of one query tile of one row; returns dS [BM, BN] too."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    n_ok = offs_n < Lk
+    k = load_rows(K, offs_n, s_kn, offs_d, D, n_ok)  # [BN, BD]
+    v = load_rows(V, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
+    s = scores_log2(q, k, badd, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, qk_scale,
+                    HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, CHECK)  # [BM, BN]
+    p = tl.exp2(s - lse2[:, None])
+    dp = mm(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    dq += mm(ds.to(k.dtype), k)
+    return dq, ds
 
 
 @triton.jit
@@ -159,23 +243,17 @@ def _dq_tiles(
     DIRECT_DBIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Fold key tiles [lo, hi) into dq [BM, BD] of one query tile; store dS into dBias when it owns the rows."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Lq
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < Lk
-        k = load_rows(K, offs_n, s_kn, offs_d, D, n_ok)  # [BN, BD]
-        v = load_rows(V, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
-        s = scores_log2(q, k, Bias, Mask, offs_m, offs_n, Lq, Lk, s_bm, s_bn, s_mm, s_mn, qk_scale,
-                        HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, CHECK)  # [BM, BN]
-        p = tl.exp2(s - lse2[:, None])
-        dp = mm(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        dq += mm(ds.to(k.dtype), k)
+        badd = 0.0
+        if HAS_BIAS:
+            badd = bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk)
+        dq, ds = _dq_step(dq, q, do, lse2, delta, K, V, Mask, badd, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn,
+                          s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, BLOCK_D, BLOCK_DV)
         if DIRECT_DBIAS:
-            tl.store(dBias + offs_m[:, None].to(tl.int64) * s_gm + offs_n[None, :].to(tl.int64) * s_gn, ds.to(dBias.dtype.element_ty),
-                     mask=m_ok[:, None] & n_ok[None, :])
+            tl.store(dBias + offs_m[:, None].to(tl.int64) * s_gm + offs_n[None, :].to(tl.int64) * s_gn,
+                     ds.to(dBias.dtype.element_ty), mask=m_ok[:, None] & (offs_n[None, :] < Lk))
     return dq
 
 
@@ -191,23 +269,19 @@ def attn_bwd_dq_kernel(
     s_gb, s_gr, s_gh, s_gm, s_gn,
     R, H, Lq, Lk, D, Dv, qk_scale, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, DIRECT_DBIAS: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """One program per (query tile, b*r*h): loops over key tiles, writes dQ (q's strides).
+    """One program per (query tile, b * (R / ROWS) * h): loops over key tiles, writes dQ (q's strides).
 
     DIRECT_DBIAS: the bias has every dim full, so this program owns dBias[b, r, h, query tile, :] (plain stores).
+    ROWS = 2 (a bias shared over R, not causal): rows r and r + 1 share each bias tile load.
     """
     pid_m = tl.program_id(0)
-    b, r, h = split_batch(tl.program_id(1), R, H)
-    q_off = batch_offset(b, r, h, s_qb, s_qr, s_qh)
-    K += batch_offset(b, r, h, s_kb, s_kr, s_kh)
-    V += batch_offset(b, r, h, s_vb, s_vr, s_vh)
-    row = ((b * R + r) * H + h).to(tl.int64) * Lq
+    b, rp, h = split_batch(tl.program_id(1), (R + ROWS - 1) // ROWS, H)
+    r = rp * ROWS
     if HAS_BIAS:
         Bias += batch_offset(b, r, h, s_bb, s_br, s_bh)
-    if HAS_MASK:
-        Mask += batch_offset(b, r, h, s_mb, s_mr, s_mh)
     if DIRECT_DBIAS:
         dBias += batch_offset(b, r, h, s_gb, s_gr, s_gh)
 
@@ -216,24 +290,54 @@ def attn_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Lq
+    CHECK: tl.constexpr = not (EVEN_M and EVEN_N)
+    q_off = batch_offset(b, r, h, s_qb, s_qr, s_qh)
+    row = ((b * R + r) * H + h).to(tl.int64) * Lq
+    K_r = K + batch_offset(b, r, h, s_kb, s_kr, s_kh)
+    V_r = V + batch_offset(b, r, h, s_vb, s_vr, s_vh)
+    Mask_r = Mask + batch_offset(b, r, h, s_mb, s_mr, s_mh)
     q = load_rows(Q + q_off, offs_m, s_qm, offs_d, D, m_ok)  # [BM, BD]
     do = load_rows(dOut + batch_offset(b, r, h, s_db, s_dr, s_dh), offs_m, s_dm, offs_dv, Dv, m_ok)
     lse2 = load_lse2(Lse + row, offs_m, Lq)
     delta = tl.load(Delta + row + offs_m, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    CHECK: tl.constexpr = not (EVEN_M and EVEN_N)
-    if CAUSAL:
+    if ROWS == 2:
+        r2 = tl.minimum(r + 1, R - 1)
+        q_off2 = batch_offset(b, r2, h, s_qb, s_qr, s_qh)
+        row2 = ((b * R + r2) * H + h).to(tl.int64) * Lq
+        K2 = K + batch_offset(b, r2, h, s_kb, s_kr, s_kh)
+        V2 = V + batch_offset(b, r2, h, s_vb, s_vr, s_vh)
+        Mask2 = Mask + batch_offset(b, r2, h, s_mb, s_mr, s_mh)
+        q2 = load_rows(Q + q_off2, offs_m, s_qm, offs_d, D, m_ok)
+        do2 = load_rows(dOut + batch_offset(b, r2, h, s_db, s_dr, s_dh), offs_m, s_dm, offs_dv, Dv, m_ok)
+        lse2_2 = load_lse2(Lse + row2, offs_m, Lq)
+        delta2 = tl.load(Delta + row2 + offs_m, mask=m_ok, other=0.0)
+        dq2 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for n0 in range(0, Lk, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            badd = 0.0
+            if HAS_BIAS:
+                badd = bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk)  # once for both rows
+            dq, ds = _dq_step(dq, q, do, lse2, delta, K_r, V_r, Mask_r, badd, offs_m, offs_n, Lq, Lk, D, Dv,
+                              s_kn, s_vn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, False, CHECK, BLOCK_D, BLOCK_DV)
+            dq2, ds2 = _dq_step(dq2, q2, do2, lse2_2, delta2, K2, V2, Mask2, badd, offs_m, offs_n, Lq, Lk, D, Dv,
+                                s_kn, s_vn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, False, CHECK, BLOCK_D,
+                                BLOCK_DV)
+        if r + 1 < R:
+            tl.store(dQ + q_off2 + offs_m[:, None] * s_qm + offs_d[None, :], (dq2 * scale).to(dQ.dtype.element_ty),
+                     mask=m_ok[:, None] & (offs_d[None, :] < D))
+    elif CAUSAL:
         hi = tl.minimum(Lk, m0 + BLOCK_M + (Lk - Lq))
         full_hi = (tl.maximum(m0 + 1 + (Lk - Lq), 0) // BLOCK_N) * BLOCK_N
         full_hi = tl.minimum(full_hi, tl.maximum(hi, 0))
-        dq = _dq_tiles(dq, q, do, lse2, delta, K, V, Bias, Mask, dBias, offs_m, 0, full_hi, Lq, Lk, D, Dv,
+        dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, Mask_r, dBias, offs_m, 0, full_hi, Lq, Lk, D, Dv,
                        s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
                        HAS_BIAS, HAS_MASK, False, CHECK, DIRECT_DBIAS, BLOCK_N, BLOCK_D, BLOCK_DV)
-        dq = _dq_tiles(dq, q, do, lse2, delta, K, V, Bias, Mask, dBias, offs_m, full_hi, hi, Lq, Lk, D, Dv,
+        dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, Mask_r, dBias, offs_m, full_hi, hi, Lq, Lk, D, Dv,
                        s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
                        HAS_BIAS, HAS_MASK, True, CHECK, DIRECT_DBIAS, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
-        dq = _dq_tiles(dq, q, do, lse2, delta, K, V, Bias, Mask, dBias, offs_m, 0, Lk, Lq, Lk, D, Dv,
+        dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, Mask_r, dBias, offs_m, 0, Lk, Lq, Lk, D, Dv,
                        s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
                        HAS_BIAS, HAS_MASK, False, CHECK, DIRECT_DBIAS, BLOCK_N, BLOCK_D, BLOCK_DV)
     tl.store(dQ + q_off + offs_m[:, None] * s_qm + offs_d[None, :], (dq * scale).to(dQ.dtype.element_ty),

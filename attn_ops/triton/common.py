@@ -63,22 +63,28 @@ def key_mask_add(Mask, offs_n, s_mn, Lk):
 
 
 @triton.jit
+def bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk):
+    """The bias tile ``[BM, BN]`` as fp32 in the log2 domain (0 out of range)."""
+    return load_tile(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk).to(tl.float32) * 1.4426950408889634
+
+
+@triton.jit
 def scores_log2(
-    q, k, Bias, Mask, offs_m, offs_n, Lq, Lk, s_bm, s_bn, s_mm, s_mn, qk_scale,
+    q, k, badd, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, qk_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
     CHECK_M: tl.constexpr, CHECK_N: tl.constexpr,
 ):
     """log2-domain logits of one tile: q [BM, D] x k [BN, D] -> [BM, BN] fp32, -inf where not attended.
 
-    ``Bias``/``Mask`` point at this program's (b, r, h) slice; ``qk_scale`` = scale * log2(e).
-    HAS_MASK: 0 none, 1 a key mask (broadcast over Lq: one [BN] vector), 2 a mask that varies over Lq.
-    Rows >= Lq (when CHECK_M) and columns >= Lk (when CHECK_N) are -inf too.
+    ``badd``: the tile's bias from :func:`bias_log2` (ignored without HAS_BIAS; loaded by the caller so that two
+    rows sharing a bias can share the load). ``Mask`` points at this program's (b, r, h) slice; ``qk_scale`` =
+    scale * log2(e). HAS_MASK: 0 none, 1 a key mask (broadcast over Lq: one [BN] vector), 2 a mask that varies
+    over Lq. Rows >= Lq (when CHECK_M) and columns >= Lk (when CHECK_N) are -inf too.
     """
     if HAS_BIAS:
-        add = load_tile(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk).to(tl.float32) * 1.4426950408889634
         if HAS_MASK == 1:
-            add = add + key_mask_add(Mask, offs_n, s_mn, Lk)[None, :]
-        s = mm(q, tl.trans(k)) * qk_scale + add
+            badd = badd + key_mask_add(Mask, offs_n, s_mn, Lk)[None, :]
+        s = mm(q, tl.trans(k)) * qk_scale + badd
     elif HAS_MASK == 1:
         s = mm(q, tl.trans(k)) * qk_scale + key_mask_add(Mask, offs_n, s_mn, Lk)[None, :]
     else:
@@ -105,18 +111,19 @@ def load_lse2(Lse, offs_m, Lq):
 
 @triton.jit
 def scores_log2_t(
-    k, qT, Bias, Mask, offs_m, offs_n, Lq, Lk, s_bm, s_bn, s_mm, s_mn, qk_scale,
+    k, qT, baddT, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, qk_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
 ):
     """Transposed tile of :func:`scores_log2`: k [BN, D] x qT [D, BM] -> sT [BN, BM] (log2 domain, -inf masked).
 
-    The dK/dV kernel works on transposed tiles so that no [BM, BN] matrix needs a transpose before its dots.
+    ``baddT``: the transposed bias tile (``tl.trans`` of :func:`bias_log2`: loaded in the bias's own row-major
+    order, coalesced along keys). The dK/dV kernel works on transposed tiles so that no [BM, BN] matrix needs a
+    transpose before its dots.
     """
-    if HAS_BIAS:  # loaded in the bias's own row-major order (coalesced along keys), transposed in registers
-        add = tl.trans(load_tile(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk)).to(tl.float32) * 1.4426950408889634
+    if HAS_BIAS:
         if HAS_MASK == 1:
-            add = add + key_mask_add(Mask, offs_n, s_mn, Lk)[:, None]
-        s = mm(k, qT) * qk_scale + add
+            baddT = baddT + key_mask_add(Mask, offs_n, s_mn, Lk)[:, None]
+        s = mm(k, qT) * qk_scale + baddT
     elif HAS_MASK == 1:
         s = mm(k, qT) * qk_scale + key_mask_add(Mask, offs_n, s_mn, Lk)[:, None]
     else:

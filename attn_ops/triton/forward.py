@@ -1,4 +1,5 @@
-"""Forward kernel: one program per (q-tile, b*r*h); online softmax over key tiles in the exp2 domain.
+"""Forward kernel: one program per (q-tile, b*r*h) (or two rows r sharing a bias); online softmax over key tiles
+in the exp2 domain.
 
 Tensors are canonical ``[B, R, H, L, D]`` (last dim contiguous); bias ``[*, *, *, Lq|1, Lk|1]`` and mask are
 read through strides, 0 on broadcast dims. Writes O ``[B, R, H, Lq, Dv]`` and lse ``[B, R, H, Lq]`` (fp32,
@@ -7,7 +8,30 @@ natural log, -inf for a row with no key).
 import triton
 import triton.language as tl
 
-from .common import batch_offset, load_rows, mm, scores_log2, split_batch
+from .common import batch_offset, bias_log2, load_rows, mm, scores_log2, split_batch
+
+
+@triton.jit
+def _fwd_step(
+    acc, l_i, m_i, q, K, V, Mask, badd, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_mm, s_mn, qk_scale,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
+    CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Fold one key tile into the running (acc [BM, Dv], l_i, m_i) of one query tile of one row."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    n_ok = offs_n < Lk
+    k = load_rows(K, offs_n, s_kn, offs_d, D, n_ok)  # [BN, BD]
+    v = load_rows(V, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
+    s = scores_log2(q, k, badd, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, qk_scale,
+                    HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N)  # [BM, BN]
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: keep exp2 finite
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + mm(p.to(v.dtype), v)
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -19,23 +43,28 @@ def _fwd_tiles(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Fold key tiles [lo, hi) into the running (acc [BM, Dv], l_i, m_i) of one query tile."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < Lk
-        k = load_rows(K, offs_n, s_kn, offs_d, D, n_ok)  # [BN, BD]
-        v = load_rows(V, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
-        s = scores_log2(q, k, Bias, Mask, offs_m, offs_n, Lq, Lk, s_bm, s_bn, s_mm, s_mn, qk_scale,
-                        HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N)  # [BM, BN]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: keep exp2 finite
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + mm(p.to(v.dtype), v)
-        m_i = m_new
+        badd = 0.0
+        if HAS_BIAS:
+            badd = bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk)
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K, V, Mask, badd, offs_m, offs_n, Lq, Lk, D, Dv,
+                                  s_kn, s_vn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL,
+                                  CHECK_M, CHECK_N, BLOCK_D, BLOCK_DV)
     return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_store(acc, l_i, m_i, Out, Lse, offs_m, s_om, Lq, Dv, BLOCK_DV: tl.constexpr):
+    """out = acc / l and lse (natural log) of one query tile; a row with no key gets out 0, lse -inf."""
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < Lq
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    tl.store(Out + offs_m[:, None] * s_om + offs_dv[None, :], out.to(Out.dtype.element_ty),
+             mask=m_ok[:, None] & (offs_dv[None, :] < Dv))
+    tl.store(Lse + offs_m, lse, mask=m_ok)
 
 
 @triton.jit
@@ -49,51 +78,67 @@ def attn_fwd_kernel(
     s_ob, s_or, s_oh, s_om,
     R, H, Lq, Lk, D, Dv, qk_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    EVEN_N: tl.constexpr,
+    EVEN_N: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    """One program per (q-tile, b * (R / ROWS) * h). ROWS = 2 (a bias shared over R, not causal): rows r and r + 1
+    share each bias tile load, halving the bias traffic from L2; the last program of an odd R repeats row r."""
     pid_m = tl.program_id(0)
-    b, r, h = split_batch(tl.program_id(1), R, H)
-    Q += batch_offset(b, r, h, s_qb, s_qr, s_qh)
-    K += batch_offset(b, r, h, s_kb, s_kr, s_kh)
-    V += batch_offset(b, r, h, s_vb, s_vr, s_vh)
-    Out += batch_offset(b, r, h, s_ob, s_or, s_oh)
-    Lse += ((b * R + r) * H + h).to(tl.int64) * Lq
+    b, rp, h = split_batch(tl.program_id(1), (R + ROWS - 1) // ROWS, H)
+    r = rp * ROWS
+    Lse_r = Lse + ((b * R + r) * H + h).to(tl.int64) * Lq
     if HAS_BIAS:
         Bias += batch_offset(b, r, h, s_bb, s_br, s_bh)
-    if HAS_MASK:
-        Mask += batch_offset(b, r, h, s_mb, s_mr, s_mh)
 
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Lq
-    q = load_rows(Q, offs_m, s_qm, offs_d, D, m_ok)  # [BM, BD]
+    q = load_rows(Q + batch_offset(b, r, h, s_qb, s_qr, s_qh), offs_m, s_qm, offs_d, D, m_ok)  # [BM, BD]
+    K_r = K + batch_offset(b, r, h, s_kb, s_kr, s_kh)
+    V_r = V + batch_offset(b, r, h, s_vb, s_vr, s_vh)
+    Mask_r = Mask + batch_offset(b, r, h, s_mb, s_mr, s_mh)
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     CHECK_N: tl.constexpr = not EVEN_N
-    if CAUSAL:
+    if ROWS == 2:
+        r2 = tl.minimum(r + 1, R - 1)
+        q2 = load_rows(Q + batch_offset(b, r2, h, s_qb, s_qr, s_qh), offs_m, s_qm, offs_d, D, m_ok)
+        K2 = K + batch_offset(b, r2, h, s_kb, s_kr, s_kh)
+        V2 = V + batch_offset(b, r2, h, s_vb, s_vr, s_vh)
+        Mask2 = Mask + batch_offset(b, r2, h, s_mb, s_mr, s_mh)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        l2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m2 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        for start_n in range(0, Lk, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            badd = 0.0
+            if HAS_BIAS:
+                badd = bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk)  # once for both rows
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K_r, V_r, Mask_r, badd, offs_m, offs_n, Lq, Lk, D, Dv,
+                                      s_kn, s_vn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, False,
+                                      False, CHECK_N, BLOCK_D, BLOCK_DV)
+            acc2, l2, m2 = _fwd_step(acc2, l2, m2, q2, K2, V2, Mask2, badd, offs_m, offs_n, Lq, Lk, D, Dv,
+                                     s_kn, s_vn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, False,
+                                     False, CHECK_N, BLOCK_D, BLOCK_DV)
+        if r + 1 < R:
+            _fwd_store(acc2, l2, m2, Out + batch_offset(b, r2, h, s_ob, s_or, s_oh),
+                       Lse + ((b * R + r2) * H + h).to(tl.int64) * Lq, offs_m, s_om, Lq, Dv, BLOCK_DV)
+    elif CAUSAL:
         # Key tiles fully below the diagonal need no causal test; the rest (up to hi) do.
         hi = tl.minimum(Lk, m0 + BLOCK_M + (Lk - Lq))
         full_hi = (tl.maximum(m0 + 1 + (Lk - Lq), 0) // BLOCK_N) * BLOCK_N
         full_hi = tl.minimum(full_hi, tl.maximum(hi, 0))
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, Bias, Mask, offs_m, 0, full_hi, Lq, Lk, D, Dv,
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, Mask_r, offs_m, 0, full_hi, Lq, Lk, D, Dv,
                                    s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, False,
                                    False, CHECK_N, BLOCK_N, BLOCK_D, BLOCK_DV)
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, Bias, Mask, offs_m, full_hi, hi, Lq, Lk, D, Dv,
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, Mask_r, offs_m, full_hi, hi, Lq, Lk, D, Dv,
                                    s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, True,
                                    False, CHECK_N, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, Bias, Mask, offs_m, 0, Lk, Lq, Lk, D, Dv,
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, Mask_r, offs_m, 0, Lk, Lq, Lk, D, Dv,
                                    s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, False,
                                    False, CHECK_N, BLOCK_N, BLOCK_D, BLOCK_DV)
-
-    empty = l_i == 0.0  # no key attended: out 0, lse -inf
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    tl.store(Out + offs_m[:, None] * s_om + offs_dv[None, :], out.to(Out.dtype.element_ty),
-             mask=m_ok[:, None] & (offs_dv[None, :] < Dv))
-    tl.store(Lse + offs_m, lse, mask=m_ok)
+    _fwd_store(acc, l_i, m_i, Out + batch_offset(b, r, h, s_ob, s_or, s_oh), Lse_r, offs_m, s_om, Lq, Dv, BLOCK_DV)

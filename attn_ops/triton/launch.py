@@ -58,6 +58,11 @@ def _key(q: Tensor, v: Tensor, bias, mask, causal: bool, *extra) -> Tuple:
             None if bias is None else bias.dtype, mask is not None, causal) + extra
 
 
+def _pairs_rows(bias: Optional[Tensor], R: int, causal: bool) -> bool:
+    """Whether a program may take two rows r, r + 1 that share one bias slice (a bias broadcast over R)."""
+    return bias is not None and bias.shape[1] == 1 and R > 1 and not causal
+
+
 def _bias_args(bias: Optional[Tensor], dummy: Tensor):
     return (dummy, (0, 0, 0, 0, 0)) if bias is None else (bias, _bstrides(bias))
 
@@ -74,18 +79,19 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
     mask_t, sm = _bias_args(m8, q)
 
     def launch(c):
-        grid = (triton.cdiv(Lq, c.block_m), B * R * H)
+        grid = (triton.cdiv(Lq, c.block_m), B * triton.cdiv(R, c.rows) * H)
         attn_fwd_kernel[grid](
             q, k, v, bias_t, mask_t, out, lse,
             *_rows(q), *_rows(k), *_rows(v), *sb, *sm, *_rows(out),
             R, H, Lq, Lk, D, Dv, scale * LOG2E,
             HAS_BIAS=bias is not None, HAS_MASK=_mask_kind(mask), CAUSAL=causal,
-            EVEN_N=Lk % c.block_n == 0,
+            EVEN_N=Lk % c.block_n == 0, ROWS=c.rows,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
-    cfg = pick("fwd", _key(q, v, bias, mask, causal), _width(q, D, Dv), Lq, Lk, launch)
+    cfg = pick("fwd", _key(q, v, bias, mask, causal), _width(q, D, Dv), Lq, Lk, launch,
+               pair=_pairs_rows(bias, R, causal))
     launch(cfg)
     return out, lse
 
@@ -158,17 +164,18 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
             dq_acc.zero_()
         if atomic:
             dbias.zero_()
-        attn_bwd_dkdv_kernel[(triton.cdiv(Lk, c.block_n), B * R * H)](
+        attn_bwd_dkdv_kernel[(triton.cdiv(Lk, c.block_n), B * triton.cdiv(R, c.rows) * H)](
             q, k, v, bias_t, mask_t, do, lse, delta, q if dq_acc is None else dq_acc, dk, dv,
             q if dbias is None else dbias, *common, *gs,
             R, H, Lq, Lk, D, Dv, scale * LOG2E, scale, **flags,
             FUSED_DQ=fused, DIRECT_DBIAS=direct_dbias and fused, ATOMIC_DBIAS=atomic,
-            EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
+            EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, ROWS=c.rows,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
-    launch_dkdv(pick("dkdv", key, _width(q, D, Dv), Lq, Lk, launch_dkdv))
+    pair = _pairs_rows(bias, R, causal)
+    launch_dkdv(pick("dkdv", key, _width(q, D, Dv), Lq, Lk, launch_dkdv, pair=pair and not fused))
     if atomic:
         dbias = dbias.to(bias.dtype)
 
@@ -183,15 +190,15 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
         dq.copy_(dq_acc)
     else:
         def launch_dq(c):
-            attn_bwd_dq_kernel[(triton.cdiv(Lq, c.block_m), B * R * H)](
+            attn_bwd_dq_kernel[(triton.cdiv(Lq, c.block_m), B * triton.cdiv(R, c.rows) * H)](
                 q, k, v, bias_t, mask_t, do, lse, delta, dq, q if dbias is None else dbias, *common, *gs,
                 R, H, Lq, Lk, D, Dv, scale * LOG2E, scale, **flags, DIRECT_DBIAS=direct_dbias,
-                EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
+                EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, ROWS=c.rows,
                 BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
                 num_warps=c.num_warps, num_stages=c.num_stages,
             )
 
-        launch_dq(pick("dq", key, _width(q, D, Dv), Lq, Lk, launch_dq))
+        launch_dq(pick("dq", key, _width(q, D, Dv), Lq, Lk, launch_dq, pair=pair))
     return dq, dk, dv, dbias
 
 

@@ -13,6 +13,7 @@ class Cfg(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
+    rows: int = 1  # batch rows per program sharing each bias tile (2: a bias broadcast over R)
 
 
 _CACHE: Dict[Tuple, Cfg] = {}
@@ -32,10 +33,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def candidates(kernel: str, head_dim: int, lq: int, lk: int) -> List[Cfg]:
+def candidates(kernel: str, head_dim: int, lq: int, lk: int, pair: bool = False) -> List[Cfg]:
     """Pruned candidates: big head dims need small tiles (registers, shared memory); tiny L, small tiles.
 
-    ``head_dim`` is the padded width in 16-bit units (the caller doubles it for fp32 inputs).
+    ``head_dim`` is the padded width in 16-bit units (the caller doubles it for fp32 inputs). ``pair``: the
+    kernel can run two batch rows per program on one bias tile; each tile shape is tried both ways.
     """
     out = []
     for c in _CANDIDATES[kernel]:
@@ -49,21 +51,26 @@ def candidates(kernel: str, head_dim: int, lq: int, lk: int) -> List[Cfg]:
     if head_dim > 128:
         out.append(Cfg(32, 32, 4, 2))
         out.append(Cfg(64, 32, 4, 2))
-    return out or [Cfg(16, 16, 4, 1)]
+    out = out or [Cfg(16, 16, 4, 1)]
+    if pair and head_dim <= 64:  # two rows' accumulators: only for small heads (the pair-bias layouts)
+        out += [c._replace(rows=2) for c in out]
+    return out
 
 
-def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Callable[[Cfg], None]) -> Cfg:
+def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Callable[[Cfg], None],
+         pair: bool = False) -> Cfg:
     """The cached best config for ``key``; on a miss, time each candidate with ``launch(cfg)`` and keep the best.
 
-    ``launch`` must be repeatable (it re-zeroes any buffer it accumulates into).
+    ``launch`` must be repeatable (it re-zeroes any buffer it accumulates into). ``pair``: see :func:`candidates`
+    (the CPU interpreter then always runs the two-row path, so the tests cover it).
     """
     if interpreting():
-        return _INTERPRETER
-    full_key = (kernel,) + key
+        return _INTERPRETER._replace(rows=2 if pair else 1)
+    full_key = (kernel, pair) + key
     cfg = _CACHE.get(full_key)
     if cfg is not None:
         return cfg
-    cands = candidates(kernel, head_dim, lq, lk)
+    cands = candidates(kernel, head_dim, lq, lk, pair)
     if len(cands) == 1 or os.environ.get("ATTN_ZOO_NO_TUNE") == "1":
         cfg = _first_that_launches(cands, launch)
     else:
