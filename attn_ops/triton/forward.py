@@ -1,5 +1,4 @@
-"""Forward kernel: one program per (q-tile, b*r*h) (or two rows r sharing a bias); online softmax over key tiles
-in the exp2 domain.
+"""Forward kernel: one program per (q-tile, b*r*h); online softmax over key tiles in the exp2 domain.
 
 Tensors are canonical ``[B, R, H, L, D]`` (last dim contiguous); bias ``[*, *, *, Lq|1, Lk|1]`` and mask are
 read through strides, 0 on broadcast dims. Writes O ``[B, R, H, Lq, Dv]`` and lse ``[B, R, H, Lq]`` (fp32,
@@ -78,14 +77,11 @@ def attn_fwd_kernel(
     s_ob, s_or, s_oh, s_om,
     R, H, Lq, Lk, D, Dv, qk_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    EVEN_N: tl.constexpr, ROWS: tl.constexpr,
+    EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """One program per (q-tile, b * (R / ROWS) * h). ROWS = 2 (a bias shared over R, not causal): rows r and r + 1
-    share each bias tile load, halving the bias traffic from L2; the last program of an odd R repeats row r."""
     pid_m = tl.program_id(0)
-    b, rp, h = split_batch(tl.program_id(1), (R + ROWS - 1) // ROWS, H)
-    r = rp * ROWS
+    b, r, h = split_batch(tl.program_id(1), R, H)
     Lse_r = Lse + ((b * R + r) * H + h).to(tl.int64) * Lq
     if HAS_BIAS:
         Bias += batch_offset(b, r, h, s_bb, s_br, s_bh)
@@ -103,30 +99,7 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     CHECK_N: tl.constexpr = not EVEN_N
-    if ROWS == 2:
-        r2 = tl.minimum(r + 1, R - 1)
-        q2 = load_rows(Q + batch_offset(b, r2, h, s_qb, s_qr, s_qh), offs_m, s_qm, offs_d, D, m_ok)
-        K2 = K + batch_offset(b, r2, h, s_kb, s_kr, s_kh)
-        V2 = V + batch_offset(b, r2, h, s_vb, s_vr, s_vh)
-        Mask2 = Mask + batch_offset(b, r2, h, s_mb, s_mr, s_mh)
-        acc2 = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        l2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-        m2 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        for start_n in range(0, Lk, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            badd = 0.0
-            if HAS_BIAS:
-                badd = bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk)  # once for both rows
-            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K_r, V_r, Mask_r, badd, offs_m, offs_n, Lq, Lk, D, Dv,
-                                      s_kn, s_vn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, False,
-                                      False, CHECK_N, BLOCK_D, BLOCK_DV)
-            acc2, l2, m2 = _fwd_step(acc2, l2, m2, q2, K2, V2, Mask2, badd, offs_m, offs_n, Lq, Lk, D, Dv,
-                                     s_kn, s_vn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, False,
-                                     False, CHECK_N, BLOCK_D, BLOCK_DV)
-        if r + 1 < R:
-            _fwd_store(acc2, l2, m2, Out + batch_offset(b, r2, h, s_ob, s_or, s_oh),
-                       Lse + ((b * R + r2) * H + h).to(tl.int64) * Lq, offs_m, s_om, Lq, Dv, BLOCK_DV)
-    elif CAUSAL:
+    if CAUSAL:
         # Key tiles fully below the diagonal need no causal test; the rest (up to hi) do.
         hi = tl.minimum(Lk, m0 + BLOCK_M + (Lk - Lq))
         full_hi = (tl.maximum(m0 + 1 + (Lk - Lq), 0) // BLOCK_N) * BLOCK_N

@@ -79,7 +79,7 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
         best = None
         for c in cands:
             try:
-                ms = do_bench(lambda: launch(c), warmup=3, rep=15)
+                ms = do_bench(lambda: launch(c), warmup=5, rep=25)
             except Exception:  # out of resources for this shape: skip the candidate
                 continue
             if os.environ.get("ATTN_ZOO_TUNE_LOG") == "1":
