@@ -15,7 +15,8 @@ from .attention import BWD_VARIANTS, triton_attention, triton_lse_backward
 SUPPORTED_HEAD_DIMS = (16, 256)  # (min, max) for both D and Dv; any value in between (padded blocks)
 SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 BIAS_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-DETERMINISTIC_BWD = ("split",)  # "fused" uses atomics for dq
+DETERMINISTIC_BWD = ("split",)  # with deterministic=True only: "fused" uses atomics for dq, and
+# deterministic=False also sums a broadcast bias's gradient with atomics
 
 __all__ = ["triton_attention", "triton_lse_backward", "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "BIAS_DTYPES",
            "BWD_VARIANTS", "DETERMINISTIC_BWD"]
