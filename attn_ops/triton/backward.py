@@ -8,7 +8,7 @@ The ``- dlse`` term carries a loss on lse into every gradient (d lse / dS = P).
 import triton
 import triton.language as tl
 
-from .common import batch_offset, bias_log2, load_lse2, load_rows, mm, scores_log2, scores_log2_t, split_batch
+from .common import batch_offset, bias_log2, kv_scores, load_lse2, load_rows, mm, scores_log2_t, split_batch
 
 
 @triton.jit
@@ -221,13 +221,8 @@ def _dq_step(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Fold one key tile into dq [BM, BD] of one query tile of one row; returns dS [BM, BN] too."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    n_ok = offs_n < Lk
-    k = load_rows(K, offs_n, s_kn, offs_d, D, n_ok)  # [BN, BD]
-    v = load_rows(V, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
-    s = scores_log2(q, k, badd, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, qk_scale,
-                    HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, CHECK)  # [BM, BN]
+    k, v, s = kv_scores(q, K, V, badd, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_mm, s_mn, qk_scale,
+                        HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, CHECK, BLOCK_D, BLOCK_DV)  # s: [BM, BN]
     p = tl.exp2(s - lse2[:, None])
     dp = mm(do, tl.trans(v))
     ds = p * (dp - delta[:, None])

@@ -136,3 +136,18 @@ def scores_log2_t(
     if CHECK:
         s = tl.where((offs_n[:, None] < Lk) & (offs_m[None, :] < Lq), s, float("-inf"))
     return s
+
+
+@triton.jit
+def kv_scores(
+    q, K, V, badd, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_mm, s_mn, qk_scale,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
+    CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """One key tile of a query tile's loop: k [BN, BD], v [BN, BDV] and the logits s [BM, BN] (:func:`scores_log2`)."""
+    n_ok = offs_n < Lk
+    k = load_rows(K, offs_n, s_kn, tl.arange(0, BLOCK_D), D, n_ok)
+    v = load_rows(V, offs_n, s_vn, tl.arange(0, BLOCK_DV), Dv, n_ok)
+    s = scores_log2(q, k, badd, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, qk_scale,
+                    HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N)
+    return k, v, s

@@ -7,7 +7,7 @@ natural log, -inf for a row with no key).
 import triton
 import triton.language as tl
 
-from .common import batch_offset, bias_log2, load_rows, mm, scores_log2, split_batch
+from .common import batch_offset, bias_log2, kv_scores, load_rows, mm, split_batch
 
 
 @triton.jit
@@ -17,13 +17,8 @@ def _fwd_step(
     CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Fold one key tile into the running (acc [BM, Dv], l_i, m_i) of one query tile of one row."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    n_ok = offs_n < Lk
-    k = load_rows(K, offs_n, s_kn, offs_d, D, n_ok)  # [BN, BD]
-    v = load_rows(V, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
-    s = scores_log2(q, k, badd, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, qk_scale,
-                    HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N)  # [BM, BN]
+    k, v, s = kv_scores(q, K, V, badd, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_mm, s_mn, qk_scale,
+                        HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N, BLOCK_D, BLOCK_DV)  # s: [BM, BN]
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: keep exp2 finite
     alpha = tl.exp2(m_i - m_use)

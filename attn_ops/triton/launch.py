@@ -134,7 +134,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     m8 = _mask_u8(mask)
     bias_t, sb = _bias_args(bias, q)
     mask_t, sm = _bias_args(m8, q)
-    has_bias, has_mask = bias is not None, mask is not None
+    has_bias = bias is not None
     dims = (B, R, H, Lq, Lk)
     direct_dbias = need_dbias and tuple(bias.shape) == dims
     atomic = need_dbias and not direct_dbias and atomic_dbias and tuple(bias.shape[3:]) == (Lq, Lk)
