@@ -154,8 +154,10 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     dbias = None
     if direct_dbias:  # causal: tiles above the diagonal are never visited, so they must start at zero
         dbias = (torch.zeros if causal else torch.empty)(bias.shape, dtype=bias.dtype, device=dev)
-    elif atomic:
-        dbias = torch.empty(bias.shape, dtype=torch.float32, device=dev)  # fp32 accumulator, zeroed per launch
+    elif atomic:  # fp32 accumulator, zeroed per launch; in dq's memory (written only after it) when it fits
+        flat = None if fused else _f32_scratch(dq, bias.numel())
+        dbias = flat.view(bias.shape) if flat is not None else torch.empty(bias.shape, dtype=torch.float32,
+                                                                             device=dev)
     gs = (0,) * 5 if dbias is None else _bstrides(dbias)
     dq_acc = torch.empty_strided(q.shape, q.stride(), dtype=torch.float32, device=dev) if fused else None
     common = (*_rows(q), *_rows(k), *_rows(v), *sb, *sm, *_rows(do))
@@ -181,7 +183,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     pair = _pairs_rows(bias, R, causal)
     launch_dkdv(pick("dkdv", key, _width(q, D, Dv), Lq, Lk, launch_dkdv, pair=pair and atomic and not fused))
     if atomic:
-        dbias = dbias.to(bias.dtype)
+        dbias = dbias.to(bias.dtype, copy=True)  # a copy: the accumulator may live in dq's memory
 
     # 3. dBias of a broadcast bias: deterministic tile-owner reduction. It runs before dq is written, so its
     #    fp32 split partials can live in dq's memory (no extra peak memory).
