@@ -46,6 +46,25 @@ def test_matches_reference_gpu(case, dtype, variant):
     check_against_reference("triton", q, k, v, bias, mask, causal=causal, **opts)
 
 
+@pytest.mark.parametrize("rows", [24, 7], ids=["even_R", "odd_R"])
+def test_atomic_dbias_two_rows_per_program_gpu(rows, monkeypatch):
+    """The tuner picks two rows per dK/dV program for pair biases with deterministic=False; with ATTN_ZOO_NO_TUNE the
+    file's other cases run one row, so this case offers only two-row configs (an odd R repeats its last row)."""
+    from attn_ops.triton import tuning
+
+    def two_rows(kernel, head_dim, lq, lk, pair=False):
+        cands = [c for c in original(kernel, head_dim, lq, lk, pair) if c.rows == 2 or not pair]
+        return cands
+
+    original = tuning.candidates
+    monkeypatch.setattr(tuning, "candidates", two_rows)
+    monkeypatch.setattr(tuning, "_CACHE", {})
+    q, k, v, bias, mask = make_inputs((1, rows), 4, 160, 160, 32, dtype=torch.bfloat16, bias_shape=(1, 1, 4, 160, 160),
+                                      mask_shape=(1, rows, 1, 1, 160), seed=rows, device="cuda")
+    check_against_reference("triton", q, k, v, bias, mask, bwd="split", deterministic=False)
+    assert any(key[0] == "dkdv" and key[1] and cfg.rows == 2 for key, cfg in tuning.chosen().items())
+
+
 @pytest.mark.parametrize("bias_shape", [(1, 1, 4, 192, 192), (1, 32, 4, 192, 192), (4, 1, 192)],
                          ids=["pair_bias_over_rows", "full", "relpos_h1lk"])
 def test_split_backward_is_bitwise_deterministic_gpu(bias_shape):
