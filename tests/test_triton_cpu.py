@@ -127,6 +127,12 @@ def test_custom_op_registration_opcheck():
                                       mask_shape=(1, 2, 1, 1, 17))
     torch.library.opcheck(torch.ops.attn_zoo.triton_attn_fwd.default, (q, k, v, bias, mask, 0.25, False, False, False),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    # the backward op with the atomic bias gradient (deterministic=False), as autograd calls it
+    out, lse = torch.ops.attn_zoo.triton_attn_fwd(q, k, v, bias, mask, 0.25, False, False, True)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.attn_zoo.triton_attn_bwd.default,
+                          (dout, None, q, k, v, out, lse, bias, mask, 0.25, False, False, True, True),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_compiles_without_graph_breaks():

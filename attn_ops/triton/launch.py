@@ -58,14 +58,15 @@ def _key(q: Tensor, v: Tensor, bias, mask, causal: bool, *extra) -> Tuple:
             None if bias is None else bias.dtype, mask is not None, causal) + extra
 
 
-def _pairs_rows(bias: Optional[Tensor], R: int, causal: bool) -> bool:
-    """Whether a dK/dV program may take two rows r, r + 1 that share one bias slice (a bias broadcast over R).
+def _pairs_rows(bias: Optional[Tensor], R: int, causal: bool, atomic_dbias: bool) -> bool:
+    """Whether a dK/dV program may take two rows r, r + 1 that share one bias slice (a bias broadcast over R,
+    summed by atomics with the split dQ kernel).
 
     Measured on an H100 (triangle 768): it pays with ``atomic_dbias`` (one atomic add of both rows' dS: backward
     5.52 -> 4.74 ms); the deterministic dK/dV kernel and the forward and dQ kernels were as fast or faster with one
     row per program (forward 1.63 vs 1.48 ms, dQ 1.59 vs 1.44 ms), so only the atomic variant tries it.
     """
-    return bias is not None and bias.shape[1] == 1 and R > 1 and not causal
+    return atomic_dbias and bias is not None and bias.shape[1] == 1 and R > 1 and not causal
 
 
 def _bias_args(bias: Optional[Tensor], dummy: Tensor):
@@ -180,8 +181,8 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
-    pair = _pairs_rows(bias, R, causal)
-    launch_dkdv(pick("dkdv", key, _width(q, D, Dv), Lq, Lk, launch_dkdv, pair=pair and atomic and not fused))
+    launch_dkdv(pick("dkdv", key, _width(q, D, Dv), Lq, Lk, launch_dkdv,
+                     pair=_pairs_rows(bias, R, causal, atomic and not fused)))
     if atomic:
         dbias = dbias.to(bias.dtype, copy=True)  # a copy: the accumulator may live in dq's memory
 
