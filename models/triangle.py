@@ -17,6 +17,24 @@ from .primitives import Attention, LayerNorm, Linear, chunk_rows
 Tensor = torch.Tensor
 
 
+class _ChannelsLast(torch.autograd.Function):
+    """``x [*, C, I, J] -> [*, I, J, C]`` view whose gradient comes back contiguous channels-first.
+
+    The triangle matmul's backward multiplies the incoming gradient as ``[*, C, I, J]`` matrices; the plain
+    ``movedim`` would hand it a channels-last tensor, which the batched matmul copies once per operand with a
+    slow strided kernel (H100, Pairformer N=768: 2.2 ms per copy, four per block step). One explicit copy here,
+    which ``torch.compile`` turns into a tiled transpose, serves both matmuls.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.movedim(-3, -1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.movedim(-1, -3).contiguous()
+
+
 class TriangleMultiplication(nn.Module):
     """Triangular multiplicative update (AF2 Alg. 11 outgoing, Alg. 12 incoming).
 
@@ -66,7 +84,7 @@ class TriangleMultiplication(nn.Module):
         else:
             x = torch.matmul(a.transpose(-1, -2), b)  # [*, C, I, J]: sum_k a[k, i] b[k, j]
         g = self.linear_g(zn)  # [*, I, J, c_z]
-        x = x.movedim(-3, -1)  # [*, I, J, C]
+        x = _ChannelsLast.apply(x)  # [*, I, J, C] view; its gradient comes back channels-first
 
         def out(x_rows: Tensor, g_rows: Tensor) -> Tensor:
             return self.linear_z(self.layer_norm_out(x_rows)) * torch.sigmoid(g_rows)

@@ -50,10 +50,19 @@ CASES = {
     "pair384": ("pairformer", 384, None),
     "pair768": ("pairformer", 768, None),
 }
-BACKENDS = ("triton", "triton+compile", "flex", "sdpa", "torch", "boltz", "boltz-cueq")
+BACKENDS = ("triton", "triton+compile", "triton-atomic", "triton-atomic+compile", "flex", "sdpa", "torch", "boltz",
+            "boltz-cueq")
 # "triton+compile": torch.compile of the whole triton-backend block (Inductor fuses the glue around the op)
+# "triton-atomic": the triton backend with deterministic=False (the pair bias's gradient summed by atomics)
 # flex's bias gradient and sdpa's CUDA backward use atomics: allowed explicitly
-BACKEND_OPTIONS = {"flex": {"deterministic": False}, "sdpa": {"deterministic": False}}
+BACKEND_OPTIONS = {"flex": {"deterministic": False}, "sdpa": {"deterministic": False},
+                   "triton-atomic": {"deterministic": False}}
+
+
+def attention_config(backend: str) -> dict:
+    """The blocks' ``attention`` config of a bench backend name (``+compile`` stripped)."""
+    name = backend.split("+")[0]
+    return {"backend": name.split("-")[0], **BACKEND_OPTIONS.get(name, {})}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -89,8 +98,7 @@ def build_case(case: str, backend: str, dev):
         use = backend == "boltz-cueq"
         fwd = lambda: mod(s, z, single.float(), pair.float(), use_kernels=use)  # noqa: E731
         return mod, [s, z], fwd
-    attn_backend = backend.split("+")[0]
-    attention = {"backend": attn_backend, **BACKEND_OPTIONS.get(attn_backend, {})}
+    attention = attention_config(backend)
     if kind == "evoformer":
         mod = EvoformerBlock(c_m=256, c_z=128, attention=attention).to(dev)
         m = torch.randn(1, s_rows, n, 256, device=dev, generator=g, requires_grad=True)
@@ -171,10 +179,10 @@ def attention_alone(shape: str, n: int, dev, backend, iters, warmup):
     q, k, v = (torch.randn(qkv_shape, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
                for _ in range(3))
     bias = torch.randn(bias_shape, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
-    opts = BACKEND_OPTIONS.get(backend, {})
+    opts = attention_config(backend)
     holder = torch.nn.Module()
-    ms, peak = measure(holder, [q, k, v, bias],
-                       lambda: (attn_ops.attention(q, k, v, bias, mask, backend=backend, **opts),), iters, warmup)
+    ms, peak = measure(holder, [q, k, v, bias], lambda: (attn_ops.attention(q, k, v, bias, mask, **opts),),
+                       iters, warmup)
     return (f"attention op alone, {shape} shape", ms, peak)
 
 
@@ -275,7 +283,7 @@ def _run_item(case, backend, dev, args, t0):
         mod, inputs, fwd = build_case(case, backend, dev)
         _randomize(mod)
         row["ms"], row["peak_gib"] = measure(mod, inputs, fwd, args.iters, args.warmup)
-        if backend in ("triton+compile", "flex"):
+        if backend.endswith("+compile") or backend == "flex":
             row["note"] = f"{time.time() - t1:.0f} s incl. compilation"
     except Exception as exc:  # OOM, unsupported shape, missing peer: record and go on
         row["note"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
@@ -297,7 +305,9 @@ def main(argv=None):
     p.add_argument("--breakdown", nargs="*", default=None, choices=list(CASES),
                    help="first time each sub-module of the triton-backend block for these cases")
     p.add_argument("--profile", nargs="*", default=None, choices=list(CASES),
-                   help="write the top CUDA kernels of the triton-backend block to profile_CASE.txt")
+                   help="write the top CUDA kernels of the block to profile_CASE.txt")
+    p.add_argument("--profile-backend", default="triton", choices=[b for b in BACKENDS if not b.startswith("boltz")],
+                   help="the backend of the --profile runs (a +compile backend profiles the compiled block)")
     p.add_argument("--time-limit", type=float, default=400.0, help="start nothing new after this many s")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -320,15 +330,15 @@ def main(argv=None):
         torch.cuda.empty_cache()
     for case in args.profile or []:
         try:
-            kernel_profile(case, dev, os.path.join(args.out, f"profile_{case}.txt"))
+            kernel_profile(case, dev, os.path.join(args.out, f"profile_{case}.txt"), args.profile_backend)
         except Exception as exc:
             notes.append(f"profile of {case} failed: {type(exc).__name__}: {exc}")
             traceback.print_exc()
         torch.cuda.empty_cache()
     # cheap rows for every case first, then the ones that compile (flex, torch.compile), so a time limit
     # cuts the slow extras rather than whole cases
-    tier = {"flex": 1, "triton+compile": 2}
-    items = [(tier.get(b, 0), ci, bi, c, b) for ci, c in enumerate(args.cases) for bi, b in enumerate(args.backends)
+    tier = lambda b: 2 if b.endswith("+compile") else 1 if b == "flex" else 0  # noqa: E731
+    items = [(tier(b), ci, bi, c, b) for ci, c in enumerate(args.cases) for bi, b in enumerate(args.backends)
              if not (b.startswith("boltz") and CASES[c][0] != "pairformer")]
     fields = ["block", "case", "n_res", "n_seq", "backend", "ms", "peak_gib", "note"]
     with open(os.path.join(args.out, "blocks.csv"), "w", newline="") as fcsv:

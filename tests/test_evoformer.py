@@ -16,6 +16,7 @@ from models.evoformer import (
 )
 from models.triangle import (
     TriangleAttentionEndingNode,
+    _ChannelsLast,
     TriangleAttentionStartingNode,
     TriangleMultiplicationIncoming,
     TriangleMultiplicationOutgoing,
@@ -176,6 +177,18 @@ def test_incoming_equals_outgoing_on_transposed_input():
     want = _transposed(out(_transposed(z), _transposed(pair_mask)))
     assert rel_err(inc(z, pair_mask), want) < 1e-13
     assert rel_err(inc(z, pair_mask), out(z, pair_mask)) > 1e-3
+
+
+def test_triangle_matmul_output_gradient_comes_back_channels_first():
+    """The channels-last view of the triangle matmul's output hands its gradient back contiguous [*, C, I, J]
+    (the layout the matmul's backward multiplies), with the same values as a plain movedim."""
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(2, 4, 5, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    y = _ChannelsLast.apply(x)
+    assert torch.equal(y, x.movedim(-3, -1))
+    grad_y = torch.randn(y.shape, generator=g, dtype=torch.float64)  # contiguous channels-last
+    (grad_x,) = torch.autograd.grad(y, x, grad_y)
+    assert grad_x.is_contiguous() and torch.equal(grad_x, grad_y.movedim(-1, -3))
 
 
 def test_triangle_attention_starting_node_matches_definition():

@@ -133,6 +133,31 @@ def test_custom_op_registration_opcheck():
     torch.library.opcheck(torch.ops.attn_zoo.triton_attn_bwd.default,
                           (dout, None, q, k, v, out, lse, bias, mask, 0.25, False, False, True, True),
                           test_utils=("test_schema", "test_faketensor"))
+    # q in [B, L, H, C] memory order: the fake output must take the same dim order as the real one
+    qv, kv, vv = (t.detach().clone() for t in _head_split_views(2, 17, 2, 16))
+    torch.library.opcheck(torch.ops.attn_zoo.triton_attn_fwd.default,
+                          (qv[:, None], kv[:, None], vv[:, None], None, None, 0.25, False, False, False),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def _head_split_views(B, L, H, C, seed=0):
+    """q, k, v ``[B, H, L, C]`` as head-split views of one fused projection ``[B, L, 3*H*C + 5]`` (the blocks' way)."""
+    g = torch.Generator().manual_seed(seed)
+    proj = torch.randn(B, L, 3 * H * C + 5, generator=g, requires_grad=True)
+    return [proj[..., i * H * C:(i + 1) * H * C].unflatten(-1, (H, C)).transpose(-2, -3) for i in range(3)]
+
+
+def test_head_split_views_keep_their_dim_order():
+    """Views of a fused projection: output and gradients in ``[B, L, H, C]`` order (merging heads is a view, the
+    gradients flow into the projection without a transpose), all matching the reference."""
+    B, H, L, C = 2, 2, 19, 16
+    q, k, v = _head_split_views(B, L, H, C)
+    _, _, _, bias, mask = make_inputs((B,), H, L, L, C, bias_shape=(B, H, L, L), mask_shape=(B, 1, 1, L), seed=3)
+    assert not q.transpose(-2, -3).is_contiguous()  # a strided view, not dense
+    out, lse, grads = check_against_reference("triton", q, k, v, bias, mask)
+    assert out.transpose(-2, -3).is_contiguous(), f"out strides {out.stride()}: heads not mergeable as a view"
+    for name, g in zip("qkv", grads[:3]):
+        assert g.transpose(-2, -3).is_contiguous(), f"d{name} strides {g.stride()}"
 
 
 def test_compiles_without_graph_breaks():

@@ -14,16 +14,19 @@ BWD_VARIANTS = ("auto", "split", "fused")
 
 
 def _dense(t: Tensor) -> Tensor:
-    """``t`` itself if its last dim is contiguous and it is non-overlapping and dense, else a contiguous copy.
+    """``t`` itself if its last dim is contiguous and it is non-overlapping and dense, else a dense copy.
 
-    Gradients are allocated with the input's strides, which is only safe for such layouts.
+    Gradients are allocated with the input's strides, which is only safe for such layouts. The copy keeps
+    ``t``'s dim order (``clone`` preserves it): a head-split view of a fused projection ``[*, L, H*C]`` seen as
+    ``[*, H, L, C]`` becomes dense ``[*, L, H, C]`` memory by a coalesced gather, not a transposing copy, and the
+    gradients the op returns in that order flow back into the projection without a transpose either.
     """
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         return t.contiguous()
     expected = 1
     for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
         if stride != expected:
-            return t.contiguous()
+            return t.clone(memory_format=torch.preserve_format)
         expected *= size
     return t
 

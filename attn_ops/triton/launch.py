@@ -36,6 +36,17 @@ def _rows(t: Tensor) -> Tuple[int, int, int, int]:
     return s[0], s[1], s[2], t.stride(3)
 
 
+def empty_in_order(like: Tensor, shape, dtype: torch.dtype) -> Tensor:
+    """A dense ``shape`` tensor whose dims are laid out in ``like``'s stride order (largest stride outermost).
+
+    The op's output takes q's dim order, so that a caller who split heads out of ``[*, L, H*C]`` gets ``out``
+    back as a view of ``[*, L, H*C]`` memory (no copy to merge the heads). Also used by the fake impl.
+    """
+    order = sorted(range(like.ndim), key=lambda d: (-like.stride(d), d))  # outermost first; ties keep dim order
+    inverse = [order.index(d) for d in range(like.ndim)]
+    return torch.empty([shape[d] for d in order], dtype=dtype, device=like.device).permute(inverse)
+
+
 def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
@@ -75,10 +86,10 @@ def _bias_args(bias: Optional[Tensor], dummy: Tensor):
 
 def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
                  scale: float, causal: bool) -> Tuple[Tensor, Tensor]:
-    """out ``[B, R, H, Lq, Dv]`` (q.dtype, contiguous) and lse ``[B, R, H, Lq]`` (fp32, natural log)."""
+    """out ``[B, R, H, Lq, Dv]`` (q.dtype, dense in q's dim order) and lse ``[B, R, H, Lq]`` (fp32, natural log)."""
     B, R, H, Lq, D = q.shape
     Lk, Dv = k.shape[3], v.shape[4]
-    out = torch.empty((B, R, H, Lq, Dv), dtype=q.dtype, device=q.device)
+    out = empty_in_order(q, (B, R, H, Lq, Dv), q.dtype)
     lse = torch.empty((B, R, H, Lq), dtype=torch.float32, device=q.device)
     m8 = _mask_u8(mask)
     bias_t, sb = _bias_args(bias, q)

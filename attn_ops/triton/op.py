@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .launch import attn_backward, attn_forward
+from .launch import attn_backward, attn_forward, empty_in_order
 
 Tensor = torch.Tensor
 
@@ -18,7 +18,8 @@ Tensor = torch.Tensor
 @torch.library.custom_op("attn_zoo::triton_attn_fwd", mutates_args=())
 def triton_attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
                     scale: float, causal: bool, fused_bwd: bool, atomic_dbias: bool) -> Tuple[Tensor, Tensor]:
-    """out ``[B, R, H, Lq, Dv]`` (q.dtype) and lse ``[B, R, H, Lq]`` (fp32, natural log, -inf on empty rows).
+    """out ``[B, R, H, Lq, Dv]`` (q.dtype, in q's dim order) and lse ``[B, R, H, Lq]`` (fp32, natural log, -inf on
+    empty rows).
 
     ``fused_bwd`` and ``atomic_dbias`` only select the backward's variant (one pass with dQ by atomics vs split
     kernels; a broadcast bias's gradient by atomics vs the deterministic reduction kernel).
@@ -28,7 +29,7 @@ def triton_attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mas
 
 @triton_attn_fwd.register_fake
 def _(q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias):
-    out = q.new_empty(q.shape[:-1] + v.shape[-1:])
+    out = empty_in_order(q, q.shape[:-1] + v.shape[-1:], q.dtype)
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
     return out, lse
 
