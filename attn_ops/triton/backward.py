@@ -66,15 +66,11 @@ def _dkdv_step(
 
 
 @triton.jit
-def _store_dbias_t(dBias, dsT, offs_m, offs_n, Lq, Lk, s_gm, s_gn, fix_scale, fix_scale2, ATOMIC: tl.constexpr):
-    """dS^T [BN, BM] into dBias: a plain store where the program owns the tile (ATOMIC = 0), else added with
-    atomics: fp32 (1, order-dependent rounding) or int64 fixed point ``trunc(dS * fix_scale * fix_scale2)`` (2:
-    integer sums do not depend on the order, so the result is bitwise deterministic)."""
+def _store_dbias_t(dBias, dsT, offs_m, offs_n, Lq, Lk, s_gm, s_gn, ATOMIC: tl.constexpr):
+    """dS^T [BN, BM] into dBias (plain store where the program owns the tile, else fp32 atomics)."""
     ptrs = dBias + offs_n[:, None].to(tl.int64) * s_gn + offs_m[None, :].to(tl.int64) * s_gm
     ok = (offs_n[:, None] < Lk) & (offs_m[None, :] < Lq)
-    if ATOMIC == 2:
-        tl.atomic_add(ptrs, (dsT * fix_scale * fix_scale2).to(tl.int64), mask=ok, sem="relaxed")
-    elif ATOMIC == 1:
+    if ATOMIC:
         tl.atomic_add(ptrs, dsT, mask=ok, sem="relaxed")
     else:
         tl.store(ptrs, dsT.to(dBias.dtype.element_ty), mask=ok)
@@ -83,7 +79,7 @@ def _store_dbias_t(dBias, dsT, offs_m, offs_n, Lq, Lk, s_gm, s_gn, fix_scale, fi
 @triton.jit
 def _dkdv_tiles(
     dk, dv, k, v, Q, dOut, Lse, Delta, Bias, Mask, dQacc, dBias, offs_n, lo, hi, Lq, Lk, D, Dv,
-    s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale, scale, fix_scale, fix_scale2,
+    s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
     FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, ATOMIC_DBIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -98,7 +94,7 @@ def _dkdv_tiles(
                                  D, Dv, s_qm, s_dm, s_mm, s_mn, qk_scale, scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL,
                                  CHECK, FUSED_DQ, BLOCK_D, BLOCK_DV)
         if DIRECT_DBIAS or ATOMIC_DBIAS:
-            _store_dbias_t(dBias, dsT, offs_m, offs_n, Lq, Lk, s_gm, s_gn, fix_scale, fix_scale2, ATOMIC_DBIAS)
+            _store_dbias_t(dBias, dsT, offs_m, offs_n, Lq, Lk, s_gm, s_gn, ATOMIC_DBIAS)
     return dk, dv
 
 
@@ -115,7 +111,7 @@ def _store_dkdv(dK, dV, dk, dv, offs_n, s_kn, s_vn, Lk, D, Dv, scale, BLOCK_D: t
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, Bias, Mask, dOut, Lse, Delta, dQacc, dK, dV, dBias, FixScale,
+    Q, K, V, Bias, Mask, dOut, Lse, Delta, dQacc, dK, dV, dBias,
     s_qb, s_qr, s_qh, s_qm,
     s_kb, s_kr, s_kh, s_kn,
     s_vb, s_vr, s_vh, s_vn,
@@ -134,9 +130,8 @@ def attn_bwd_dkdv_kernel(
     FUSED_DQ: also adds scale * dS K into the fp32 dQacc (q's strides) with atomics (not deterministic).
     DIRECT_DBIAS (fused variant only): the bias has every dim full, so this program owns
     dBias[b, r, h, :, key tile] and stores dS there. ATOMIC_DBIAS: the bias is broadcast over batch dims (full
-    over Lq and Lk); dBias is an accumulator (bias's strides, 0 on broadcast dims) that every program adds its
-    dS tiles into with atomics: fp32 (1, not deterministic) or int64 fixed point scaled by the two factors in
-    ``FixScale`` (2, deterministic). ROWS = 2 (a bias shared over R, not causal, not
+    over Lq and Lk); dBias is an fp32 accumulator (bias's strides, 0 on broadcast dims) that every program
+    adds its dS tiles into with atomics (not deterministic). ROWS = 2 (a bias shared over R, not causal, not
     FUSED_DQ): rows r and r + 1 share each bias tile load (and one atomic add of their summed dS). Lse/Delta are
     contiguous [B, R, H, Lq].
     """
@@ -145,13 +140,8 @@ def attn_bwd_dkdv_kernel(
     r = rp * ROWS
     if HAS_BIAS:
         Bias += batch_offset(b, r, h, s_bb, s_br, s_bh)
-    fix_scale = 1.0
-    fix_scale2 = 1.0
     if DIRECT_DBIAS or ATOMIC_DBIAS:
         dBias += batch_offset(b, r, h, s_gb, s_gr, s_gh)
-        if ATOMIC_DBIAS == 2:
-            fix_scale = tl.load(FixScale)
-            fix_scale2 = tl.load(FixScale + 1)
 
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -200,8 +190,7 @@ def attn_bwd_dkdv_kernel(
                                         s_mn, qk_scale, scale, HAS_BIAS, HAS_MASK, False, CHECK,
                                         FUSED_DQ, BLOCK_D, BLOCK_DV)
             if ATOMIC_DBIAS:
-                _store_dbias_t(dBias, dsT + dsT2 * w2, offs_m, offs_n, Lq, Lk, s_gm, s_gn, fix_scale,
-                               fix_scale2, ATOMIC_DBIAS)
+                _store_dbias_t(dBias, dsT + dsT2 * w2, offs_m, offs_n, Lq, Lk, s_gm, s_gn, True)
         if r + 1 < R:
             _store_dkdv(dK + k_off2, dV + v_off2, dk2, dv2, offs_n, s_kn, s_vn, Lk, D, Dv, scale, BLOCK_D, BLOCK_DV)
     elif CAUSAL:
@@ -211,17 +200,17 @@ def attn_bwd_dkdv_kernel(
         m_full = tl.minimum(tl.maximum(m_full, lo), Lq)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, dQ_r, dBias, offs_n,
                              lo, m_full, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
-                             scale, fix_scale, fix_scale2, HAS_BIAS, HAS_MASK, True, CHECK, FUSED_DQ, DIRECT_DBIAS,
-                             ATOMIC_DBIAS, BLOCK_M, BLOCK_D, BLOCK_DV)
+                             scale, HAS_BIAS, HAS_MASK, True, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS, BLOCK_M,
+                             BLOCK_D, BLOCK_DV)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, dQ_r, dBias, offs_n,
                              m_full, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
-                             scale, fix_scale, fix_scale2, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS,
-                             ATOMIC_DBIAS, BLOCK_M, BLOCK_D, BLOCK_DV)
+                             scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS, BLOCK_M,
+                             BLOCK_D, BLOCK_DV)
     else:
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, dQ_r, dBias, offs_n,
                              0, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
-                             scale, fix_scale, fix_scale2, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS,
-                             ATOMIC_DBIAS, BLOCK_M, BLOCK_D, BLOCK_DV)
+                             scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS, BLOCK_M,
+                             BLOCK_D, BLOCK_DV)
     _store_dkdv(dK + k_off, dV + v_off, dk, dv, offs_n, s_kn, s_vn, Lk, D, Dv, scale, BLOCK_D, BLOCK_DV)
 
 

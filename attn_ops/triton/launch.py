@@ -6,7 +6,6 @@ their own shapes: a size-1 dim is passed with stride 0, so nothing is expanded.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
@@ -135,11 +134,10 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     """dq, dk, dv (same shapes/strides as q, k, v) and dbias (bias's own shape and dtype, or None).
 
     ``fused``: one pass over key tiles with dQ by fp32 atomics (not bitwise deterministic). Otherwise a dK/dV
-    kernel over key tiles and a dQ kernel over query tiles, no atomics on dq. dBias is written by the dQ kernel
-    (dK/dV kernel when fused) when the bias has every dim full. A bias broadcast over batch dims and full over
-    (Lq, Lk) gets its gradient summed in the dK/dV kernel: with ``atomic_dbias`` by fp32 atomics (not bitwise
-    deterministic), else by int64 fixed-point atomics (exact integer sums: deterministic). Other broadcast
-    patterns (over Lq or Lk) use the deterministic reduction kernel in ``dbias.py``.
+    kernel over key tiles and a dQ kernel over query tiles, no atomics. dBias is written by the dQ kernel
+    (dK/dV kernel when fused) when the bias has every dim full. A bias broadcast over batch dims gets its
+    gradient from the deterministic reduction kernel in ``dbias.py`` or, with ``atomic_dbias`` (and the bias
+    full over Lq and Lk), from fp32 atomics in the dK/dV kernel (not bitwise deterministic).
     """
     B, R, H, Lq, D = q.shape
     Lk, Dv = k.shape[3], v.shape[4]
@@ -151,12 +149,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     has_bias = bias is not None
     dims = (B, R, H, Lq, Lk)
     direct_dbias = need_dbias and tuple(bias.shape) == dims
-    # a bias broadcast over batch dims but full over (Lq, Lk) gets its gradient summed in the dK/dV pass:
-    # fp32 atomics when allowed (atomic_dbias), else int64 fixed-point atomics (deterministic; not with the
-    # fused dQ, which is never deterministic anyway); other broadcast patterns use the reduction kernel
-    summed = need_dbias and not direct_dbias and tuple(bias.shape[3:]) == (Lq, Lk)
-    atomic_mode = (1 if atomic_dbias else 0 if fused else 2) if summed else 0
-    atomic = atomic_mode > 0
+    atomic = need_dbias and not direct_dbias and atomic_dbias and tuple(bias.shape[3:]) == (Lq, Lk)
     want_dbias = need_dbias and not direct_dbias and not atomic
 
     # 1. delta = rowsum(dO * O) - dlse: [B, R, H, Lq] fp32
@@ -173,18 +166,15 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     dbias = None
     if direct_dbias:  # causal: tiles above the diagonal are never visited, so they must start at zero
         dbias = (torch.zeros if causal else torch.empty)(bias.shape, dtype=bias.dtype, device=dev)
-    elif atomic:  # accumulator zeroed per launch; in dq's memory (written only after it) when it fits
-        acc_dtype = torch.float32 if atomic_mode == 1 else torch.int64
-        flat = None if fused else _scratch(dq, bias.numel(), acc_dtype)
-        dbias = flat.view(bias.shape) if flat is not None else torch.empty(bias.shape, dtype=acc_dtype, device=dev)
-    fix_scale = inv_scale = None
-    if atomic_mode == 2:
-        fix_scale, inv_scale = _fixed_point_scale(do, v, delta, (B * R * H) // math.prod(bias.shape[:3]))
+    elif atomic:  # fp32 accumulator, zeroed per launch; in dq's memory (written only after it) when it fits
+        flat = None if fused else _f32_scratch(dq, bias.numel())
+        dbias = flat.view(bias.shape) if flat is not None else torch.empty(bias.shape, dtype=torch.float32,
+                                                                             device=dev)
     gs = (0,) * 5 if dbias is None else _bstrides(dbias)
     dq_acc = torch.empty_strided(q.shape, q.stride(), dtype=torch.float32, device=dev) if fused else None
     common = (*_rows(q), *_rows(k), *_rows(v), *sb, *sm, *_rows(do))
     flags = dict(HAS_BIAS=has_bias, HAS_MASK=_mask_kind(mask), CAUSAL=causal)
-    key = _key(q, v, bias, mask, causal, fused, direct_dbias, atomic_mode)
+    key = _key(q, v, bias, mask, causal, fused, direct_dbias, atomic)
 
     # 2. dK, dV (+ dQ by atomics when fused, + dBias when it is unbroadcast or accumulated by atomics)
     def launch_dkdv(c):
@@ -194,9 +184,9 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
             dbias.zero_()
         attn_bwd_dkdv_kernel[(triton.cdiv(Lk, c.block_n), B * triton.cdiv(R, c.rows) * H)](
             q, k, v, bias_t, mask_t, do, lse, delta, q if dq_acc is None else dq_acc, dk, dv,
-            q if dbias is None else dbias, delta if fix_scale is None else fix_scale, *common, *gs,
+            q if dbias is None else dbias, *common, *gs,
             R, H, Lq, Lk, D, Dv, scale * LOG2E, scale, **flags,
-            FUSED_DQ=fused, DIRECT_DBIAS=direct_dbias and fused, ATOMIC_DBIAS=atomic_mode,
+            FUSED_DQ=fused, DIRECT_DBIAS=direct_dbias and fused, ATOMIC_DBIAS=atomic,
             EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, ROWS=c.rows,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
             num_warps=c.num_warps, num_stages=c.num_stages,
@@ -204,10 +194,8 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
 
     launch_dkdv(pick("dkdv", key, _width(q, D, Dv), Lq, Lk, launch_dkdv,
                      pair=_pairs_rows(bias, R, causal, atomic and not fused)))
-    if atomic_mode == 1:
+    if atomic:
         dbias = dbias.to(bias.dtype, copy=True)  # a copy: the accumulator may live in dq's memory
-    elif atomic_mode == 2:  # exact: int64 -> fp64 keeps 53 bits, inv_scale is a power of two (NaN: bad input)
-        dbias = (dbias.to(torch.float64) * inv_scale).to(bias.dtype)
 
     # 3. dBias of a broadcast bias: deterministic tile-owner reduction. It runs before dq is written, so its
     #    fp32 split partials can live in dq's memory (no extra peak memory).
@@ -232,34 +220,12 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     return dq, dk, dv, dbias
 
 
-def _scratch(buf: Tensor, n: int, dtype: torch.dtype = torch.float32) -> Optional[Tensor]:
-    """n elements of ``dtype`` over ``buf``'s memory (a buffer not yet written), or None when it is too small."""
+def _f32_scratch(buf: Tensor, n: int) -> Optional[Tensor]:
+    """n fp32 elements over ``buf``'s memory (a buffer not yet written), or None when it is too small."""
     storage = buf.untyped_storage()
-    if storage.nbytes() < torch.empty(0, dtype=dtype).element_size() * n:
+    if storage.nbytes() < 4 * n:
         return None
-    return torch.empty(0, dtype=dtype, device=buf.device).set_(storage, 0, (n,), (1,))
-
-
-def _fixed_point_scale(do: Tensor, v: Tensor, delta: Tensor, count: int) -> Tuple[Tensor, Tensor]:
-    """(scale, 1 / scale) for summing ``count`` dS tiles per dBias element as int64 ``trunc(dS * scale)``.
-
-    |dS| = P |dP - delta| <= |dO_i . v_j| + |delta_i| <= Dv max|dO| max|v| + max|delta| =: M (P <= 1), so any sum
-    of ``count`` terms stays below count * M; the scale is the power of two 2^e that maps count * M * 1.01 to at
-    most 2^61, leaving each term ~60 bits (fp32 has 24). e may exceed fp32's exponent range for tiny gradients, so
-    the kernel gets it as two fp32 factors ``[2^e0, 2^e1]`` (multiplied in turn: exact, no overflow). Device
-    tensors, no host sync; ``1 / scale`` is fp64, NaN when M is not finite or too large (a NaN reaching dS gives
-    a NaN gradient, not a number).
-    """
-    def amax(t):
-        lo, hi = torch.aminmax(t)
-        return torch.maximum(hi, -lo).to(torch.float64)
-
-    bound = (do.shape[-1] * amax(do) * amax(v) + amax(delta)) * (1.01 * count)
-    e = torch.floor(torch.log2(2.0 ** 61 / bound.clamp_min(1e-300))).clamp(-126.0, 252.0)
-    e0 = e.clamp(max=126.0)
-    ok = torch.isfinite(bound) & (bound < 2.0 ** 187)  # past 2^(61 + 126) terms would flush to zero
-    inv = torch.where(ok, torch.exp2(-e), float("nan"))
-    return torch.exp2(torch.stack([e0, e - e0])).to(torch.float32), inv
+    return torch.empty(0, dtype=torch.float32, device=buf.device).set_(storage, 0, (n,), (1,))
 
 
 def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, mask_kind, key, scratch) -> Tensor:
@@ -279,7 +245,7 @@ def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, mask
             part = torch.empty((1,) + tuple(bias.shape), dtype=bias.dtype, device=q.device)
         else:  # fp32 partials, summed below; in the scratch memory when it is big enough
             n = splits * bias.numel()
-            flat = _scratch(scratch, n)
+            flat = _f32_scratch(scratch, n)
             if flat is None:
                 flat = torch.empty(n, dtype=torch.float32, device=q.device)
             part = flat.view((splits,) + tuple(bias.shape))
