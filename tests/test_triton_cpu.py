@@ -35,6 +35,8 @@ CASES = [
     # few dBias tiles (L=20), 8 rows share them: the reduction splits over programs; causal with a row mask
     ("pair_bias_split_reduction", (1, 8), 2, 20, 20, 16, 16, (1, 1, 2, 20, 20), (1, 8, 1, 1, 20), False),
     ("causal_pair_bias_row_mask", (1, 4), 2, 20, L, 16, 24, (1, 1, 2, 20, L), (1, 4, 1, 20, L), True),
+    # a key bias (broadcast over Lq) over few tiles, 8 rows share them: the reduction's LOOP_M path, split
+    ("key_bias_split_reduction", (1, 8), 2, 20, 20, 16, 16, (1, 1, 2, 1, 20), (1, 8, 1, 1, 20), False),
 ]
 
 
@@ -189,3 +191,14 @@ def test_lse_backward_matches_autograd(batch):
                               lse.detach(), d_out, d_lse, True)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["reduction", "atomic"])
+def test_bias_gradient_of_non_finite_input_is_nan(deterministic):
+    """A NaN in v at an attended key reaches dS: the shared bias's gradient must show it, not hide it."""
+    q, k, v, bias, _ = make_inputs((1, 3), 2, 17, 17, 16, bias_shape=(1, 1, 2, 17, 17), seed=10)
+    with torch.no_grad():
+        v[0, 1, 0, 3, 2] = float("nan")
+    out, _ = triton_attention(q, k, v, bias, None, 0.25, False, deterministic=deterministic)
+    (dbias,) = torch.autograd.grad(out.sum(), (bias,))
+    assert torch.isnan(dbias).any()
