@@ -50,8 +50,8 @@ CASES = {
     "pair384": ("pairformer", 384, None),
     "pair768": ("pairformer", 768, None),
 }
-BACKENDS = ("triton", "triton+compile", "triton-atomic", "triton-atomic+compile", "flex", "sdpa", "torch", "boltz",
-            "boltz-cueq")
+BACKENDS = ("triton", "triton+compile", "triton-atomic", "triton-atomic+compile", "flex", "flex+compile", "sdpa",
+            "torch", "torch+compile", "boltz", "boltz-cueq")
 # "triton+compile": torch.compile of the whole triton-backend block (Inductor fuses the glue around the op)
 # "triton-atomic": the triton backend with deterministic=False (the pair bias's gradient summed by atomics)
 # flex's bias gradient and sdpa's CUDA backward use atomics: allowed explicitly
