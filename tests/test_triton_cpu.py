@@ -162,6 +162,15 @@ def test_head_split_views_keep_their_dim_order():
         assert g.transpose(-2, -3).is_contiguous(), f"d{name} strides {g.stride()}"
 
 
+def test_overlapping_windows_as_inputs():
+    """q, k, v as overlapping sliding windows (``unfold``: the last dim and the length dim both have stride 1): the
+    dense copy must still have a contiguous last dim."""
+    g = torch.Generator().manual_seed(6)
+    L, D = 5, 16
+    q, k, v = (torch.randn(1, 2, L + D - 1, generator=g).unfold(-1, D, 1).requires_grad_() for _ in range(3))
+    check_against_reference("triton", q, k, v, None, None)
+
+
 def test_compiles_without_graph_breaks():
     q, k, v, bias, mask = make_inputs((1, 2), 2, 17, 17, 16, bias_shape=(1, 1, 2, 17, 17),
                                       mask_shape=(1, 2, 1, 1, 17))

@@ -26,7 +26,10 @@ def _dense(t: Tensor) -> Tensor:
     expected = 1
     for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
         if stride != expected:
-            return t.clone(memory_format=torch.preserve_format)
+            copy = t.clone(memory_format=torch.preserve_format)
+            # an overlapping input (e.g. unfold windows, another dim of stride 1) may get its last dim ordered
+            # outwards by clone's dim-order rule; the kernels need it contiguous
+            return copy if copy.stride(-1) == 1 else t.contiguous()
         expected *= size
     return t
 
