@@ -23,15 +23,29 @@ def _dense(t: Tensor) -> Tensor:
     """
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         return t.contiguous()
+    if _non_overlapping_and_dense(t):
+        return t
+    copy = t.clone(memory_format=torch.preserve_format)
+    # an overlapping input (e.g. unfold windows, another dim of stride 1) may get its last dim ordered outwards by
+    # clone's dim-order rule; the kernels need it contiguous
+    return copy if copy.stride(-1) == 1 else t.contiguous()
+
+
+def _non_overlapping_and_dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill a block of memory exactly once, in some dim order.
+
+    Written as a search for the dim with the next expected stride rather than a sort of the strides: Dynamo cannot
+    sort symbolic strides, and with dynamic shapes (variable sequence lengths) this runs on symbolic ones.
+    """
+    dims = [d for d in range(t.ndim) if t.shape[d] != 1]
     expected = 1
-    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
-        if stride != expected:
-            copy = t.clone(memory_format=torch.preserve_format)
-            # an overlapping input (e.g. unfold windows, another dim of stride 1) may get its last dim ordered
-            # outwards by clone's dim-order rule; the kernels need it contiguous
-            return copy if copy.stride(-1) == 1 else t.contiguous()
-        expected *= size
-    return t
+    while dims:
+        nxt = next((d for d in dims if t.stride(d) == expected), None)
+        if nxt is None:
+            return False
+        dims.remove(nxt)
+        expected *= t.shape[nxt]
+    return True
 
 
 def _merge_plan(q: Tensor, bias: Optional[Tensor], mask: Optional[Tensor]) -> List[List[int]]:
