@@ -151,6 +151,19 @@ def test_block_traces_without_graph_break_under_autocast():
     assert explained.graph_count == 1
 
 
+def test_block_compiles_once_for_variable_lengths():
+    """Proteins differ in length: torch.compile(dynamic=True, fullgraph=True) of the block with the triton backend
+    (interpreter on CPU) traces one graph on symbolic sizes that matches eager at two lengths."""
+    skip_unless_backend("triton")
+    block = randomize_(PairformerBlock(**W, attention="triton"), seed=16).eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True, dynamic=True)
+    for n in (7, 10):
+        s, z, single_mask, pair_mask = _inputs(N=n, seed=n, dtype=torch.float32)
+        for got, want in zip(compiled(s, z, single_mask, pair_mask), block(s, z, single_mask, pair_mask)):
+            assert rel_err(got, want) < 1e-6
+
+
 @pytest.mark.gpu
 def test_compiled_block_with_triton_has_no_graph_break():
     """torch.compile(fullgraph=True) raises on any graph break; the compiled block must match eager."""
