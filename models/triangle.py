@@ -26,9 +26,15 @@ class _ChannelsLast(torch.autograd.Function):
     which ``torch.compile`` turns into a tiled transpose, serves both matmuls.
     """
 
+    generate_vmap_rule = True  # works under torch.func.vmap / grad too (forward and setup_context split)
+
     @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
+    def forward(x: Tensor) -> Tensor:
         return x.movedim(-3, -1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass  # the backward needs nothing saved
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:

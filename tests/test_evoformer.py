@@ -189,6 +189,9 @@ def test_triangle_matmul_output_gradient_comes_back_channels_first():
     grad_y = torch.randn(y.shape, generator=g, dtype=torch.float64)  # contiguous channels-last
     (grad_x,) = torch.autograd.grad(y, x, grad_y)
     assert grad_x.is_contiguous() and torch.equal(grad_x, grad_y.movedim(-1, -3))
+    # torch.func transforms compose with it (per-sample gradients over a batch dim)
+    per_sample = torch.func.vmap(torch.func.grad(lambda t: (_ChannelsLast.apply(t) * grad_y[0]).sum()))(x.detach())
+    assert torch.equal(per_sample, grad_y[0].movedim(-1, -3).expand_as(x))
 
 
 def test_triangle_attention_starting_node_matches_definition():
