@@ -17,7 +17,7 @@ def _dense(t: Tensor) -> Tensor:
     """``t`` itself if its last dim is contiguous and it is non-overlapping and dense, else a dense copy.
 
     Gradients are allocated with the input's strides, which is only safe for such layouts. The copy keeps
-    ``t``'s dim order (``clone`` preserves it): a head-split view of a fused projection ``[*, L, H*C]`` seen as
+    ``t``'s dim order (``empty_like`` keeps it): a head-split view of a fused projection ``[*, L, H*C]`` seen as
     ``[*, H, L, C]`` becomes dense ``[*, L, H, C]`` memory by a coalesced gather, not a transposing copy, and the
     gradients the op returns in that order flow back into the projection without a transpose either.
     """
@@ -25,10 +25,10 @@ def _dense(t: Tensor) -> Tensor:
         return t.contiguous()
     if _non_overlapping_and_dense(t):
         return t
-    copy = t.clone(memory_format=torch.preserve_format)
+    copy = torch.empty_like(t)  # t's dim order (clone's rule), decided before any data is copied
     # an overlapping input (e.g. unfold windows, another dim of stride 1) may get its last dim ordered outwards by
-    # clone's dim-order rule; the kernels need it contiguous
-    return copy if copy.stride(-1) == 1 else t.contiguous()
+    # that rule; the kernels need it contiguous
+    return copy.copy_(t) if copy.stride(-1) == 1 else t.contiguous()
 
 
 def _non_overlapping_and_dense(t: Tensor) -> bool:

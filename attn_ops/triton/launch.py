@@ -43,8 +43,7 @@ def empty_in_order(like: Tensor, shape, dtype: torch.dtype) -> Tensor:
     back as a view of ``[*, L, H*C]`` memory (no copy to merge the heads). Also used by the fake impl.
     """
     order = sorted(range(like.ndim), key=lambda d: (-like.stride(d), d))  # outermost first; ties keep dim order
-    inverse = [order.index(d) for d in range(like.ndim)]
-    return torch.empty([shape[d] for d in order], dtype=dtype, device=like.device).permute(inverse)
+    return torch.empty_permuted(shape, order, dtype=dtype, device=like.device)
 
 
 def _pow2(n: int) -> int:
@@ -167,9 +166,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     if direct_dbias:  # causal: tiles above the diagonal are never visited, so they must start at zero
         dbias = (torch.zeros if causal else torch.empty)(bias.shape, dtype=bias.dtype, device=dev)
     elif atomic:  # fp32 accumulator, zeroed per launch; in dq's memory (written only after it) when it fits
-        flat = None if fused else _f32_scratch(dq, bias.numel())
-        dbias = flat.view(bias.shape) if flat is not None else torch.empty(bias.shape, dtype=torch.float32,
-                                                                             device=dev)
+        dbias = _f32_buffer(bias.numel(), dev, None if fused else dq).view(bias.shape)
     gs = (0,) * 5 if dbias is None else _bstrides(dbias)
     dq_acc = torch.empty_strided(q.shape, q.stride(), dtype=torch.float32, device=dev) if fused else None
     common = (*_rows(q), *_rows(k), *_rows(v), *sb, *sm, *_rows(do))
@@ -220,12 +217,11 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     return dq, dk, dv, dbias
 
 
-def _f32_scratch(buf: Tensor, n: int) -> Optional[Tensor]:
-    """n fp32 elements over ``buf``'s memory (a buffer not yet written), or None when it is too small."""
-    storage = buf.untyped_storage()
-    if storage.nbytes() < 4 * n:
-        return None
-    return torch.empty(0, dtype=torch.float32, device=buf.device).set_(storage, 0, (n,), (1,))
+def _f32_buffer(n: int, device: torch.device, scratch: Optional[Tensor] = None) -> Tensor:
+    """n fp32 elements over ``scratch``'s memory (a buffer not yet written) when given and big enough, else new."""
+    if scratch is not None and scratch.untyped_storage().nbytes() >= 4 * n:
+        return torch.empty(0, dtype=torch.float32, device=device).set_(scratch.untyped_storage(), 0, (n,), (1,))
+    return torch.empty(n, dtype=torch.float32, device=device)
 
 
 def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, mask_kind, key, scratch) -> Tensor:
@@ -244,11 +240,7 @@ def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, mask
         if splits == 1:  # the kernel writes dbias in the bias's dtype
             part = torch.empty((1,) + tuple(bias.shape), dtype=bias.dtype, device=q.device)
         else:  # fp32 partials, summed below; in the scratch memory when it is big enough
-            n = splits * bias.numel()
-            flat = _f32_scratch(scratch, n)
-            if flat is None:
-                flat = torch.empty(n, dtype=torch.float32, device=q.device)
-            part = flat.view((splits,) + tuple(bias.shape))
+            part = _f32_buffer(splits * bias.numel(), q.device, scratch).view((splits,) + tuple(bias.shape))
         attn_bwd_dbias_kernel[(tiles, n_groups, splits)](
             q, k, v, bias, mask_t, do, lse, delta, part,
             *_rows(q), *_rows(k), *_rows(v), *_bstrides(bias), *sm, *_rows(do), part.stride(0), *_bstrides(part[0]),
