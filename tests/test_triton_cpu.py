@@ -188,14 +188,19 @@ def test_compiles_without_graph_breaks():
 
 
 def test_compiles_with_dynamic_shapes():
-    """Variable sequence lengths (proteins of different sizes) under ``torch.compile(dynamic=True)``: one graph,
-    traced on symbolic shapes and strides, matches eager at two lengths, for contiguous inputs and head-split views."""
+    """Variable sequence lengths (proteins of different sizes) under ``torch.compile(dynamic=True)``: the graphs
+    traced on symbolic shapes and strides for contiguous inputs and head-split views are reused for a second length
+    (no recompile) and match eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     def f(q, k, v, bias, mask):
         out, lse = triton_attention(q, k, v, bias, mask, 0.25, False)
         return out.float().sum() + lse.sum()
 
     torch._dynamo.reset()
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
+    frames = []
     for n in (17, 21):
         _, _, _, bias, mask = make_inputs((1, n), 2, n, n, 16, bias_shape=(1, 1, 2, n, n), mask_shape=(1, n, 1, 1, n))
         views = [t[None] for t in _head_split_views(n, n, 2, 16, seed=n)]  # [1, n, H, n, C] over [1, n, n, 3HC+5]
@@ -205,6 +210,8 @@ def test_compiles_with_dynamic_shapes():
             want = torch.autograd.grad(f(q, k, v, bias, mask), leaves)
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b)
+        frames.append(counter.frame_count)
+    assert frames[0] >= 1 and frames[1] == frames[0], f"recompiled for a new length: graphs after each {frames}"
 
 
 @pytest.mark.parametrize("batch", [(2, 3), (2, 2, 3)], ids=["two_lead_dims", "three_lead_dims"])
