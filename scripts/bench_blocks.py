@@ -75,8 +75,8 @@ def _masks(n: int, dev):
     return single, pair
 
 
-def build_case(case: str, backend: str, dev):
-    """(module, float inputs requiring grad, extra forward args, forward callable)."""
+def build_case(case: str, backend: str, dev, compile_mode: str | None = None):
+    """(module, float inputs requiring grad, forward callable); ``compile_mode`` goes to ``torch.compile``."""
     kind, n, s_rows = CASES[case]
     single, pair = _masks(n, dev)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -110,7 +110,8 @@ def build_case(case: str, backend: str, dev):
         s = torch.randn(1, n, 384, device=dev, generator=g, requires_grad=True)
         z = torch.randn(1, n, n, 128, device=dev, generator=g, requires_grad=True)
         x, masks = [s, z], (single, pair)
-    run = torch.compile(mod) if backend.endswith("+compile") else mod  # whole block, as a user would
+    # the whole block, as a user would compile it
+    run = torch.compile(mod, mode=compile_mode) if backend.endswith("+compile") else mod
     fwd = lambda: run(*x, *masks)  # noqa: E731
     return mod, x, fwd
 
@@ -139,17 +140,31 @@ def measure(mod, inputs, fwd, iters: int, warmup: int):
             grads_out = [torch.randn_like(o) for o in outs]
         torch.autograd.backward(outs, grads_out)
 
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
+    # Baselines before the first step. The peak is the larger of (a) allocated memory at its high point in one
+    # step and (b) memory that stays reserved between steps after the cache is emptied: the private pool of
+    # torch.compile's CUDA graphs (mode="reduce-overhead") holds the step's tensors outside (a), and is memory
+    # the step needs. Without CUDA graphs (b) is only segment rounding and (a) decides.
     mod.zero_grad(set_to_none=True)
     for t in inputs:
         t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
+    base_reserved = torch.cuda.memory_reserved()
+    for _ in range(max(warmup, 1)):
+        step()
+    torch.cuda.synchronize()
+    upstream = sum(g.numel() * g.element_size() for g in grads_out)  # the upstream gradients are inputs too
+    base += upstream
+    mod.zero_grad(set_to_none=True)
+    for t in inputs:
+        t.grad = None
+    torch.cuda.empty_cache()
+    pool = torch.cuda.memory_reserved() - base_reserved - upstream
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / GIB
+    peak = max(torch.cuda.max_memory_allocated() - base, pool) / GIB
     times = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -217,18 +232,20 @@ def breakdown(case: str, dev, iters: int, warmup: int, backend: str = "triton"):
     return rows
 
 
-def kernel_profile(case: str, dev, path: str, backend: str = "triton", steps: int = 3) -> None:
+def kernel_profile(case: str, dev, path: str, backend: str = "triton", steps: int = 3,
+                   compile_mode: str | None = None, rows: int = 40) -> None:
     """torch.profiler over ``steps`` fwd+bwd steps of the block: the top CUDA kernels by total time."""
     from torch.profiler import ProfilerActivity, profile
 
-    mod, inputs, fwd = build_case(case, backend, dev)
+    mod, inputs, fwd = build_case(case, backend, dev, compile_mode)
     _randomize(mod)
     measure(mod, inputs, fwd, iters=1, warmup=2)  # warm-up, autotuning
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         measure(mod, inputs, fwd, iters=steps - 1, warmup=0)
-    table = prof.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=90)
+    table = prof.key_averages().table(sort_by="device_time_total", row_limit=rows, max_name_column_width=90)
     with open(path, "w") as f:
-        f.write(f"# {case}, backend {backend}: {steps} fwd+bwd steps, CUDA kernels by total time\n\n{table}\n")
+        f.write(f"# {case}, backend {backend} (compile mode {compile_mode}): {steps} fwd+bwd steps, "
+                f"CUDA kernels by total time\n\n{table}\n")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -280,11 +297,13 @@ def _run_item(case, backend, dev, args, t0):
     t1 = time.time()
     mod = inputs = fwd = None
     try:
-        mod, inputs, fwd = build_case(case, backend, dev)
+        mod, inputs, fwd = build_case(case, backend, dev, args.compile_mode)
         _randomize(mod)
         row["ms"], row["peak_gib"] = measure(mod, inputs, fwd, args.iters, args.warmup)
         if backend.endswith("+compile") or backend == "flex":
             row["note"] = f"{time.time() - t1:.0f} s incl. compilation"
+            if args.compile_mode and backend.endswith("+compile"):
+                row["note"] += f", mode={args.compile_mode}"
     except Exception as exc:  # OOM, unsupported shape, missing peer: record and go on
         row["note"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         traceback.print_exc()
@@ -308,6 +327,10 @@ def main(argv=None):
                    help="write the top CUDA kernels of the block to profile_CASE.txt")
     p.add_argument("--profile-backend", default="triton", choices=[b for b in BACKENDS if not b.startswith("boltz")],
                    help="the backend of the --profile runs (a +compile backend profiles the compiled block)")
+    p.add_argument("--compile-mode", default=None,
+                   choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                   help="torch.compile mode of the +compile backends (default: torch's default)")
+    p.add_argument("--profile-rows", type=int, default=40, help="kernels listed per --profile table")
     p.add_argument("--time-limit", type=float, default=400.0, help="start nothing new after this many s")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -330,7 +353,8 @@ def main(argv=None):
         torch.cuda.empty_cache()
     for case in args.profile or []:
         try:
-            kernel_profile(case, dev, os.path.join(args.out, f"profile_{case}.txt"), args.profile_backend)
+            kernel_profile(case, dev, os.path.join(args.out, f"profile_{case}.txt"), args.profile_backend,
+                           compile_mode=args.compile_mode, rows=args.profile_rows)
         except Exception as exc:
             notes.append(f"profile of {case} failed: {type(exc).__name__}: {exc}")
             traceback.print_exc()
