@@ -9,6 +9,7 @@ triton-backend block (where the block's time goes).
 
     python scripts/bench_blocks.py                      # the table (H100: ~5-7 min)
     python scripts/bench_blocks.py --cases pair384 --backends triton torch --breakdown pair384
+    python scripts/bench_blocks.py --cases pair384 --backends triton+compile --compile-mode reduce-overhead
 
 Boltz-2 (``boltz.model.layers.pairformer.PairformerLayer``) and cuequivariance are optional imports
 (see ../shared/anchor-wheels/README.md); rows for them are skipped with the reason if they do not import.
