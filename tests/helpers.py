@@ -119,3 +119,63 @@ def check_against_reference(backend, q, k, v, bias, mask, causal=False, lse_loss
         allowed = bound(dtype, r, base, backend)
         assert err <= allowed, f"{backend} {dtype}: {name} error {err:.3g} > allowed {allowed:.3g} (torch {base:.3g})"
     return out, lse, got
+
+
+# (with_bias, triton options) for check_garbage_at_masked_keys
+GARBAGE_RUNS = [
+    (True, dict()),
+    (True, dict(deterministic=False)),  # atomic dBias, two rows per program sharing each bias tile
+    (True, dict(bwd="fused", deterministic=False)),
+    (False, dict()),
+]
+GARBAGE_IDS = ["bias-split", "bias-atomic", "bias-fused", "no-bias"]
+
+
+def check_garbage_at_masked_keys(with_bias, opts, dtype, device, lq=19, lk=21, rows=4):
+    """Padding garbage at masked keys (NaN / inf in a shared bias's padded columns, NaN / inf in k's padded
+    rows) must give exactly the bits of the same inputs with zeros there, as the reference's masked_fill would:
+    output, lse and the gradients of q, k, v and bias of the triton backend, all finite. Gradients summed by
+    atomics (``deterministic=False``) may differ from run to run in their last bits: those are compared within
+    a few ulps instead."""
+    from attn_ops.triton import triton_attention
+
+    q, k, v, bias, mask = make_inputs((1, rows), 2, lq, lk, 16, dtype=dtype, device=device, seed=11,
+                                      bias_shape=(1, 1, 2, lq, lk) if with_bias else None,
+                                      mask_shape=(1, rows, 1, 1, lk))
+    pad, gap, one = lk - 1, 7, 3
+    mask[..., pad] = False  # a padded key: masked in every row
+    mask[..., gap] = False
+    mask[0, 1, ..., one] = False  # and a key masked in one row only
+    dirty = [t.detach().clone() for t in (q, k, v)] + ([bias.detach().clone()] if with_bias else [None])
+    clean = [None if t is None else t.clone() for t in dirty]
+    with torch.no_grad():
+        if with_bias:
+            dirty[3][..., pad] = float("nan")
+            dirty[3][..., 0, gap] = float("inf")
+            dirty[3][..., 1, gap] = float("-inf")
+            clean[3][..., pad] = 0.0
+            clean[3][..., gap] = 0.0
+        dirty[1][0, 1, :, one] = float("nan")  # k at the key masked only in row 1
+        dirty[1][..., pad, :] = float("inf")
+        clean[1][0, 1, :, one] = 0.0
+        clean[1][..., pad, :] = 0.0
+    g = torch.Generator().manual_seed(3)
+    d_out = torch.randn(*q.shape[:-1], v.shape[-1], generator=g).to(device)
+    d_lse = torch.randn(q.shape[:-1], generator=g).to(device)
+    results = []
+    for leaves in (dirty, clean):
+        leaves = [None if t is None else t.requires_grad_() for t in leaves]
+        out, lse = triton_attention(*leaves[:4], mask, 0.25, False, **opts)
+        loss = (out.float() * d_out).sum() + (lse * d_lse).sum()
+        grads = torch.autograd.grad(loss, [t for t in leaves if t is not None])
+        results.append((out, lse, *grads))
+    names = ["out", "lse", "dq", "dk", "dv", "dbias"]
+    for name, got in zip(names, results[0]):
+        assert torch.isfinite(got).all(), name
+    exact = opts.get("deterministic", True)
+    for name, got, want in zip(names, *results):
+        if exact or name in ("out", "lse", "dk", "dv"):
+            assert torch.equal(got, want), name
+        else:  # sums by atomics (dbias; dq of the fused backward) differ run to run in the last bits
+            tol = 1e-5 if dtype == torch.float32 else 2.0 ** -7
+            assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max(), name

@@ -17,7 +17,9 @@ import attn_ops  # noqa: E402
 from attn_ops.reference import attention_reference  # noqa: E402
 from attn_ops.triton import triton_attention  # noqa: E402
 from attn_ops.triton.attention import triton_lse_backward  # noqa: E402
-from helpers import check_against_reference, make_inputs  # noqa: E402
+from helpers import (  # noqa: E402
+    GARBAGE_IDS, GARBAGE_RUNS, check_against_reference, check_garbage_at_masked_keys, make_inputs,
+)
 
 L = 37  # odd: partial query and key tiles
 # (name, batch, H, Lq, Lk, D, Dv, bias_shape, mask_shape, causal)
@@ -238,3 +240,12 @@ def test_bias_gradient_of_non_finite_input_is_nan(deterministic):
     out, _ = triton_attention(q, k, v, bias, None, 0.25, False, deterministic=deterministic)
     (dbias,) = torch.autograd.grad(out.sum(), (bias,))
     assert torch.isnan(dbias).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("with_bias,opts", GARBAGE_RUNS, ids=GARBAGE_IDS)
+def test_garbage_at_masked_keys_changes_nothing(with_bias, opts, dtype):
+    """Padding garbage at masked keys (NaN / inf in the shared bias's padded columns, NaN in k's padded rows)
+    gives exactly the bits of the same inputs with zeros there, as the reference's masked_fill would: output,
+    lse and the gradients of q, k, v and bias. (A NaN in v at a masked key still propagates, as in PyTorch.)"""
+    check_garbage_at_masked_keys(with_bias, opts, dtype=dtype, device="cpu")

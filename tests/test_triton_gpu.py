@@ -8,7 +8,9 @@ import os
 import pytest
 import torch
 
-from helpers import check_against_reference, make_inputs
+from helpers import (
+    GARBAGE_IDS, GARBAGE_RUNS, check_against_reference, check_garbage_at_masked_keys, make_inputs,
+)
 
 pytestmark = pytest.mark.gpu
 os.environ.setdefault("ATTN_ZOO_NO_TUNE", "1")  # one config per kernel: keeps compile time of this file small
@@ -122,3 +124,10 @@ def test_bias_slice_over_2_31_elements_gpu():
     rdq, rdb = torch.autograd.grad(ref_out, (q, bias), g_out[..., -tail:, :].float())
     torch.testing.assert_close(dq[..., -tail:, :].float(), rdq[..., -tail:, :].float(), atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(db[..., -tail:, :].float(), rdb[..., -tail:, :].float(), atol=1e-3, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("with_bias,opts", GARBAGE_RUNS, ids=GARBAGE_IDS)
+def test_garbage_at_masked_keys_changes_nothing_gpu(with_bias, opts, dtype):
+    """NaN / inf padding in the bias and k at masked keys: the same bits as zeros there (helpers.py)."""
+    check_garbage_at_masked_keys(with_bias, opts, dtype=dtype, device="cuda", lq=130, lk=203, rows=8)

@@ -136,10 +136,10 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], ma
         bias: None or float (any float dtype) broadcastable to ``[*batch, H, Lq, Lk]``: every dim 1 (broadcast, read
             with stride 0) or full; fewer dims than q are left-padded with 1s;
             its gradient comes back in its own shape and dtype, summed over broadcast dims.
-        mask: None or bool with the same rule; True = attend. A key mask (size 1 along Lq) is applied by adding
-            -inf to the logits together with the bias, so the bias and q, k must be finite at masked keys too (a
-            NaN or +inf there gives NaN for the row, where the reference's masked_fill would hide it); a mask
-            that varies along Lq is applied by a select and has no such condition.
+        mask: None or bool with the same rule; True = attend. Whatever the bias or k hold at a masked key (NaN
+            or inf padding included) does not reach the result, as with the reference's masked_fill: a key
+            mask (size 1 along Lq) replaces the bias there by -inf and reads those K rows as zeros; a mask that
+            varies along Lq is applied by a select. A NaN in v at a masked key propagates (0 * NaN), as in PyTorch.
         scale: logit scale. causal: query i sees key j iff ``j <= i + (Lk - Lq)``.
         deterministic: True (default) gives bitwise-identical gradients on repeated calls (no atomics). False
             sums the gradient of a bias broadcast over batch dims with fp32 atomics in the dK/dV pass (one pass

@@ -8,7 +8,9 @@ The ``- dlse`` term carries a loss on lse into every gradient (d lse / dS = P).
 import triton
 import triton.language as tl
 
-from .common import batch_offset, bias_log2, kv_scores, load_lse2, load_rows, mm, scores_log2_t, split_batch
+from .common import (
+    batch_offset, bias_log2, key_terms_t, kv_scores, load_keep, load_lse2, load_rows, mm, scores_log2_t, split_batch,
+)
 
 
 @triton.jit
@@ -78,18 +80,20 @@ def _store_dbias_t(dBias, dsT, offs_m, offs_n, Lq, Lk, s_gm, s_gn, ATOMIC: tl.co
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, Q, dOut, Lse, Delta, Bias, Mask, dQacc, dBias, offs_n, lo, hi, Lq, Lk, D, Dv,
+    dk, dv, k, v, Q, dOut, Lse, Delta, Bias, Mask, keep, dQacc, dBias, offs_n, lo, hi, Lq, Lk, D, Dv,
     s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
     FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, ATOMIC_DBIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """Fold query tiles [lo, hi) into dk [BN, BD], dv [BN, BDV] of one key tile (transposed tiles [BN, BM])."""
+    """Fold query tiles [lo, hi) into dk [BN, BD], dv [BN, BDV] of one key tile (transposed tiles [BN, BM]);
+    ``keep`` [BN]: the key mask's attended keys (HAS_MASK 1)."""
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        baddT = 0.0
+        biasT = 0.0
         if HAS_BIAS:
-            baddT = tl.trans(bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk))
+            biasT = tl.trans(bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk))
+        baddT = key_terms_t(biasT, keep, HAS_BIAS, HAS_MASK)
         dk, dv, dsT = _dkdv_step(dk, dv, k, v, Q, dOut, Lse, Delta, Mask, dQacc, baddT, offs_m, offs_n, Lq, Lk,
                                  D, Dv, s_qm, s_dm, s_mm, s_mn, qk_scale, scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL,
                                  CHECK, FUSED_DQ, BLOCK_D, BLOCK_DV)
@@ -158,7 +162,10 @@ def attn_bwd_dkdv_kernel(
     row = ((b * R + r) * H + h).to(tl.int64) * Lq
     Mask_r = Mask + batch_offset(b, r, h, s_mb, s_mr, s_mh)
     dQ_r = dQacc + q_off
-    k = load_rows(K + k_off, offs_n, s_kn, offs_d, D, n_ok)  # [BN, BD]
+    keep = n_ok
+    if HAS_MASK == 1:  # masked keys' K rows read as zeros and their bias replaced by -inf (see key_terms)
+        keep = load_keep(Mask_r, offs_n, s_mn, Lk)
+    k = load_rows(K + k_off, offs_n, s_kn, offs_d, D, keep)  # [BN, BD]
     v = load_rows(V + v_off, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -171,7 +178,10 @@ def attn_bwd_dkdv_kernel(
         row2 = ((b * R + r2) * H + h).to(tl.int64) * Lq
         Mask2 = Mask + batch_offset(b, r2, h, s_mb, s_mr, s_mh)
         dO2 = dOut + batch_offset(b, r2, h, s_db, s_dr, s_dh)
-        k2 = load_rows(K + k_off2, offs_n, s_kn, offs_d, D, n_ok)
+        keep2 = n_ok
+        if HAS_MASK == 1:
+            keep2 = load_keep(Mask2, offs_n, s_mn, Lk)
+        k2 = load_rows(K + k_off2, offs_n, s_kn, offs_d, D, keep2)
         v2 = load_rows(V + v_off2, offs_n, s_vn, offs_dv, Dv, n_ok)
         dk2 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv2 = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -179,14 +189,15 @@ def attn_bwd_dkdv_kernel(
         w2 = (r + 1 < R).to(tl.float32)
         for m0 in range(0, Lq, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
-            baddT = 0.0
+            biasT = 0.0
             if HAS_BIAS:
-                baddT = tl.trans(bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk))  # once for both rows
+                biasT = tl.trans(bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk))  # once for both rows
+            baddT = key_terms_t(biasT, keep, HAS_BIAS, HAS_MASK)
             dk, dv, dsT = _dkdv_step(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Mask_r, dQ_r, baddT,
                                      offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm, s_mn, qk_scale, scale,
                                      HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, BLOCK_D, BLOCK_DV)
             dk2, dv2, dsT2 = _dkdv_step(dk2, dv2, k2, v2, Q + q_off2, dO2, Lse + row2, Delta + row2, Mask2,
-                                        dQacc + q_off2, baddT, offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm,
+                                        dQacc + q_off2, key_terms_t(biasT, keep2, HAS_BIAS, HAS_MASK), offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm,
                                         s_mn, qk_scale, scale, HAS_BIAS, HAS_MASK, False, CHECK,
                                         FUSED_DQ, BLOCK_D, BLOCK_DV)
             if ATOMIC_DBIAS:
@@ -198,16 +209,16 @@ def attn_bwd_dkdv_kernel(
         lo = (tl.maximum(n0 - (Lk - Lq), 0) // BLOCK_M) * BLOCK_M
         m_full = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - (Lk - Lq), 0), BLOCK_M) * BLOCK_M
         m_full = tl.minimum(tl.maximum(m_full, lo), Lq)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, dQ_r, dBias, offs_n,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, keep, dQ_r, dBias, offs_n,
                              lo, m_full, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
                              scale, HAS_BIAS, HAS_MASK, True, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS, BLOCK_M,
                              BLOCK_D, BLOCK_DV)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, dQ_r, dBias, offs_n,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, keep, dQ_r, dBias, offs_n,
                              m_full, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
                              scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS, BLOCK_M,
                              BLOCK_D, BLOCK_DV)
     else:
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, dQ_r, dBias, offs_n,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, keep, dQ_r, dBias, offs_n,
                              0, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
                              scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS, BLOCK_M,
                              BLOCK_D, BLOCK_DV)
@@ -216,13 +227,13 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_step(
-    dq, q, do, lse2, delta, K, V, Mask, badd, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_mm, s_mn, qk_scale,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
+    dq, q, do, lse2, delta, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn,
+    qk_scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Fold one key tile into dq [BM, BD] of one query tile of one row; returns dS [BM, BN] too."""
-    k, v, s = kv_scores(q, K, V, badd, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_mm, s_mn, qk_scale,
-                        HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, CHECK, BLOCK_D, BLOCK_DV)  # s: [BM, BN]
+    k, v, s = kv_scores(q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn,
+                        qk_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, CHECK, BLOCK_D, BLOCK_DV)  # s: [BM, BN]
     p = tl.exp2(s - lse2[:, None])
     dp = mm(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
@@ -241,11 +252,9 @@ def _dq_tiles(
     m_ok = offs_m < Lq
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        badd = 0.0
-        if HAS_BIAS:
-            badd = bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk)
-        dq, ds = _dq_step(dq, q, do, lse2, delta, K, V, Mask, badd, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn,
-                          s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, BLOCK_D, BLOCK_DV)
+        dq, ds = _dq_step(dq, q, do, lse2, delta, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn,
+                          s_bm, s_bn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, BLOCK_D,
+                          BLOCK_DV)
         if DIRECT_DBIAS:
             tl.store(dBias + offs_m[:, None].to(tl.int64) * s_gm + offs_n[None, :].to(tl.int64) * s_gn,
                      ds.to(dBias.dtype.element_ty), mask=m_ok[:, None] & (offs_n[None, :] < Lk))

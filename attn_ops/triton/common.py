@@ -53,19 +53,40 @@ def load_tile(Base, offs_m, offs_n, s_m, s_n, Lm, Ln):
 
 
 @triton.jit
-def key_mask_add(Mask, offs_n, s_mn, Lk):
-    """A key mask as an additive log2-domain term ``[BN]``: 0 where attended, -inf where masked or past Lk.
-
-    Added to the logits together with the bias (two FMAs per score), it costs less than a select per score.
-    """
-    keep = tl.load(Mask + offs_n.to(tl.int64) * s_mn, mask=offs_n < Lk, other=0) != 0
-    return tl.where(keep, 0.0, float("-inf"))
+def load_keep(Mask, offs_n, s_mn, Lk):
+    """A key mask's ``[BN]`` vector of attended keys (False past Lk)."""
+    return tl.load(Mask + offs_n.to(tl.int64) * s_mn, mask=offs_n < Lk, other=0) != 0
 
 
 @triton.jit
 def bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk):
     """The bias tile ``[BM, BN]`` as fp32 in the log2 domain (0 out of range)."""
     return load_tile(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk).to(tl.float32) * 1.4426950408889634
+
+
+@triton.jit
+def key_terms(
+    Bias, Mask, offs_m, offs_n, s_bm, s_bn, s_mn, Lq, Lk, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+):
+    """What a query tile adds to its logits for one key tile, and which key rows to load.
+
+    Returns ``(badd, k_ok)``: ``badd`` the log2-domain bias tile ``[BM, BN]`` with a key mask (HAS_MASK 1) folded
+    in as -inf (a ``[1, BN]`` 0/-inf row without a bias; 0.0 with neither), ``k_ok`` ``[BN]`` the key rows to
+    load from K (attended keys only under a key mask, else those < Lk). The masked keys' bias is replaced, not
+    added to, and their K rows read as zeros, so a NaN or inf there (padding garbage) cannot reach the row, as
+    with the reference's masked_fill; a select costs what the add it replaces did.
+    """
+    k_ok = offs_n < Lk
+    badd = 0.0
+    if HAS_MASK == 1:
+        k_ok = load_keep(Mask, offs_n, s_mn, Lk)
+        if HAS_BIAS:
+            badd = tl.where(k_ok[None, :], bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk), float("-inf"))
+        else:
+            badd = tl.where(k_ok, 0.0, float("-inf"))[None, :]
+    elif HAS_BIAS:
+        badd = bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk)
+    return badd, k_ok
 
 
 @triton.jit
@@ -76,17 +97,13 @@ def scores_log2(
 ):
     """log2-domain logits of one tile: q [BM, D] x k [BN, D] -> [BM, BN] fp32, -inf where not attended.
 
-    ``badd``: the tile's bias from :func:`bias_log2` (ignored without HAS_BIAS; loaded by the caller so that two
-    rows sharing a bias can share the load). ``Mask`` points at this program's (b, r, h) slice; ``qk_scale`` =
-    scale * log2(e). HAS_MASK: 0 none, 1 a key mask (broadcast over Lq: one [BN] vector), 2 a mask that varies
-    over Lq. Rows >= Lq (when CHECK_M) and columns >= Lk (when CHECK_N) are -inf too.
+    ``badd``: the tile's bias and key mask from :func:`key_terms` (loaded by the caller, which also needs the
+    key mask to load K). ``Mask`` points at this program's (b, r, h) slice; ``qk_scale`` = scale * log2(e).
+    HAS_MASK: 0 none, 1 a key mask (broadcast over Lq, in ``badd``), 2 a mask that varies over Lq (a select
+    here). Rows >= Lq (when CHECK_M) and columns >= Lk (when CHECK_N) are -inf too.
     """
-    if HAS_BIAS:
-        if HAS_MASK == 1:
-            badd = badd + key_mask_add(Mask, offs_n, s_mn, Lk)[None, :]
+    if HAS_BIAS or HAS_MASK == 1:
         s = mm(q, tl.trans(k)) * qk_scale + badd
-    elif HAS_MASK == 1:
-        s = mm(q, tl.trans(k)) * qk_scale + key_mask_add(Mask, offs_n, s_mn, Lk)[None, :]
     else:
         s = mm(q, tl.trans(k)) * qk_scale
     if HAS_MASK == 2:
@@ -116,16 +133,12 @@ def scores_log2_t(
 ):
     """Transposed tile of :func:`scores_log2`: k [BN, D] x qT [D, BM] -> sT [BN, BM] (log2 domain, -inf masked).
 
-    ``baddT``: the transposed bias tile (``tl.trans`` of :func:`bias_log2`: loaded in the bias's own row-major
-    order, coalesced along keys). The dK/dV kernel works on transposed tiles so that no [BM, BN] matrix needs a
+    ``baddT``: the transposed bias tile with the key mask folded in (``[BN, 1]`` without a bias), see
+    :func:`key_terms_t`. The dK/dV kernel works on transposed tiles so that no [BM, BN] matrix needs a
     transpose before its dots.
     """
-    if HAS_BIAS:
-        if HAS_MASK == 1:
-            baddT = baddT + key_mask_add(Mask, offs_n, s_mn, Lk)[:, None]
+    if HAS_BIAS or HAS_MASK == 1:
         s = mm(k, qT) * qk_scale + baddT
-    elif HAS_MASK == 1:
-        s = mm(k, qT) * qk_scale + key_mask_add(Mask, offs_n, s_mn, Lk)[:, None]
     else:
         s = mm(k, qT) * qk_scale
     if HAS_MASK == 2:
@@ -139,15 +152,32 @@ def scores_log2_t(
 
 
 @triton.jit
+def key_terms_t(biasT, keep, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr):
+    """:func:`key_terms` for a transposed tile whose key rows are fixed: ``biasT`` [BN, BM] (log2 domain, loaded
+    in the bias's own row-major order and transposed, or 0.0) and ``keep`` [BN] (HAS_MASK 1) -> ``baddT``."""
+    if HAS_MASK == 1:
+        if HAS_BIAS:
+            return tl.where(keep[:, None], biasT, float("-inf"))
+        else:
+            return tl.where(keep, 0.0, float("-inf"))[:, None]
+    else:
+        return biasT
+
+
+@triton.jit
 def kv_scores(
-    q, K, V, badd, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_mm, s_mn, qk_scale,
+    q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, qk_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
     CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """One key tile of a query tile's loop: k [BN, BD], v [BN, BDV] and the logits s [BM, BN] (:func:`scores_log2`)."""
-    n_ok = offs_n < Lk
-    k = load_rows(K, offs_n, s_kn, tl.arange(0, BLOCK_D), D, n_ok)
-    v = load_rows(V, offs_n, s_vn, tl.arange(0, BLOCK_DV), Dv, n_ok)
+    """One key tile of a query tile's loop: k [BN, BD], v [BN, BDV] and the logits s [BM, BN] (:func:`scores_log2`).
+
+    K rows of masked keys read as zeros (:func:`key_terms`); V rows are read as they are (a NaN in v at a masked
+    key reaches the output through 0 * NaN, as in the reference).
+    """
+    badd, k_ok = key_terms(Bias, Mask, offs_m, offs_n, s_bm, s_bn, s_mn, Lq, Lk, HAS_BIAS, HAS_MASK)
+    k = load_rows(K, offs_n, s_kn, tl.arange(0, BLOCK_D), D, k_ok)
+    v = load_rows(V, offs_n, s_vn, tl.arange(0, BLOCK_DV), Dv, offs_n < Lk)
     s = scores_log2(q, k, badd, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, qk_scale,
                     HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N)
     return k, v, s

@@ -7,18 +7,19 @@ natural log, -inf for a row with no key).
 import triton
 import triton.language as tl
 
-from .common import batch_offset, bias_log2, kv_scores, load_rows, mm, split_batch
+from .common import batch_offset, kv_scores, load_rows, mm, split_batch
 
 
 @triton.jit
 def _fwd_step(
-    acc, l_i, m_i, q, K, V, Mask, badd, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_mm, s_mn, qk_scale,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
+    acc, l_i, m_i, q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn,
+    qk_scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
     CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Fold one key tile into the running (acc [BM, Dv], l_i, m_i) of one query tile of one row."""
-    k, v, s = kv_scores(q, K, V, badd, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_mm, s_mn, qk_scale,
-                        HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N, BLOCK_D, BLOCK_DV)  # s: [BM, BN]
+    k, v, s = kv_scores(q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn,
+                        qk_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N, BLOCK_D,
+                        BLOCK_DV)  # s: [BM, BN]
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: keep exp2 finite
     alpha = tl.exp2(m_i - m_use)
@@ -39,11 +40,8 @@ def _fwd_tiles(
     """Fold key tiles [lo, hi) into the running (acc [BM, Dv], l_i, m_i) of one query tile."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        badd = 0.0
-        if HAS_BIAS:
-            badd = bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk)
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K, V, Mask, badd, offs_m, offs_n, Lq, Lk, D, Dv,
-                                  s_kn, s_vn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL,
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv,
+                                  s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL,
                                   CHECK_M, CHECK_N, BLOCK_D, BLOCK_DV)
     return acc, l_i, m_i
 
