@@ -125,8 +125,12 @@ def _randomize(mod: torch.nn.Module):
                 p.normal_(0.0, p.shape[-1] ** -0.5)
 
 
-def measure(mod, inputs, fwd, iters: int, warmup: int):
-    """Median ms of one fwd+bwd step and its extra peak memory (GiB) beyond params and inputs."""
+def measure(mod, inputs, fwd, iters: int, warmup: int, graph_pool: bool = False):
+    """Median ms of one fwd+bwd step and its extra peak memory (GiB) beyond params and inputs.
+
+    Runs ``max(warmup, 1)`` warm-up steps, one step for the peak memory, then ``iters`` timed steps.
+    ``graph_pool``: the step runs as CUDA graphs, whose private memory pool counts in the peak (below).
+    """
     mod.train()
     grads_out = None
 
@@ -141,10 +145,9 @@ def measure(mod, inputs, fwd, iters: int, warmup: int):
             grads_out = [torch.randn_like(o) for o in outs]
         torch.autograd.backward(outs, grads_out)
 
-    # Baselines before the first step. The peak is the larger of (a) allocated memory at its high point in one
-    # step and (b) memory that stays reserved between steps after the cache is emptied: the private pool of
-    # torch.compile's CUDA graphs (mode="reduce-overhead") holds the step's tensors outside (a), and is memory
-    # the step needs. Without CUDA graphs (b) is only segment rounding and (a) decides.
+    # Baselines before the first step. The peak is (a) allocated memory at its high point in one step, and with
+    # CUDA graphs the larger of (a) and (b) memory that stays reserved between steps after the cache is emptied:
+    # the graphs' private pool (torch.compile mode="reduce-overhead") holds the step's tensors outside (a).
     mod.zero_grad(set_to_none=True)
     for t in inputs:
         t.grad = None
@@ -165,7 +168,7 @@ def measure(mod, inputs, fwd, iters: int, warmup: int):
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
-    peak = max(torch.cuda.max_memory_allocated() - base, pool) / GIB
+    peak = max(torch.cuda.max_memory_allocated() - base, pool if graph_pool else 0) / GIB
     times = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -238,11 +241,13 @@ def kernel_profile(case: str, dev, path: str, backend: str = "triton", steps: in
     """torch.profiler over ``steps`` fwd+bwd steps of the block: the top CUDA kernels by total time."""
     from torch.profiler import ProfilerActivity, profile
 
+    if steps < 2:
+        raise ValueError(f"kernel_profile needs steps >= 2 (a warm-up and a peak-memory step), got {steps}")
     mod, inputs, fwd = build_case(case, backend, dev, compile_mode)
     _randomize(mod)
     measure(mod, inputs, fwd, iters=1, warmup=2)  # warm-up, autotuning
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        measure(mod, inputs, fwd, iters=steps - 1, warmup=0)
+        measure(mod, inputs, fwd, iters=steps - 2, warmup=0)  # one warm-up + one peak step + the timed ones
     table = prof.key_averages().table(sort_by="device_time_total", row_limit=rows, max_name_column_width=90)
     with open(path, "w") as f:
         f.write(f"# {case}, backend {backend} (compile mode {compile_mode}): {steps} fwd+bwd steps, "
@@ -300,7 +305,8 @@ def _run_item(case, backend, dev, args, t0):
     try:
         mod, inputs, fwd = build_case(case, backend, dev, args.compile_mode)
         _randomize(mod)
-        row["ms"], row["peak_gib"] = measure(mod, inputs, fwd, args.iters, args.warmup)
+        graphs = backend.endswith("+compile") and args.compile_mode in ("reduce-overhead", "max-autotune")
+        row["ms"], row["peak_gib"] = measure(mod, inputs, fwd, args.iters, args.warmup, graph_pool=graphs)
         if backend.endswith("+compile") or backend == "flex":
             row["note"] = f"{time.time() - t1:.0f} s incl. compilation"
             if args.compile_mode and backend.endswith("+compile"):

@@ -124,7 +124,7 @@ def check_against_reference(backend, q, k, v, bias, mask, causal=False, lse_loss
 # (with_bias, triton options) for check_garbage_at_masked_keys
 GARBAGE_RUNS = [
     (True, dict()),
-    (True, dict(deterministic=False)),  # atomic dBias, two rows per program sharing each bias tile
+    (True, dict(deterministic=False)),  # atomic dBias (two rows per program sharing each bias tile on the CPU)
     (True, dict(bwd="fused", deterministic=False)),
     (False, dict()),
 ]

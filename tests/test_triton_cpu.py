@@ -39,11 +39,14 @@ CASES = [
     ("causal_pair_bias_row_mask", (1, 4), 2, 20, L, 16, 24, (1, 1, 2, 20, L), (1, 4, 1, 20, L), True),
     # a key bias (broadcast over Lq) over few tiles, 8 rows share them: the reduction's LOOP_M path, split
     ("key_bias_split_reduction", (1, 8), 2, 20, 20, 16, 16, (1, 1, 2, 1, 20), (1, 8, 1, 1, 20), False),
+    # a key mask without a bias: the mask alone is the logits' additive term
+    ("key_mask_no_bias", (2, 3), 2, 20, L, 16, 16, None, (2, 3, 1, 1, L), False),
 ]
 
 
 # every case in fp32 and fp16 with the split backward; the fused backward on a few (the CPU budget)
-FUSED = ("pair_bias_over_rows", "causal_lq_lt_lk", "query_bias_over_keys", "causal_pair_bias_over_rows")
+FUSED = ("pair_bias_over_rows", "causal_lq_lt_lk", "query_bias_over_keys", "causal_pair_bias_over_rows",
+         "key_mask_no_bias")
 RUNS = [(c, dt, "split") for c in CASES for dt in (torch.float32, torch.float16)]
 RUNS += [(c, torch.float32, "fused") for c in CASES if c[0] in FUSED]
 RUNS += [(c, torch.float16, "fused") for c in CASES if c[0] in FUSED[:2]]

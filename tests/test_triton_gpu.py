@@ -27,10 +27,12 @@ CASES = [
     ("causal_nobias_d128", (1,), 8, 512, 512, 128, 128, None, None, True),
     ("d256", (1,), 2, 130, 130, 256, 256, (1, 2, 130, 130), (1, 1, 1, 130), False),
     ("d16_dv40", (2,), 2, 100, 77, 16, 40, (2, 1, 100, 1), (2, 2, 100, 77), False),
+    ("key_mask_no_bias_d64", (2, 5), 4, 150, 177, 64, 64, None, (2, 5, 1, 1, 177), False),
 ]
 RUNS = [(c, torch.bfloat16, "split") for c in CASES]
 RUNS += [(c, torch.bfloat16, "fused") for c in CASES if c[0] in ("triangle_pair_bias", "dense_full_bias_d128",
-                                                                   "causal_lq_lt_lk_d96", "d256")]
+                                                                   "causal_lq_lt_lk_d96", "d256",
+                                                                   "key_mask_no_bias_d64")]
 RUNS += [(c, dt, "split") for c in CASES for dt in (torch.float16, torch.float32)
          if c[0] in ("msa_rows_odd_L", "relpos_bias_h1lk_d80", "causal_lq_gt_lk_d48", "d16_dv40")]
 # deterministic=False with the split dq: a broadcast bias's gradient summed by atomics in the dK/dV pass

@@ -136,11 +136,12 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], ma
         bias: None or float (any float dtype) broadcastable to ``[*batch, H, Lq, Lk]``: every dim 1 (broadcast, read
             with stride 0) or full; fewer dims than q are left-padded with 1s;
             its gradient comes back in its own shape and dtype, summed over broadcast dims.
-        mask: None or bool with the same rule; True = attend. Whatever the bias or k hold at a masked key (NaN
-            or inf padding included) does not reach the output, lse or any gradient: a key mask (size 1 along
-            Lq) replaces the bias there by -inf and reads those K rows as zeros; a mask that varies along Lq is
-            applied by a select. (The reference's masked_fill hides them from the output too, but its dq still
-            computes 0 * k there.) A NaN in v at a masked key propagates (0 * NaN), as in PyTorch.
+        mask: None or bool with the same rule; True = attend. Under a key mask (size 1 along Lq) whatever the
+            bias or k hold at a masked key (NaN or inf padding included) reaches neither the output, lse nor any
+            gradient: the bias there is replaced by -inf and those K rows are read as zeros. A mask that varies
+            along Lq is applied by a select, which keeps garbage out of the output, lse, dk, dv and dbias, but
+            dq still computes 0 * k at masked keys (NaN for a non-finite k), as the reference's masked_fill does.
+            A NaN in v at a masked key propagates (0 * NaN), as in PyTorch.
         scale: logit scale. causal: query i sees key j iff ``j <= i + (Lk - Lq)``.
         deterministic: True (default) gives bitwise-identical gradients on repeated calls (no atomics). False
             sums the gradient of a bias broadcast over batch dims with fp32 atomics in the dK/dV pass (one pass

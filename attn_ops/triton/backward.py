@@ -196,8 +196,9 @@ def attn_bwd_dkdv_kernel(
             dk, dv, dsT = _dkdv_step(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Mask_r, dQ_r, baddT,
                                      offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm, s_mn, qk_scale, scale,
                                      HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, BLOCK_D, BLOCK_DV)
+            baddT2 = key_terms_t(biasT, keep2, HAS_BIAS, HAS_MASK)  # the second row's own key mask
             dk2, dv2, dsT2 = _dkdv_step(dk2, dv2, k2, v2, Q + q_off2, dO2, Lse + row2, Delta + row2, Mask2,
-                                        dQacc + q_off2, key_terms_t(biasT, keep2, HAS_BIAS, HAS_MASK), offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm,
+                                        dQacc + q_off2, baddT2, offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm,
                                         s_mn, qk_scale, scale, HAS_BIAS, HAS_MASK, False, CHECK,
                                         FUSED_DQ, BLOCK_D, BLOCK_DV)
             if ATOMIC_DBIAS:
