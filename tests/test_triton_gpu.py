@@ -50,19 +50,26 @@ def test_matches_reference_gpu(case, dtype, variant):
     check_against_reference("triton", q, k, v, bias, mask, causal=causal, **opts)
 
 
-@pytest.mark.parametrize("rows", [24, 7], ids=["even_R", "odd_R"])
-def test_atomic_dbias_two_rows_per_program_gpu(rows, monkeypatch):
-    """The tuner picks two rows per dK/dV program for pair biases with deterministic=False; with ATTN_ZOO_NO_TUNE the
-    file's other cases run one row, so this case offers only two-row configs (an odd R repeats its last row)."""
+@pytest.fixture
+def two_rows_only(monkeypatch):
+    """Offer the tuner only two-rows-per-program dK/dV configs for pair biases (ATTN_ZOO_NO_TUNE would pick one row)."""
     from attn_ops.triton import tuning
 
-    def two_rows(kernel, head_dim, lq, lk, pair=False):
-        cands = [c for c in original(kernel, head_dim, lq, lk, pair) if c.rows == 2 or not pair]
-        return cands
-
     original = tuning.candidates
+
+    def two_rows(kernel, head_dim, lq, lk, pair=False):
+        return [c for c in original(kernel, head_dim, lq, lk, pair) if c.rows == 2 or not pair]
+
     monkeypatch.setattr(tuning, "candidates", two_rows)
     monkeypatch.setattr(tuning, "_CACHE", {})
+    return tuning
+
+
+@pytest.mark.parametrize("rows", [24, 7], ids=["even_R", "odd_R"])
+def test_atomic_dbias_two_rows_per_program_gpu(rows, two_rows_only):
+    """The tuner picks two rows per dK/dV program for pair biases with deterministic=False; with ATTN_ZOO_NO_TUNE the
+    file's other cases run one row, so this case offers only two-row configs (an odd R repeats its last row)."""
+    tuning = two_rows_only
     q, k, v, bias, mask = make_inputs((1, rows), 4, 160, 160, 32, dtype=torch.bfloat16, bias_shape=(1, 1, 4, 160, 160),
                                       mask_shape=(1, rows, 1, 1, 160), seed=rows, device="cuda")
     check_against_reference("triton", q, k, v, bias, mask, bwd="split", deterministic=False)
@@ -133,3 +140,11 @@ def test_bias_slice_over_2_31_elements_gpu():
 def test_garbage_at_masked_keys_changes_nothing_gpu(with_bias, opts, dtype):
     """NaN / inf padding in the bias and k at masked keys: the same bits as zeros there (helpers.py)."""
     check_garbage_at_masked_keys(with_bias, opts, dtype=dtype, device="cuda", lq=130, lk=203, rows=8)
+
+
+def test_garbage_at_masked_keys_two_rows_per_program_gpu(two_rows_only):
+    """The same with the two-rows-per-program dK/dV path (each row selects with its own key mask on the shared
+    bias tile)."""
+    check_garbage_at_masked_keys(True, dict(deterministic=False), dtype=torch.bfloat16, device="cuda", lq=130,
+                                 lk=203, rows=8)
+    assert any(key[0] == "dkdv" and key[1] and cfg.rows == 2 for key, cfg in two_rows_only.chosen().items())
