@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    batch_offset, bias_log2, key_terms_t, kv_scores, load_keep, load_lse2, load_rows, mm, scores_log2_t, split_batch,
+    batch_offset, bias_log2, key_rows, key_terms_t, kv_scores, load_lse2, load_rows, mm, scores_log2_t, split_batch,
 )
 
 
@@ -162,9 +162,7 @@ def attn_bwd_dkdv_kernel(
     row = ((b * R + r) * H + h).to(tl.int64) * Lq
     Mask_r = Mask + batch_offset(b, r, h, s_mb, s_mr, s_mh)
     dQ_r = dQacc + q_off
-    keep = n_ok
-    if HAS_MASK == 1:  # masked keys' K rows read as zeros and their bias replaced by -inf (see key_terms)
-        keep = load_keep(Mask_r, offs_n, s_mn, Lk)
+    keep = key_rows(Mask_r, offs_n, s_mn, Lk, HAS_MASK)  # masked keys also get -inf for a bias (key_terms_t)
     k = load_rows(K + k_off, offs_n, s_kn, offs_d, D, keep)  # [BN, BD]
     v = load_rows(V + v_off, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -178,9 +176,7 @@ def attn_bwd_dkdv_kernel(
         row2 = ((b * R + r2) * H + h).to(tl.int64) * Lq
         Mask2 = Mask + batch_offset(b, r2, h, s_mb, s_mr, s_mh)
         dO2 = dOut + batch_offset(b, r2, h, s_db, s_dr, s_dh)
-        keep2 = n_ok
-        if HAS_MASK == 1:
-            keep2 = load_keep(Mask2, offs_n, s_mn, Lk)
+        keep2 = key_rows(Mask2, offs_n, s_mn, Lk, HAS_MASK)
         k2 = load_rows(K + k_off2, offs_n, s_kn, offs_d, D, keep2)
         v2 = load_rows(V + v_off2, offs_n, s_vn, offs_dv, Dv, n_ok)
         dk2 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -210,19 +206,19 @@ def attn_bwd_dkdv_kernel(
         lo = (tl.maximum(n0 - (Lk - Lq), 0) // BLOCK_M) * BLOCK_M
         m_full = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - (Lk - Lq), 0), BLOCK_M) * BLOCK_M
         m_full = tl.minimum(tl.maximum(m_full, lo), Lq)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, keep, dQ_r, dBias, offs_n,
-                             lo, m_full, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
-                             scale, HAS_BIAS, HAS_MASK, True, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS, BLOCK_M,
-                             BLOCK_D, BLOCK_DV)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, keep, dQ_r, dBias, offs_n,
-                             m_full, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
-                             scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS, BLOCK_M,
-                             BLOCK_D, BLOCK_DV)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, keep, dQ_r, dBias,
+                             offs_n, lo, m_full, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn,
+                             qk_scale, scale, HAS_BIAS, HAS_MASK, True, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
+                             BLOCK_M, BLOCK_D, BLOCK_DV)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, keep, dQ_r, dBias,
+                             offs_n, m_full, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn,
+                             qk_scale, scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
+                             BLOCK_M, BLOCK_D, BLOCK_DV)
     else:
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, keep, dQ_r, dBias, offs_n,
-                             0, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
-                             scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS, BLOCK_M,
-                             BLOCK_D, BLOCK_DV)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, keep, dQ_r, dBias,
+                             offs_n, 0, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn,
+                             qk_scale, scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
+                             BLOCK_M, BLOCK_D, BLOCK_DV)
     _store_dkdv(dK + k_off, dV + v_off, dk, dv, offs_n, s_kn, s_vn, Lk, D, Dv, scale, BLOCK_D, BLOCK_DV)
 
 

@@ -53,9 +53,13 @@ def load_tile(Base, offs_m, offs_n, s_m, s_n, Lm, Ln):
 
 
 @triton.jit
-def load_keep(Mask, offs_n, s_mn, Lk):
-    """A key mask's ``[BN]`` vector of attended keys (False past Lk)."""
-    return tl.load(Mask + offs_n.to(tl.int64) * s_mn, mask=offs_n < Lk, other=0) != 0
+def key_rows(Mask, offs_n, s_mn, Lk, HAS_MASK: tl.constexpr):
+    """``[BN]``: the key rows to read from K, i.e. the attended keys under a key mask (HAS_MASK 1), else the keys
+    < Lk. Masked keys' rows read as zeros, so garbage there (NaN / inf padding) never meets q."""
+    if HAS_MASK == 1:
+        return tl.load(Mask + offs_n.to(tl.int64) * s_mn, mask=offs_n < Lk, other=0) != 0
+    else:
+        return offs_n < Lk
 
 
 @triton.jit
@@ -76,10 +80,9 @@ def key_terms(
     added to, and their K rows read as zeros, so a NaN or inf there (padding garbage) cannot reach the row, as
     with the reference's masked_fill; a select costs what the add it replaces did.
     """
-    k_ok = offs_n < Lk
+    k_ok = key_rows(Mask, offs_n, s_mn, Lk, HAS_MASK)
     badd = 0.0
     if HAS_MASK == 1:
-        k_ok = load_keep(Mask, offs_n, s_mn, Lk)
         if HAS_BIAS:
             badd = tl.where(k_ok[None, :], bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk), float("-inf"))
         else:
