@@ -7,41 +7,60 @@ broadcast over Lq or Lk, all query or key tiles). It recomputes dS = P * (dO V^T
 accumulates it in fp32 registers, so no ``[R, H, Lq, Lk]`` buffer exists and the result has the same bits
 every run. Several programs may share one tile's batch loop (contiguous chunks, grid axis 2); their fp32 partial
 sums go to ``dBiasPart[split]`` and the host adds them in a fixed order (one split: written in the bias's dtype).
+
+The loop is bound by its per-step instruction count, not by memory (H100, triangle 768: the same time with every
+step reading the same rows from cache), so the common case keeps each step lean: operand offsets are computed
+once, tiles that are fully in range load without masks, and the batch index needs no division where a
+broadcast extent is 1.
 """
 import triton
 import triton.language as tl
 
-from .common import batch_offset, load_lse2, load_rows, load_tile, mm
+from .common import batch_offset, load_lse2, load_tile, mm
 
 
 @triton.jit
-def _ds_tile(
-    Q, K, V, dOut, Lse, Delta, Mask, bias2, offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_kn, s_vn, s_dm, s_mm, s_mn,
-    qk_scale, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, CHECK: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+def _ds_step(
+    Q, K, V, dOut, Lse, Delta, Mask, bias2, q_off, k_off, v_off, do_off, offs_m, offs_n, offs_d, offs_dv,
+    Lq, Lk, D, Dv, s_mm, s_mn, qk_scale,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr,
 ):
-    """dS [BM, BN] (fp32) of one tile of one (b, r, h); ``bias2`` is the bias tile already times log2(e)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    m_ok = offs_m < Lq
-    n_ok = offs_n < Lk
-    q = load_rows(Q, offs_m, s_qm, offs_d, D, m_ok)  # [BM, BD]
-    do = load_rows(dOut, offs_m, s_dm, offs_dv, Dv, m_ok)  # [BM, BDV]
-    k = load_rows(K, offs_n, s_kn, offs_d, D, n_ok)  # [BN, BD]
-    v = load_rows(V, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
-    lse2 = load_lse2(Lse, offs_m, Lq)
-    delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
+    """dS [BM, BN] (fp32) of one tile of one (b, r, h) whose operand rows sit at the given element offsets.
+
+    ``bias2`` is the bias tile already times log2(e). EVEN: the tile is inside [Lq, Lk] and D, Dv fill their
+    blocks, so nothing is masked on load.
+    """
+    if EVEN:
+        q = tl.load(Q + q_off)  # [BM, BD]
+        do = tl.load(dOut + do_off)  # [BM, BDV]
+        k = tl.load(K + k_off)  # [BN, BD]
+        v = tl.load(V + v_off)  # [BN, BDV]
+        lse = tl.load(Lse + offs_m) * 1.4426950408889634
+        lse2 = tl.where(lse == float("-inf"), 0.0, lse)  # a fully masked row: exp2(-inf - 0) = 0, no NaN
+        delta = tl.load(Delta + offs_m)
+    else:
+        m_ok = offs_m < Lq
+        n_ok = offs_n < Lk
+        q = tl.load(Q + q_off, mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        do = tl.load(dOut + do_off, mask=m_ok[:, None] & (offs_dv[None, :] < Dv), other=0.0)
+        k = tl.load(K + k_off, mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        v = tl.load(V + v_off, mask=n_ok[:, None] & (offs_dv[None, :] < Dv), other=0.0)
+        lse2 = load_lse2(Lse, offs_m, Lq)
+        delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
     s = mm(q, tl.trans(k)) * qk_scale + bias2
     if HAS_MASK == 1:  # key mask: a select here (the bias tile is loop-invariant, so no add to fold it into)
-        keep = tl.load(Mask + offs_n.to(tl.int64) * s_mn, mask=n_ok, other=0) != 0
+        if EVEN:
+            keep = tl.load(Mask + offs_n.to(tl.int64) * s_mn) != 0
+        else:
+            keep = tl.load(Mask + offs_n.to(tl.int64) * s_mn, mask=offs_n < Lk, other=0) != 0
         s = tl.where(keep[None, :], s, float("-inf"))
     if HAS_MASK == 2:
         keep = load_tile(Mask, offs_m, offs_n, s_mm, s_mn, Lq, Lk) != 0
         s = tl.where(keep, s, float("-inf"))
     if CAUSAL:
         s = tl.where(offs_n[None, :] <= offs_m[:, None] + (Lk - Lq), s, float("-inf"))
-    if CHECK:
-        s = tl.where(m_ok[:, None] & n_ok[None, :], s, float("-inf"))
+    if not EVEN:
+        s = tl.where((offs_m < Lq)[:, None] & (offs_n < Lk)[None, :], s, float("-inf"))
     p = tl.exp2(s - lse2[:, None])
     dp = mm(do, tl.trans(v))
     return p * (dp - delta[:, None])
@@ -57,11 +76,14 @@ def attn_bwd_dbias_kernel(
     s_mb, s_mr, s_mh, s_mm, s_mn,
     s_db, s_dr, s_dh, s_dm,
     s_ps, s_pb, s_pr, s_ph, s_pm, s_pn,
-    B, R, H, BB, BR, BH, Lq, Lk, D, Dv, qk_scale, steps_per_split,
+    R, H, BR, BH, lr_n, lh_n, total, Lq, Lk, D, Dv, qk_scale, steps_per_split,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, LOOP_M: tl.constexpr, LOOP_N: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    LOOP_B: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    """Grid (output tiles, BB*BR*BH bias batch indices, splits). The batch loop of a tile runs t over the
+    broadcast batch dims (lb, lr, lh), h fastest: ``lr_n = R // BR``, ``lh_n = H // BH`` (an extent of 1 is
+    specialised, so its division folds away), ``total = (B // BB) * lr_n * lh_n``; LOOP_B: B // BB > 1."""
     pid_t = tl.program_id(0)  # output tile within one bias [BLq, BLk] slice
     pid_g = tl.program_id(1)  # bias batch index over BB*BR*BH
     pid_s = tl.program_id(2)  # split of the batch loop
@@ -73,14 +95,11 @@ def attn_bwd_dbias_kernel(
     gh = pid_g % BH
     gr = (pid_g // BH) % BR
     gb = pid_g // (BH * BR)
-    # the batch loop runs over the broadcast batch dims: (lb, lr, lh), each of extent 1 where not broadcast
-    lr_n = R // BR
-    lh_n = H // BH
-    total = (B // BB) * lr_n * lh_n
     t_lo = pid_s * steps_per_split
     t_hi = tl.minimum(total, t_lo + steps_per_split)
-    CHECK: tl.constexpr = not (EVEN_M and EVEN_N)
     Bias += batch_offset(gb, gr, gh, s_bb, s_br, s_bh)  # broadcast dims have stride 0
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
     if LOOP_M or LOOP_N:  # bias broadcast over Lq and/or Lk: rare layouts, plain nested loops
@@ -95,23 +114,24 @@ def attn_bwd_dbias_kernel(
             n_lo = 0
             n_hi = n_nt
         for t in range(t_lo, t_hi):
-            b = gb + t // (lr_n * lh_n)
-            r = gr + (t // lh_n) % lr_n
             h = gh + t % lh_n
+            r = gr + (t // lh_n) % lr_n
+            b = gb + t // (lh_n * lr_n)
             row = ((b * R + r) * H + h).to(tl.int64) * Lq
             for mt in range(m_lo, m_hi):
                 for nt in range(n_lo, n_hi):
                     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
                     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-                    bias2 = load_tile(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk)
-                    acc += _ds_tile(Q + batch_offset(b, r, h, s_qb, s_qr, s_qh),
+                    bias2 = load_tile(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk).to(tl.float32) * 1.4426950408889634
+                    acc += _ds_step(Q + batch_offset(b, r, h, s_qb, s_qr, s_qh),
                                     K + batch_offset(b, r, h, s_kb, s_kr, s_kh),
                                     V + batch_offset(b, r, h, s_vb, s_vr, s_vh),
                                     dOut + batch_offset(b, r, h, s_db, s_dr, s_dh), Lse + row, Delta + row,
-                                    Mask + batch_offset(b, r, h, s_mb, s_mr, s_mh),
-                                    bias2.to(tl.float32) * 1.4426950408889634, offs_m, offs_n, Lq, Lk, D, Dv,
-                                    s_qm, s_kn, s_vn, s_dm, s_mm, s_mn, qk_scale, HAS_MASK, CAUSAL, True,
-                                    BLOCK_D, BLOCK_DV)
+                                    Mask + batch_offset(b, r, h, s_mb, s_mr, s_mh), bias2,
+                                    offs_m[:, None] * s_qm + offs_d[None, :], offs_n[:, None] * s_kn + offs_d[None, :],
+                                    offs_n[:, None] * s_vn + offs_dv[None, :],
+                                    offs_m[:, None] * s_dm + offs_dv[None, :], offs_m, offs_n, offs_d, offs_dv,
+                                    Lq, Lk, D, Dv, s_mm, s_mn, qk_scale, HAS_MASK, CAUSAL, False)
     else:  # the common case (pair bias shared over rows/batch): one fixed tile, flat pipelined loop
         offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,18 +140,26 @@ def attn_bwd_dbias_kernel(
                 t_hi = t_lo
         bias2 = load_tile(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk)
         bias2 = bias2.to(tl.float32) * 1.4426950408889634  # loaded once for the whole loop
+        q_off = offs_m[:, None] * s_qm + offs_d[None, :]  # operand offsets within one (b, r, h): loop-invariant
+        do_off = offs_m[:, None] * s_dm + offs_dv[None, :]
+        k_off = offs_n[:, None] * s_kn + offs_d[None, :]
+        v_off = offs_n[:, None] * s_vn + offs_dv[None, :]
         for t in range(t_lo, t_hi):
-            b = gb + t // (lr_n * lh_n)
-            r = gr + (t // lh_n) % lr_n
             h = gh + t % lh_n
+            if LOOP_B:
+                r = gr + (t // lh_n) % lr_n
+                b = gb + t // (lh_n * lr_n)
+            else:  # t // lh_n < lr_n: no division by R
+                r = gr + t // lh_n
+                b = gb
             row = ((b * R + r) * H + h).to(tl.int64) * Lq
-            acc += _ds_tile(Q + batch_offset(b, r, h, s_qb, s_qr, s_qh),
+            acc += _ds_step(Q + batch_offset(b, r, h, s_qb, s_qr, s_qh),
                             K + batch_offset(b, r, h, s_kb, s_kr, s_kh),
                             V + batch_offset(b, r, h, s_vb, s_vr, s_vh),
                             dOut + batch_offset(b, r, h, s_db, s_dr, s_dh), Lse + row, Delta + row,
-                            Mask + batch_offset(b, r, h, s_mb, s_mr, s_mh),
-                            bias2, offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_kn, s_vn, s_dm, s_mm, s_mn, qk_scale,
-                            HAS_MASK, CAUSAL, CHECK, BLOCK_D, BLOCK_DV)
+                            Mask + batch_offset(b, r, h, s_mb, s_mr, s_mh), bias2, q_off, k_off, v_off, do_off,
+                            offs_m, offs_n, offs_d, offs_dv, Lq, Lk, D, Dv, s_mm, s_mn, qk_scale, HAS_MASK, CAUSAL,
+                            EVEN_M and EVEN_N and EVEN_D)
 
     Out = dBiasPart + pid_s.to(tl.int64) * s_ps + batch_offset(gb, gr, gh, s_pb, s_pr, s_ph)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
