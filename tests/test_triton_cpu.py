@@ -41,6 +41,9 @@ CASES = [
     ("key_bias_split_reduction", (1, 8), 2, 20, 20, 16, 16, (1, 1, 2, 1, 20), (1, 8, 1, 1, 20), False),
     # a key mask without a bias: the mask alone is the logits' additive term
     ("key_mask_no_bias", (2, 3), 2, 20, L, 16, 16, None, (2, 3, 1, 1, L), False),
+    # every tile in range and D = its block: the kernels' unmasked-load paths (the interpreter's tiles are 32 x 16)
+    ("pair_bias_even_tiles", (1, 3), 2, 32, 32, 16, 16, (1, 1, 2, 32, 32), (1, 3, 1, 1, 32), False),
+    ("causal_even_tiles", (2,), 2, 32, 64, 16, 16, (2, 2, 32, 64), (2, 1, 1, 64), True),
 ]
 
 
@@ -51,7 +54,7 @@ RUNS = [(c, dt, "split") for c in CASES for dt in (torch.float32, torch.float16)
 RUNS += [(c, torch.float32, "fused") for c in CASES if c[0] in FUSED]
 RUNS += [(c, torch.float16, "fused") for c in CASES if c[0] in FUSED[:2]]
 # split dq with the broadcast bias's gradient summed by atomics in the dK/dV pass (deterministic=False)
-ATOMIC = ("pair_bias_over_rows", "causal_pair_bias_over_rows")
+ATOMIC = ("pair_bias_over_rows", "causal_pair_bias_over_rows", "pair_bias_even_tiles")
 RUNS += [(c, dt, "atomic") for c in CASES if c[0] in ATOMIC for dt in (torch.float32, torch.float16)]
 
 
@@ -252,3 +255,10 @@ def test_garbage_at_masked_keys_changes_nothing(with_bias, opts, dtype):
     gives exactly the bits of the same inputs with zeros there, as the reference's masked_fill would: output,
     lse and the gradients of q, k, v and bias. (A NaN in v at a masked key still propagates, as in PyTorch.)"""
     check_garbage_at_masked_keys(with_bias, opts, dtype=dtype, device="cpu")
+
+
+@pytest.mark.parametrize("with_bias,opts", GARBAGE_RUNS, ids=GARBAGE_IDS)
+def test_garbage_at_masked_keys_even_tiles(with_bias, opts):
+    """As above with every tile in range (32 x 32: the kernels load K/V/bias tiles without range masks there, so
+    only the key mask keeps the garbage out)."""
+    check_garbage_at_masked_keys(with_bias, opts, dtype=torch.float32, device="cpu", lq=32, lk=32)

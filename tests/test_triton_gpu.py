@@ -28,6 +28,7 @@ CASES = [
     ("d256", (1,), 2, 130, 130, 256, 256, (1, 2, 130, 130), (1, 1, 1, 130), False),
     ("d16_dv40", (2,), 2, 100, 77, 16, 40, (2, 1, 100, 1), (2, 2, 100, 77), False),
     ("key_mask_no_bias_d64", (2, 5), 4, 150, 177, 64, 64, None, (2, 5, 1, 1, 177), False),
+    ("triangle_even_tiles", (1, 8), 4, 256, 256, 32, 32, (1, 1, 4, 256, 256), (1, 8, 1, 1, 256), False),
 ]
 RUNS = [(c, torch.bfloat16, "split") for c in CASES]
 RUNS += [(c, torch.bfloat16, "fused") for c in CASES if c[0] in ("triangle_pair_bias", "dense_full_bias_d128",
@@ -37,7 +38,7 @@ RUNS += [(c, dt, "split") for c in CASES for dt in (torch.float16, torch.float32
          if c[0] in ("msa_rows_odd_L", "relpos_bias_h1lk_d80", "causal_lq_gt_lk_d48", "d16_dv40")]
 # deterministic=False with the split dq: a broadcast bias's gradient summed by atomics in the dK/dV pass
 RUNS += [(c, dt, "atomic") for c in CASES for dt in (torch.bfloat16, torch.float32)
-         if c[0] in ("triangle_pair_bias", "msa_rows_odd_L", "head_bias_over_batch_d64")]
+         if c[0] in ("triangle_pair_bias", "msa_rows_odd_L", "head_bias_over_batch_d64", "triangle_even_tiles")]
 
 
 @pytest.mark.parametrize("case,dtype,variant", RUNS, ids=[f"{c[0]}-{str(d)[6:]}-{v}" for c, d, v in RUNS])
@@ -140,6 +141,12 @@ def test_bias_slice_over_2_31_elements_gpu():
 def test_garbage_at_masked_keys_changes_nothing_gpu(with_bias, opts, dtype):
     """NaN / inf padding in the bias and k at masked keys: the same bits as zeros there (helpers.py)."""
     check_garbage_at_masked_keys(with_bias, opts, dtype=dtype, device="cuda", lq=130, lk=203, rows=8)
+
+
+@pytest.mark.parametrize("with_bias,opts", GARBAGE_RUNS, ids=GARBAGE_IDS)
+def test_garbage_at_masked_keys_even_tiles_gpu(with_bias, opts):
+    """The same where every tile is in range (256 x 256): K/V/bias tiles load without range masks there."""
+    check_garbage_at_masked_keys(with_bias, opts, dtype=torch.bfloat16, device="cuda", lq=256, lk=256, rows=8)
 
 
 def test_garbage_at_masked_keys_two_rows_per_program_gpu(two_rows_only):

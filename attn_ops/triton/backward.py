@@ -41,15 +41,20 @@ def _dkdv_step(
     dk, dv, k, v, Q, dOut, Lse, Delta, Mask, dQacc, baddT, offs_m, offs_n, Lq, Lk, D, Dv,
     s_qm, s_dm, s_mm, s_mn, qk_scale, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
-    FUSED_DQ: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    FUSED_DQ: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """Fold one query tile into dk [BN, BD], dv [BN, BDV] of one key tile of one row; returns dS^T [BN, BM] too."""
+    """Fold one query tile into dk [BN, BD], dv [BN, BDV] of one key tile of one row; returns dS^T [BN, BM] too.
+
+    CHECK False: the tile is inside [Lq, Lk]; with EVEN_D too, its loads carry no masks."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Lq
-    qT = tl.load(Q + offs_m[None, :] * s_qm + offs_d[:, None],
-                 mask=m_ok[None, :] & (offs_d[:, None] < D), other=0.0)  # [BD, BM]
-    do = load_rows(dOut, offs_m, s_dm, offs_dv, Dv, m_ok)  # [BM, BDV]
+    qT_ptrs = Q + offs_m[None, :] * s_qm + offs_d[:, None]  # [BD, BM]
+    if CHECK or not EVEN_D:
+        qT = tl.load(qT_ptrs, mask=m_ok[None, :] & (offs_d[:, None] < D), other=0.0)
+    else:
+        qT = tl.load(qT_ptrs)
+    do = load_rows(dOut, offs_m, s_dm, offs_dv, Dv, m_ok, CHECK, not EVEN_D)  # [BM, BDV]
     lse2 = load_lse2(Lse, offs_m, Lq)
     delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
     sT = scores_log2_t(k, qT, baddT, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, qk_scale,
@@ -83,7 +88,7 @@ def _dkdv_tiles(
     dk, dv, k, v, Q, dOut, Lse, Delta, Bias, Mask, keep, dQacc, dBias, offs_n, lo, hi, Lq, Lk, D, Dv,
     s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
-    FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, ATOMIC_DBIAS: tl.constexpr,
+    FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, ATOMIC_DBIAS: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Fold query tiles [lo, hi) into dk [BN, BD], dv [BN, BDV] of one key tile (transposed tiles [BN, BM]);
@@ -92,11 +97,11 @@ def _dkdv_tiles(
         offs_m = m0 + tl.arange(0, BLOCK_M)
         biasT = 0.0
         if HAS_BIAS:
-            biasT = tl.trans(bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk))
+            biasT = tl.trans(bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK))
         baddT = key_terms_t(biasT, keep, HAS_BIAS, HAS_MASK)
         dk, dv, dsT = _dkdv_step(dk, dv, k, v, Q, dOut, Lse, Delta, Mask, dQacc, baddT, offs_m, offs_n, Lq, Lk,
                                  D, Dv, s_qm, s_dm, s_mm, s_mn, qk_scale, scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL,
-                                 CHECK, FUSED_DQ, BLOCK_D, BLOCK_DV)
+                                 CHECK, FUSED_DQ, EVEN_D, BLOCK_D, BLOCK_DV)
         if DIRECT_DBIAS or ATOMIC_DBIAS:
             _store_dbias_t(dBias, dsT, offs_m, offs_n, Lq, Lk, s_gm, s_gn, ATOMIC_DBIAS)
     return dk, dv
@@ -126,7 +131,7 @@ def attn_bwd_dkdv_kernel(
     R, H, Lq, Lk, D, Dv, qk_scale, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
     FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, ATOMIC_DBIAS: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ROWS: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """One program per (key tile, b * (R / ROWS) * h): loops over query tiles, writes dK, dV (k's and v's strides).
@@ -187,16 +192,16 @@ def attn_bwd_dkdv_kernel(
             offs_m = m0 + tl.arange(0, BLOCK_M)
             biasT = 0.0
             if HAS_BIAS:
-                biasT = tl.trans(bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk))  # once for both rows
+                biasT = tl.trans(bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK))  # once for both rows
             baddT = key_terms_t(biasT, keep, HAS_BIAS, HAS_MASK)
             dk, dv, dsT = _dkdv_step(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Mask_r, dQ_r, baddT,
                                      offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm, s_mn, qk_scale, scale,
-                                     HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, BLOCK_D, BLOCK_DV)
+                                     HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, EVEN_D, BLOCK_D, BLOCK_DV)
             baddT2 = key_terms_t(biasT, keep2, HAS_BIAS, HAS_MASK)  # the second row's own key mask
             dk2, dv2, dsT2 = _dkdv_step(dk2, dv2, k2, v2, Q + q_off2, dO2, Lse + row2, Delta + row2, Mask2,
                                         dQacc + q_off2, baddT2, offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm,
                                         s_mn, qk_scale, scale, HAS_BIAS, HAS_MASK, False, CHECK,
-                                        FUSED_DQ, BLOCK_D, BLOCK_DV)
+                                        FUSED_DQ, EVEN_D, BLOCK_D, BLOCK_DV)
             if ATOMIC_DBIAS:
                 _store_dbias_t(dBias, dsT + dsT2 * w2, offs_m, offs_n, Lq, Lk, s_gm, s_gn, True)
         if r + 1 < R:
@@ -209,16 +214,16 @@ def attn_bwd_dkdv_kernel(
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, keep, dQ_r, dBias,
                              offs_n, lo, m_full, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn,
                              qk_scale, scale, HAS_BIAS, HAS_MASK, True, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
-                             BLOCK_M, BLOCK_D, BLOCK_DV)
+                             EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, keep, dQ_r, dBias,
                              offs_n, m_full, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn,
                              qk_scale, scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
-                             BLOCK_M, BLOCK_D, BLOCK_DV)
+                             EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV)
     else:
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, keep, dQ_r, dBias,
                              offs_n, 0, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn,
                              qk_scale, scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
-                             BLOCK_M, BLOCK_D, BLOCK_DV)
+                             EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV)
     _store_dkdv(dK + k_off, dV + v_off, dk, dv, offs_n, s_kn, s_vn, Lk, D, Dv, scale, BLOCK_D, BLOCK_DV)
 
 
@@ -226,11 +231,12 @@ def attn_bwd_dkdv_kernel(
 def _dq_step(
     dq, q, do, lse2, delta, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn,
     qk_scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Fold one key tile into dq [BM, BD] of one query tile of one row; returns dS [BM, BN] too."""
     k, v, s = kv_scores(q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn,
-                        qk_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, CHECK, BLOCK_D, BLOCK_DV)  # s: [BM, BN]
+                        qk_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, CHECK, not CHECK, EVEN_D, BLOCK_D,
+                        BLOCK_DV)  # s: [BM, BN]
     p = tl.exp2(s - lse2[:, None])
     dp = mm(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
@@ -243,15 +249,16 @@ def _dq_tiles(
     dq, q, do, lse2, delta, K, V, Bias, Mask, dBias, offs_m, lo, hi, Lq, Lk, D, Dv,
     s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
-    DIRECT_DBIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DIRECT_DBIAS: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Fold key tiles [lo, hi) into dq [BM, BD] of one query tile; store dS into dBias when it owns the rows."""
     m_ok = offs_m < Lq
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         dq, ds = _dq_step(dq, q, do, lse2, delta, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn,
-                          s_bm, s_bn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, BLOCK_D,
-                          BLOCK_DV)
+                          s_bm, s_bn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, EVEN_D,
+                          BLOCK_D, BLOCK_DV)
         if DIRECT_DBIAS:
             tl.store(dBias + offs_m[:, None].to(tl.int64) * s_gm + offs_n[None, :].to(tl.int64) * s_gn,
                      ds.to(dBias.dtype.element_ty), mask=m_ok[:, None] & (offs_n[None, :] < Lk))
@@ -270,7 +277,7 @@ def attn_bwd_dq_kernel(
     s_gb, s_gr, s_gh, s_gm, s_gn,
     R, H, Lq, Lk, D, Dv, qk_scale, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, DIRECT_DBIAS: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """One program per (query tile, b*r*h): loops over key tiles, writes dQ (q's strides).
@@ -308,13 +315,13 @@ def attn_bwd_dq_kernel(
         full_hi = tl.minimum(full_hi, tl.maximum(hi, 0))
         dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, Mask_r, dBias, offs_m, 0, full_hi, Lq, Lk, D, Dv,
                        s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
-                       HAS_BIAS, HAS_MASK, False, CHECK, DIRECT_DBIAS, BLOCK_N, BLOCK_D, BLOCK_DV)
+                       HAS_BIAS, HAS_MASK, False, CHECK, DIRECT_DBIAS, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
         dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, Mask_r, dBias, offs_m, full_hi, hi, Lq, Lk, D, Dv,
                        s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
-                       HAS_BIAS, HAS_MASK, True, CHECK, DIRECT_DBIAS, BLOCK_N, BLOCK_D, BLOCK_DV)
+                       HAS_BIAS, HAS_MASK, True, CHECK, DIRECT_DBIAS, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
         dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, Mask_r, dBias, offs_m, 0, Lk, Lq, Lk, D, Dv,
                        s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, qk_scale,
-                       HAS_BIAS, HAS_MASK, False, CHECK, DIRECT_DBIAS, BLOCK_N, BLOCK_D, BLOCK_DV)
+                       HAS_BIAS, HAS_MASK, False, CHECK, DIRECT_DBIAS, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
     tl.store(dQ + q_off + offs_m[:, None] * s_qm + offs_d[None, :], (dq * scale).to(dQ.dtype.element_ty),
              mask=m_ok[:, None] & (offs_d[None, :] < D))

@@ -37,19 +37,34 @@ def split_batch(pid_z, R, H):
 
 
 @triton.jit
-def load_rows(base, offs, stride, offs_d, D, ok):
-    """Rows ``offs`` of a [L, D] matrix with row stride ``stride`` (last dim contiguous): [len(offs), BLOCK_D]."""
-    return tl.load(base + offs[:, None] * stride + offs_d[None, :], mask=ok[:, None] & (offs_d[None, :] < D), other=0.0)
+def load_rows(base, offs, stride, offs_d, D, ok, MASK_ROWS: tl.constexpr = True, MASK_D: tl.constexpr = True):
+    """Rows ``offs`` of a [L, D] matrix with row stride ``stride`` (last dim contiguous): [len(offs), BLOCK_D].
+
+    Rows where ``ok`` is False and columns >= D read as 0; MASK_ROWS / MASK_D False: the caller knows every row
+    is to be read / D fills the block, and the load carries no mask (fewer instructions in the inner loops).
+    """
+    ptrs = base + offs[:, None] * stride + offs_d[None, :]
+    if MASK_ROWS and MASK_D:
+        return tl.load(ptrs, mask=ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    elif MASK_ROWS:
+        return tl.load(ptrs, mask=ok[:, None], other=0.0)
+    elif MASK_D:
+        return tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
+    else:
+        return tl.load(ptrs)
 
 
 @triton.jit
-def load_tile(Base, offs_m, offs_n, s_m, s_n, Lm, Ln):
+def load_tile(Base, offs_m, offs_n, s_m, s_n, Lm, Ln, CHECK: tl.constexpr = True):
     """Tile ``[len(offs_m), len(offs_n)]`` of a 2-D slice with strides (s_m, s_n) (0 on a broadcast dim); 0 out of range.
 
-    Offsets in int64: a bias slice may span more than 2^31 elements.
+    Offsets in int64: a bias slice may span more than 2^31 elements. CHECK False: the tile is known to be in range.
     """
-    return tl.load(Base + offs_m[:, None].to(tl.int64) * s_m + offs_n[None, :].to(tl.int64) * s_n,
-                   mask=(offs_m[:, None] < Lm) & (offs_n[None, :] < Ln), other=0)
+    ptrs = Base + offs_m[:, None].to(tl.int64) * s_m + offs_n[None, :].to(tl.int64) * s_n
+    if CHECK:
+        return tl.load(ptrs, mask=(offs_m[:, None] < Lm) & (offs_n[None, :] < Ln), other=0)
+    else:
+        return tl.load(ptrs)
 
 
 @triton.jit
@@ -63,14 +78,15 @@ def key_rows(Mask, offs_n, s_mn, Lk, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
-def bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk):
-    """The bias tile ``[BM, BN]`` as fp32 in the log2 domain (0 out of range)."""
-    return load_tile(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk).to(tl.float32) * 1.4426950408889634
+def bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK: tl.constexpr = True):
+    """The bias tile ``[BM, BN]`` as fp32 in the log2 domain (0 out of range; CHECK False: known in range)."""
+    return load_tile(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK).to(tl.float32) * 1.4426950408889634
 
 
 @triton.jit
 def key_terms(
     Bias, Mask, offs_m, offs_n, s_bm, s_bn, s_mn, Lq, Lk, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+    CHECK: tl.constexpr = True,
 ):
     """What a query tile adds to its logits for one key tile, and which key rows to load.
 
@@ -84,11 +100,11 @@ def key_terms(
     badd = 0.0
     if HAS_MASK == 1:
         if HAS_BIAS:
-            badd = tl.where(k_ok[None, :], bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk), float("-inf"))
+            badd = tl.where(k_ok[None, :], bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK), float("-inf"))
         else:
             badd = tl.where(k_ok, 0.0, float("-inf"))[None, :]
     elif HAS_BIAS:
-        badd = bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk)
+        badd = bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK)
     return badd, k_ok
 
 
@@ -171,16 +187,19 @@ def key_terms_t(biasT, keep, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr):
 def kv_scores(
     q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, qk_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
-    CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, IN_RANGE: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """One key tile of a query tile's loop: k [BN, BD], v [BN, BDV] and the logits s [BM, BN] (:func:`scores_log2`).
 
     K rows of masked keys read as zeros (:func:`key_terms`); V rows are read as they are (a NaN in v at a masked
-    key reaches the output through 0 * NaN, as in the reference).
+    key reaches the output through 0 * NaN, as in the reference). IN_RANGE: every query row and key of the tile
+    is < Lq, Lk; EVEN_D: D and Dv fill their blocks (the loads then need no mask beyond the key mask's rows).
     """
-    badd, k_ok = key_terms(Bias, Mask, offs_m, offs_n, s_bm, s_bn, s_mn, Lq, Lk, HAS_BIAS, HAS_MASK)
-    k = load_rows(K, offs_n, s_kn, tl.arange(0, BLOCK_D), D, k_ok)
-    v = load_rows(V, offs_n, s_vn, tl.arange(0, BLOCK_DV), Dv, offs_n < Lk)
+    badd, k_ok = key_terms(Bias, Mask, offs_m, offs_n, s_bm, s_bn, s_mn, Lq, Lk, HAS_BIAS, HAS_MASK, not IN_RANGE)
+    K_ROWS: tl.constexpr = HAS_MASK == 1 or not IN_RANGE
+    k = load_rows(K, offs_n, s_kn, tl.arange(0, BLOCK_D), D, k_ok, K_ROWS, not EVEN_D)
+    v = load_rows(V, offs_n, s_vn, tl.arange(0, BLOCK_DV), Dv, offs_n < Lk, not IN_RANGE, not EVEN_D)
     s = scores_log2(q, k, badd, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, qk_scale,
                     HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N)
     return k, v, s

@@ -14,11 +14,12 @@ from .common import batch_offset, kv_scores, load_rows, mm, split_batch
 def _fwd_step(
     acc, l_i, m_i, q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn,
     qk_scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
-    CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, IN_RANGE: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Fold one key tile into the running (acc [BM, Dv], l_i, m_i) of one query tile of one row."""
     k, v, s = kv_scores(q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn,
-                        qk_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N, BLOCK_D,
+                        qk_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N, IN_RANGE, EVEN_D, BLOCK_D,
                         BLOCK_DV)  # s: [BM, BN]
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: keep exp2 finite
@@ -34,7 +35,7 @@ def _fwd_tiles(
     acc, l_i, m_i, q, K, V, Bias, Mask, offs_m, lo, hi, Lq, Lk, D, Dv,
     s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, qk_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
-    CHECK_M: tl.constexpr, CHECK_N: tl.constexpr,
+    CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, IN_RANGE: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Fold key tiles [lo, hi) into the running (acc [BM, Dv], l_i, m_i) of one query tile."""
@@ -42,7 +43,7 @@ def _fwd_tiles(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv,
                                   s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL,
-                                  CHECK_M, CHECK_N, BLOCK_D, BLOCK_DV)
+                                  CHECK_M, CHECK_N, IN_RANGE, EVEN_D, BLOCK_D, BLOCK_DV)
     return acc, l_i, m_i
 
 
@@ -70,9 +71,11 @@ def attn_fwd_kernel(
     s_ob, s_or, s_oh, s_om,
     R, H, Lq, Lk, D, Dv, qk_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    EVEN_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    """One program per (query tile, b*r*h). EVEN_M / EVEN_N: Lq / Lk are multiples of the tiles; EVEN_D: D and Dv
+    are powers of two (>= 16), i.e. fill BLOCK_D / BLOCK_DV."""
     pid_m = tl.program_id(0)
     b, r, h = split_batch(tl.program_id(1), R, H)
     Lse_r = Lse + ((b * R + r) * H + h).to(tl.int64) * Lq
@@ -92,6 +95,7 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     CHECK_N: tl.constexpr = not EVEN_N
+    IN_RANGE: tl.constexpr = EVEN_M and EVEN_N
     if CAUSAL:
         # Key tiles fully below the diagonal need no causal test; the rest (up to hi) do.
         hi = tl.minimum(Lk, m0 + BLOCK_M + (Lk - Lq))
@@ -99,12 +103,12 @@ def attn_fwd_kernel(
         full_hi = tl.minimum(full_hi, tl.maximum(hi, 0))
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, Mask_r, offs_m, 0, full_hi, Lq, Lk, D, Dv,
                                    s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, False,
-                                   False, CHECK_N, BLOCK_N, BLOCK_D, BLOCK_DV)
+                                   False, CHECK_N, IN_RANGE, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, Mask_r, offs_m, full_hi, hi, Lq, Lk, D, Dv,
                                    s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, True,
-                                   False, CHECK_N, BLOCK_N, BLOCK_D, BLOCK_DV)
+                                   False, CHECK_N, IN_RANGE, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, Mask_r, offs_m, 0, Lk, Lq, Lk, D, Dv,
                                    s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, False,
-                                   False, CHECK_N, BLOCK_N, BLOCK_D, BLOCK_DV)
+                                   False, CHECK_N, IN_RANGE, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
     _fwd_store(acc, l_i, m_i, Out + batch_offset(b, r, h, s_ob, s_or, s_oh), Lse_r, offs_m, s_om, Lq, Dv, BLOCK_DV)

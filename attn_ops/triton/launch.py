@@ -50,6 +50,11 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+def _even_d(D: int, Dv: int) -> bool:
+    """D and Dv fill their (power-of-two, >= 16) blocks: the kernels then load rows without a column mask."""
+    return D == _pow2(D) and Dv == _pow2(Dv)
+
+
 def _mask_u8(mask: Optional[Tensor]) -> Optional[Tensor]:
     return None if mask is None else mask.view(torch.uint8)
 
@@ -101,7 +106,7 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
             *_rows(q), *_rows(k), *_rows(v), *sb, *sm, *_rows(out),
             R, H, Lq, Lk, D, Dv, scale * LOG2E,
             HAS_BIAS=bias is not None, HAS_MASK=_mask_kind(mask), CAUSAL=causal,
-            EVEN_N=Lk % c.block_n == 0,
+            EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
@@ -184,7 +189,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
             q if dbias is None else dbias, *common, *gs,
             R, H, Lq, Lk, D, Dv, scale * LOG2E, scale, **flags,
             FUSED_DQ=fused, DIRECT_DBIAS=direct_dbias and fused, ATOMIC_DBIAS=atomic,
-            EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, ROWS=c.rows,
+            EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv), ROWS=c.rows,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
@@ -208,7 +213,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
             attn_bwd_dq_kernel[(triton.cdiv(Lq, c.block_m), B * R * H)](
                 q, k, v, bias_t, mask_t, do, lse, delta, dq, q if dbias is None else dbias, *common, *gs,
                 R, H, Lq, Lk, D, Dv, scale * LOG2E, scale, **flags, DIRECT_DBIAS=direct_dbias,
-                EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
+                EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
                 BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
                 num_warps=c.num_warps, num_stages=c.num_stages,
             )
@@ -248,7 +253,7 @@ def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, mask
             *_rows(q), *_rows(k), *_rows(v), *_bstrides(bias), *sm, *_rows(do), part.stride(0), *_bstrides(part[0]),
             R, H, BR, BH, lr_n, lh_n, total, Lq, Lk, D, Dv, scale * LOG2E, per,
             HAS_MASK=mask_kind, CAUSAL=causal, LOOP_M=loop_m, LOOP_N=loop_n, LOOP_B=B // BB > 1,
-            EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=D == _pow2(D) and Dv == _pow2(Dv),
+            EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
