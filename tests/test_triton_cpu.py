@@ -44,6 +44,10 @@ CASES = [
     # every tile in range and D = its block: the kernels' unmasked-load paths (the interpreter's tiles are 32 x 16)
     ("pair_bias_even_tiles", (1, 3), 2, 32, 32, 16, 16, (1, 1, 2, 32, 32), (1, 3, 1, 1, 32), False),
     ("causal_even_tiles", (2,), 2, 32, 64, 16, 16, (2, 2, 32, 64), (2, 1, 1, 64), True),
+    ("causal_even_tiles_shared_bias", (2,), 2, 32, 64, 16, 16, (1, 2, 32, 64), (2, 1, 1, 64), True),
+    ("pair_bias_over_batch_even_tiles", (2, 3), 2, 32, 32, 16, 16, (1, 1, 2, 32, 32), (2, 3, 1, 1, 32), False),
+    # in-range tiles with D, Dv that do not fill their blocks: rows unmasked, columns masked
+    ("even_tiles_d24", (1, 3), 2, 32, 32, 24, 24, (1, 1, 2, 32, 32), None, False),
 ]
 
 
@@ -262,3 +266,74 @@ def test_garbage_at_masked_keys_even_tiles(with_bias, opts):
     """As above with every tile in range (32 x 32: the kernels load K/V/bias tiles without range masks there, so
     only the key mask keeps the garbage out)."""
     check_garbage_at_masked_keys(with_bias, opts, dtype=torch.float32, device="cpu", lq=32, lk=32)
+
+
+@pytest.mark.parametrize("splits", [1, 4], ids=["one_program_per_tile", "four_splits"])
+def test_dbias_split_counts_match_reference(splits, monkeypatch):
+    """The dBias reduction with a split count chosen by the tuner (``Cfg.splits``; the interpreter's config
+    otherwise always takes the launcher's default): one program per tile writes the bias's dtype directly, four
+    programs per tile add fp32 partials in a fixed order; even tiles and a ragged shape."""
+    from attn_ops.triton import tuning
+
+    monkeypatch.setattr(tuning, "_INTERPRETER", tuning._INTERPRETER._replace(splits=splits))
+    for lq, seed in ((32, 1), (21, 2)):
+        q, k, v, bias, mask = make_inputs((2, 3), 2, lq, lq, 16, bias_shape=(1, 1, 2, lq, lq),
+                                          mask_shape=(2, 3, 1, 1, lq), seed=seed)
+        check_against_reference("triton", q, k, v, bias, mask)
+
+
+def _nan_padded(t, dims, pad=8, fill=float("nan")):
+    """``t`` as a view into a bigger buffer filled with ``fill`` past its end along ``dims`` (strides grow, the
+    last dim stays contiguous): a kernel that reads past Lq, Lk or D meets the fill."""
+    shape = list(t.shape)
+    for d in dims:
+        shape[d] += pad
+    buf = torch.full(shape, fill, dtype=t.dtype)
+    view = buf[tuple(slice(0, n) for n in t.shape)]
+    view.copy_(t)
+    return view
+
+
+# B, R, H, Lq, Lk, D, Dv, bias shape, mask shape, causal
+READS_IN_RANGE = {
+    "even_tiles": (1, 3, 2, 32, 32, 16, 16, (1, 1, 2, 32, 32), (1, 3, 1, 1, 32), False),
+    "even_tiles_bias_over_batch": (2, 3, 2, 32, 32, 16, 16, (1, 1, 2, 32, 32), (2, 3, 1, 1, 32), False),
+    "even_tiles_d24": (1, 3, 2, 32, 32, 24, 16, (1, 1, 2, 32, 32), (1, 3, 1, 1, 32), False),
+    "even_tiles_dv24_causal": (1, 3, 2, 32, 32, 16, 24, (1, 1, 2, 32, 32), (1, 3, 1, 1, 32), True),
+    "even_lq_odd_lk": (1, 3, 2, 32, 37, 16, 16, (1, 1, 2, 32, 37), (1, 3, 1, 1, 37), False),
+    "odd_lq_even_lk_causal": (1, 3, 2, 37, 32, 16, 16, (1, 1, 2, 37, 32), None, True),
+}
+
+
+@pytest.mark.parametrize("variant", ["split", "atomic"])
+@pytest.mark.parametrize("name", list(READS_IN_RANGE))
+def test_kernels_read_only_inside_lq_lk_d(name, variant):
+    """Launchers called on views whose buffers hold NaN past Lq, Lk and D (and True past a mask's end): every
+    output must have the bits of the same call on dense copies, so no load outside [Lq, Lk, D] is used, with or
+    without the unmasked in-range paths (the op itself would make such views dense first). Reads that only feed
+    rows >= Lq, which are never stored, stay invisible here; the tile flags' docstrings carry that reasoning."""
+    from attn_ops.triton.launch import attn_backward, attn_forward
+
+    B, R, H, Lq, Lk, D, Dv, bshape, mshape, causal = READS_IN_RANGE[name]
+    g = torch.Generator().manual_seed(5)
+    q, do = torch.randn(B, R, H, Lq, D, generator=g), torch.randn(B, R, H, Lq, Dv, generator=g)
+    k, v = torch.randn(B, R, H, Lk, D, generator=g), torch.randn(B, R, H, Lk, Dv, generator=g)
+    bias = torch.randn(*bshape, generator=g)
+    mask = None if mshape is None else torch.rand(*mshape, generator=g) > 0.3
+    atomic = variant == "atomic"
+
+    def run(q, k, v, do, bias, mask):
+        out, lse = attn_forward(q, k, v, bias, mask, 0.3, causal)
+        return (out, lse) + attn_backward(do, None, q, k, v, out.contiguous(), lse, bias, mask, 0.3, causal, False,
+                                          True, atomic)
+
+    want = run(q, k, v, do, bias, mask)
+    padded_mask = None if mask is None else _nan_padded(mask, [d for d in (3, 4) if mask.shape[d] > 1], fill=True)
+    got = run(*(_nan_padded(t, (3, 4)) for t in (q, k, v, do)),
+              _nan_padded(bias, [d for d in (3, 4) if bias.shape[d] > 1]), padded_mask)
+    for name_t, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), want, got):
+        assert torch.isfinite(b).all() or name_t == "lse", name_t  # lse is -inf on a row with no key
+        if atomic and name_t == "dbias":  # atomic sums: order may differ between the two calls
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(a, b), name_t

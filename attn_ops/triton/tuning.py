@@ -25,11 +25,13 @@ _CANDIDATES = {
     "dkdv": [Cfg(64, 128, 8, 3), Cfg(32, 128, 4, 3), Cfg(64, 64, 4, 3), Cfg(32, 64, 4, 3), Cfg(128, 128, 8, 2)],
     "dq": [Cfg(128, 64, 8, 3), Cfg(64, 64, 4, 3), Cfg(128, 32, 4, 3), Cfg(64, 128, 8, 3)],
     # dbias: 4 warps and 64x64 tiles win since its steps lost their load masks (H100, triangle 768: 1.25 ms vs
-    # 1.9-2.1 for 128x64 / 64x128 with 8 warps); each tile shape is also timed with 1, 2 and 4 splits.
+    # 1.9-2.1 for 128x64 / 64x128 with 8 warps); each tile shape is also timed with several split counts.
     "dbias": [Cfg(64, 64, 4, 3), Cfg(64, 64, 4, 4), Cfg(64, 32, 4, 3), Cfg(32, 64, 4, 3), Cfg(128, 64, 8, 3),
               Cfg(64, 128, 8, 3), Cfg(32, 32, 4, 3)],
 }
-_DBIAS_SPLITS = (2, 1, 4)  # 2 first: ATTN_ZOO_NO_TUNE (first candidate) then runs the fp32-partials path
+# 2 first: ATTN_ZOO_NO_TUNE (first candidate) then runs the fp32-partials path; 0 = the launcher's occupancy
+# default (up to 64 splits), which short sequences with few tiles need (N=128 triangle: 16 tiles x H programs)
+_DBIAS_SPLITS = (2, 1, 4, 0)
 _INTERPRETER = Cfg(32, 16, 4, 1)
 
 
