@@ -9,7 +9,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    batch_offset, bias_log2, key_rows, key_terms_t, kv_scores, load_lse2, load_rows, mm, scores_log2_t, split_batch,
+    batch_offset, bias_log2, key_rows, key_terms_t, kv_scores, load_lse2, load_masked, load_rows, mm, scores_log2_t,
+    split_batch,
 )
 
 
@@ -49,11 +50,8 @@ def _dkdv_step(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Lq
-    qT_ptrs = Q + offs_m[None, :] * s_qm + offs_d[:, None]  # [BD, BM]
-    if CHECK or not EVEN_D:
-        qT = tl.load(qT_ptrs, mask=m_ok[None, :] & (offs_d[:, None] < D), other=0.0)
-    else:
-        qT = tl.load(qT_ptrs)
+    qT = load_masked(Q + offs_m[None, :] * s_qm + offs_d[:, None], m_ok[None, :], offs_d[:, None] < D,
+                     CHECK, not EVEN_D)  # [BD, BM]
     do = load_rows(dOut, offs_m, s_dm, offs_dv, Dv, m_ok, CHECK, not EVEN_D)  # [BM, BDV]
     lse2 = load_lse2(Lse, offs_m, Lq)
     delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)

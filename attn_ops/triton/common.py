@@ -37,21 +37,29 @@ def split_batch(pid_z, R, H):
 
 
 @triton.jit
+def load_masked(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr = True, MASK_COLS: tl.constexpr = True):
+    """``tl.load(ptrs)`` with 0 where ``row_ok`` / ``col_ok`` (broadcastable to ``ptrs``) are False, each applied
+    only where its flag says: a caller that knows every row / column is in range loads without that mask (fewer
+    instructions in the inner loops)."""
+    if MASK_ROWS and MASK_COLS:
+        return tl.load(ptrs, mask=row_ok & col_ok, other=0.0)
+    elif MASK_ROWS:
+        return tl.load(ptrs, mask=row_ok, other=0.0)
+    elif MASK_COLS:
+        return tl.load(ptrs, mask=col_ok, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
 def load_rows(base, offs, stride, offs_d, D, ok, MASK_ROWS: tl.constexpr = True, MASK_D: tl.constexpr = True):
     """Rows ``offs`` of a [L, D] matrix with row stride ``stride`` (last dim contiguous): [len(offs), BLOCK_D].
 
-    Rows where ``ok`` is False and columns >= D read as 0; MASK_ROWS / MASK_D False: the caller knows every row
-    is to be read / D fills the block, and the load carries no mask (fewer instructions in the inner loops).
+    Rows where ``ok`` is False and columns >= D read as 0 (:func:`load_masked`; MASK_ROWS / MASK_D False: every
+    row is to be read / D fills the block).
     """
-    ptrs = base + offs[:, None] * stride + offs_d[None, :]
-    if MASK_ROWS and MASK_D:
-        return tl.load(ptrs, mask=ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    elif MASK_ROWS:
-        return tl.load(ptrs, mask=ok[:, None], other=0.0)
-    elif MASK_D:
-        return tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
-    else:
-        return tl.load(ptrs)
+    return load_masked(base + offs[:, None] * stride + offs_d[None, :], ok[:, None], offs_d[None, :] < D,
+                       MASK_ROWS, MASK_D)
 
 
 @triton.jit
@@ -136,12 +144,13 @@ def scores_log2(
 
 
 @triton.jit
-def load_lse2(Lse, offs_m, Lq):
+def load_lse2(Lse, offs_m, Lq, CHECK: tl.constexpr = True):
     """lse of rows ``offs_m`` in the log2 domain, with -inf (fully masked rows) and out-of-range rows as 0.
 
-    A fully masked row has every score -inf, so ``exp2(s2 - 0)`` gives exactly 0 there: no NaN.
+    A fully masked row has every score -inf, so ``exp2(s2 - 0)`` gives exactly 0 there: no NaN. CHECK False:
+    every row is < Lq.
     """
-    lse = tl.load(Lse + offs_m, mask=offs_m < Lq, other=0.0) * 1.4426950408889634
+    lse = load_masked(Lse + offs_m, offs_m < Lq, offs_m < Lq, CHECK, False) * 1.4426950408889634
     return tl.where(lse == float("-inf"), 0.0, lse)
 
 

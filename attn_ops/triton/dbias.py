@@ -16,7 +16,7 @@ broadcast extent is 1.
 import triton
 import triton.language as tl
 
-from .common import batch_offset, load_lse2, load_tile, mm
+from .common import batch_offset, key_rows, load_lse2, load_masked, load_tile, mm
 
 
 @triton.jit
@@ -30,37 +30,25 @@ def _ds_step(
     ``bias2`` is the bias tile already times log2(e). EVEN: the tile is inside [Lq, Lk] and D, Dv fill their
     blocks, so nothing is masked on load.
     """
-    if EVEN:
-        q = tl.load(Q + q_off)  # [BM, BD]
-        do = tl.load(dOut + do_off)  # [BM, BDV]
-        k = tl.load(K + k_off)  # [BN, BD]
-        v = tl.load(V + v_off)  # [BN, BDV]
-        lse = tl.load(Lse + offs_m) * 1.4426950408889634
-        lse2 = tl.where(lse == float("-inf"), 0.0, lse)  # a fully masked row: exp2(-inf - 0) = 0, no NaN
-        delta = tl.load(Delta + offs_m)
-    else:
-        m_ok = offs_m < Lq
-        n_ok = offs_n < Lk
-        q = tl.load(Q + q_off, mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        do = tl.load(dOut + do_off, mask=m_ok[:, None] & (offs_dv[None, :] < Dv), other=0.0)
-        k = tl.load(K + k_off, mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        v = tl.load(V + v_off, mask=n_ok[:, None] & (offs_dv[None, :] < Dv), other=0.0)
-        lse2 = load_lse2(Lse, offs_m, Lq)
-        delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
+    CHECK: tl.constexpr = not EVEN
+    m_ok = offs_m < Lq
+    n_ok = offs_n < Lk
+    q = load_masked(Q + q_off, m_ok[:, None], offs_d[None, :] < D, CHECK, CHECK)  # [BM, BD]
+    do = load_masked(dOut + do_off, m_ok[:, None], offs_dv[None, :] < Dv, CHECK, CHECK)  # [BM, BDV]
+    k = load_masked(K + k_off, n_ok[:, None], offs_d[None, :] < D, CHECK, CHECK)  # [BN, BD]
+    v = load_masked(V + v_off, n_ok[:, None], offs_dv[None, :] < Dv, CHECK, CHECK)  # [BN, BDV]
+    lse2 = load_lse2(Lse, offs_m, Lq, CHECK)
+    delta = load_masked(Delta + offs_m, m_ok, m_ok, CHECK, False)
     s = mm(q, tl.trans(k)) * qk_scale + bias2
     if HAS_MASK == 1:  # key mask: a select here (the bias tile is loop-invariant, so no add to fold it into)
-        if EVEN:
-            keep = tl.load(Mask + offs_n.to(tl.int64) * s_mn) != 0
-        else:
-            keep = tl.load(Mask + offs_n.to(tl.int64) * s_mn, mask=offs_n < Lk, other=0) != 0
-        s = tl.where(keep[None, :], s, float("-inf"))
+        s = tl.where(key_rows(Mask, offs_n, s_mn, Lk, HAS_MASK)[None, :], s, float("-inf"))
     if HAS_MASK == 2:
         keep = load_tile(Mask, offs_m, offs_n, s_mm, s_mn, Lq, Lk) != 0
         s = tl.where(keep, s, float("-inf"))
     if CAUSAL:
         s = tl.where(offs_n[None, :] <= offs_m[:, None] + (Lk - Lq), s, float("-inf"))
-    if not EVEN:
-        s = tl.where((offs_m < Lq)[:, None] & (offs_n < Lk)[None, :], s, float("-inf"))
+    if CHECK:
+        s = tl.where(m_ok[:, None] & n_ok[None, :], s, float("-inf"))
     p = tl.exp2(s - lse2[:, None])
     dp = mm(do, tl.trans(v))
     return p * (dp - delta[:, None])
