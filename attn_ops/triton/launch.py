@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import triton
 
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
 from .common import LOG2E
@@ -46,8 +45,15 @@ def empty_in_order(like: Tensor, shape, dtype: torch.dtype) -> Tensor:
     return torch.empty_permuted(shape, order, dtype=dtype, device=like.device)
 
 
+def _cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host (``triton.cdiv`` is a constexpr function: ~1.5 us per call from Python, and
+    the launchers make a few dozen such calls per forward + backward)."""
+    return -(-a // b)
+
+
 def _pow2(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
+    """The head-dim block: the next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, 1 << (n - 1).bit_length())
 
 
 def _even_d(D: int, Dv: int) -> bool:
@@ -100,7 +106,7 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
     mask_t, sm = _bias_args(m8, q)
 
     def launch(c):
-        grid = (triton.cdiv(Lq, c.block_m), B * R * H)
+        grid = (_cdiv(Lq, c.block_m), B * R * H)
         attn_fwd_kernel[grid](
             q, k, v, bias_t, mask_t, out, lse,
             *_rows(q), *_rows(k), *_rows(v), *sb, *sm, *_rows(out),
@@ -123,13 +129,13 @@ def _dbias_splits(n_programs: int, total_steps: int, device: torch.device) -> in
         target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
     else:
         target = 8  # the CPU interpreter: small, but exercises the split path in tests
-    return max(1, min(total_steps, 64, triton.cdiv(target, n_programs)))
+    return max(1, min(total_steps, 64, _cdiv(target, n_programs)))
 
 
 def _even_splits(n_steps: int, splits: int) -> Tuple[int, int]:
     """(steps per split, number of splits) with no empty split."""
-    per = triton.cdiv(n_steps, splits)
-    return per, triton.cdiv(n_steps, per)
+    per = _cdiv(n_steps, splits)
+    return per, _cdiv(n_steps, per)
 
 
 def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -159,7 +165,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     # 1. delta = rowsum(dO * O) - dlse: [B, R, H, Lq] fp32
     delta = torch.empty((B, R, H, Lq), dtype=torch.float32, device=dev)
     bm_pre = 16 if interpreting() else 64
-    bwd_preprocess_kernel[(triton.cdiv(Lq, bm_pre), B * R * H)](
+    bwd_preprocess_kernel[(_cdiv(Lq, bm_pre), B * R * H)](
         out, do, q if dlse is None else dlse, delta, *_rows(out), *_rows(do), R, H, Lq, Dv,
         HAS_DLSE=dlse is not None, BLOCK_M=bm_pre, BLOCK_DV=BDV,
     )
@@ -184,7 +190,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
             dq_acc.zero_()
         if atomic:
             dbias.zero_()
-        attn_bwd_dkdv_kernel[(triton.cdiv(Lk, c.block_n), B * triton.cdiv(R, c.rows) * H)](
+        attn_bwd_dkdv_kernel[(_cdiv(Lk, c.block_n), B * _cdiv(R, c.rows) * H)](
             q, k, v, bias_t, mask_t, do, lse, delta, q if dq_acc is None else dq_acc, dk, dv,
             q if dbias is None else dbias, *common, *gs,
             R, H, Lq, Lk, D, Dv, scale * LOG2E, scale, **flags,
@@ -210,7 +216,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
         dq.copy_(dq_acc)
     else:
         def launch_dq(c):
-            attn_bwd_dq_kernel[(triton.cdiv(Lq, c.block_m), B * R * H)](
+            attn_bwd_dq_kernel[(_cdiv(Lq, c.block_m), B * R * H)](
                 q, k, v, bias_t, mask_t, do, lse, delta, dq, q if dbias is None else dbias, *common, *gs,
                 R, H, Lq, Lk, D, Dv, scale * LOG2E, scale, **flags, DIRECT_DBIAS=direct_dbias,
                 EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
@@ -238,7 +244,7 @@ def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, mask
     state = {}
 
     def launch(c):
-        n_mt, n_nt = triton.cdiv(Lq, c.block_m), triton.cdiv(Lk, c.block_n)
+        n_mt, n_nt = _cdiv(Lq, c.block_m), _cdiv(Lk, c.block_n)
         tiles = (1 if loop_m else n_mt) * (1 if loop_n else n_nt)
         lr_n, lh_n = R // BR, H // BH
         total = (B // BB) * lr_n * lh_n  # batch steps summed into each tile
@@ -257,14 +263,11 @@ def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, mask
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
-        state["part"] = part
+        # The sum over the splits is part of the launch, so the tuner times a split count with its cost. One
+        # reduction over the leading dim: each output element sums its column in a fixed order (no atomics), so
+        # the bits repeat; it writes new memory (the partials may live in dq's).
+        state["dbias"] = part[0] if splits == 1 else torch.sum(part, 0).to(bias.dtype)
 
     cfg = pick("dbias", key + (tuple(bias.shape),), _width(q, D, Dv), Lq, Lk, launch)
     launch(cfg)
-    part = state["part"]
-    if part.shape[0] == 1:
-        return part[0]
-    acc = part[0]
-    for i in range(1, part.shape[0]):  # fixed-order sum over the splits: same bits every run
-        acc.add_(part[i])
-    return acc.to(bias.dtype, copy=True)  # a copy: the partials may live in dq's memory
+    return state["dbias"]

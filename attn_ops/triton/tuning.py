@@ -29,10 +29,11 @@ _CANDIDATES = {
     "dbias": [Cfg(64, 64, 4, 3), Cfg(64, 64, 4, 4), Cfg(64, 32, 4, 3), Cfg(32, 64, 4, 3), Cfg(128, 64, 8, 3),
               Cfg(64, 128, 8, 3), Cfg(32, 32, 4, 3)],
 }
-# 2 first: ATTN_ZOO_NO_TUNE (first candidate) then runs the fp32-partials path. The launcher's occupancy default
-# (0, up to 64 splits) is not offered: the tuner times the kernel only, not the host's sum over the splits, and
-# with it the H100 triangle [1,256,4,256,32] picked 9 splits and measured 2.31 ms vs 1.41 with these.
-_DBIAS_SPLITS = (2, 1, 4)
+# 2 first: ATTN_ZOO_NO_TUNE (first candidate) then runs the fp32-partials path. 0 is the launcher's occupancy
+# default (a few programs per SM, up to 64 splits) for shapes with few output tiles; the timed launch includes
+# the sum over the splits (an earlier tuner timed the kernel alone and picked 9 splits for the H100 triangle
+# [1,256,4,256,32]: 2.31 ms vs 1.41).
+_DBIAS_SPLITS = (2, 1, 4, 0)
 _INTERPRETER = Cfg(32, 16, 4, 1)
 
 
