@@ -1,7 +1,9 @@
 """Triton device helpers shared by the forward and backward kernels.
 
-Scores live in the log2 domain inside the kernels: ``s2 = (q k^T * scale + bias) * log2(e)``, so that
-``exp2`` replaces ``exp``; lse is stored in the natural log (``lse = lse2 * ln 2``).
+Logits are kept in natural units, ``s = q k^T * scale + bias``, and every exponential is one fused multiply-add
+into ``exp2``: ``exp(s - m) = exp2(s * log2(e) - m2)`` with the row statistic ``m2`` (running max, lse) in the
+log2 domain. The bias tile then needs only its conversion to fp32 (no scaling: one instruction per score fewer
+than scaling it into the log2 domain, in every pass). lse is stored in the natural log (``lse = lse2 * ln 2``).
 Every index tensor is a 1-D ``tl.arange`` block; bias and mask are read through strides (a broadcast dim
 has stride 0).
 """
@@ -86,9 +88,9 @@ def key_rows(Mask, offs_n, s_mn, Lk, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
-def bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK: tl.constexpr = True):
-    """The bias tile ``[BM, BN]`` as fp32 in the log2 domain (0 out of range; CHECK False: known in range)."""
-    return load_tile(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK).to(tl.float32) * 1.4426950408889634
+def bias_f32(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK: tl.constexpr = True):
+    """The bias tile ``[BM, BN]`` as fp32, natural units (0 out of range; CHECK False: known in range)."""
+    return load_tile(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK).to(tl.float32)
 
 
 @triton.jit
@@ -98,7 +100,7 @@ def key_terms(
 ):
     """What a query tile adds to its logits for one key tile, and which key rows to load.
 
-    Returns ``(badd, k_ok)``: ``badd`` the log2-domain bias tile ``[BM, BN]`` with a key mask (HAS_MASK 1) folded
+    Returns ``(badd, k_ok)``: ``badd`` the fp32 bias tile ``[BM, BN]`` with a key mask (HAS_MASK 1) folded
     in as -inf (a ``[1, BN]`` 0/-inf row without a bias; 0.0 with neither), ``k_ok`` ``[BN]`` the key rows to
     load from K (attended keys only under a key mask, else those < Lk). The masked keys' bias is replaced, not
     added to, and their K rows read as zeros, so a NaN or inf there (padding garbage) cannot reach the row, as
@@ -108,31 +110,31 @@ def key_terms(
     badd = 0.0
     if HAS_MASK == 1:
         if HAS_BIAS:
-            badd = tl.where(k_ok[None, :], bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK), float("-inf"))
+            badd = tl.where(k_ok[None, :], bias_f32(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK), float("-inf"))
         else:
             badd = tl.where(k_ok, 0.0, float("-inf"))[None, :]
     elif HAS_BIAS:
-        badd = bias_log2(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK)
+        badd = bias_f32(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK)
     return badd, k_ok
 
 
 @triton.jit
-def scores_log2(
-    q, k, badd, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, qk_scale,
+def logits(
+    q, k, badd, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, logit_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
     CHECK_M: tl.constexpr, CHECK_N: tl.constexpr,
 ):
-    """log2-domain logits of one tile: q [BM, D] x k [BN, D] -> [BM, BN] fp32, -inf where not attended.
+    """Logits of one tile (natural units): q [BM, D] x k [BN, D] -> [BM, BN] fp32, -inf where not attended.
 
     ``badd``: the tile's bias and key mask from :func:`key_terms` (loaded by the caller, which also needs the
-    key mask to load K). ``Mask`` points at this program's (b, r, h) slice; ``qk_scale`` = scale * log2(e).
+    key mask to load K). ``Mask`` points at this program's (b, r, h) slice; ``logit_scale``: the op's scale.
     HAS_MASK: 0 none, 1 a key mask (broadcast over Lq, in ``badd``), 2 a mask that varies over Lq (a select
     here). Rows >= Lq (when CHECK_M) and columns >= Lk (when CHECK_N) are -inf too.
     """
     if HAS_BIAS or HAS_MASK == 1:
-        s = mm(q, tl.trans(k)) * qk_scale + badd
+        s = mm(q, tl.trans(k)) * logit_scale + badd
     else:
-        s = mm(q, tl.trans(k)) * qk_scale
+        s = mm(q, tl.trans(k)) * logit_scale
     if HAS_MASK == 2:
         keep = load_tile(Mask, offs_m, offs_n, s_mm, s_mn, Lq, Lk) != 0
         s = tl.where(keep, s, float("-inf"))
@@ -155,20 +157,20 @@ def load_lse2(Lse, offs_m, Lq, CHECK: tl.constexpr = True):
 
 
 @triton.jit
-def scores_log2_t(
-    k, qT, baddT, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, qk_scale,
+def logits_t(
+    k, qT, baddT, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, logit_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
 ):
-    """Transposed tile of :func:`scores_log2`: k [BN, D] x qT [D, BM] -> sT [BN, BM] (log2 domain, -inf masked).
+    """Transposed tile of :func:`logits`: k [BN, D] x qT [D, BM] -> sT [BN, BM] (-inf masked).
 
     ``baddT``: the transposed bias tile with the key mask folded in (``[BN, 1]`` without a bias), see
     :func:`key_terms_t`. The dK/dV kernel works on transposed tiles so that no [BM, BN] matrix needs a
     transpose before its dots.
     """
     if HAS_BIAS or HAS_MASK == 1:
-        s = mm(k, qT) * qk_scale + baddT
+        s = mm(k, qT) * logit_scale + baddT
     else:
-        s = mm(k, qT) * qk_scale
+        s = mm(k, qT) * logit_scale
     if HAS_MASK == 2:
         keep = tl.trans(load_tile(Mask, offs_m, offs_n, s_mm, s_mn, Lq, Lk)) != 0
         s = tl.where(keep, s, float("-inf"))
@@ -181,7 +183,7 @@ def scores_log2_t(
 
 @triton.jit
 def key_terms_t(biasT, keep, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr):
-    """:func:`key_terms` for a transposed tile whose key rows are fixed: ``biasT`` [BN, BM] (log2 domain, loaded
+    """:func:`key_terms` for a transposed tile whose key rows are fixed: ``biasT`` [BN, BM] (fp32, loaded
     in the bias's own row-major order and transposed, or 0.0) and ``keep`` [BN] (HAS_MASK 1) -> ``baddT``."""
     if HAS_MASK == 1:
         if HAS_BIAS:
@@ -194,12 +196,12 @@ def key_terms_t(biasT, keep, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr):
 
 @triton.jit
 def kv_scores(
-    q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, qk_scale,
+    q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
     CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, IN_RANGE: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """One key tile of a query tile's loop: k [BN, BD], v [BN, BDV] and the logits s [BM, BN] (:func:`scores_log2`).
+    """One key tile of a query tile's loop: k [BN, BD], v [BN, BDV] and the logits s [BM, BN] (:func:`logits`).
 
     K rows of masked keys read as zeros (:func:`key_terms`); V rows are read as they are (a NaN in v at a masked
     key reaches the output through 0 * NaN, as in the reference). IN_RANGE: every query row and key of the tile
@@ -209,6 +211,6 @@ def kv_scores(
     K_ROWS: tl.constexpr = HAS_MASK == 1 or not IN_RANGE
     k = load_rows(K, offs_n, s_kn, tl.arange(0, BLOCK_D), D, k_ok, K_ROWS, not EVEN_D)
     v = load_rows(V, offs_n, s_vn, tl.arange(0, BLOCK_DV), Dv, offs_n < Lk, not IN_RANGE, not EVEN_D)
-    s = scores_log2(q, k, badd, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, qk_scale,
+    s = logits(q, k, badd, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, logit_scale,
                     HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N)
     return k, v, s

@@ -1,4 +1,4 @@
-"""Forward kernel: one program per (q-tile, b*r*h); online softmax over key tiles in the exp2 domain.
+"""Forward kernel: one program per (q-tile, b*r*h); online softmax over key tiles (exp2 of one FMA per score).
 
 Tensors are canonical ``[B, R, H, L, D]`` (last dim contiguous); bias ``[*, *, *, Lq|1, Lk|1]`` and mask are
 read through strides, 0 on broadcast dims. Writes O ``[B, R, H, Lq, Dv]`` and lse ``[B, R, H, Lq]`` (fp32,
@@ -13,18 +13,19 @@ from .common import batch_offset, kv_scores, load_rows, mm, split_batch
 @triton.jit
 def _fwd_step(
     acc, l_i, m_i, q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn,
-    qk_scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
+    logit_scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
     CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, IN_RANGE: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Fold one key tile into the running (acc [BM, Dv], l_i, m_i) of one query tile of one row."""
     k, v, s = kv_scores(q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn,
-                        qk_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N, IN_RANGE, EVEN_D, BLOCK_D,
+                        logit_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N, IN_RANGE, EVEN_D, BLOCK_D,
                         BLOCK_DV)  # s: [BM, BN]
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # natural units, as s
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: keep exp2 finite
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
+    m2 = m_use * 1.4426950408889634  # log2(e) * m, per row
+    alpha = tl.exp2(m_i * 1.4426950408889634 - m2)
+    p = tl.exp2(s * 1.4426950408889634 - m2[:, None])  # exp(s - m): one FMA per score
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + mm(p.to(v.dtype), v)
     return acc, l_i, m_new
@@ -33,7 +34,7 @@ def _fwd_step(
 @triton.jit
 def _fwd_tiles(
     acc, l_i, m_i, q, K, V, Bias, Mask, offs_m, lo, hi, Lq, Lk, D, Dv,
-    s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, qk_scale,
+    s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
     CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, IN_RANGE: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -42,7 +43,7 @@ def _fwd_tiles(
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv,
-                                  s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL,
+                                  s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL,
                                   CHECK_M, CHECK_N, IN_RANGE, EVEN_D, BLOCK_D, BLOCK_DV)
     return acc, l_i, m_i
 
@@ -54,7 +55,7 @@ def _fwd_store(acc, l_i, m_i, Out, Lse, offs_m, s_om, Lq, Dv, BLOCK_DV: tl.const
     m_ok = offs_m < Lq
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)) * 0.6931471805599453)
     tl.store(Out + offs_m[:, None] * s_om + offs_dv[None, :], out.to(Out.dtype.element_ty),
              mask=m_ok[:, None] & (offs_dv[None, :] < Dv))
     tl.store(Lse + offs_m, lse, mask=m_ok)
@@ -69,7 +70,7 @@ def attn_fwd_kernel(
     s_bb, s_br, s_bh, s_bm, s_bn,
     s_mb, s_mr, s_mh, s_mm, s_mn,
     s_ob, s_or, s_oh, s_om,
-    R, H, Lq, Lk, D, Dv, qk_scale,
+    R, H, Lq, Lk, D, Dv, logit_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -102,13 +103,13 @@ def attn_fwd_kernel(
         full_hi = (tl.maximum(m0 + 1 + (Lk - Lq), 0) // BLOCK_N) * BLOCK_N
         full_hi = tl.minimum(full_hi, tl.maximum(hi, 0))
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, Mask_r, offs_m, 0, full_hi, Lq, Lk, D, Dv,
-                                   s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, False,
+                                   s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale, HAS_BIAS, HAS_MASK, False,
                                    False, CHECK_N, IN_RANGE, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, Mask_r, offs_m, full_hi, hi, Lq, Lk, D, Dv,
-                                   s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, True,
+                                   s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale, HAS_BIAS, HAS_MASK, True,
                                    False, CHECK_N, IN_RANGE, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, Mask_r, offs_m, 0, Lk, Lq, Lk, D, Dv,
-                                   s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, qk_scale, HAS_BIAS, HAS_MASK, False,
+                                   s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale, HAS_BIAS, HAS_MASK, False,
                                    False, CHECK_N, IN_RANGE, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
     _fwd_store(acc, l_i, m_i, Out + batch_offset(b, r, h, s_ob, s_or, s_oh), Lse_r, offs_m, s_om, Lq, Dv, BLOCK_DV)
