@@ -14,6 +14,7 @@ from models.primitives import (
     SwiGLUTransition,
     Transition,
     chunk_rows,
+    fused_linear,
 )
 
 
@@ -268,6 +269,28 @@ def test_shared_dropout_shares_mask_along_dim(shared_dim):
     assert torch.equal(y, first.expand_as(y))  # identical along the shared dim
     assert not torch.equal(y, y.narrow(-1, 0, 1).expand_as(y))  # but not along the others
     assert torch.equal(drop.eval()(x), x)
+
+
+@pytest.mark.parametrize("widths,biases", [((8, 8, 8, 8, 4), (False, False, False, True, False)), ((5, 3), (True, True)),
+                                           ((16, 16), (True, False))], ids=["516_like_width", "odd_width", "aligned"])
+def test_fused_linear_equals_separate_layers(widths, biases):
+    """One matmul on the concatenated (zero-padded to a multiple of 8) weights gives each layer's own output and
+    the same gradients into x, weights and biases; the outputs are views of one buffer with an aligned width."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(12, w, bias=b).double() for w, b in zip(widths, biases)]
+    x = torch.randn(2, 7, 12, dtype=torch.float64, requires_grad=True)
+    outs = fused_linear(x, layers)
+    assert [o.shape[-1] for o in outs] == list(widths)
+    assert outs[0]._base is not None and outs[0]._base.shape[-1] % 8 == 0
+    ref = [lin(x) for lin in layers]
+    for o, r in zip(outs, ref):
+        torch.testing.assert_close(o, r, rtol=1e-12, atol=1e-12)
+    gs = [torch.randn_like(r) for r in ref]
+    params = [x] + [p for lin in layers for p in lin.parameters()]
+    got = torch.autograd.grad(outs, params, gs)
+    want = torch.autograd.grad(ref, params, gs)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_chunk_rows_matches_unchunked():
