@@ -142,7 +142,7 @@ def fused_linear(x: Tensor, layers: Sequence[nn.Linear]) -> Tuple[Tensor, ...]:
     """``tuple(layer(x) for layer in layers)`` computed by one matmul on the concatenated weights.
 
     One read of ``x`` (and one autocast cast of it) instead of one per layer; the outputs are views of
-    one ``[*, sum(out_features)]`` tensor. Parameters and their initialisations stay per layer.
+    one ``[*, sum(out_features) + pad]`` tensor (pad below). Parameters and their initialisations stay per layer.
 
     The concatenated width is padded with zero rows to a multiple of 8 (16 bytes in bf16): a triangle
     attention's q, k, v, gate and 4 bias heads make 516 outputs, and for such a width ``torch.compile`` pads the

@@ -179,3 +179,37 @@ def check_garbage_at_masked_keys(with_bias, opts, dtype, device, lq=19, lk=21, r
         else:  # sums by atomics (dbias; dq of the fused backward) differ run to run in the last bits
             tol = 1e-5 if dtype == torch.float32 else 2.0 ** -7
             assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max(), name
+
+
+def check_row_under_huge_additive_bias(fill, dtype, device, lq=20, lk=37, row=5):
+    """The additive-mask convention: query row ``row``'s bias is ``fill`` (a huge negative number, e.g. the
+    dtype's min) at every key, and that row gets no upstream gradient. Every output and gradient of the triton
+    backend must be finite, and everything except that row's output and lse must have exactly the bits of the same
+    call with an ordinary bias in that row: the row adds exactly 0 to every gradient either way, and the forward
+    treats rows independently. (A float32-min logit overflows in the log2 domain: that row comes out empty, out 0
+    and lse -inf, as a fully masked row.)"""
+    import attn_ops
+
+    q, k, v, bias, mask = make_inputs((2,), 2, lq, lk, 16, dtype=dtype, bias_shape=(1, 2, lq, lk),
+                                      mask_shape=(2, 1, 1, lk), device=device, seed=3)
+    huge = bias.detach().clone()
+    huge[:, :, row, :] = fill
+    g = torch.Generator().manual_seed(4)
+    g_out = torch.randn(q.shape, generator=g, dtype=torch.float64).to(device)
+    g_lse = torch.randn(q.shape[:-1], generator=g, dtype=torch.float64).to(device)
+    g_out[..., row, :] = 0
+    g_lse[..., row] = 0
+    runs = []
+    for b in (bias, huge):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, b)]
+        out, lse = attn_ops.attention(*leaves[:3], leaves[3], mask, return_lse=True, backend="triton")
+        runs.append((out, lse, grads_of(out, lse, leaves, g_out, g_lse)))
+    (out0, lse0, grads0), (out1, lse1, grads1) = runs
+    other = torch.arange(lq, device=device) != row
+    assert torch.isfinite(out1).all(), "non-finite output"
+    assert not torch.isnan(lse1).any() and torch.isfinite(lse1[..., other]).all(), "bad lse"
+    assert torch.equal(out1[..., other, :], out0[..., other, :]), "other rows' outputs changed"
+    assert torch.equal(lse1[..., other], lse0[..., other]), "other rows' lse changed"
+    for name, a, b in zip("q k v bias".split(), grads1, grads0):
+        assert torch.isfinite(a).all(), f"non-finite d{name}"
+        assert torch.equal(a, b), f"d{name} changed: max diff {(a.double() - b.double()).abs().max().item():.3g}"

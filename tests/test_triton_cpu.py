@@ -18,7 +18,8 @@ from attn_ops.reference import attention_reference  # noqa: E402
 from attn_ops.triton import triton_attention  # noqa: E402
 from attn_ops.triton.attention import triton_lse_backward  # noqa: E402
 from helpers import (  # noqa: E402
-    GARBAGE_IDS, GARBAGE_RUNS, check_against_reference, check_garbage_at_masked_keys, make_inputs,
+    GARBAGE_IDS, GARBAGE_RUNS, check_against_reference, check_garbage_at_masked_keys, check_row_under_huge_additive_bias,
+    make_inputs,
 )
 
 L = 37  # odd: partial query and key tiles
@@ -266,6 +267,13 @@ def test_garbage_at_masked_keys_even_tiles(with_bias, opts):
     """As above with every tile in range (32 x 32: the kernels load K/V/bias tiles without range masks there, so
     only the key mask keeps the garbage out)."""
     check_garbage_at_masked_keys(with_bias, opts, dtype=torch.float32, device="cpu", lq=32, lk=32)
+
+
+@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, -1e9], ids=["float32_min", "minus_1e9"])
+def test_row_under_huge_additive_bias(fill):
+    """A huge negative additive bias over a whole query row (the additive-mask convention; float32 min overflows in
+    the kernels' log2 domain) leaves everything finite and every other row and gradient unchanged (helpers.py)."""
+    check_row_under_huge_additive_bias(fill, torch.float32, "cpu")
 
 
 @pytest.mark.parametrize("splits", [1, 4], ids=["one_program_per_tile", "four_splits"])

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from helpers import (
-    GARBAGE_IDS, GARBAGE_RUNS, check_against_reference, check_garbage_at_masked_keys, make_inputs,
+    GARBAGE_IDS, GARBAGE_RUNS, check_against_reference, check_garbage_at_masked_keys, check_row_under_huge_additive_bias,
+    make_inputs,
 )
 
 pytestmark = pytest.mark.gpu
@@ -141,6 +142,16 @@ def test_bias_slice_over_2_31_elements_gpu():
 def test_garbage_at_masked_keys_changes_nothing_gpu(with_bias, opts, dtype):
     """NaN / inf padding in the bias and k at masked keys: the same bits as zeros there (helpers.py)."""
     check_garbage_at_masked_keys(with_bias, opts, dtype=dtype, device="cuda", lq=130, lk=203, rows=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("fill", ["dtype_min", -1e9], ids=["dtype_min", "minus_1e9"])
+def test_row_under_huge_additive_bias_gpu(fill, dtype):
+    """A huge negative additive bias over a whole query row, several key tiles long (the GPU fuses each
+    exponential's multiply-subtract, so a running-max rescale that is not exactly 1 would compound over tiles):
+    finite everywhere, other rows and every gradient unchanged (helpers.py)."""
+    fill = torch.finfo(dtype).min if fill == "dtype_min" else fill
+    check_row_under_huge_additive_bias(fill, dtype, "cuda", lq=70, lk=300)
 
 
 @pytest.mark.parametrize("with_bias,opts", GARBAGE_RUNS, ids=GARBAGE_IDS)

@@ -3,7 +3,7 @@
 Logits are kept in natural units, ``s = q k^T * scale + bias``, and every exponential is one fused multiply-add
 into ``exp2``: ``exp(s - m) = exp2(s * log2(e) - m2)`` with the row statistic ``m2`` (running max, lse) in the
 log2 domain. The bias tile then needs only its conversion to fp32 (no scaling: one instruction per score fewer
-than scaling it into the log2 domain, in every pass). lse is stored in the natural log (``lse = lse2 * ln 2``).
+than scaling it into the log2 domain, in every pass). lse is stored in the natural log (``m + ln(l)``).
 Every index tensor is a 1-D ``tl.arange`` block; bias and mask are read through strides (a broadcast dim
 has stride 0).
 """
@@ -149,7 +149,7 @@ def logits(
 def load_lse2(Lse, offs_m, Lq, CHECK: tl.constexpr = True):
     """lse of rows ``offs_m`` in the log2 domain, with -inf (fully masked rows) and out-of-range rows as 0.
 
-    A fully masked row has every score -inf, so ``exp2(s2 - 0)`` gives exactly 0 there: no NaN. CHECK False:
+    A fully masked row has every score -inf, so ``exp2(s * log2(e) - 0)`` gives exactly 0 there: no NaN. CHECK False:
     every row is < Lq.
     """
     lse = load_masked(Lse + offs_m, offs_m < Lq, offs_m < Lq, CHECK, False) * 1.4426950408889634

@@ -5,8 +5,10 @@ The bias has own shape ``[BB, BR, BH, BLq, BLk]`` with every dim 1 or full. A pr
 and loops, in a fixed order, over everything that tile sums: the broadcast batch indices (and, for a bias
 broadcast over Lq or Lk, all query or key tiles). It recomputes dS = P * (dO V^T - delta) per step and
 accumulates it in fp32 registers, so no ``[R, H, Lq, Lk]`` buffer exists and the result has the same bits
-every run. Several programs may share one tile's batch loop (contiguous chunks, grid axis 2); their fp32 partial
-sums go to ``dBiasPart[split]`` and the host adds them in a fixed order (one split: written in the bias's dtype).
+on every call with the same tile config (the tuner picks one per shape and process; ``ATTN_ZOO_NO_TUNE=1`` fixes
+it across processes). Several programs may share one tile's batch loop (contiguous chunks, grid axis 2); their
+fp32 partial sums go to ``dBiasPart[split]`` and are added in a fixed order (one split: written in the bias's
+dtype).
 
 The loop is bound by its per-step instruction count, not by memory (H100, triangle 768: the same time with every
 step reading the same rows from cache), so the common case keeps each step lean: operand offsets are computed

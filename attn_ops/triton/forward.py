@@ -22,9 +22,14 @@ def _fwd_step(
                         logit_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N, IN_RANGE, EVEN_D, BLOCK_D,
                         BLOCK_DV)  # s: [BM, BN]
     m_new = tl.maximum(m_i, tl.max(s, 1))  # natural units, as s
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: keep exp2 finite
-    m2 = m_use * 1.4426950408889634  # log2(e) * m, per row
-    alpha = tl.exp2(m_i * 1.4426950408889634 - m2)
+    m2 = m_new * 1.4426950408889634  # log2(e) * m, per row
+    # No key so far, or a max so negative (< -2.4e38, e.g. a float32-min additive mask) that it overflows in the
+    # log2 domain: the row has nothing yet (its scores give exp2(-inf) = 0 below), as in the log2-domain kernels.
+    dead = m2 == float("-inf")
+    m2 = tl.where(dead, 0.0, m2)
+    # the difference first, then the scale: exactly 1 while the max holds (an FMA of m_i against the rounded m2
+    # would be off by m2's rounding error, compounding over the tiles for large |m|)
+    alpha = tl.where(dead, 0.0, tl.exp2((m_i - m_new) * 1.4426950408889634))
     p = tl.exp2(s * 1.4426950408889634 - m2[:, None])  # exp(s - m): one FMA per score
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + mm(p.to(v.dtype), v)
