@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from helpers import (
-    GARBAGE_IDS, GARBAGE_RUNS, check_against_reference, check_garbage_at_masked_keys, check_row_under_huge_additive_bias,
-    make_inputs,
+    GARBAGE_IDS, GARBAGE_RUNS, check_against_reference, check_garbage_at_masked_keys,
+    check_row_under_huge_additive_bias, make_inputs,
 )
 
 pytestmark = pytest.mark.gpu
