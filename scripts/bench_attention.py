@@ -10,6 +10,7 @@ fwd+bwd step beyond the inputs (gradients included). Writes ``attention.csv``, `
     python scripts/bench_attention.py --set bias            # the pair-bias table
     python scripts/bench_attention.py --set long            # the no-bias long-context table
     python scripts/bench_attention.py --set bias --backends triton --profile   # per-kernel times of triton
+    python scripts/bench_attention.py --set bias --backends triton --layout heads-last   # as the blocks call it
     python scripts/bench_attention.py --render DIR ...      # re-render md + png from CSV files
 
 trifast and cuequivariance are optional imports (see ../shared/anchor-wheels/README.md).
@@ -57,18 +58,25 @@ FIELDS = ["set", "shape", "backend", "fwd_ms", "fwdbwd_ms", "tflops", "peak_mib"
 
 
 # ----------------------------------------------------------------------------------------------------- inputs
-def bias_inputs(B, R, H, L, D, pad):
-    g = torch.Generator(device="cuda").manual_seed(0)
+def bias_inputs(B, R, H, L, D, pad, heads_last=False, device="cuda"):
+    """(q, k, v, bias, mask, leaves). ``heads_last``: q, k, v are ``[B, R, H, L, D]`` views of ``[B, R, L, H, D]``
+    memory, the layout the blocks pass (heads split out of a fused projection); ``leaves`` are then the
+    underlying tensors (whose gradients the step fills)."""
+    g = torch.Generator(device=device).manual_seed(0)
 
     def rnd(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
 
-    q, k, v = rnd(B, R, H, L, D), rnd(B, R, H, L, D), rnd(B, R, H, L, D)
+    if heads_last:
+        bases = [rnd(B, R, L, H, D) for _ in range(3)]
+        q, k, v = (t.transpose(2, 3) for t in bases)
+    else:
+        q, k, v = bases = [rnd(B, R, H, L, D) for _ in range(3)]
     bias = rnd(B, 1, H, L, L)
-    mask = torch.ones(B, R, 1, 1, L, dtype=torch.bool, device="cuda")
+    mask = torch.ones(B, R, 1, 1, L, dtype=torch.bool, device=device)
     if pad:
         mask[..., L - pad:] = False
-    return q, k, v, bias, mask
+    return q, k, v, bias, mask, list(bases) + [bias]
 
 
 def long_inputs(B, H, L, D):
@@ -207,24 +215,29 @@ def profile_triton(make):
 
 
 # ---------------------------------------------------------------------------------------------------- sets
-def bias_cases(names, backends):
+ATTN_OPS_BIAS_BACKENDS = ("triton", "torch", "chunked", "sdpa", "triton-fused", "triton-atomic")
+
+
+def bias_cases(names, backends, heads_last=False):
     for shape in names:
         B, R, H, L, D, pad = BIAS_SHAPES[shape]
         flops = fwd_flops(B * R * H, L, L, D, False)
         for be in backends:
             def make(be=be, B=B, R=R, H=H, L=L, D=D, pad=pad):
-                q, k, v, bias, mask = bias_inputs(B, R, H, L, D, pad)
-                if be in ("triton", "torch", "chunked"):
-                    return attn_ops_fn(be, q, k, v, bias, mask, False)
-                if be == "sdpa":  # its CUDA backward uses atomics: allowed explicitly
-                    return attn_ops_fn(be, q, k, v, bias, mask, False, deterministic=False)
-                if be == "triton-fused":  # dq and the shared bias's gradient by atomics: one backward pass
-                    return attn_ops_fn("triton", q, k, v, bias, mask, False, bwd="fused", deterministic=False)
-                if be == "triton-atomic":  # split dq kernel; the shared bias's gradient by atomics
-                    return attn_ops_fn("triton", q, k, v, bias, mask, False, bwd="split", deterministic=False)
+                q, k, v, bias, mask, leaves = bias_inputs(B, R, H, L, D, pad, heads_last)
+                opts = {"sdpa": dict(deterministic=False),  # its CUDA backward uses atomics: allowed explicitly
+                        # dq and the shared bias's gradient by atomics: one backward pass
+                        "triton-fused": dict(bwd="fused", deterministic=False),
+                        # split dq kernel; the shared bias's gradient by atomics
+                        "triton-atomic": dict(bwd="split", deterministic=False)}
+                if be in ATTN_OPS_BIAS_BACKENDS:
+                    run, _ = attn_ops_fn(be.split("-")[0], q, k, v, bias, mask, False, **opts.get(be, {}))
+                    return run, leaves
                 return {"flex": flex_bias_fn, "trifast": trifast_fn, "cuequivariance": cueq_fn}[be](
                     q, k, v, bias, mask, False)
             skip = None
+            if heads_last and be not in ATTN_OPS_BIAS_BACKENDS:
+                skip = "skipped: --layout heads-last is measured for attn_ops backends only"
             if be == "trifast" and R != L:
                 skip = "skipped: triangle-only kernel (needs R == L); an illegal memory access otherwise"
             if be == "torch" and B * R * H * L * L * 4 * 3 > 40 * 2 ** 30:
@@ -373,6 +386,9 @@ def main():
                              "chunked", "torch"])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--profile", action="store_true", help="print per-kernel times of triton per shape")
+    ap.add_argument("--layout", choices=["contiguous", "heads-last"], default="contiguous",
+                    help="bias set: q, k, v as contiguous [B, R, H, L, D], or as views of [B, R, L, H, D] memory "
+                         "(heads split out of a fused projection, as the blocks pass them)")
     ap.add_argument("--render", nargs="*", help="re-render md + png from these CSV files, no measuring")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -390,10 +406,11 @@ def main():
 
     cases = []
     if args.set in ("bias", "all"):
-        cases += list(bias_cases(pick(BIAS_SHAPES), [b for b in args.backends if not b.startswith("sdpa ")]))
+        cases += list(bias_cases(pick(BIAS_SHAPES), [b for b in args.backends if not b.startswith("sdpa ")],
+                                 heads_last=args.layout == "heads-last"))
     if args.set in ("long", "all"):
         cases += list(long_cases(pick(LONG_SHAPES), [b for b in args.backends if b not in ("sdpa",)]))
-    env = environment()
+    env = environment() + ("; q, k, v heads-last views of [B, R, L, H, D]" if args.layout == "heads-last" else "")
     with open(csv_path.replace(".csv", ".env"), "w") as fh:
         fh.write(env + "\n")
     print(env, flush=True)
