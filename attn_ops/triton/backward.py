@@ -40,7 +40,7 @@ def bwd_preprocess_kernel(
 @triton.jit
 def _dkdv_step(
     dk, dv, k, v, Q, dOut, Lse, Delta, Mask, dQacc, baddT, offs_m, offs_n, Lq, Lk, D, Dv,
-    s_qm, s_dm, s_mm, s_mn, logit_scale, scale,
+    s_qm, s_dm, s_mm, s_mn, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
     FUSED_DQ: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -55,7 +55,7 @@ def _dkdv_step(
     do = load_rows(dOut, offs_m, s_dm, offs_dv, Dv, m_ok, CHECK, not EVEN_D)  # [BM, BDV]
     lse2 = load_lse2(Lse, offs_m, Lq)
     delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
-    sT = logits_t(k, qT, baddT, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, logit_scale,
+    sT = logits_t(k, qT, baddT, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, scale,
                        HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK)  # [BN, BM]
     pT = tl.exp2(sT * 1.4426950408889634 - lse2[None, :])  # exp(s - lse): one FMA per score
     dv += mm(pT.to(do.dtype), do)
@@ -84,7 +84,7 @@ def _store_dbias_t(dBias, dsT, offs_m, offs_n, Lq, Lk, s_gm, s_gn, ATOMIC: tl.co
 @triton.jit
 def _dkdv_tiles(
     dk, dv, k, v, Q, dOut, Lse, Delta, Bias, Mask, keep, dQacc, dBias, offs_n, lo, hi, Lq, Lk, D, Dv,
-    s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, logit_scale, scale,
+    s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
     FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, ATOMIC_DBIAS: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -98,7 +98,7 @@ def _dkdv_tiles(
             biasT = tl.trans(bias_f32(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK))
         baddT = key_terms_t(biasT, keep, HAS_BIAS, HAS_MASK)
         dk, dv, dsT = _dkdv_step(dk, dv, k, v, Q, dOut, Lse, Delta, Mask, dQacc, baddT, offs_m, offs_n, Lq, Lk,
-                                 D, Dv, s_qm, s_dm, s_mm, s_mn, logit_scale, scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL,
+                                 D, Dv, s_qm, s_dm, s_mm, s_mn, scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL,
                                  CHECK, FUSED_DQ, EVEN_D, BLOCK_D, BLOCK_DV)
         if DIRECT_DBIAS or ATOMIC_DBIAS:
             _store_dbias_t(dBias, dsT, offs_m, offs_n, Lq, Lk, s_gm, s_gn, ATOMIC_DBIAS)
@@ -126,7 +126,7 @@ def attn_bwd_dkdv_kernel(
     s_mb, s_mr, s_mh, s_mm, s_mn,
     s_db, s_dr, s_dh, s_dm,
     s_gb, s_gr, s_gh, s_gm, s_gn,
-    R, H, Lq, Lk, D, Dv, logit_scale, scale,
+    R, H, Lq, Lk, D, Dv, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
     FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, ATOMIC_DBIAS: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, ROWS: tl.constexpr,
@@ -193,12 +193,12 @@ def attn_bwd_dkdv_kernel(
                 biasT = tl.trans(bias_f32(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK))  # once for both rows
             baddT = key_terms_t(biasT, keep, HAS_BIAS, HAS_MASK)
             dk, dv, dsT = _dkdv_step(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Mask_r, dQ_r, baddT,
-                                     offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm, s_mn, logit_scale, scale,
+                                     offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm, s_mn, scale,
                                      HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, EVEN_D, BLOCK_D, BLOCK_DV)
             baddT2 = key_terms_t(biasT, keep2, HAS_BIAS, HAS_MASK)  # the second row's own key mask
             dk2, dv2, dsT2 = _dkdv_step(dk2, dv2, k2, v2, Q + q_off2, dO2, Lse + row2, Delta + row2, Mask2,
                                         dQacc + q_off2, baddT2, offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm,
-                                        s_mn, logit_scale, scale, HAS_BIAS, HAS_MASK, False, CHECK,
+                                        s_mn, scale, HAS_BIAS, HAS_MASK, False, CHECK,
                                         FUSED_DQ, EVEN_D, BLOCK_D, BLOCK_DV)
             if ATOMIC_DBIAS:
                 _store_dbias_t(dBias, dsT + dsT2 * w2, offs_m, offs_n, Lq, Lk, s_gm, s_gn, True)
@@ -211,16 +211,16 @@ def attn_bwd_dkdv_kernel(
         m_full = tl.minimum(tl.maximum(m_full, lo), Lq)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, keep, dQ_r, dBias,
                              offs_n, lo, m_full, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn,
-                             logit_scale, scale, HAS_BIAS, HAS_MASK, True, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
+                             scale, HAS_BIAS, HAS_MASK, True, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
                              EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, keep, dQ_r, dBias,
                              offs_n, m_full, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn,
-                             logit_scale, scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
+                             scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
                              EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV)
     else:
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, keep, dQ_r, dBias,
                              offs_n, 0, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn,
-                             logit_scale, scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
+                             scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
                              EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV)
     _store_dkdv(dK + k_off, dV + v_off, dk, dv, offs_n, s_kn, s_vn, Lk, D, Dv, scale, BLOCK_D, BLOCK_DV)
 
@@ -228,12 +228,12 @@ def attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_step(
     dq, q, do, lse2, delta, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn,
-    logit_scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
+    scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
     EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Fold one key tile into dq [BM, BD] of one query tile of one row; returns dS [BM, BN] too."""
     k, v, s = kv_scores(q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn,
-                        logit_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, CHECK, not CHECK, EVEN_D, BLOCK_D,
+                        scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, CHECK, not CHECK, EVEN_D, BLOCK_D,
                         BLOCK_DV)  # s: [BM, BN]
     p = tl.exp2(s * 1.4426950408889634 - lse2[:, None])  # exp(s - lse): one FMA per score
     dp = mm(do, tl.trans(v))
@@ -245,7 +245,7 @@ def _dq_step(
 @triton.jit
 def _dq_tiles(
     dq, q, do, lse2, delta, K, V, Bias, Mask, dBias, offs_m, lo, hi, Lq, Lk, D, Dv,
-    s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, logit_scale,
+    s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
     DIRECT_DBIAS: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -255,7 +255,7 @@ def _dq_tiles(
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         dq, ds = _dq_step(dq, q, do, lse2, delta, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn,
-                          s_bm, s_bn, s_mm, s_mn, logit_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, EVEN_D,
+                          s_bm, s_bn, s_mm, s_mn, scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, EVEN_D,
                           BLOCK_D, BLOCK_DV)
         if DIRECT_DBIAS:
             tl.store(dBias + offs_m[:, None].to(tl.int64) * s_gm + offs_n[None, :].to(tl.int64) * s_gn,
@@ -273,7 +273,7 @@ def attn_bwd_dq_kernel(
     s_mb, s_mr, s_mh, s_mm, s_mn,
     s_db, s_dr, s_dh, s_dm,
     s_gb, s_gr, s_gh, s_gm, s_gn,
-    R, H, Lq, Lk, D, Dv, logit_scale, scale,
+    R, H, Lq, Lk, D, Dv, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, DIRECT_DBIAS: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -312,14 +312,14 @@ def attn_bwd_dq_kernel(
         full_hi = (tl.maximum(m0 + 1 + (Lk - Lq), 0) // BLOCK_N) * BLOCK_N
         full_hi = tl.minimum(full_hi, tl.maximum(hi, 0))
         dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, Mask_r, dBias, offs_m, 0, full_hi, Lq, Lk, D, Dv,
-                       s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, logit_scale,
+                       s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, scale,
                        HAS_BIAS, HAS_MASK, False, CHECK, DIRECT_DBIAS, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
         dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, Mask_r, dBias, offs_m, full_hi, hi, Lq, Lk, D, Dv,
-                       s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, logit_scale,
+                       s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, scale,
                        HAS_BIAS, HAS_MASK, True, CHECK, DIRECT_DBIAS, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
         dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, Mask_r, dBias, offs_m, 0, Lk, Lq, Lk, D, Dv,
-                       s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, logit_scale,
+                       s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, scale,
                        HAS_BIAS, HAS_MASK, False, CHECK, DIRECT_DBIAS, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
     tl.store(dQ + q_off + offs_m[:, None] * s_qm + offs_d[None, :], (dq * scale).to(dQ.dtype.element_ty),
              mask=m_ok[:, None] & (offs_d[None, :] < D))

@@ -193,7 +193,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
         attn_bwd_dkdv_kernel[(_cdiv(Lk, c.block_n), B * _cdiv(R, c.rows) * H)](
             q, k, v, bias_t, mask_t, do, lse, delta, q if dq_acc is None else dq_acc, dk, dv,
             q if dbias is None else dbias, *common, *gs,
-            R, H, Lq, Lk, D, Dv, scale, scale, **flags,
+            R, H, Lq, Lk, D, Dv, scale, **flags,
             FUSED_DQ=fused, DIRECT_DBIAS=direct_dbias and fused, ATOMIC_DBIAS=atomic,
             EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv), ROWS=c.rows,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
@@ -218,7 +218,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
         def launch_dq(c):
             attn_bwd_dq_kernel[(_cdiv(Lq, c.block_m), B * R * H)](
                 q, k, v, bias_t, mask_t, do, lse, delta, dq, q if dbias is None else dbias, *common, *gs,
-                R, H, Lq, Lk, D, Dv, scale, scale, **flags, DIRECT_DBIAS=direct_dbias,
+                R, H, Lq, Lk, D, Dv, scale, **flags, DIRECT_DBIAS=direct_dbias,
                 EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
                 BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
                 num_warps=c.num_warps, num_stages=c.num_stages,
