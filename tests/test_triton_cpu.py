@@ -155,6 +155,28 @@ def test_custom_op_registration_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("use_out", [True, False], ids=["out_and_lse", "lse_only"])
+def test_eager_path_equals_the_custom_op(use_out):
+    """Eager calls skip the custom op's dispatch (op.attend); both run the same launches: the same bits for out,
+    lse and every gradient (through lse too), and an unused output sends no gradient work either way."""
+    from attn_ops.triton import op
+
+    q, k, v, bias, mask = make_inputs((1, 2), 2, 17, 17, 16, bias_shape=(1, 1, 2, 17, 17),
+                                      mask_shape=(1, 2, 1, 1, 17))
+    mask[..., 5] = False
+    g = torch.Generator().manual_seed(3)
+    w_out, w_lse = torch.randn(1, 2, 2, 17, 16, generator=g), torch.randn(1, 2, 2, 17, generator=g)
+    results = []
+    for call in (op.attend, torch.ops.attn_zoo.triton_attn_fwd):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
+        out, lse = call(*leaves, mask, 0.25, False, False, False)
+        loss = (lse * w_lse).sum() + ((out.float() * w_out).sum() if use_out else 0)
+        loss.backward()
+        results.append([out, lse] + [t.grad for t in leaves])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def _head_split_views(B, L, H, C, seed=0):
     """q, k, v ``[B, H, L, C]`` as head-split views of one fused projection ``[B, L, 3*H*C + 5]`` (the blocks' way)."""
     g = torch.Generator().manual_seed(seed)

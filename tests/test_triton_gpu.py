@@ -97,6 +97,38 @@ def test_split_backward_is_bitwise_deterministic_gpu(bias_shape):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("splits", [2, 1])
+def test_direct_launch_equals_triton_launch_gpu(monkeypatch, splits):
+    """Every kernel of a forward + backward runs through fastlaunch's direct call on the second call (the entries
+    exist), and gives the same bits as Triton's own launch path (ATTN_ZOO_PLAIN_LAUNCH=1)."""
+    from attn_ops.triton import fastlaunch, tuning, triton_attention
+    from attn_ops.triton.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
+    from attn_ops.triton.dbias import attn_bwd_dbias_kernel, sum_splits_kernel
+    from attn_ops.triton.forward import attn_fwd_kernel
+
+    monkeypatch.setattr(tuning, "_DBIAS_SPLITS", (splits,))
+    monkeypatch.setattr(tuning, "_CACHE", {})
+    q, k, v, bias, mask = make_inputs((1, 12), 4, 150, 150, 32, dtype=torch.bfloat16, bias_shape=(1, 1, 4, 150, 150),
+                                      mask_shape=(1, 12, 1, 1, 150), device="cuda")
+    g = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        out, lse = triton_attention(q, k, v, bias, mask, 32 ** -0.5, False)
+        return (out, lse) + torch.autograd.grad((out * g).sum() + lse.sum(), (q, k, v, bias))
+
+    monkeypatch.setenv("ATTN_ZOO_PLAIN_LAUNCH", "1")
+    plain = run()
+    monkeypatch.delenv("ATTN_ZOO_PLAIN_LAUNCH")
+    monkeypatch.setattr(fastlaunch, "_COMPILED", {})
+    run()  # remembers the compiled kernels
+    direct = run()
+    kernels = {key[0] for key in fastlaunch._COMPILED}
+    expected = {attn_fwd_kernel, bwd_preprocess_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_dbias_kernel}
+    assert kernels == expected | ({sum_splits_kernel} if splits > 1 else set())
+    for a, b in zip(plain, direct):
+        assert torch.equal(a, b)
+
+
 def test_torch_compile_fullgraph_gpu():
     from attn_ops.triton import triton_attention
 

@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import op as _op  # registers attn_zoo::triton_attn_fwd / _bwd
+from . import op as _op  # registers attn_zoo::triton_attn_fwd / _bwd; attend() calls them
 
 Tensor = torch.Tensor
 BWD_VARIANTS = ("auto", "split", "fused")
@@ -93,7 +93,7 @@ def _check_bwd(bwd: str, deterministic: bool) -> Tuple[bool, bool]:
 def _canonical_call(q, k, v, bias, mask, scale, causal, mode) -> Tuple[Tensor, Tensor]:
     """q, k, v with exactly two leading dims -> (out, lse) via the custom op; ``mode`` = (fused, atomic_dbias)."""
     q, k, v = _dense(q), _dense(k), _dense(v)
-    return torch.ops.attn_zoo.triton_attn_fwd(q, k, v, bias, mask, float(scale), bool(causal), *mode)
+    return _op.attend(q, k, v, bias, mask, float(scale), bool(causal), *mode)
 
 
 def _attend(q, k, v, bias, mask, scale, causal, mode) -> Tuple[Tensor, Tensor]:
@@ -200,8 +200,8 @@ def triton_lse_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
         out5 = out5.contiguous()
     lse4 = five(lse).float().contiguous()
     dlse4 = None if d_lse is None else five(d_lse).float().contiguous()
-    dq, dk, dv, db = torch.ops.attn_zoo.triton_attn_bwd(
+    dq, dk, dv, db = _op.backward(
         five(d_out), dlse4, q5, k5, v5, out5, lse4, five(bias), five(mask), float(scale), bool(causal), fused,
         bool(need_dbias and bias is not None), atomic)
-    db = db.reshape(bias.shape) if (need_dbias and bias is not None) else None
+    db = db.reshape(bias.shape) if db is not None else None
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), db

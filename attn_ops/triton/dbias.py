@@ -164,3 +164,16 @@ def attn_bwd_dbias_kernel(
     else:
         tl.store(Out + offs_m[:, None].to(tl.int64) * s_pm + offs_n[None, :].to(tl.int64) * s_pn, acc.to(ty),
                  mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk))
+
+
+@triton.jit
+def sum_splits_kernel(Part, Out, numel, splits, BLOCK: tl.constexpr):
+    """Out[i] = sum over s of Part[s * numel + i], added in split order in fp32, stored in Out's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    ptrs = Part + offs
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for _ in range(splits):
+        acc += tl.load(ptrs, mask=ok, other=0.0)
+        ptrs += numel
+    tl.store(Out + offs, acc.to(Out.dtype.element_ty), mask=ok)

@@ -12,7 +12,8 @@ import torch
 
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
 from .common import LOG2E
-from .dbias import attn_bwd_dbias_kernel
+from .dbias import attn_bwd_dbias_kernel, sum_splits_kernel
+from .fastlaunch import launch as _launch
 from .forward import attn_fwd_kernel
 from .tuning import interpreting, pick
 
@@ -26,13 +27,15 @@ def _width(q, D, Dv) -> int:
 
 def _bstrides(t: Tensor) -> Tuple[int, ...]:
     """Strides of a 5-D tensor, 0 on size-1 dims (broadcast)."""
-    return tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride()))
+    (n0, n1, n2, n3, n4), (s0, s1, s2, s3, s4) = t.shape, t.stride()  # unrolled: called ~20 times per fwd + bwd
+    return (0 if n0 == 1 else s0, 0 if n1 == 1 else s1, 0 if n2 == 1 else s2, 0 if n3 == 1 else s3,
+            0 if n4 == 1 else s4)
 
 
 def _rows(t: Tensor) -> Tuple[int, int, int, int]:
     """(b, r, h, row) strides of a canonical [B, R, H, L, D] tensor."""
-    s = _bstrides(t)
-    return s[0], s[1], s[2], t.stride(3)
+    (n0, n1, n2, _, _), (s0, s1, s2, s3, _) = t.shape, t.stride()
+    return 0 if n0 == 1 else s0, 0 if n1 == 1 else s1, 0 if n2 == 1 else s2, s3
 
 
 def empty_in_order(like: Tensor, shape, dtype: torch.dtype) -> Tensor:
@@ -107,14 +110,14 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
 
     def launch(c):
         grid = (_cdiv(Lq, c.block_m), B * R * H)
-        attn_fwd_kernel[grid](
-            q, k, v, bias_t, mask_t, out, lse,
-            *_rows(q), *_rows(k), *_rows(v), *sb, *sm, *_rows(out),
-            R, H, Lq, Lk, D, Dv, scale,
+        _launch(
+            attn_fwd_kernel, grid,
+            (q, k, v, bias_t, mask_t, out, lse, *_rows(q), *_rows(k), *_rows(v), *sb, *sm, *_rows(out),
+             R, H, Lq, Lk, D, Dv, scale),
+            c.num_warps, c.num_stages,
             HAS_BIAS=bias is not None, HAS_MASK=_mask_kind(mask), CAUSAL=causal,
             EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
-            num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
     cfg = pick("fwd", _key(q, v, bias, mask, causal), _width(q, D, Dv), Lq, Lk, launch)
@@ -165,10 +168,9 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     # 1. delta = rowsum(dO * O) - dlse: [B, R, H, Lq] fp32
     delta = torch.empty((B, R, H, Lq), dtype=torch.float32, device=dev)
     bm_pre = 16 if interpreting() else 64
-    bwd_preprocess_kernel[(_cdiv(Lq, bm_pre), B * R * H)](
-        out, do, q if dlse is None else dlse, delta, *_rows(out), *_rows(do), R, H, Lq, Dv,
-        HAS_DLSE=dlse is not None, BLOCK_M=bm_pre, BLOCK_DV=BDV,
-    )
+    _launch(bwd_preprocess_kernel, (_cdiv(Lq, bm_pre), B * R * H),
+            (out, do, q if dlse is None else dlse, delta, *_rows(out), *_rows(do), R, H, Lq, Dv), 4, 3,
+            HAS_DLSE=dlse is not None, BLOCK_M=bm_pre, BLOCK_DV=BDV)
 
     dq = torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=dev)
     dk = torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=dev)
@@ -190,14 +192,14 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
             dq_acc.zero_()
         if atomic:
             dbias.zero_()
-        attn_bwd_dkdv_kernel[(_cdiv(Lk, c.block_n), B * _cdiv(R, c.rows) * H)](
-            q, k, v, bias_t, mask_t, do, lse, delta, q if dq_acc is None else dq_acc, dk, dv,
-            q if dbias is None else dbias, *common, *gs,
-            R, H, Lq, Lk, D, Dv, scale, **flags,
+        _launch(
+            attn_bwd_dkdv_kernel, (_cdiv(Lk, c.block_n), B * _cdiv(R, c.rows) * H),
+            (q, k, v, bias_t, mask_t, do, lse, delta, q if dq_acc is None else dq_acc, dk, dv,
+             q if dbias is None else dbias, *common, *gs, R, H, Lq, Lk, D, Dv, scale),
+            c.num_warps, c.num_stages, **flags,
             FUSED_DQ=fused, DIRECT_DBIAS=direct_dbias and fused, ATOMIC_DBIAS=atomic,
             EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv), ROWS=c.rows,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
-            num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
     launch_dkdv(pick("dkdv", key, _width(q, D, Dv), Lq, Lk, launch_dkdv,
@@ -216,12 +218,13 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
         dq.copy_(dq_acc)
     else:
         def launch_dq(c):
-            attn_bwd_dq_kernel[(_cdiv(Lq, c.block_m), B * R * H)](
-                q, k, v, bias_t, mask_t, do, lse, delta, dq, q if dbias is None else dbias, *common, *gs,
-                R, H, Lq, Lk, D, Dv, scale, **flags, DIRECT_DBIAS=direct_dbias,
+            _launch(
+                attn_bwd_dq_kernel, (_cdiv(Lq, c.block_m), B * R * H),
+                (q, k, v, bias_t, mask_t, do, lse, delta, dq, q if dbias is None else dbias, *common, *gs,
+                 R, H, Lq, Lk, D, Dv, scale),
+                c.num_warps, c.num_stages, **flags, DIRECT_DBIAS=direct_dbias,
                 EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
                 BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
-                num_warps=c.num_warps, num_stages=c.num_stages,
             )
 
         launch_dq(pick("dq", key, _width(q, D, Dv), Lq, Lk, launch_dq))
@@ -250,30 +253,28 @@ def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, mask
         total = (B // BB) * lr_n * lh_n  # batch steps summed into each tile
         want = c.splits or _dbias_splits(tiles * n_groups, total, q.device)
         per, splits = _even_splits(total, min(want, total))
-        if splits == 1:  # the kernel writes dbias in the bias's dtype
-            part = torch.empty((1,) + tuple(bias.shape), dtype=bias.dtype, device=q.device)
-        else:  # fp32 partials and their sum (slot ``splits``), in the scratch memory when it is big enough
-            part = _f32_buffer((splits + 1) * bias.numel(), q.device, scratch)
-            part = part.view((splits + 1,) + tuple(bias.shape))
-        attn_bwd_dbias_kernel[(tiles, n_groups, splits)](
-            q, k, v, bias, mask_t, do, lse, delta, part,
-            *_rows(q), *_rows(k), *_rows(v), *_bstrides(bias), *sm, *_rows(do), part.stride(0), *_bstrides(part[0]),
-            R, H, BR, BH, lr_n, lh_n, total, Lq, Lk, D, Dv, scale * LOG2E, per,
+        numel = bias.numel()
+        dbias = torch.empty(bias.shape, dtype=bias.dtype, device=q.device)  # dense, in the bias's dtype
+        # splits > 1: fp32 partials, in the scratch memory (dq's, not yet written) when it is big enough; one
+        # split writes dbias directly
+        part = dbias if splits == 1 else _f32_buffer(splits * numel, q.device, scratch)
+        _launch(
+            attn_bwd_dbias_kernel, (tiles, n_groups, splits),
+            (q, k, v, bias, mask_t, do, lse, delta, part,
+             *_rows(q), *_rows(k), *_rows(v), *_bstrides(bias), *sm, *_rows(do), numel, *_bstrides(dbias),
+             R, H, BR, BH, lr_n, lh_n, total, Lq, Lk, D, Dv, scale * LOG2E, per),
+            c.num_warps, c.num_stages,
             HAS_MASK=mask_kind, CAUSAL=causal, LOOP_M=loop_m, LOOP_N=loop_n, LOOP_B=B // BB > 1,
             EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
-            num_warps=c.num_warps, num_stages=c.num_stages,
         )
-        # The sum over the splits is part of the launch, so the tuner times a split count with its cost. One
-        # reduction over the leading dim: each output element sums its column in a fixed order (no atomics), so
-        # the bits repeat. Its fp32 result goes to the buffer's last slot (an fp32 bias-sized allocation would
-        # raise the step's peak: triangle 768, 598 -> 608 MiB, above flex's 603), then one copy in the bias's
-        # dtype to new memory (the partials may live in dq's).
-        if splits == 1:
-            state["dbias"] = part[0]
-        else:
-            torch.sum(part[:splits], 0, out=part[splits])
-            state["dbias"] = part[splits].to(bias.dtype, copy=True)
+        # The sum over the splits is part of the launch, so the tuner times a split count with its cost: one
+        # small kernel adds each element's partials in split order (no atomics: the bits repeat) and writes the
+        # result in the bias's dtype.
+        if splits > 1:
+            block = 1024
+            _launch(sum_splits_kernel, (_cdiv(numel, block),), (part, dbias, numel, splits), 4, 1, BLOCK=block)
+        state["dbias"] = dbias
 
     cfg = pick("dbias", key + (tuple(bias.shape),), _width(q, D, Dv), Lq, Lk, launch)
     launch(cfg)

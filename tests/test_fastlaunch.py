@@ -1,0 +1,104 @@
+"""attn_ops.triton.fastlaunch: when a launch reuses a remembered compiled kernel and when it must not.
+
+A stand-in kernel records how it was launched, so the caching rules run on the CPU without a GPU or the
+interpreter (which always takes the plain path). The real kernels take the direct path on the GPU, where
+tests/test_triton_gpu.py checks their results.
+"""
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from attn_ops.triton import fastlaunch  # noqa: E402
+
+
+class FakeCompiled:
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("direct", grid, args))
+
+
+class FakeKernel:
+    """Params (name, is_constexpr) in order; ``kernel[grid](...)`` logs a plain launch and returns a compiled one."""
+
+    def __init__(self, params):
+        self.params = [types.SimpleNamespace(name=n, is_constexpr=c) for n, c in params]
+        self.log = []
+
+    def __getitem__(self, grid):
+        def run(*args, num_warps, num_stages, **constexprs):
+            self.log.append(("plain", grid, args, num_warps, num_stages, constexprs))
+            return FakeCompiled(self.log)
+        return run
+
+
+@pytest.fixture(autouse=True)
+def compiled_path(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("ATTN_ZOO_PLAIN_LAUNCH", raising=False)
+    monkeypatch.setattr(fastlaunch, "_COMPILED", {})
+    monkeypatch.setattr(fastlaunch, "_TRAILING", {})
+
+
+def _kernel():
+    return FakeKernel([("X", False), ("n", False), ("s", False), ("BLOCK", True), ("EVEN", True)])
+
+
+def test_second_launch_with_same_signature_is_direct_with_all_params_in_order():
+    k, x = _kernel(), torch.zeros(64)
+    fastlaunch.launch(k, (3, 2), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)
+    fastlaunch.launch(k, (3, 2), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)
+    assert [e[0] for e in k.log] == ["plain", "direct"]
+    assert k.log[0][3:] == (4, 2, {"BLOCK": 16, "EVEN": True})
+    assert k.log[1][1] == (3, 2, 1)  # the grid padded to three dims
+    assert k.log[1][2][0] is x and k.log[1][2][1:] == (64, 0.5, 16, True)
+
+
+@pytest.mark.parametrize("change", ["scalar", "dtype", "alignment", "constexpr", "warps", "stages"])
+def test_anything_triton_specialises_on_goes_through_triton_again(change):
+    k = _kernel()
+    base = torch.zeros(64)
+    args, kw, warps, stages = (base, 64, 0.5), {"BLOCK": 16, "EVEN": True}, 4, 2
+    fastlaunch.launch(k, (1,), args, warps, stages, **kw)
+    if change == "scalar":
+        args = (base, 65, 0.5)  # 65: not divisible by 16
+    elif change == "dtype":
+        args = (base.half(), 64, 0.5)
+    elif change == "alignment":
+        args = (base[1:], 64, 0.5)  # data pointer 4 bytes past a 16-byte boundary
+    elif change == "constexpr":
+        kw = {"BLOCK": 32, "EVEN": True}
+    elif change == "warps":
+        warps = 8
+    else:
+        stages = 3
+    fastlaunch.launch(k, (1,), args, warps, stages, **kw)
+    fastlaunch.launch(k, (1,), args, warps, stages, **kw)
+    assert [e[0] for e in k.log] == ["plain", "plain", "direct"]
+
+
+def test_constexprs_not_trailing_or_misnamed_keep_the_plain_path():
+    mixed = FakeKernel([("X", False), ("BLOCK", True), ("n", False)])
+    for _ in range(2):
+        fastlaunch.launch(mixed, (1,), (torch.zeros(4), 4), 4, 1, BLOCK=16)
+    assert [e[0] for e in mixed.log] == ["plain", "plain"]
+    k, x = _kernel(), torch.zeros(4)
+    for _ in range(2):  # constexprs given in another order than the kernel's: never called positionally
+        fastlaunch.launch(k, (1,), (x, 4, 1.0), 4, 1, EVEN=True, BLOCK=16)
+    assert [e[0] for e in k.log] == ["plain", "plain"]
+
+
+def test_interpreter_and_env_switch_take_the_plain_path(monkeypatch):
+    k, x = _kernel(), torch.zeros(4)
+    monkeypatch.setenv("ATTN_ZOO_PLAIN_LAUNCH", "1")
+    for _ in range(2):
+        fastlaunch.launch(k, (1,), (x, 4, 1.0), 4, 1, BLOCK=16, EVEN=True)
+    monkeypatch.delenv("ATTN_ZOO_PLAIN_LAUNCH")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for _ in range(2):
+        fastlaunch.launch(k, (1,), (x, 4, 1.0), 4, 1, BLOCK=16, EVEN=True)
+    assert [e[0] for e in k.log] == ["plain"] * 4
