@@ -42,6 +42,7 @@ def compiled_path(monkeypatch):
     monkeypatch.delenv("ATTN_ZOO_PLAIN_LAUNCH", raising=False)
     monkeypatch.setattr(fastlaunch, "_COMPILED", {})
     monkeypatch.setattr(fastlaunch, "_TRAILING", {})
+    monkeypatch.setattr(fastlaunch, "_device", lambda: 0)  # no CUDA here
 
 
 def _kernel():
@@ -58,8 +59,8 @@ def test_second_launch_with_same_signature_is_direct_with_all_params_in_order():
     assert k.log[1][2][0] is x and k.log[1][2][1:] == (64, 0.5, 16, True)
 
 
-@pytest.mark.parametrize("change", ["scalar", "dtype", "alignment", "constexpr", "warps", "stages"])
-def test_anything_triton_specialises_on_goes_through_triton_again(change):
+@pytest.mark.parametrize("change", ["scalar", "dtype", "alignment", "constexpr", "warps", "stages", "device"])
+def test_anything_triton_specialises_on_goes_through_triton_again(change, monkeypatch):
     k = _kernel()
     base = torch.zeros(64)
     args, kw, warps, stages = (base, 64, 0.5), {"BLOCK": 16, "EVEN": True}, 4, 2
@@ -74,6 +75,8 @@ def test_anything_triton_specialises_on_goes_through_triton_again(change):
         kw = {"BLOCK": 32, "EVEN": True}
     elif change == "warps":
         warps = 8
+    elif change == "device":  # a compiled kernel's handle belongs to the device it was loaded on
+        monkeypatch.setattr(fastlaunch, "_device", lambda: 1)
     else:
         stages = 3
     fastlaunch.launch(k, (1,), args, warps, stages, **kw)

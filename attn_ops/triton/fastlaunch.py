@@ -5,8 +5,9 @@ host: ~31-42 us for the ~45 arguments of these kernels, 41 native specialisation
 step is bound by such host time (triangle ``[1,256,4,256,32]``: five launches per forward + backward).
 :func:`launch` keeps the compiled kernel Triton returned for a launch signature and calls it directly the next
 time (~11 us). The signature holds everything Triton specialises on: the constexprs, warps and stages, the value
-of every scalar argument and each tensor argument's dtype and 16-byte alignment. A new value of any of them goes
-through Triton's own path again (which finds its cached binary) and is remembered too.
+of every scalar argument and each tensor argument's dtype and 16-byte alignment; and the current device, since a
+compiled kernel's handle is loaded for the device it was launched on. A new value of any of them goes through
+Triton's own path again (which finds its cached binary) and is remembered too.
 
 The direct call passes the arguments in the kernel's parameter order, constexprs included, as Triton's own
 ``JITFunction.run`` does in 3.x; kernels whose constexprs are not the trailing parameters, the CPU interpreter
@@ -44,6 +45,11 @@ def signature(args: Sequence) -> Tuple:
     return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args)
 
 
+def _device() -> int:
+    """The device Triton launches on (its current CUDA device)."""
+    return torch.cuda.current_device()
+
+
 def launch(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int, **constexprs) -> None:
     """``kernel[grid](*args, num_warps=.., num_stages=.., **constexprs)``, directly on a remembered compiled kernel
     when this launch signature was seen before. ``args`` are the runtime params in order; ``constexprs`` must be
@@ -51,7 +57,7 @@ def launch(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_st
     if interpreting() or os.environ.get("ATTN_ZOO_PLAIN_LAUNCH") == "1":
         kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
         return
-    key = (kernel, num_warps, num_stages, tuple(constexprs.values()), signature(args))
+    key = (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()), signature(args))
     compiled = _COMPILED.get(key)
     grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     if compiled is not None:
