@@ -4,9 +4,10 @@
     out, lse = triton_attention(q, k, v, bias, mask, scale, causal, deterministic=True, bwd="auto")
 
 Layers (each one screen): ``common.py``/``forward.py``/``backward.py``/``dbias.py`` (``@triton.jit`` kernels) ->
-``launch.py`` (grids, strides, buffers) with ``tuning.py`` (cached block-size choice) -> ``op.py``
-(``torch.library`` custom ops ``attn_zoo::triton_attn_fwd``/``_bwd`` with fake impls and autograd) ->
-``attention.py`` (leading-dim canonicalisation).
+``launch.py`` (grids, strides, buffers) with ``tuning.py`` (cached block-size choice) and ``fastlaunch.py``
+(direct calls of Triton's compiled kernels) -> ``op.py`` (``torch.library`` custom ops
+``attn_zoo::triton_attn_fwd``/``_bwd`` with fake impls and autograd for ``torch.compile``; a plain
+``autograd.Function`` over the same bodies for eager calls) -> ``attention.py`` (leading-dim canonicalisation).
 """
 import torch
 
