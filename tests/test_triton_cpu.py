@@ -177,6 +177,22 @@ def test_eager_path_equals_the_custom_op(use_out):
         assert torch.equal(a, b)
 
 
+def test_fake_tensors_take_the_custom_op():
+    """Tracing with fake tensors (torch.export, make_fx) must reach the custom op's fake impl, not the launchers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from attn_ops.triton import op
+
+    with FakeTensorMode():
+        q, k, v = (torch.empty(1, 2, 2, 17, 16, requires_grad=True) for _ in range(3))
+        bias = torch.empty(1, 1, 2, 17, 17, requires_grad=True)
+        out, lse = op.attend(q, k, v, bias, None, 0.25, False, False, False)
+        assert out.shape == (1, 2, 2, 17, 16) and lse.shape == (1, 2, 2, 17) and lse.dtype == torch.float32
+        dq, dk, dv, db = op.backward(torch.empty_like(out), None, q, k, v, out, lse, bias, None, 0.25, False, False,
+                                     True, False)
+        assert dq.shape == q.shape and db.shape == bias.shape
+
+
 def _head_split_views(B, L, H, C, seed=0):
     """q, k, v ``[B, H, L, C]`` as head-split views of one fused projection ``[B, L, 3*H*C + 5]`` (the blocks' way)."""
     g = torch.Generator().manual_seed(seed)

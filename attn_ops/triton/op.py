@@ -112,8 +112,9 @@ class _EagerAttention(torch.autograd.Function):
 
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], scale: float,
            causal: bool, fused_bwd: bool, atomic_dbias: bool) -> Tuple[Tensor, Tensor]:
-    """(out, lse) of canonical 5-D inputs: the custom op under ``torch.compile``, else the eager Function."""
-    if torch.compiler.is_compiling():
+    """(out, lse) of canonical 5-D inputs: the custom op under ``torch.compile`` and for tensor subclasses (fake
+    tensors of ``torch.export`` / ``make_fx`` tracing, functional wrappers), else the eager Function."""
+    if torch.compiler.is_compiling() or type(q) is not torch.Tensor:
         return torch.ops.attn_zoo.triton_attn_fwd(q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias)
     return _EagerAttention.apply(q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias)
 
@@ -121,7 +122,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Option
 def backward(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbias, atomic_dbias):
     """dq, dk, dv, dbias (None when not needed) from a saved (out, lse): the custom op under ``torch.compile``,
     else its body."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or type(q) is not torch.Tensor:
         dq, dk, dv, dbias = torch.ops.attn_zoo.triton_attn_bwd(
             dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbias, atomic_dbias)
         return dq, dk, dv, (dbias if need_dbias and bias is not None else None)
