@@ -59,7 +59,8 @@ def test_second_launch_with_same_signature_is_direct_with_all_params_in_order():
     assert k.log[1][2][0] is x and k.log[1][2][1:] == (64, 0.5, 16, True)
 
 
-@pytest.mark.parametrize("change", ["scalar", "dtype", "alignment", "constexpr", "warps", "stages", "device"])
+@pytest.mark.parametrize("change", ["scalar", "scalar_type", "dtype", "alignment", "constexpr", "warps", "stages",
+                                    "device"])
 def test_anything_triton_specialises_on_goes_through_triton_again(change, monkeypatch):
     k = _kernel()
     base = torch.zeros(64)
@@ -67,6 +68,10 @@ def test_anything_triton_specialises_on_goes_through_triton_again(change, monkey
     fastlaunch.launch(k, (1,), args, warps, stages, **kw)
     if change == "scalar":
         args = (base, 65, 0.5)  # 65: not divisible by 16
+    elif change == "scalar_type":
+        args = (base, 64, 1)  # int 1 after float 0.5 ...
+        fastlaunch.launch(k, (1,), args, warps, stages, **kw)
+        args = (base, 64, 1.0)  # ... then float 1.0, equal to it in Python but another Triton signature
     elif change == "dtype":
         args = (base.half(), 64, 0.5)
     elif change == "alignment":
@@ -81,7 +86,7 @@ def test_anything_triton_specialises_on_goes_through_triton_again(change, monkey
         stages = 3
     fastlaunch.launch(k, (1,), args, warps, stages, **kw)
     fastlaunch.launch(k, (1,), args, warps, stages, **kw)
-    assert [e[0] for e in k.log] == ["plain", "plain", "direct"]
+    assert [e[0] for e in k.log] == ["plain"] * (3 if change == "scalar_type" else 2) + ["direct"]
 
 
 def test_constexprs_not_trailing_or_misnamed_keep_the_plain_path():

@@ -40,9 +40,9 @@ def _leading_params(kernel) -> int:
 
 def signature(args: Sequence) -> Tuple:
     """What Triton specialises a launch on, from the runtime arguments: each tensor's dtype and whether its data
-    pointer is 16-byte aligned; the scalars themselves (their value decides int32 vs int64, divisibility by 16
-    and the value-1 specialisation)."""
-    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args)
+    pointer is 16-byte aligned; the scalars with their type (the value decides int32 vs int64, divisibility by 16
+    and the value-1 specialisation; the type keeps True, 1 and 1.0 apart, which compare equal in Python)."""
+    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)
 
 
 def _device() -> int:
