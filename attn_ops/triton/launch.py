@@ -34,8 +34,8 @@ def _bstrides(t: Tensor) -> Tuple[int, ...]:
 
 def _rows(t: Tensor) -> Tuple[int, int, int, int]:
     """(b, r, h, row) strides of a canonical [B, R, H, L, D] tensor."""
-    (n0, n1, n2, _, _), (s0, s1, s2, s3, _) = t.shape, t.stride()
-    return 0 if n0 == 1 else s0, 0 if n1 == 1 else s1, 0 if n2 == 1 else s2, s3
+    s = _bstrides(t)
+    return s[0], s[1], s[2], t.stride(3)  # the row stride as is, also for a single row
 
 
 def empty_in_order(like: Tensor, shape, dtype: torch.dtype) -> Tensor:
