@@ -5,7 +5,6 @@ O(Lq * chunk) instead of O(Lq * Lk). Runs on any device; the CPU default and the
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 

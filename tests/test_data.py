@@ -1,5 +1,4 @@
 """Data: parsers (A3M, FASTA, mmCIF) incl. file:line errors, tokenisation, transforms, batching, DataModules."""
-from pathlib import Path
 
 import pytest
 import torch

@@ -110,3 +110,21 @@ def test_interpreter_and_env_switch_take_the_plain_path(monkeypatch):
     for _ in range(2):
         fastlaunch.launch(k, (1,), (x, 4, 1.0), 4, 1, BLOCK=16, EVEN=True)
     assert [e[0] for e in k.log] == ["plain"] * 4
+
+
+def test_tensor_descriptors_key_on_dtype_and_block_shape():
+    """A bias read through a TMA descriptor: Triton specialises on the base's dtype and the block shape (shape and
+    strides are encoded per launch), so two descriptors that differ only in data share a compiled kernel and a
+    new block shape or dtype does not."""
+    td = pytest.importorskip("triton.tools.tensor_descriptor")
+    a = torch.zeros(4, 40, 24)
+    b = torch.ones(6, 40, 24)
+
+    def desc(t, block):
+        return td.TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+    key = fastlaunch.signature([desc(a, [1, 32, 16]), 3])
+    assert key == fastlaunch.signature([desc(b, [1, 32, 16]), 3])
+    assert key != fastlaunch.signature([desc(a, [1, 16, 16]), 3])
+    assert key != fastlaunch.signature([desc(a.half(), [1, 32, 16]), 3])
+    hash(key)

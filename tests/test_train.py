@@ -7,7 +7,6 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from omegaconf import open_dict
 
 import train
 from test_configs import make_cfg

@@ -328,6 +328,77 @@ def test_dbias_split_counts_match_reference(splits, monkeypatch):
         check_against_reference("triton", q, k, v, bias, mask)
 
 
+def test_bias_tma_layout_rules(monkeypatch):
+    """Which biases the kernels read through a tensor descriptor (slice stride, slices, batch strides in slices)
+    and which keep pointer loads: a dim broadcast inside the tile, rows that are not 16-byte multiples, a
+    misaligned base, batch strides that are not whole slices, fp64, and the ATTN_ZOO_NO_TMA switch."""
+    from attn_ops.triton.launch import bias_tma
+
+    shared = torch.zeros(1, 1, 4, 40, 24)
+    assert bias_tma(shared, 40, 24) == (960, 4, (0, 0, 1))
+    assert bias_tma(shared.expand(2, 3, 4, 40, 24), 40, 24) == (960, 4, (0, 0, 1))
+    assert bias_tma(torch.zeros(2, 3, 4, 40, 24), 40, 24) == (960, 24, (12, 4, 1))
+    heads_inside = torch.zeros(1, 1, 40, 4, 24).permute(0, 1, 3, 2, 4)  # [.., L, H, L] memory: slices interleave
+    assert bias_tma(heads_inside, 40, 24) == (24, 4, (0, 0, 1))
+    assert bias_tma(torch.zeros(1, 1, 4, 1, 24), 40, 24) is None  # broadcast over Lq
+    assert bias_tma(torch.zeros(1, 1, 4, 40, 1), 40, 24) is None  # broadcast over Lk
+    assert bias_tma(torch.zeros(1, 1, 4, 40, 21), 40, 21) is None  # 84-byte rows
+    assert bias_tma(torch.zeros(1, 1, 40, 24, 4).permute(0, 1, 4, 2, 3), 40, 24) is None  # Lk not contiguous
+    assert bias_tma(torch.zeros(1, 1, 4, 40, 24, dtype=torch.float64), 40, 24) is None
+    assert bias_tma(torch.zeros(4 * 960 + 1)[1:].view(1, 1, 4, 40, 24), 40, 24) is None  # 4-byte offset base
+    uneven = torch.zeros(4000).as_strided((2, 1, 2, 40, 24), (1928, 0, 960, 24, 1))
+    assert bias_tma(uneven, 40, 24) is None
+    monkeypatch.setenv("ATTN_ZOO_NO_TMA", "1")
+    assert bias_tma(shared, 40, 24) is None
+
+
+# Biases whose tiles go through a tensor descriptor: 16-byte rows (Lk = 24 in fp32 and fp16), ragged tiles both ways
+# against the interpreter's 32 x 16 tiles (Lq = 40, Lk = 24), a bias shared over rows, a full one (its gradient
+# written directly) and one broadcast over the batch with a mask that varies over Lq.
+TMA_CASES = {
+    "shared_over_rows": ((1, 3), (1, 1, 2, 40, 24), (1, 3, 1, 1, 24)),
+    "full": ((2, 2), (2, 2, 2, 40, 24), None),
+    "over_batch_q_mask": ((2, 3), (1, 3, 2, 40, 24), (2, 3, 1, 40, 24)),
+}
+TMA_RUNS = [(n, dt, "split") for n in TMA_CASES for dt in (torch.float32, torch.float16)]
+TMA_RUNS += [(n, torch.float32, v) for n in ("shared_over_rows", "full") for v in ("fused", "atomic")]
+
+
+@pytest.mark.parametrize("name,dtype,variant", TMA_RUNS, ids=[f"{n}-{str(d)[6:]}-{v}" for n, d, v in TMA_RUNS])
+def test_tma_bias_tiles_equal_pointer_loads(name, dtype, variant, monkeypatch):
+    """The descriptor path gives the same bits as pointer loads (out, lse and every gradient), and each run took
+    the path it was meant to; the pointer path itself is held to the reference by test_matches_reference, and
+    one descriptor case is checked against the reference here too."""
+    from attn_ops.triton import launch
+
+    batch, bshape, mshape = TMA_CASES[name]
+    q, k, v, bias, mask = make_inputs(batch, 2, 40, 24, 16, dtype=dtype, bias_shape=bshape, mask_shape=mshape,
+                                      seed=zlib.crc32(name.encode()) % 1000)
+    opts = {"split": dict(bwd="split"), "fused": dict(bwd="fused", deterministic=False),
+            "atomic": dict(bwd="split", deterministic=False)}[variant]
+    g = torch.randn(q.shape[:-1] + v.shape[-1:], generator=torch.Generator().manual_seed(5)).to(dtype)
+    seen = []
+    real = launch.bias_tma
+    monkeypatch.setattr(launch, "bias_tma", lambda *a: seen.append(real(*a)) or seen[-1])
+
+    def run():
+        seen.clear()
+        out, lse = triton_attention(q, k, v, bias, mask, 0.3, False, **opts)
+        grads = torch.autograd.grad((out * g).sum() + lse.masked_fill(lse.isinf(), 0).sum(), (q, k, v, bias))
+        return (out, lse) + grads, list(seen)
+
+    with_tma, paths = run()
+    assert paths and all(p is not None for p in paths)
+    monkeypatch.setenv("ATTN_ZOO_NO_TMA", "1")
+    plain, paths = run()
+    assert paths and all(p is None for p in paths)
+    for a, b in zip(with_tma, plain):
+        assert torch.equal(a, b)
+    if name == "shared_over_rows" and variant == "split":
+        monkeypatch.delenv("ATTN_ZOO_NO_TMA")
+        check_against_reference("triton", q, k, v, bias, mask, **opts)
+
+
 def _nan_padded(t, dims, pad=8, fill=float("nan")):
     """``t`` as a view into a bigger buffer filled with ``fill`` past its end along ``dims`` (strides grow, the
     last dim stays contiguous): a kernel that reads past Lq, Lk or D meets the fill."""

@@ -83,7 +83,7 @@ def _store_dbias_t(dBias, dsT, offs_m, offs_n, Lq, Lk, s_gm, s_gn, ATOMIC: tl.co
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, Q, dOut, Lse, Delta, Bias, Mask, keep, dQacc, dBias, offs_n, lo, hi, Lq, Lk, D, Dv,
+    dk, dv, k, v, Q, dOut, Lse, Delta, Bias, bg, n0, Mask, keep, dQacc, dBias, offs_n, lo, hi, Lq, Lk, D, Dv,
     s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
     FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, ATOMIC_DBIAS: tl.constexpr, EVEN_D: tl.constexpr,
@@ -95,7 +95,7 @@ def _dkdv_tiles(
         offs_m = m0 + tl.arange(0, BLOCK_M)
         biasT = 0.0
         if HAS_BIAS:
-            biasT = tl.trans(bias_f32(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK))
+            biasT = tl.trans(bias_f32(Bias, bg, m0, n0, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK, HAS_BIAS))
         baddT = key_terms_t(biasT, keep, HAS_BIAS, HAS_MASK)
         dk, dv, dsT = _dkdv_step(dk, dv, k, v, Q, dOut, Lse, Delta, Mask, dQacc, baddT, offs_m, offs_n, Lq, Lk,
                                  D, Dv, s_qm, s_dm, s_mm, s_mn, scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL,
@@ -145,7 +145,10 @@ def attn_bwd_dkdv_kernel(
     pid_n = tl.program_id(0)
     b, rp, h = split_batch(tl.program_id(1), (R + ROWS - 1) // ROWS, H)
     r = rp * ROWS
-    if HAS_BIAS:
+    bg = 0
+    if HAS_BIAS == 2:  # a tensor descriptor: the batch strides count bias slices
+        bg = batch_offset(b, r, h, s_bb, s_br, s_bh).to(tl.int32)
+    elif HAS_BIAS:
         Bias += batch_offset(b, r, h, s_bb, s_br, s_bh)
     if DIRECT_DBIAS or ATOMIC_DBIAS:
         dBias += batch_offset(b, r, h, s_gb, s_gr, s_gh)
@@ -190,7 +193,8 @@ def attn_bwd_dkdv_kernel(
             offs_m = m0 + tl.arange(0, BLOCK_M)
             biasT = 0.0
             if HAS_BIAS:
-                biasT = tl.trans(bias_f32(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK))  # once for both rows
+                # once for both rows
+                biasT = tl.trans(bias_f32(Bias, bg, m0, n0, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK, HAS_BIAS))
             baddT = key_terms_t(biasT, keep, HAS_BIAS, HAS_MASK)
             dk, dv, dsT = _dkdv_step(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Mask_r, dQ_r, baddT,
                                      offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm, s_mn, scale,
@@ -209,16 +213,16 @@ def attn_bwd_dkdv_kernel(
         lo = (tl.maximum(n0 - (Lk - Lq), 0) // BLOCK_M) * BLOCK_M
         m_full = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - (Lk - Lq), 0), BLOCK_M) * BLOCK_M
         m_full = tl.minimum(tl.maximum(m_full, lo), Lq)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, keep, dQ_r, dBias,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, bg, n0, Mask_r, keep, dQ_r, dBias,
                              offs_n, lo, m_full, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn,
                              scale, HAS_BIAS, HAS_MASK, True, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
                              EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, keep, dQ_r, dBias,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, bg, n0, Mask_r, keep, dQ_r, dBias,
                              offs_n, m_full, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn,
                              scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
                              EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV)
     else:
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, Mask_r, keep, dQ_r, dBias,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, bg, n0, Mask_r, keep, dQ_r, dBias,
                              offs_n, 0, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn,
                              scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
                              EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV)
@@ -227,13 +231,13 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_step(
-    dq, q, do, lse2, delta, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn,
-    scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
+    dq, q, do, lse2, delta, K, V, Bias, bg, m0, n0, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn,
+    s_mm, s_mn, scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
     EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Fold one key tile into dq [BM, BD] of one query tile of one row; returns dS [BM, BN] too."""
-    k, v, s = kv_scores(q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn,
-                        scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, CHECK, not CHECK, EVEN_D, BLOCK_D,
+    k, v, s = kv_scores(q, K, V, Bias, bg, m0, n0, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn,
+                        s_mm, s_mn, scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, CHECK, not CHECK, EVEN_D, BLOCK_D,
                         BLOCK_DV)  # s: [BM, BN]
     p = tl.exp2(s * 1.4426950408889634 - lse2[:, None])  # exp(s - lse): one FMA per score
     dp = mm(do, tl.trans(v))
@@ -244,7 +248,7 @@ def _dq_step(
 
 @triton.jit
 def _dq_tiles(
-    dq, q, do, lse2, delta, K, V, Bias, Mask, dBias, offs_m, lo, hi, Lq, Lk, D, Dv,
+    dq, q, do, lse2, delta, K, V, Bias, bg, m0, Mask, dBias, offs_m, lo, hi, Lq, Lk, D, Dv,
     s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
     DIRECT_DBIAS: tl.constexpr, EVEN_D: tl.constexpr,
@@ -254,8 +258,8 @@ def _dq_tiles(
     m_ok = offs_m < Lq
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        dq, ds = _dq_step(dq, q, do, lse2, delta, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn,
-                          s_bm, s_bn, s_mm, s_mn, scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, EVEN_D,
+        dq, ds = _dq_step(dq, q, do, lse2, delta, K, V, Bias, bg, m0, n0, Mask, offs_m, offs_n, Lq, Lk, D, Dv,
+                          s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, EVEN_D,
                           BLOCK_D, BLOCK_DV)
         if DIRECT_DBIAS:
             tl.store(dBias + offs_m[:, None].to(tl.int64) * s_gm + offs_n[None, :].to(tl.int64) * s_gn,
@@ -286,7 +290,10 @@ def attn_bwd_dq_kernel(
     """
     pid_m = tl.program_id(0)
     b, r, h = split_batch(tl.program_id(1), R, H)
-    if HAS_BIAS:
+    bg = 0
+    if HAS_BIAS == 2:  # a tensor descriptor: the batch strides count bias slices
+        bg = batch_offset(b, r, h, s_bb, s_br, s_bh).to(tl.int32)
+    elif HAS_BIAS:
         Bias += batch_offset(b, r, h, s_bb, s_br, s_bh)
     if DIRECT_DBIAS:
         dBias += batch_offset(b, r, h, s_gb, s_gr, s_gh)
@@ -311,14 +318,14 @@ def attn_bwd_dq_kernel(
         hi = tl.minimum(Lk, m0 + BLOCK_M + (Lk - Lq))
         full_hi = (tl.maximum(m0 + 1 + (Lk - Lq), 0) // BLOCK_N) * BLOCK_N
         full_hi = tl.minimum(full_hi, tl.maximum(hi, 0))
-        dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, Mask_r, dBias, offs_m, 0, full_hi, Lq, Lk, D, Dv,
+        dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, bg, m0, Mask_r, dBias, offs_m, 0, full_hi, Lq, Lk, D, Dv,
                        s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, scale,
                        HAS_BIAS, HAS_MASK, False, CHECK, DIRECT_DBIAS, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
-        dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, Mask_r, dBias, offs_m, full_hi, hi, Lq, Lk, D, Dv,
-                       s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, scale,
+        dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, bg, m0, Mask_r, dBias, offs_m, full_hi, hi, Lq, Lk, D,
+                       Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, scale,
                        HAS_BIAS, HAS_MASK, True, CHECK, DIRECT_DBIAS, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
-        dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, Mask_r, dBias, offs_m, 0, Lk, Lq, Lk, D, Dv,
+        dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, bg, m0, Mask_r, dBias, offs_m, 0, Lk, Lq, Lk, D, Dv,
                        s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, scale,
                        HAS_BIAS, HAS_MASK, False, CHECK, DIRECT_DBIAS, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
     tl.store(dQ + q_off + offs_m[:, None] * s_qm + offs_d[None, :], (dq * scale).to(dQ.dtype.element_ty),

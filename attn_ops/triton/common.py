@@ -88,15 +88,27 @@ def key_rows(Mask, offs_n, s_mn, Lk, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
-def bias_f32(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK: tl.constexpr = True):
-    """The bias tile ``[BM, BN]`` as fp32, natural units (0 out of range; CHECK False: known in range)."""
-    return load_tile(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK).to(tl.float32)
+def bias_f32(Bias, bg, m0, n0, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK: tl.constexpr = True,
+             HAS_BIAS: tl.constexpr = 1):
+    """The bias tile ``[BM, BN]`` at rows ``offs_m = m0 + arange``, columns ``offs_n = n0 + arange`` as fp32,
+    natural units (0 out of range; CHECK False: known in range).
+
+    HAS_BIAS 1: ``Bias`` points at this program's bias slice (strides s_bm, s_bn). HAS_BIAS 2: ``Bias`` is a
+    ``[slices, Lq, Lk]`` tensor descriptor (Hopper TMA: the copy engine computes the addresses and fills what is out
+    of range with 0) and ``bg`` the slice; the launcher picks it where the layout allows (:func:`launch.bias_tma`).
+    """
+    if HAS_BIAS == 2:
+        BM: tl.constexpr = offs_m.shape[0]
+        BN: tl.constexpr = offs_n.shape[0]
+        return Bias.load([bg, m0, n0]).reshape(BM, BN).to(tl.float32)
+    else:
+        return load_tile(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK).to(tl.float32)
 
 
 @triton.jit
 def key_terms(
-    Bias, Mask, offs_m, offs_n, s_bm, s_bn, s_mn, Lq, Lk, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-    CHECK: tl.constexpr = True,
+    Bias, bg, m0, n0, Mask, offs_m, offs_n, s_bm, s_bn, s_mn, Lq, Lk, HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr, CHECK: tl.constexpr = True,
 ):
     """What a query tile adds to its logits for one key tile, and which key rows to load.
 
@@ -110,11 +122,12 @@ def key_terms(
     badd = 0.0
     if HAS_MASK == 1:
         if HAS_BIAS:
-            badd = tl.where(k_ok[None, :], bias_f32(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK), float("-inf"))
+            badd = tl.where(k_ok[None, :], bias_f32(Bias, bg, m0, n0, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK,
+                                                    HAS_BIAS), float("-inf"))
         else:
             badd = tl.where(k_ok, 0.0, float("-inf"))[None, :]
     elif HAS_BIAS:
-        badd = bias_f32(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK)
+        badd = bias_f32(Bias, bg, m0, n0, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK, HAS_BIAS)
     return badd, k_ok
 
 
@@ -196,18 +209,20 @@ def key_terms_t(biasT, keep, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr):
 
 @triton.jit
 def kv_scores(
-    q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale,
+    q, K, V, Bias, bg, m0, n0, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
     CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, IN_RANGE: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """One key tile of a query tile's loop: k [BN, BD], v [BN, BDV] and the logits s [BM, BN] (:func:`logits`).
+    The tile starts at query row m0 and key n0 (offs_m, offs_n); (Bias, bg): see :func:`bias_f32`.
 
     K rows of masked keys read as zeros (:func:`key_terms`); V rows are read as they are (a NaN in v at a masked
     key reaches the output through 0 * NaN, as in the reference). IN_RANGE: every query row and key of the tile
     is < Lq, Lk; EVEN_D: D and Dv fill their blocks (the loads then need no mask beyond the key mask's rows).
     """
-    badd, k_ok = key_terms(Bias, Mask, offs_m, offs_n, s_bm, s_bn, s_mn, Lq, Lk, HAS_BIAS, HAS_MASK, not IN_RANGE)
+    badd, k_ok = key_terms(Bias, bg, m0, n0, Mask, offs_m, offs_n, s_bm, s_bn, s_mn, Lq, Lk, HAS_BIAS, HAS_MASK,
+                           not IN_RANGE)
     K_ROWS: tl.constexpr = HAS_MASK == 1 or not IN_RANGE
     k = load_rows(K, offs_n, s_kn, tl.arange(0, BLOCK_D), D, k_ok, K_ROWS, not EVEN_D)
     v = load_rows(V, offs_n, s_vn, tl.arange(0, BLOCK_DV), Dv, offs_n < Lk, not IN_RANGE, not EVEN_D)

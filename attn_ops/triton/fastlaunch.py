@@ -23,6 +23,11 @@ import torch
 
 from .tuning import interpreting
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
+
 _COMPILED: Dict[Tuple, object] = {}
 _TRAILING: Dict[object, int] = {}  # kernel -> number of leading non-constexpr params (-1: not trailing)
 
@@ -38,11 +43,22 @@ def _leading_params(kernel) -> int:
     return n
 
 
+def _arg_key(a):
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if TensorDescriptor is not None and isinstance(a, TensorDescriptor):
+        # specialised on the base's dtype and the block shape; shape and strides are runtime values of the
+        # descriptor that Triton's launcher encodes on every call
+        return TensorDescriptor, a.base.dtype, tuple(a.block_shape), a.padding
+    return type(a), a
+
+
 def signature(args: Sequence) -> Tuple:
     """What Triton specialises a launch on, from the runtime arguments: each tensor's dtype and whether its data
-    pointer is 16-byte aligned; the scalars with their type (the value decides int32 vs int64, divisibility by 16
-    and the value-1 specialisation; the type keeps True, 1 and 1.0 apart, which compare equal in Python)."""
-    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)
+    pointer is 16-byte aligned; a tensor descriptor's dtype and block shape; the scalars with their type (the value
+    decides int32 vs int64, divisibility by 16 and the value-1 specialisation; the type keeps True, 1 and 1.0
+    apart, which compare equal in Python)."""
+    return tuple(_arg_key(a) for a in args)
 
 
 def _device() -> int:

@@ -12,15 +12,15 @@ from .common import batch_offset, kv_scores, load_rows, mm, split_batch
 
 @triton.jit
 def _fwd_step(
-    acc, l_i, m_i, q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn,
-    logit_scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
+    acc, l_i, m_i, q, K, V, Bias, bg, m0, n0, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm,
+    s_mn, logit_scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
     CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, IN_RANGE: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Fold one key tile into the running (acc [BM, Dv], l_i, m_i) of one query tile of one row."""
-    k, v, s = kv_scores(q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn,
-                        logit_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N, IN_RANGE, EVEN_D, BLOCK_D,
-                        BLOCK_DV)  # s: [BM, BN]
+    k, v, s = kv_scores(q, K, V, Bias, bg, m0, n0, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn,
+                        s_mm, s_mn, logit_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N, IN_RANGE,
+                        EVEN_D, BLOCK_D, BLOCK_DV)  # s: [BM, BN]
     m_new = tl.maximum(m_i, tl.max(s, 1))  # natural units, as s
     m2 = m_new * 1.4426950408889634  # log2(e) * m, per row
     # No key so far, or a max so negative (< -2.4e38, e.g. a float32-min additive mask) that it overflows in the
@@ -38,7 +38,7 @@ def _fwd_step(
 
 @triton.jit
 def _fwd_tiles(
-    acc, l_i, m_i, q, K, V, Bias, Mask, offs_m, lo, hi, Lq, Lk, D, Dv,
+    acc, l_i, m_i, q, K, V, Bias, bg, m0, Mask, offs_m, lo, hi, Lq, Lk, D, Dv,
     s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
     CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, IN_RANGE: tl.constexpr, EVEN_D: tl.constexpr,
@@ -47,7 +47,7 @@ def _fwd_tiles(
     """Fold key tiles [lo, hi) into the running (acc [BM, Dv], l_i, m_i) of one query tile."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K, V, Bias, Mask, offs_m, offs_n, Lq, Lk, D, Dv,
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K, V, Bias, bg, m0, start_n, Mask, offs_m, offs_n, Lq, Lk, D, Dv,
                                   s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL,
                                   CHECK_M, CHECK_N, IN_RANGE, EVEN_D, BLOCK_D, BLOCK_DV)
     return acc, l_i, m_i
@@ -85,7 +85,10 @@ def attn_fwd_kernel(
     pid_m = tl.program_id(0)
     b, r, h = split_batch(tl.program_id(1), R, H)
     Lse_r = Lse + ((b * R + r) * H + h).to(tl.int64) * Lq
-    if HAS_BIAS:
+    bg = 0
+    if HAS_BIAS == 2:  # a tensor descriptor: the batch strides count bias slices
+        bg = batch_offset(b, r, h, s_bb, s_br, s_bh).to(tl.int32)
+    elif HAS_BIAS:
         Bias += batch_offset(b, r, h, s_bb, s_br, s_bh)
 
     m0 = pid_m * BLOCK_M
@@ -107,14 +110,14 @@ def attn_fwd_kernel(
         hi = tl.minimum(Lk, m0 + BLOCK_M + (Lk - Lq))
         full_hi = (tl.maximum(m0 + 1 + (Lk - Lq), 0) // BLOCK_N) * BLOCK_N
         full_hi = tl.minimum(full_hi, tl.maximum(hi, 0))
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, Mask_r, offs_m, 0, full_hi, Lq, Lk, D, Dv,
-                                   s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale, HAS_BIAS, HAS_MASK, False,
-                                   False, CHECK_N, IN_RANGE, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, Mask_r, offs_m, full_hi, hi, Lq, Lk, D, Dv,
-                                   s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale, HAS_BIAS, HAS_MASK, True,
-                                   False, CHECK_N, IN_RANGE, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, bg, m0, Mask_r, offs_m, 0, full_hi,
+                                   Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale, HAS_BIAS,
+                                   HAS_MASK, False, False, CHECK_N, IN_RANGE, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, bg, m0, Mask_r, offs_m, full_hi, hi,
+                                   Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale, HAS_BIAS,
+                                   HAS_MASK, True, False, CHECK_N, IN_RANGE, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, Mask_r, offs_m, 0, Lk, Lq, Lk, D, Dv,
-                                   s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale, HAS_BIAS, HAS_MASK, False,
-                                   False, CHECK_N, IN_RANGE, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, bg, m0, Mask_r, offs_m, 0, Lk,
+                                   Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale, HAS_BIAS,
+                                   HAS_MASK, False, False, CHECK_N, IN_RANGE, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
     _fwd_store(acc, l_i, m_i, Out + batch_offset(b, r, h, s_ob, s_or, s_oh), Lse_r, offs_m, s_om, Lq, Dv, BLOCK_DV)
