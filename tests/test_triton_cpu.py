@@ -399,6 +399,41 @@ def test_tma_bias_tiles_equal_pointer_loads(name, dtype, variant, monkeypatch):
         check_against_reference("triton", q, k, v, bias, mask, **opts)
 
 
+@pytest.mark.parametrize("layout", ["heads_last", "odd_rows"])
+def test_shared_bias_is_copied_into_tma_rows(layout, monkeypatch):
+    """A pair bias shared over rows whose own layout TMA cannot read (heads-last memory, the blocks' projection
+    layout; rows of 21 fp32 = 84 bytes) is copied into 16-byte rows for the kernels: same bits as the pointer path,
+    the gradient in the bias's own shape, and the reference holds."""
+    from attn_ops.triton import launch
+
+    lk = 24 if layout == "heads_last" else 21
+    q, k, v, _, mask = make_inputs((1, 3), 2, 40, lk, 16, mask_shape=(1, 3, 1, 1, lk), seed=11)
+    base = torch.randn(1, 1, 40, lk, 2, generator=torch.Generator().manual_seed(12))
+    bias = (base.permute(0, 1, 4, 2, 3) if layout == "heads_last" else base[..., 0].reshape(1, 1, 1, 40, lk)
+            .expand(1, 1, 2, 40, lk).contiguous()).requires_grad_()
+    assert launch.bias_tma(bias.detach(), 40, lk) is None
+    seen = []
+    real = launch.bias_for_tiles
+    monkeypatch.setattr(launch, "bias_for_tiles", lambda *a: seen.append(real(*a)) or seen[-1])
+
+    def run():
+        seen.clear()
+        out, lse = triton_attention(q, k, v, bias, mask, 0.3, False)
+        grads = torch.autograd.grad(out.square().sum() + lse.masked_fill(lse.isinf(), 0).sum(), (q, k, v, bias))
+        return (out, lse) + grads, [t for _, t in seen]
+
+    copied, paths = run()
+    assert paths and all(t is not None for t in paths)
+    assert copied[-1].shape == bias.shape
+    monkeypatch.setenv("ATTN_ZOO_NO_TMA", "1")
+    plain, paths = run()
+    assert paths and all(t is None for t in paths)
+    for a, b in zip(copied, plain):
+        assert torch.equal(a, b)
+    monkeypatch.delenv("ATTN_ZOO_NO_TMA")
+    check_against_reference("triton", q, k, v, bias, mask)
+
+
 def _nan_padded(t, dims, pad=8, fill=float("nan")):
     """``t`` as a view into a bigger buffer filled with ``fill`` past its end along ``dims`` (strides grow, the
     last dim stays contiguous): a kernel that reads past Lq, Lk or D meets the fill."""

@@ -144,6 +144,25 @@ def bias_tma(bias: Optional[Tensor], Lq: int, Lk: int) -> Optional[Tuple[int, in
     return slice_stride, last // slice_stride + 1, tuple(s // slice_stride for s in batch)
 
 
+def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
+    """(the bias the kernels read, :func:`bias_tma` of it).
+
+    A bias that the TMA path cannot take as it is (a heads-last pair bias, the blocks' projection layout, has a
+    non-contiguous Lk; rows of an odd length are not 16-byte multiples) is copied into 16-byte aligned rows when
+    several programs re-read it, i.e. it is broadcast over a batch dim of q (a pair bias shared over R): one copy
+    of the bias per pass against one read per row. Its gradient keeps the bias's shape and dtype either way.
+    """
+    tma = bias_tma(bias, Lq, Lk)
+    if (tma is not None or bias is None or bias.dtype not in _TMA_DTYPES or tuple(bias.shape[3:]) != (Lq, Lk)
+            or min(Lq, Lk) < 2 or all(n == m for n, m in zip(bias.shape[:3], q.shape[:3]))
+            or not _tma_capable(bias.device)):
+        return bias, tma
+    pitch = _cdiv(Lk * bias.element_size(), 16) * 16 // bias.element_size()
+    rows = torch.empty(tuple(bias.shape[:4]) + (pitch,), dtype=bias.dtype, device=bias.device)[..., :Lk]
+    rows.copy_(bias)
+    return rows, bias_tma(rows, Lq, Lk)
+
+
 def _bias_operand(bias: Optional[Tensor], dummy: Tensor, tma, block_m: int, block_n: int):
     """(bias argument, its five strides, HAS_BIAS) for a kernel reading [block_m, block_n] bias tiles: a tensor
     descriptor (HAS_BIAS 2, batch strides in slices) where :func:`bias_tma` allowed it, else the tensor (1)."""
@@ -165,7 +184,7 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
     out = empty_in_order(q, (B, R, H, Lq, Dv), q.dtype)
     lse = torch.empty((B, R, H, Lq), dtype=torch.float32, device=q.device)
     m8 = _mask_u8(mask)
-    tma = bias_tma(bias, Lq, Lk)
+    bias, tma = bias_for_tiles(bias, q, Lq, Lk)
     mask_t, sm = _bias_args(m8, q)
 
     def launch(c):
@@ -218,7 +237,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     dev = q.device
     BD, BDV = _pow2(D), _pow2(Dv)
     m8 = _mask_u8(mask)
-    tma = bias_tma(bias, Lq, Lk)
+    bias, tma = bias_for_tiles(bias, q, Lq, Lk)  # any copy has the bias's shape and dtype (so has dbias)
     mask_t, sm = _bias_args(m8, q)
     dims = (B, R, H, Lq, Lk)
     direct_dbias = need_dbias and tuple(bias.shape) == dims
