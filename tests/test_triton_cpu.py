@@ -343,6 +343,7 @@ def test_bias_tma_layout_rules(monkeypatch):
     assert bias_tma(torch.zeros(1, 1, 4, 1, 24), 40, 24) is None  # broadcast over Lq
     assert bias_tma(torch.zeros(1, 1, 4, 40, 1), 40, 24) is None  # broadcast over Lk
     assert bias_tma(torch.zeros(1, 1, 4, 40, 21), 40, 21) is None  # 84-byte rows
+    assert bias_tma(torch.zeros(1, 1, 4, 1, 24).expand(1, 1, 4, 40, 24), 40, 24) is None  # one row repeated
     assert bias_tma(torch.zeros(1, 1, 40, 24, 4).permute(0, 1, 4, 2, 3), 40, 24) is None  # Lk not contiguous
     assert bias_tma(torch.zeros(1, 1, 4, 40, 24, dtype=torch.float64), 40, 24) is None
     assert bias_tma(torch.zeros(4 * 960 + 1)[1:].view(1, 1, 4, 40, 24), 40, 24) is None  # 4-byte offset base

@@ -113,7 +113,16 @@ def _tma_capable(device: torch.device) -> bool:
         return False
     if interpreting():
         return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major = _CAPABILITY.get(index)
+    if major is None:  # asked on every launch: the host's share of a small step counts
+        major = _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
+    return major >= 9
+
+
+_CAPABILITY = {}  # CUDA device index -> compute capability major
 
 
 def bias_tma(bias: Optional[Tensor], Lq: int, Lk: int) -> Optional[Tuple[int, int, Tuple[int, int, int]]]:
@@ -133,7 +142,7 @@ def bias_tma(bias: Optional[Tensor], Lq: int, Lk: int) -> Optional[Tuple[int, in
         return None
     esize = bias.element_size()
     s_m = bias.stride(3)
-    if (s_m * esize) % 16 or bias.data_ptr() % 16:
+    if s_m < Lk or (s_m * esize) % 16 or bias.data_ptr() % 16:  # rows repeated by a 0 stride: pointer loads
         return None
     batch = _bstrides(bias)[:3]
     steps = [s for s in batch if s]
