@@ -104,6 +104,7 @@ def _bias_args(bias: Optional[Tensor], dummy: Tensor):
 
 
 _TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_CAPABILITY = {}  # CUDA device index -> compute capability major
 
 
 def _tma_capable(device: torch.device) -> bool:
@@ -122,7 +123,11 @@ def _tma_capable(device: torch.device) -> bool:
     return major >= 9
 
 
-_CAPABILITY = {}  # CUDA device index -> compute capability major
+def _tma_tiles(bias: Optional[Tensor], Lq: int, Lk: int) -> bool:
+    """Whether a bias could have its tiles read by TMA in some layout: a TMA dtype, full over Lq and Lk (a tile dim
+    broadcast with stride 0 cannot be described), on a capable device."""
+    return (bias is not None and bias.dtype in _TMA_DTYPES and tuple(bias.shape[3:]) == (Lq, Lk)
+            and min(Lq, Lk) >= 2 and _tma_capable(bias.device))
 
 
 def bias_tma(bias: Optional[Tensor], Lq: int, Lk: int) -> Optional[Tuple[int, int, Tuple[int, int, int]]]:
@@ -130,15 +135,11 @@ def bias_tma(bias: Optional[Tensor], Lq: int, Lk: int) -> Optional[Tuple[int, in
 
     A descriptor sees the bias as ``[slices, Lq, Lk]``: the batch dims (B, R, H; 0 stride where broadcast) must
     step in whole multiples of one slice stride, and TMA needs a 16-byte aligned base, row and slice strides and a
-    contiguous last dim. A bias broadcast over Lq or Lk (a stride-0 tile dim) keeps the pointer loads. Returns
-    (slice stride, number of slices, the batch strides counted in slices). On an H100 this takes the per-element
-    address arithmetic of each bias tile off the inner loops (a forward probe on the triangle [1,768,4,768,32]:
-    1.43-1.45 -> 1.30 ms).
+    contiguous last dim (:func:`_tma_tiles` for the rest). Returns (slice stride, number of slices, the batch
+    strides counted in slices). On an H100 this takes the per-element address arithmetic of each bias tile off the
+    inner loops (a forward probe on the triangle [1,768,4,768,32]: 1.43-1.45 -> 1.30 ms).
     """
-    if bias is None or bias.dtype not in _TMA_DTYPES or not _tma_capable(bias.device):
-        return None
-    n_b, n_r, n_h, n_m, n_n = bias.shape
-    if n_m != Lq or n_n != Lk or Lq < 2 or Lk < 2 or bias.stride(4) != 1:
+    if not _tma_tiles(bias, Lq, Lk) or bias.stride(4) != 1:
         return None
     esize = bias.element_size()
     s_m = bias.stride(3)
@@ -149,7 +150,7 @@ def bias_tma(bias: Optional[Tensor], Lq: int, Lk: int) -> Optional[Tuple[int, in
     slice_stride = min(steps) if steps else Lq * s_m
     if (slice_stride * esize) % 16 or any(s % slice_stride for s in steps):
         return None
-    last = sum((n - 1) * s for n, s in zip((n_b, n_r, n_h), batch))
+    last = sum((n - 1) * s for n, s in zip(bias.shape[:3], batch))
     return slice_stride, last // slice_stride + 1, tuple(s // slice_stride for s in batch)
 
 
@@ -162,9 +163,7 @@ def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
     of the bias per pass against one read per row. Its gradient keeps the bias's shape and dtype either way.
     """
     tma = bias_tma(bias, Lq, Lk)
-    if (tma is not None or bias is None or bias.dtype not in _TMA_DTYPES or tuple(bias.shape[3:]) != (Lq, Lk)
-            or min(Lq, Lk) < 2 or all(n == m for n, m in zip(bias.shape[:3], q.shape[:3]))
-            or not _tma_capable(bias.device)):
+    if tma is not None or not _tma_tiles(bias, Lq, Lk) or tuple(bias.shape[:3]) == tuple(q.shape[:3]):
         return bias, tma
     pitch = _cdiv(Lk * bias.element_size(), 16) * 16 // bias.element_size()
     rows = torch.empty(tuple(bias.shape[:4]) + (pitch,), dtype=bias.dtype, device=bias.device)[..., :Lk]
@@ -174,11 +173,11 @@ def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
 
 def _bias_operand(bias: Optional[Tensor], dummy: Tensor, tma, block_m: int, block_n: int):
     """(bias argument, its five strides, HAS_BIAS) for a kernel reading [block_m, block_n] bias tiles: a tensor
-    descriptor (HAS_BIAS 2, batch strides in slices) where :func:`bias_tma` allowed it, else the tensor (1)."""
-    if bias is None:
-        return dummy, (0, 0, 0, 0, 0), 0
+    descriptor (HAS_BIAS 2, batch strides in slices) where :func:`bias_tma` allowed it, else the tensor (1) or the
+    dummy (0) as :func:`_bias_args` gives them."""
     if tma is None:
-        return bias, _bstrides(bias), 1
+        bias_t, strides = _bias_args(bias, dummy)
+        return bias_t, strides, int(bias is not None)
     slice_stride, n_slices, batch = tma
     Lq, Lk = bias.shape[3], bias.shape[4]
     desc = TensorDescriptor(bias, [n_slices, Lq, Lk], [slice_stride, bias.stride(3), 1], [1, block_m, block_n])
