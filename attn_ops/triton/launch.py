@@ -194,14 +194,14 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
     m8 = _mask_u8(mask)
     bias, tma = bias_for_tiles(bias, q, Lq, Lk)
     mask_t, sm = _bias_args(m8, q)
+    qkv_rows, out_rows = (*_rows(q), *_rows(k), *_rows(v)), _rows(out)  # the same for every config
 
     def launch(c):
         grid = (_cdiv(Lq, c.block_m), B * R * H)
         bias_t, sb, has_bias = _bias_operand(bias, q, tma, c.block_m, c.block_n)
         _launch(
             attn_fwd_kernel, grid,
-            (q, k, v, bias_t, mask_t, out, lse, *_rows(q), *_rows(k), *_rows(v), *sb, *sm, *_rows(out),
-             R, H, Lq, Lk, D, Dv, scale),
+            (q, k, v, bias_t, mask_t, out, lse, *qkv_rows, *sb, *sm, *out_rows, R, H, Lq, Lk, D, Dv, scale),
             c.num_warps, c.num_stages,
             HAS_BIAS=has_bias, HAS_MASK=_mask_kind(mask), CAUSAL=causal,
             EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
@@ -270,12 +270,13 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     gs = (0,) * 5 if dbias is None else _bstrides(dbias)
     dq_acc = torch.empty_strided(q.shape, q.stride(), dtype=torch.float32, device=dev) if fused else None
     flags = dict(HAS_MASK=_mask_kind(mask), CAUSAL=causal)
+    qkv_rows, do_rows = (*_rows(q), *_rows(k), *_rows(v)), _rows(do)  # the same for every config
 
     def operands(c):
         """The bias argument, the stride tuple and the constexpr flags (HAS_BIAS first, the kernels' parameter
-        order) of a launch with c's tiles."""
+        order) of a launch with c's tiles (only a bias descriptor's block shape depends on them)."""
         bias_t, sb, has_bias = _bias_operand(bias, q, tma, c.block_m, c.block_n)
-        return bias_t, (*_rows(q), *_rows(k), *_rows(v), *sb, *sm, *_rows(do)), dict(HAS_BIAS=has_bias, **flags)
+        return bias_t, (*qkv_rows, *sb, *sm, *do_rows), dict(HAS_BIAS=has_bias, **flags)
     key = _key(q, v, bias, mask, causal, fused, direct_dbias, atomic)
 
     # 2. dK, dV (+ dQ by atomics when fused, + dBias when it is unbroadcast or accumulated by atomics)
