@@ -267,3 +267,25 @@ def test_tma_and_pointer_bias_loads_both_match_reference_gpu(variant, monkeypatc
     monkeypatch.setenv("ATTN_ZOO_NO_TMA", "1")
     check_against_reference("triton", q, k, v, bias, mask, **opts)
     assert seen and all(p is None for p in seen)
+
+
+@pytest.mark.parametrize("variant", ["fused", "atomic"])
+def test_tma_reduce_and_element_atomics_both_match_reference_gpu(variant, monkeypatch):
+    """The atomic accumulators (dq of the fused backward, a shared bias's gradient with deterministic=False) take one
+    bulk TMA reduction per tile on Hopper and per-element atomics elsewhere: both match the reference on a ragged
+    pair-bias case (L = 200 against every tile), and each run took the path it was meant to."""
+    from attn_ops.triton import launch
+
+    made = []
+    real = launch._reduce_desc
+    monkeypatch.setattr(launch, "_reduce_desc", lambda *a: made.append(a[1:3]) or real(*a))
+    opts = dict(bwd="fused", deterministic=False) if variant == "fused" else dict(bwd="split", deterministic=False)
+    q, k, v, bias, mask = make_inputs((1, 6), 4, 200, 200, 32, dtype=torch.bfloat16, bias_shape=(1, 1, 4, 200, 200),
+                                      mask_shape=(1, 6, 1, 1, 200), device="cuda")
+    check_against_reference("triton", q, k, v, bias, mask, **opts)
+    want = (200, 32) if variant == "fused" else (200, 200)  # (rows, cols) of the accumulator's slices
+    assert want in made
+    made.clear()
+    monkeypatch.setattr(launch, "_tma_reduce", lambda device: False)
+    check_against_reference("triton", q, k, v, bias, mask, **opts)
+    assert not made

@@ -39,14 +39,16 @@ def bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_step(
-    dk, dv, k, v, Q, dOut, Lse, Delta, Mask, dQacc, baddT, offs_m, offs_n, Lq, Lk, D, Dv,
+    dk, dv, k, v, Q, dOut, Lse, Delta, Mask, dQacc, zq, baddT, m0, offs_m, offs_n, Lq, Lk, D, Dv,
     s_qm, s_dm, s_mm, s_mn, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
     FUSED_DQ: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Fold one query tile into dk [BN, BD], dv [BN, BDV] of one key tile of one row; returns dS^T [BN, BM] too.
 
-    CHECK False: the tile is inside [Lq, Lk]; with EVEN_D too, its loads carry no masks."""
+    CHECK False: the tile is inside [Lq, Lk]; with EVEN_D too, its loads carry no masks. FUSED_DQ 1: dQacc is this
+    row's fp32 accumulator (q's strides), added to by per-element atomics; 2: a tensor descriptor over a dense
+    [slices, Lq, BD] fp32 accumulator, ``zq`` this row's slice, added to by one bulk TMA reduction per tile."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Lq
@@ -63,7 +65,10 @@ def _dkdv_step(
     dsT = pT * (dpT - delta[None, :])
     dsT_lp = dsT.to(qT.dtype)
     dk += mm(dsT_lp, tl.trans(qT))
-    if FUSED_DQ:
+    if FUSED_DQ == 2:
+        dq = mm(tl.trans(dsT_lp), k) * scale  # [BM, BD]
+        dQacc.atomic_add([zq, m0, 0], dq.reshape(1, dq.shape[0], dq.shape[1]))
+    elif FUSED_DQ:
         dq = mm(tl.trans(dsT_lp), k) * scale  # [BM, BD]
         tl.atomic_add(dQacc + offs_m[:, None] * s_qm + offs_d[None, :], dq,
                       mask=m_ok[:, None] & (offs_d[None, :] < D), sem="relaxed")
@@ -71,19 +76,25 @@ def _dkdv_step(
 
 
 @triton.jit
-def _store_dbias_t(dBias, dsT, offs_m, offs_n, Lq, Lk, s_gm, s_gn, ATOMIC: tl.constexpr):
-    """dS^T [BN, BM] into dBias (plain store where the program owns the tile, else fp32 atomics)."""
-    ptrs = dBias + offs_n[:, None].to(tl.int64) * s_gn + offs_m[None, :].to(tl.int64) * s_gm
-    ok = (offs_n[:, None] < Lk) & (offs_m[None, :] < Lq)
-    if ATOMIC:
-        tl.atomic_add(ptrs, dsT, mask=ok, sem="relaxed")
+def _store_dbias_t(dBias, gz, dsT, m0, n0, offs_m, offs_n, Lq, Lk, s_gm, s_gn, ATOMIC: tl.constexpr):
+    """dS^T [BN, BM] into dBias (plain store where the program owns the tile, else fp32 atomics: ATOMIC 1 per
+    element, 2 one bulk TMA reduction into slice ``gz`` of a tensor descriptor over the [slices, Lq, Lk]
+    accumulator; out-of-range parts of the tile are dropped by the copy engine)."""
+    if ATOMIC == 2:
+        ds = tl.trans(dsT)
+        dBias.atomic_add([gz, m0, n0], ds.reshape(1, ds.shape[0], ds.shape[1]))
     else:
-        tl.store(ptrs, dsT.to(dBias.dtype.element_ty), mask=ok)
+        ptrs = dBias + offs_n[:, None].to(tl.int64) * s_gn + offs_m[None, :].to(tl.int64) * s_gm
+        ok = (offs_n[:, None] < Lk) & (offs_m[None, :] < Lq)
+        if ATOMIC:
+            tl.atomic_add(ptrs, dsT, mask=ok, sem="relaxed")
+        else:
+            tl.store(ptrs, dsT.to(dBias.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, Q, dOut, Lse, Delta, Bias, bg, n0, Mask, keep, dQacc, dBias, offs_n, lo, hi, Lq, Lk, D, Dv,
+    dk, dv, k, v, Q, dOut, Lse, Delta, Bias, bg, n0, Mask, keep, dQacc, zq, dBias, gz, offs_n, lo, hi, Lq, Lk, D, Dv,
     s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
     FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, ATOMIC_DBIAS: tl.constexpr, EVEN_D: tl.constexpr,
@@ -97,11 +108,11 @@ def _dkdv_tiles(
         if HAS_BIAS:
             biasT = tl.trans(bias_f32(Bias, bg, m0, n0, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK, HAS_BIAS))
         baddT = key_terms_t(biasT, keep, HAS_BIAS, HAS_MASK)
-        dk, dv, dsT = _dkdv_step(dk, dv, k, v, Q, dOut, Lse, Delta, Mask, dQacc, baddT, offs_m, offs_n, Lq, Lk,
-                                 D, Dv, s_qm, s_dm, s_mm, s_mn, scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL,
+        dk, dv, dsT = _dkdv_step(dk, dv, k, v, Q, dOut, Lse, Delta, Mask, dQacc, zq, baddT, m0, offs_m, offs_n,
+                                 Lq, Lk, D, Dv, s_qm, s_dm, s_mm, s_mn, scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL,
                                  CHECK, FUSED_DQ, EVEN_D, BLOCK_D, BLOCK_DV)
         if DIRECT_DBIAS or ATOMIC_DBIAS:
-            _store_dbias_t(dBias, dsT, offs_m, offs_n, Lq, Lk, s_gm, s_gn, ATOMIC_DBIAS)
+            _store_dbias_t(dBias, gz, dsT, m0, n0, offs_m, offs_n, Lq, Lk, s_gm, s_gn, ATOMIC_DBIAS)
     return dk, dv
 
 
@@ -150,7 +161,10 @@ def attn_bwd_dkdv_kernel(
         bg = batch_offset(b, r, h, s_bb, s_br, s_bh).to(tl.int32)
     elif HAS_BIAS:
         Bias += batch_offset(b, r, h, s_bb, s_br, s_bh)
-    if DIRECT_DBIAS or ATOMIC_DBIAS:
+    gz = 0
+    if ATOMIC_DBIAS == 2:  # a tensor descriptor: the batch strides count accumulator slices
+        gz = batch_offset(b, r, h, s_gb, s_gr, s_gh).to(tl.int32)
+    elif DIRECT_DBIAS or ATOMIC_DBIAS:
         dBias += batch_offset(b, r, h, s_gb, s_gr, s_gh)
 
     n0 = pid_n * BLOCK_N
@@ -167,7 +181,11 @@ def attn_bwd_dkdv_kernel(
     dO_r = dOut + batch_offset(b, r, h, s_db, s_dr, s_dh)
     row = ((b * R + r) * H + h).to(tl.int64) * Lq
     Mask_r = Mask + batch_offset(b, r, h, s_mb, s_mr, s_mh)
-    dQ_r = dQacc + q_off
+    zq = ((b * R + r) * H + h).to(tl.int32)  # this row's slice of a dense dQ accumulator (FUSED_DQ 2)
+    if FUSED_DQ == 2:
+        dQ_r = dQacc
+    else:
+        dQ_r = dQacc + q_off
     keep = key_rows(Mask_r, offs_n, s_mn, Lk, HAS_MASK)  # masked keys also get -inf for a bias (key_terms_t)
     k = load_rows(K + k_off, offs_n, s_kn, offs_d, D, keep)  # [BN, BD]
     v = load_rows(V + v_off, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
@@ -175,6 +193,7 @@ def attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     if ROWS == 2:
+        tl.static_assert(not FUSED_DQ, "two rows per program only with the split dQ kernel")
         r2 = tl.minimum(r + 1, R - 1)
         q_off2 = batch_offset(b, r2, h, s_qb, s_qr, s_qh)
         k_off2 = batch_offset(b, r2, h, s_kb, s_kr, s_kh)
@@ -196,16 +215,16 @@ def attn_bwd_dkdv_kernel(
                 # once for both rows
                 biasT = tl.trans(bias_f32(Bias, bg, m0, n0, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK, HAS_BIAS))
             baddT = key_terms_t(biasT, keep, HAS_BIAS, HAS_MASK)
-            dk, dv, dsT = _dkdv_step(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Mask_r, dQ_r, baddT,
-                                     offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm, s_mn, scale,
+            dk, dv, dsT = _dkdv_step(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Mask_r, dQ_r, zq, baddT,
+                                     m0, offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm, s_mn, scale,
                                      HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, EVEN_D, BLOCK_D, BLOCK_DV)
             baddT2 = key_terms_t(biasT, keep2, HAS_BIAS, HAS_MASK)  # the second row's own key mask
             dk2, dv2, dsT2 = _dkdv_step(dk2, dv2, k2, v2, Q + q_off2, dO2, Lse + row2, Delta + row2, Mask2,
-                                        dQacc + q_off2, baddT2, offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm,
+                                        dQ_r, zq, baddT2, m0, offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm,
                                         s_mn, scale, HAS_BIAS, HAS_MASK, False, CHECK,
                                         FUSED_DQ, EVEN_D, BLOCK_D, BLOCK_DV)
             if ATOMIC_DBIAS:
-                _store_dbias_t(dBias, dsT + dsT2 * w2, offs_m, offs_n, Lq, Lk, s_gm, s_gn, True)
+                _store_dbias_t(dBias, gz, dsT + dsT2 * w2, m0, n0, offs_m, offs_n, Lq, Lk, s_gm, s_gn, ATOMIC_DBIAS)
         if r + 1 < R:
             _store_dkdv(dK + k_off2, dV + v_off2, dk2, dv2, offs_n, s_kn, s_vn, Lk, D, Dv, scale, BLOCK_D, BLOCK_DV)
     elif CAUSAL:
@@ -213,18 +232,18 @@ def attn_bwd_dkdv_kernel(
         lo = (tl.maximum(n0 - (Lk - Lq), 0) // BLOCK_M) * BLOCK_M
         m_full = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - (Lk - Lq), 0), BLOCK_M) * BLOCK_M
         m_full = tl.minimum(tl.maximum(m_full, lo), Lq)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, bg, n0, Mask_r, keep, dQ_r, dBias,
-                             offs_n, lo, m_full, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn,
-                             scale, HAS_BIAS, HAS_MASK, True, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, bg, n0, Mask_r, keep, dQ_r,
+                             zq, dBias, gz, offs_n, lo, m_full, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn,
+                             s_gm, s_gn, scale, HAS_BIAS, HAS_MASK, True, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
                              EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, bg, n0, Mask_r, keep, dQ_r, dBias,
-                             offs_n, m_full, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn,
-                             scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, bg, n0, Mask_r, keep, dQ_r,
+                             zq, dBias, gz, offs_n, m_full, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn,
+                             s_gm, s_gn, scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
                              EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV)
     else:
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, bg, n0, Mask_r, keep, dQ_r, dBias,
-                             offs_n, 0, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn,
-                             scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, bg, n0, Mask_r, keep, dQ_r,
+                             zq, dBias, gz, offs_n, 0, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn,
+                             s_gm, s_gn, scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
                              EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV)
     _store_dkdv(dK + k_off, dV + v_off, dk, dv, offs_n, s_kn, s_vn, Lk, D, Dv, scale, BLOCK_D, BLOCK_DV)
 

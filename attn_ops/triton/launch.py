@@ -123,6 +123,20 @@ def _tma_capable(device: torch.device) -> bool:
     return major >= 9
 
 
+def _tma_reduce(device: torch.device) -> bool:
+    """Bulk TMA reductions (``cp.reduce.async.bulk.tensor``) into the fp32 accumulators of the atomic variants: as
+    :func:`_tma_capable`, but not under the CPU interpreter, which has no descriptor reductions (the CPU tests
+    take the per-element atomics there; the GPU tests check both)."""
+    return not interpreting() and _tma_capable(device)
+
+
+def _reduce_desc(acc: Tensor, rows: int, cols: int, block_rows: int, block_cols: int):
+    """A tensor descriptor over a dense fp32 accumulator seen as ``[slices, rows, cols]``, ``[1, block_rows,
+    block_cols]`` tiles (the kernels add whole tiles into it with one bulk reduction each)."""
+    return TensorDescriptor(acc, [acc.numel() // (rows * cols), rows, cols], [rows * cols, cols, 1],
+                            [1, block_rows, block_cols])
+
+
 def _tma_tiles(bias: Optional[Tensor], Lq: int, Lk: int) -> bool:
     """Whether a bias could have its tiles read by TMA in some layout: a TMA dtype, full over Lq and Lk (a tile dim
     broadcast with stride 0 cannot be described), on a capable device."""
@@ -268,7 +282,18 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     elif atomic:  # fp32 accumulator, zeroed per launch; in dq's memory (written only after it) when it fits
         dbias = _f32_buffer(bias.numel(), dev, None if fused else dq).view(bias.shape)
     gs = (0,) * 5 if dbias is None else _bstrides(dbias)
-    dq_acc = torch.empty_strided(q.shape, q.stride(), dtype=torch.float32, device=dev) if fused else None
+    # The atomic accumulators take bulk TMA reductions (one per tile, H100: see attention_h100.md) where the
+    # copy engine can address them: dense, 16-byte rows. The dense dbias accumulator's batch strides then count
+    # [Lq, Lk] slices; the fused dQ accumulator is allocated dense ([B*R*H] slices of [Lq, D]).
+    reduce = _tma_reduce(dev)
+    tma_dbias = atomic and reduce and Lk % 4 == 0
+    tma_dq = fused and reduce and D % 4 == 0
+    if tma_dbias:
+        gs = tuple(s // (Lq * Lk) for s in gs[:3]) + gs[3:]
+    dq_acc = None
+    if fused:
+        dq_acc = (torch.empty(q.shape, dtype=torch.float32, device=dev) if tma_dq
+                  else torch.empty_strided(q.shape, q.stride(), dtype=torch.float32, device=dev))
     flags = dict(HAS_MASK=_mask_kind(mask), CAUSAL=causal)
     qkv_rows, do_rows = (*_rows(q), *_rows(k), *_rows(v)), _rows(do)  # the same for every config
 
@@ -286,12 +311,16 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
         if atomic:
             dbias.zero_()
         bias_t, strides, kflags = operands(c)
+        dq_arg = _reduce_desc(dq_acc, Lq, D, c.block_m, BD) if tma_dq else (q if dq_acc is None else dq_acc)
+        dbias_arg = _reduce_desc(dbias, Lq, Lk, c.block_m, c.block_n) if tma_dbias else (
+            q if dbias is None else dbias)
         _launch(
             attn_bwd_dkdv_kernel, (_cdiv(Lk, c.block_n), B * _cdiv(R, c.rows) * H),
-            (q, k, v, bias_t, mask_t, do, lse, delta, q if dq_acc is None else dq_acc, dk, dv,
-             q if dbias is None else dbias, *strides, *gs, R, H, Lq, Lk, D, Dv, scale),
+            (q, k, v, bias_t, mask_t, do, lse, delta, dq_arg, dk, dv, dbias_arg, *strides, *gs,
+             R, H, Lq, Lk, D, Dv, scale),
             c.num_warps, c.num_stages, **kflags,
-            FUSED_DQ=fused, DIRECT_DBIAS=direct_dbias and fused, ATOMIC_DBIAS=atomic,
+            FUSED_DQ=(2 if tma_dq else 1) if fused else 0, DIRECT_DBIAS=direct_dbias and fused,
+            ATOMIC_DBIAS=(2 if tma_dbias else 1) if atomic else 0,
             EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv), ROWS=c.rows,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
         )
