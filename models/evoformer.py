@@ -139,6 +139,14 @@ class MSAColumnGlobalAttention(nn.Module):
         return out.transpose(-2, -3)  # [B, S, N, c_m]
 
 
+class MSATransition(Transition):
+    """AF2 Alg. 9: the MSA transition, ``m -> Linear(relu(Linear(LN(m))))`` with hidden width ``n * c_m``
+    (AF2 uses n = 4). Input/output ``[B, S, N, c_m]``; ``chunk_size`` chunks the S rows."""
+
+    def __init__(self, c_m: int, n: int = 4):
+        super().__init__(c_m, n)
+
+
 class OuterProductMean(nn.Module):
     """AF2 Alg. 10: ``z_ij += Linear(mean_s a_si (x) b_sj)``, the mean over real sequences only."""
 
@@ -177,6 +185,14 @@ class OuterProductMean(nn.Module):
         return chunk_rows(rows, [a, count], [-2, -2], chunk_size, out_dim=-3)
 
 
+class PairTransition(Transition):
+    """AF2 Alg. 15: the pair transition, ``z -> Linear(relu(Linear(LN(z))))`` with hidden width ``n * c_z``
+    (AF2 uses n = 4). Input/output ``[B, N, N, c_z]``; ``chunk_size`` chunks the rows i."""
+
+    def __init__(self, c_z: int, n: int = 4):
+        super().__init__(c_z, n)
+
+
 # --------------------------------------------------------------------------------------------------
 # Blocks and stacks
 # --------------------------------------------------------------------------------------------------
@@ -192,13 +208,13 @@ class _MSAPairBlock(nn.Module):
         attention = AttentionConfig.coerce(attention)
         self.msa_row_attention = MSARowAttentionWithPairBias(c_m, c_z, c_hidden_msa, num_heads_msa, attention)
         self.msa_column_attention = column
-        self.msa_transition = Transition(c_m, transition_n)
+        self.msa_transition = MSATransition(c_m, transition_n)
         self.outer_product_mean = OuterProductMean(c_m, c_z, c_hidden_opm)
         self.tri_mul_out = TriangleMultiplicationOutgoing(c_z, c_hidden_mul)
         self.tri_mul_in = TriangleMultiplicationIncoming(c_z, c_hidden_mul)
         self.tri_att_start = TriangleAttentionStartingNode(c_z, c_hidden_pair, num_heads_pair, attention)
         self.tri_att_end = TriangleAttentionEndingNode(c_z, c_hidden_pair, num_heads_pair, attention)
-        self.pair_transition = Transition(c_z, transition_n)
+        self.pair_transition = PairTransition(c_z, transition_n)
         self.msa_dropout_row = SharedDropout(msa_dropout, shared_dim=-3)
         self.pair_dropout_row = SharedDropout(pair_dropout, shared_dim=-3)
         self.pair_dropout_col = SharedDropout(pair_dropout, shared_dim=-2)

@@ -1,10 +1,15 @@
 """Evoformer and extra-MSA blocks: shapes, padding invariance (values and gradients), backends agree
-(torch / chunked / triton under the interpreter), checkpointed and chunked runs equal plain ones,
+(torch / chunked / sdpa / triton under the interpreter; triton and flex on a GPU), checkpointed and chunked
+runs equal plain ones and really checkpoint / chunk, the named MSA and pair transitions,
 the ending-node / incoming modules equal the starting-node / outgoing ones on transposed input,
 and the outer product mean and global column attention against their definitions."""
 import pytest
 import torch
 
+import models.evoformer
+import models.pairformer
+import models.primitives
+import models.triangle
 from models.evoformer import (
     EvoformerBlock,
     EvoformerStack,
@@ -12,8 +17,11 @@ from models.evoformer import (
     ExtraMSAStack,
     MSAColumnGlobalAttention,
     MSARowAttentionWithPairBias,
+    MSATransition,
     OuterProductMean,
+    PairTransition,
 )
+from models.primitives import Transition
 from models.triangle import (
     TriangleAttentionEndingNode,
     _ChannelsLast,
@@ -34,6 +42,8 @@ from test_primitives import (
 W = dict(c_m=16, c_z=8, num_heads_msa=2, c_hidden_msa=16, num_heads_pair=2, c_hidden_pair=16, c_hidden_opm=4,
          c_hidden_mul=8, transition_n=2)
 BLOCKS = {"evoformer": EvoformerBlock, "extra_msa": ExtraMSABlock}
+# flex's bias gradient uses atomics: it serves a trainable bias only with deterministic=False
+FLEX = {"backend": "flex", "deterministic": False}
 
 
 def _block(kind, attention="torch", dropout=0.0):
@@ -50,6 +60,72 @@ def _inputs(B=1, S=3, N=6, seed=0, hole_p=0.2, dtype=torch.float64):
     pair_mask = res[:, :, None] & res[:, None, :]
     assert not msa_mask.all() or hole_p == 0
     return m, z, msa_mask, pair_mask
+
+
+def spy_checkpoint(monkeypatch, blocks):
+    """Wrap the ``torch.utils.checkpoint.checkpoint`` that ``models.primitives.run_blocks`` calls (the real one
+    still runs) and count block forwards. Returns ``(segments, forwards)``: ``segments`` holds, per checkpoint
+    call, the indices of the blocks run inside it; ``forwards[i]`` counts block i's forward runs, so a
+    checkpointed block shows 1 after the forward and 2 after the backward (its recompute)."""
+    real = models.primitives.torch.utils.checkpoint.checkpoint
+    segments, forwards, inside = [], [0] * len(blocks), []
+
+    def checkpoint(fn, *args, **kwargs):
+        segments.append([])
+        inside.append(True)
+        try:
+            return real(fn, *args, **kwargs)
+        finally:
+            inside.pop()
+
+    def count(i):
+        def hook(module, args):
+            forwards[i] += 1
+            if inside:
+                segments[-1].append(i)
+        return hook
+
+    for i, blk in enumerate(blocks):
+        blk.register_forward_pre_hook(count(i))
+    monkeypatch.setattr(models.primitives.torch.utils.checkpoint, "checkpoint", checkpoint)
+    return segments, forwards
+
+
+def spy_chunk_rows(monkeypatch):
+    """Wrap ``chunk_rows`` in every models module that calls it (the real one still runs). Returns a list that
+    gets, per call, the row counts of the slices its function was run on (a broadcast argument, row dim of size
+    1, counts as no rows)."""
+    real = models.primitives.chunk_rows
+    calls = []
+
+    def chunk_rows(fn, args, dims, chunk_size, out_dim):
+        rows = []
+        calls.append(rows)
+
+        def run(*part):
+            rows.append(max(a.shape[d] for a, d in zip(part, dims) if a is not None and d is not None))
+            return fn(*part)
+
+        return real(run, args, dims, chunk_size, out_dim)
+
+    for mod in (models.primitives, models.triangle, models.evoformer, models.pairformer):
+        monkeypatch.setattr(mod, "chunk_rows", chunk_rows)
+    return calls
+
+
+def split_rows(n, chunk):
+    """Row counts of the slices of n rows in chunks of ``chunk``: split_rows(7, 3) = [3, 3, 1]."""
+    return [min(chunk, n - start) for start in range(0, n, chunk)]
+
+
+def check_chunked(plain_calls, chunked_calls, chunk, calls_per_run):
+    """The chunked run called every row-chunked sub-module on slices of ``chunk`` rows (each more than one
+    slice); the plain run called the same sub-modules, each once on all its rows."""
+    assert len(plain_calls) == len(chunked_calls) == calls_per_run, (len(plain_calls), len(chunked_calls))
+    assert all(len(rows) == 1 for rows in plain_calls), plain_calls
+    assert [sum(rows) for rows in chunked_calls] == [rows[0] for rows in plain_calls]
+    for rows in chunked_calls:
+        assert len(rows) > 1 and rows == split_rows(sum(rows), chunk), chunked_calls
 
 
 def test_stack_shapes_dtypes_and_default_masks():
@@ -97,7 +173,7 @@ def test_padding_does_not_change_real_positions(kind):
         assert rel_err(grads_p[name], grads[name], floor=1.0) < 1e-10, name
 
 
-@pytest.mark.parametrize("backend", ["chunked", "triton"])
+@pytest.mark.parametrize("backend", ["chunked", "sdpa", "triton"])
 @pytest.mark.parametrize("kind", list(BLOCKS))
 def test_backends_agree_with_torch(kind, backend):
     skip_unless_backend(backend)
@@ -109,17 +185,22 @@ def test_backends_agree_with_torch(kind, backend):
     )
 
 
-def test_checkpointed_stack_equals_plain_with_dropout():
-    """Checkpointing recomputes the blocks in the backward with the same dropout masks."""
+def test_checkpointed_stack_equals_plain_with_dropout(monkeypatch):
+    """Checkpointing recomputes the blocks in the backward with the same dropout masks. The checkpointed run
+    really checkpoints: one torch.utils.checkpoint call per block (checkpoint_every=1), each block run again in
+    the backward; the plain run calls it never and runs each block once."""
     m, z, msa_mask, pair_mask = _inputs(S=3, N=5, seed=6)
     results = []
-    for every in (0, 1):
+    for every, want_segments, want_forwards in ((0, [], [1, 1]), (1, [[0], [1]], [2, 2])):
         stack = randomize_(EvoformerStack(**W, num_blocks=2, attention="torch", checkpoint_every=every,
                                           msa_dropout=0.3, pair_dropout=0.3), seed=7).double().train()
+        segments, forwards = spy_checkpoint(monkeypatch, stack.blocks)
         mi, zi = m.clone().requires_grad_(), z.clone().requires_grad_()
         torch.manual_seed(11)
         m2, z2 = stack(mi, zi, msa_mask, pair_mask)
+        assert segments == want_segments and forwards == [1, 1], (every, segments, forwards)
         weighted_sum([m2, z2]).backward()
+        assert forwards == want_forwards, (every, forwards)
         results.append((m2, z2, mi.grad, zi.grad, param_grads(stack)))
     (a_m, a_z, a_gm, a_gz, a_p), (b_m, b_z, b_gm, b_gz, b_p) = results
     for a, b in ((a_m, b_m), (a_z, b_z), (a_gm, b_gm), (a_gz, b_gz)):
@@ -133,16 +214,28 @@ def test_checkpointed_stack_equals_plain_with_dropout():
     assert rel_err(stack(m, z, msa_mask, pair_mask)[1], a_z) > 1e-3
 
 
+# row-chunked sub-modules per block: MSA row attention, MSA column attention (the extra-MSA block's global
+# column attention is not chunked), MSA transition, outer product mean, 2 triangle multiplications, 2 triangle
+# attentions, pair transition
+CHUNKED_PER_BLOCK = {EvoformerStack: 9, ExtraMSAStack: 8}
+
+
 @pytest.mark.parametrize("stack_cls", [EvoformerStack, ExtraMSAStack])
-def test_chunked_stack_equals_plain(stack_cls):
+def test_chunked_stack_equals_plain(stack_cls, monkeypatch):
+    """chunk_size=3 gives the plain result, and really chunks: every row-chunked sub-module of every block runs
+    on slices of 3 rows (S = 4 MSA rows, N = 7 residues)."""
     m, z, msa_mask, pair_mask = _inputs(S=4, N=7, seed=8)
     plain = randomize_(stack_cls(**W, num_blocks=2, attention="torch"), seed=9).double().eval()
     chunked = stack_cls(**W, num_blocks=2, attention="torch", chunk_size=3).double().eval()
     chunked.load_state_dict(plain.state_dict())
+    calls = spy_chunk_rows(monkeypatch)
     with torch.no_grad():
         a_m, a_z = plain(m, z, msa_mask, pair_mask)
+        plain_calls = calls[:]
+        del calls[:]
         b_m, b_z = chunked(m, z, msa_mask, pair_mask)
     assert rel_err(b_m, a_m) < 1e-13 and rel_err(b_z, a_z) < 1e-13
+    check_chunked(plain_calls, calls, 3, 2 * CHUNKED_PER_BLOCK[stack_cls])
 
 
 def _transposed(t):
@@ -303,6 +396,45 @@ def test_global_column_attention_matches_definition():
     assert rel_err(mod(m, msa_mask), want) < 1e-13
 
 
+def test_msa_and_pair_transitions_are_the_af2_transitions():
+    """MSATransition (AF2 Alg. 9) and PairTransition (Alg. 15) are the plain Transition with AF2's n = 4 by
+    default: same parameters, the same outputs, chunked too."""
+    g = torch.Generator().manual_seed(26)
+    for cls, c in ((MSATransition, W["c_m"]), (PairTransition, W["c_z"])):
+        named = randomize_(cls(c), seed=27).double()
+        assert isinstance(named, Transition) and named.linear_1.out_features == 4 * c
+        plain = Transition(c, n=4).double()
+        plain.load_state_dict(named.state_dict())  # strict: the same keys and shapes
+        x = torch.randn(1, 5, 7, c, generator=g, dtype=torch.float64)
+        assert named(x).abs().max() > 1e-3  # randomized: not the zero update of the "final" init
+        assert torch.equal(named(x), plain(x)) and torch.equal(named(x, chunk_size=2), plain(x, chunk_size=2))
+
+
+@pytest.mark.parametrize("kind", list(BLOCKS))
+def test_block_builds_named_transitions_with_unchanged_state_dict(kind):
+    """The blocks build MSATransition / PairTransition under the attribute names the plain Transitions had, so
+    the state_dict keys (and saved checkpoints) are unchanged: a block with plain Transitions swapped back in
+    has the same keys and shapes, loads strictly, and computes the same."""
+    block = randomize_(_block(kind), seed=28).double()
+    assert type(block.msa_transition) is MSATransition and type(block.pair_transition) is PairTransition
+    assert block.msa_transition.linear_1.out_features == W["transition_n"] * W["c_m"]
+    assert block.pair_transition.linear_1.out_features == W["transition_n"] * W["c_z"]
+    assert [k for k in block.state_dict() if "transition" in k] == [
+        f"{t}.{p}.{w}" for t in ("msa_transition", "pair_transition")
+        for p in ("layer_norm", "linear_1", "linear_2") for w in ("weight", "bias")
+    ]
+    before = _block(kind).double()
+    before.msa_transition = Transition(W["c_m"], W["transition_n"])  # what the blocks built before
+    before.pair_transition = Transition(W["c_z"], W["transition_n"])
+    before.double().load_state_dict(block.state_dict())
+    assert [(k, v.shape) for k, v in before.state_dict().items()] == [
+        (k, v.shape) for k, v in block.state_dict().items()
+    ]
+    m, z, msa_mask, pair_mask = _inputs(S=3, N=5, seed=29)
+    for a, b in zip(block(m, z, msa_mask, pair_mask), before(m, z, msa_mask, pair_mask)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("kind", list(BLOCKS))
 def test_block_traces_without_graph_break(kind):
     """Dynamo captures the whole block (chunked backend on CPU) in one graph: no graph break in the model code."""
@@ -327,3 +459,25 @@ def test_compiled_evoformer_block_with_triton_fullgraph():
     (cm.sum() + cz.sum()).backward()
     assert torch.isfinite(m.grad).all()
     assert rel_err(cm, em) < 1e-4 and rel_err(cz, ez) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(BLOCKS))
+def test_triton_block_agrees_with_torch_on_gpu_in_bf16(kind):
+    """On the GPU kernels (not the interpreter), under bf16 autocast: outputs and all gradients within the
+    registry's bf16 tolerance of PyTorch's own bf16 error (vs float64). The extra-MSA block adds the global
+    column attention (one query per head, k and v broadcast over heads)."""
+    m, z, msa_mask, pair_mask = _inputs(S=8, N=40, seed=30)
+    compare_backend_to_torch(lambda attn: _block(kind, attention=attn), [m, z], [msa_mask, pair_mask],
+                             "triton", seed=31, device="cuda", autocast=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_flex_block_agrees_with_torch_on_gpu():
+    """The flex backend (compiled flex_attention) on the GPU, fp32: outputs and all gradients within the
+    registry's tolerance of PyTorch's own fp32 error (vs float64). One compile per attention shape (MSA rows,
+    MSA columns, triangle), so the sizes stay small."""
+    m, z, msa_mask, pair_mask = _inputs(S=8, N=24, seed=32)
+    torch._dynamo.reset()
+    compare_backend_to_torch(lambda attn: _block("evoformer", attention=FLEX if attn == "flex" else attn),
+                             [m, z], [msa_mask, pair_mask], "flex", seed=33, device="cuda")

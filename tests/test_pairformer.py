@@ -1,6 +1,7 @@
-"""Pairformer: shapes, padding invariance (values and gradients), backends agree (torch / chunked /
-triton under the interpreter), checkpointed and chunked runs equal plain ones, attention with pair bias
-against its definition; on a GPU, torch.compile(fullgraph=True) of a block with the triton backend."""
+"""Pairformer: shapes, padding invariance (values and gradients), backends agree (torch / chunked / sdpa /
+triton under the interpreter; triton and flex on a GPU), checkpointed and chunked runs equal plain ones and
+really checkpoint / chunk, attention with pair bias against its definition; on a GPU, torch.compile(fullgraph=True)
+of a block with the triton backend."""
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from test_primitives import (
     skip_unless_backend,
     weighted_sum,
 )
+from test_evoformer import FLEX, check_chunked, spy_checkpoint, spy_chunk_rows
 
 # head dims 16 (c_s / num_heads_single and c_hidden_pair) so that triton can serve every attention
 W = dict(c_s=32, c_z=8, num_heads_single=2, num_heads_pair=2, c_hidden_pair=16, c_hidden_mul=8, transition_n=2)
@@ -68,7 +70,7 @@ def test_padding_does_not_change_real_positions():
         assert rel_err(grads_p[name], grads[name], floor=1.0) < 1e-10, name
 
 
-@pytest.mark.parametrize("backend", ["chunked", "triton"])
+@pytest.mark.parametrize("backend", ["chunked", "sdpa", "triton"])
 def test_backends_agree_with_torch(backend):
     skip_unless_backend(backend)
     opts = {"chunk_size": 2} if backend == "chunked" else {}
@@ -79,16 +81,22 @@ def test_backends_agree_with_torch(backend):
     )
 
 
-def test_checkpointed_stack_equals_plain_with_dropout():
+def test_checkpointed_stack_equals_plain_with_dropout(monkeypatch):
+    """Checkpointing every 2 of 3 blocks gives the plain run's values and gradients (same dropout masks in the
+    recompute), and really checkpoints: two torch.utils.checkpoint segments, blocks [0, 1] and [2], every block
+    run again in the backward; the plain run never checkpoints and runs each block once."""
     s, z, single_mask, pair_mask = _inputs(N=5, seed=6)
     results = []
-    for every in (0, 2):
+    for every, want_segments, want_forwards in ((0, [], [1, 1, 1]), (2, [[0, 1], [2]], [2, 2, 2])):
         stack = randomize_(PairformerStack(**W, num_blocks=3, attention="torch", checkpoint_every=every,
                                            pair_dropout=0.3), seed=7).double().train()
+        segments, forwards = spy_checkpoint(monkeypatch, stack.blocks)
         si, zi = s.clone().requires_grad_(), z.clone().requires_grad_()
         torch.manual_seed(11)
         s2, z2 = stack(si, zi, single_mask, pair_mask)
+        assert segments == want_segments and forwards == [1, 1, 1], (every, segments, forwards)
         weighted_sum([s2, z2]).backward()
+        assert forwards == want_forwards, (every, forwards)
         results.append((s2, z2, si.grad, zi.grad, param_grads(stack)))
     (*a, a_p), (*b, b_p) = results
     for x, y in zip(a, b):
@@ -98,15 +106,22 @@ def test_checkpointed_stack_equals_plain_with_dropout():
         assert rel_err(b_p[name], a_p[name], floor=1.0) < 1e-12, name
 
 
-def test_chunked_stack_equals_plain():
+def test_chunked_stack_equals_plain(monkeypatch):
+    """chunk_size=3 gives the plain result, and really chunks: each block's 2 triangle multiplications, 2 triangle
+    attentions, pair transition, attention with pair bias (over queries) and single transition run on slices of
+    3 of the N = 7 rows."""
     s, z, single_mask, pair_mask = _inputs(N=7, seed=8)
     plain = randomize_(PairformerStack(**W, num_blocks=2, attention="torch"), seed=9).double().eval()
     chunked = PairformerStack(**W, num_blocks=2, attention="torch", chunk_size=3).double().eval()
     chunked.load_state_dict(plain.state_dict())
+    calls = spy_chunk_rows(monkeypatch)
     with torch.no_grad():
         a_s, a_z = plain(s, z, single_mask, pair_mask)
+        plain_calls = calls[:]
+        del calls[:]
         b_s, b_z = chunked(s, z, single_mask, pair_mask)
     assert rel_err(b_s, a_s) < 1e-13 and rel_err(b_z, a_z) < 1e-13
+    check_chunked(plain_calls, calls, 3, 2 * 7)
 
 
 def test_attention_pair_bias_matches_definition():
@@ -222,3 +237,13 @@ def test_triton_block_agrees_with_torch_on_gpu_in_bf16():
     s, z, single_mask, pair_mask = _inputs(N=40, seed=13)
     compare_backend_to_torch(lambda attn: PairformerBlock(**W, attention=attn), [s, z], [single_mask, pair_mask],
                              "triton", seed=14, device="cuda", autocast=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_flex_block_agrees_with_torch_on_gpu():
+    """The flex backend (compiled flex_attention) on the GPU, fp32: outputs and all gradients within the
+    registry's tolerance of PyTorch's own fp32 error (vs float64). Two compiles: triangle and single attention."""
+    s, z, single_mask, pair_mask = _inputs(N=24, seed=17)
+    torch._dynamo.reset()
+    compare_backend_to_torch(lambda attn: PairformerBlock(**W, attention=FLEX if attn == "flex" else attn),
+                             [s, z], [single_mask, pair_mask], "flex", seed=18, device="cuda")

@@ -49,6 +49,8 @@ CASES = [
     ("pair_bias_over_batch_even_tiles", (2, 3), 2, 32, 32, 16, 16, (1, 1, 2, 32, 32), (2, 3, 1, 1, 32), False),
     # in-range tiles with D, Dv that do not fill their blocks: rows unmasked, columns masked
     ("even_tiles_d24", (1, 3), 2, 32, 32, 24, 24, (1, 1, 2, 32, 32), None, False),
+    # a bias shared over heads only (full over batch, Lq, Lk): dBias sums the heads in the reduction's tile loop
+    ("bias_shared_over_heads", (2,), 3, 20, L, 16, 16, (2, 1, 20, L), (2, 1, 1, L), False),
 ]
 
 
@@ -59,7 +61,7 @@ RUNS = [(c, dt, "split") for c in CASES for dt in (torch.float32, torch.float16)
 RUNS += [(c, torch.float32, "fused") for c in CASES if c[0] in FUSED]
 RUNS += [(c, torch.float16, "fused") for c in CASES if c[0] in FUSED[:2]]
 # split dq with the broadcast bias's gradient summed by atomics in the dK/dV pass (deterministic=False)
-ATOMIC = ("pair_bias_over_rows", "causal_pair_bias_over_rows", "pair_bias_even_tiles")
+ATOMIC = ("pair_bias_over_rows", "causal_pair_bias_over_rows", "pair_bias_even_tiles", "bias_shared_over_heads")
 RUNS += [(c, dt, "atomic") for c in CASES if c[0] in ATOMIC for dt in (torch.float32, torch.float16)]
 
 
@@ -100,20 +102,50 @@ def test_loss_on_lse_only_reaches_q_k_bias():
         torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5)
 
 
+FP32_ATOMIC_DBIAS = (1, 2)  # the dK/dV kernel's ATOMIC_DBIAS values that add dS by fp32 atomics (element, TMA)
+
+
+def _spy_dkdv_flags(monkeypatch):
+    """The constexpr flags of every dK/dV kernel launch from here on (the launchers' ``_launch`` wrapped)."""
+    from attn_ops.triton import launch
+    from attn_ops.triton.backward import attn_bwd_dkdv_kernel
+
+    seen = []
+    real = launch._launch
+
+    def spy(kernel, grid, args, num_warps, num_stages, **constexprs):
+        if kernel is attn_bwd_dkdv_kernel:
+            seen.append(constexprs)
+        real(kernel, grid, args, num_warps, num_stages, **constexprs)
+
+    monkeypatch.setattr(launch, "_launch", spy)
+    return seen
+
+
 @pytest.mark.parametrize("bias_shape", [(2, 1, 2, 33, 33), (1, 1, 2, 33, 33), (2, 3, 2, 33, 33)],
                          ids=["over_rows", "over_batch_and_rows", "full"])
-def test_split_backward_is_bitwise_deterministic(bias_shape):
+def test_split_backward_is_bitwise_deterministic(bias_shape, monkeypatch):
+    """Repeated calls give the same bits. The interpreter runs atomics in order, so that alone cannot fail on the
+    CPU: the dK/dV launches are also checked for the atomic variants (fused dQ, atomic dBias), which
+    deterministic=False takes for the broadcast biases."""
     q, k, v, bias, mask = make_inputs((2, 3), 2, 33, 33, 16, bias_shape=bias_shape, mask_shape=(2, 3, 1, 1, 33))
     g = torch.randn(q.shape[:-1] + v.shape[-1:], generator=torch.Generator().manual_seed(3))
+    dkdv = _spy_dkdv_flags(monkeypatch)
 
-    def grads():
-        out, lse = triton_attention(q, k, v, bias, mask, 0.3, False, deterministic=True)
+    def grads(deterministic=True):
+        out, lse = triton_attention(q, k, v, bias, mask, 0.3, False, deterministic=deterministic)
         return torch.autograd.grad((out * g).sum() + lse[..., :4].sum(), (q, k, v, bias))
 
     first, second = grads(), grads()
     for a, b in zip(first, second):
         assert torch.equal(a, b)
     assert first[3].shape == bias.shape
+    assert len(dkdv) == 2 and all(not f["FUSED_DQ"] and f["ATOMIC_DBIAS"] not in FP32_ATOMIC_DBIAS for f in dkdv), dkdv
+    dkdv.clear()
+    grads(deterministic=False)
+    broadcast = tuple(bias.shape) != tuple(q.shape[:-1]) + (33,)
+    assert len(dkdv) == 1 and not dkdv[0]["FUSED_DQ"], dkdv
+    assert (dkdv[0]["ATOMIC_DBIAS"] in FP32_ATOMIC_DBIAS) == broadcast, dkdv
 
 
 def test_bias_gradient_keeps_bias_dtype():

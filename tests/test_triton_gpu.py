@@ -14,7 +14,18 @@ from helpers import (
 )
 
 pytestmark = pytest.mark.gpu
-os.environ.setdefault("ATTN_ZOO_NO_TUNE", "1")  # one config per kernel: keeps compile time of this file small
+
+
+@pytest.fixture(autouse=True)
+def _one_config_per_kernel(monkeypatch):
+    """ATTN_ZOO_NO_TUNE=1 (read by the tuner at each pick) for this file's tests only, unless already set: one config
+    per kernel keeps this file's compile time small; other GPU test modules in the session still tune, and the
+    untuned picks stay in a cache of this test's own (the tuner's cache key does not record the switch)."""
+    from attn_ops.triton import tuning
+
+    if "ATTN_ZOO_NO_TUNE" not in os.environ:
+        monkeypatch.setenv("ATTN_ZOO_NO_TUNE", "1")
+    monkeypatch.setattr(tuning, "_CACHE", {})
 
 # (name, batch, H, Lq, Lk, D, Dv, bias_shape, mask_shape, causal)
 CASES = [
