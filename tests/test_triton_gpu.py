@@ -199,9 +199,9 @@ def test_cuda_graph_capture_replays_the_op_gpu(deterministic):
     got = [out, lse] + [t.grad for t in leaves]
     want = [want_out, want_lse] + [t.grad for t in eager]
     for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "dbias"], got, want):
-        if deterministic or name in ("out", "lse", "dk", "dv"):
+        if deterministic or name != "dbias":
             assert torch.equal(a, b), name
-        else:  # sums by atomics (dbias; dq of a fused backward) differ run to run in their last bits
+        else:  # deterministic=False sums the shared bias's gradient by atomics: the last bits vary run to run
             assert (a.float() - b.float()).abs().max() <= 2.0 ** -7 * b.float().abs().max(), name
 
 

@@ -65,13 +65,13 @@ def _dkdv_step(
     dsT = pT * (dpT - delta[None, :])
     dsT_lp = dsT.to(qT.dtype)
     dk += mm(dsT_lp, tl.trans(qT))
-    if FUSED_DQ == 2:
+    if FUSED_DQ:
         dq = mm(tl.trans(dsT_lp), k) * scale  # [BM, BD]
-        dQacc.atomic_add([zq, m0, 0], dq.reshape(1, dq.shape[0], dq.shape[1]))
-    elif FUSED_DQ:
-        dq = mm(tl.trans(dsT_lp), k) * scale  # [BM, BD]
-        tl.atomic_add(dQacc + offs_m[:, None] * s_qm + offs_d[None, :], dq,
-                      mask=m_ok[:, None] & (offs_d[None, :] < D), sem="relaxed")
+        if FUSED_DQ == 2:
+            dQacc.atomic_add([zq, m0, 0], dq.reshape(1, dq.shape[0], dq.shape[1]))
+        else:
+            tl.atomic_add(dQacc + offs_m[:, None] * s_qm + offs_d[None, :], dq,
+                          mask=m_ok[:, None] & (offs_d[None, :] < D), sem="relaxed")
     return dk, dv, dsT
 
 
@@ -179,9 +179,9 @@ def attn_bwd_dkdv_kernel(
     v_off = batch_offset(b, r, h, s_vb, s_vr, s_vh)
     Q_r = Q + q_off
     dO_r = dOut + batch_offset(b, r, h, s_db, s_dr, s_dh)
-    row = ((b * R + r) * H + h).to(tl.int64) * Lq
+    zq = (b * R + r) * H + h  # this row's index over B*R*H: its slice of a dense dQ accumulator (FUSED_DQ 2)
+    row = zq.to(tl.int64) * Lq
     Mask_r = Mask + batch_offset(b, r, h, s_mb, s_mr, s_mh)
-    zq = ((b * R + r) * H + h).to(tl.int32)  # this row's slice of a dense dQ accumulator (FUSED_DQ 2)
     if FUSED_DQ == 2:
         dQ_r = dQacc
     else:
