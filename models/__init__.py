@@ -1,4 +1,5 @@
 """attn-zoo model blocks: Evoformer, Pairformer and long-context transformers built on ``attn_ops``.
 
-Import the blocks from their modules, e.g. ``from models.evoformer import EvoformerBlock``.
+Installed as ``attn_zoo.models``; import the blocks from their modules, e.g.
+``from attn_zoo.models.evoformer import EvoformerBlock``.
 """

@@ -2,7 +2,7 @@
 
 Representations: MSA ``m [B, S, N, c_m]`` with ``msa_mask [B, S, N]`` and pair ``z [B, N, N, c_z]`` with
 ``pair_mask [B, N, N]`` (bool, True = real). Padded residues and padded MSA rows never change the result
-at real positions. Every attention module takes ``attention=`` (see ``models.primitives.AttentionConfig``).
+at real positions. Every attention module takes ``attention=`` (see ``attn_zoo.models.primitives.AttentionConfig``).
 
 Read top to bottom in the order a block runs: MSA row attention with pair bias, MSA column attention
 (or global column attention in the extra-MSA stack), MSA transition, outer product mean, triangle

@@ -2,7 +2,7 @@
 
 Representations: single ``s [B, N, c_s]`` with ``single_mask [B, N]`` and pair ``z [B, N, N, c_z]`` with
 ``pair_mask [B, N, N]`` (bool, True = real). Padded residues never change the result at real positions.
-Every attention module takes ``attention=`` (see ``models.primitives.AttentionConfig``).
+Every attention module takes ``attention=`` (see ``attn_zoo.models.primitives.AttentionConfig``).
 
 A block runs: triangle multiplication outgoing, incoming, triangle attention starting node, ending
 node, pair transition, then single attention with pair bias and single transition.

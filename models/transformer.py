@@ -24,7 +24,7 @@ from torch import nn
 
 import attn_ops
 from attn_ops.ring import ring_attention, ring_positions, shard_sequence, unshard_sequence
-from models.primitives import AttentionConfig, LayerNorm, Linear
+from .primitives import AttentionConfig, LayerNorm, Linear
 
 Tensor = torch.Tensor
 
@@ -261,7 +261,7 @@ class TransformerLM(nn.Module):
 def esm2_like(vocab_size: int = 33, d_model: int = 320, num_layers: int = 6, num_heads: int = 20, **kwargs):
     """An ESM-2-style protein encoder (bidirectional, pre-norm, RoPE); defaults are ESM-2 8M's sizes.
 
-    Pass ``padding_idx`` for your alphabet's pad token (``models.data.alphabet.PAD`` for this project's).
+    Pass ``padding_idx`` for your alphabet's pad token (``attn_zoo.models.data.alphabet.PAD`` for this project's).
     """
     return TransformerLM(vocab_size, d_model, num_layers, num_heads, causal=False, **kwargs)
 

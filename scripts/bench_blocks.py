@@ -38,8 +38,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.evoformer import EvoformerBlock  # noqa: E402
-from models.pairformer import PairformerBlock  # noqa: E402
+from attn_zoo.models.evoformer import EvoformerBlock  # noqa: E402
+from attn_zoo.models.pairformer import PairformerBlock  # noqa: E402
 
 GIB = 2.0 ** 30
 PADDED = 13  # padded residues at the end of every sequence (real masks, not all-True)

@@ -9,8 +9,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
 from attn_ops import registry
-import models.tasks  # noqa: F401  (import before any torch.device("meta") context)
-from models.primitives import AttentionConfig
+import attn_zoo.models.tasks  # noqa: F401  (import before any torch.device("meta") context)
+from attn_zoo.models.primitives import AttentionConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 GROUPS = ["model", "attention", "data", "trainer", "callbacks", "logger", "paths", "debug", "experiment"]
@@ -101,7 +101,7 @@ def test_unknown_backend_fails_at_config_time_with_valid_names(model, tmp_path):
         instantiate_model(cfg)
     msg = str(e.value)
     assert "trtion" in msg and all(name in msg for name in ("triton", "torch", "chunked", "sdpa", "flex", "auto"))
-    import train
+    from attn_zoo import train
 
     with pytest.raises(ValueError, match="valid names"):
         train.validate_attention(cfg)

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from models.data import (
+from attn_zoo.models.data import (
     CausalLMDataModule, MaskedLMDataModule, MSADataModule, SAMPLE_DIR, SyntheticMSADataModule, decode, distogram_bins,
     encode, read_a3m, read_fasta, read_mmcif,
 )
-from models.data.alphabet import GAP, MASK, PAD, UNK, VOCAB_SIZE
-from models.data.batching import collate_msa
-from models.data.transforms import bert_mask, subsample_msa
+from attn_zoo.models.data.alphabet import GAP, MASK, PAD, UNK, VOCAB_SIZE
+from attn_zoo.models.data.batching import collate_msa
+from attn_zoo.models.data.transforms import bert_mask, subsample_msa
 
 
 def write(tmp_path, name, text):
@@ -218,8 +218,8 @@ def test_synthetic_msa_shapes():
 
 
 def test_structure_of_an_aligned_protein_joins_its_msa(tmp_path):
-    from models.data.msa import load_entries
-    from models.data.structure import read_mmcif
+    from attn_zoo.models.data.msa import load_entries
+    from attn_zoo.models.data.structure import read_mmcif
 
     s = read_mmcif(SAMPLE_DIR / "mmcif" / "3u8v.cif")
     d = tmp_path / "msas"

@@ -6,11 +6,11 @@ and the outer product mean and global column attention against their definitions
 import pytest
 import torch
 
-import models.evoformer
-import models.pairformer
-import models.primitives
-import models.triangle
-from models.evoformer import (
+import attn_zoo.models.evoformer
+import attn_zoo.models.pairformer
+import attn_zoo.models.primitives
+import attn_zoo.models.triangle
+from attn_zoo.models.evoformer import (
     EvoformerBlock,
     EvoformerStack,
     ExtraMSABlock,
@@ -21,8 +21,8 @@ from models.evoformer import (
     OuterProductMean,
     PairTransition,
 )
-from models.primitives import Transition
-from models.triangle import (
+from attn_zoo.models.primitives import Transition
+from attn_zoo.models.triangle import (
     TriangleAttentionEndingNode,
     _ChannelsLast,
     TriangleAttentionStartingNode,
@@ -63,11 +63,11 @@ def _inputs(B=1, S=3, N=6, seed=0, hole_p=0.2, dtype=torch.float64):
 
 
 def spy_checkpoint(monkeypatch, blocks):
-    """Wrap the ``torch.utils.checkpoint.checkpoint`` that ``models.primitives.run_blocks`` calls (the real one
+    """Wrap the ``torch.utils.checkpoint.checkpoint`` that ``attn_zoo.models.primitives.run_blocks`` calls (the real one
     still runs) and count block forwards. Returns ``(segments, forwards)``: ``segments`` holds, per checkpoint
     call, the indices of the blocks run inside it; ``forwards[i]`` counts block i's forward runs, so a
     checkpointed block shows 1 after the forward and 2 after the backward (its recompute)."""
-    real = models.primitives.torch.utils.checkpoint.checkpoint
+    real = attn_zoo.models.primitives.torch.utils.checkpoint.checkpoint
     segments, forwards, inside = [], [0] * len(blocks), []
 
     def checkpoint(fn, *args, **kwargs):
@@ -87,7 +87,7 @@ def spy_checkpoint(monkeypatch, blocks):
 
     for i, blk in enumerate(blocks):
         blk.register_forward_pre_hook(count(i))
-    monkeypatch.setattr(models.primitives.torch.utils.checkpoint, "checkpoint", checkpoint)
+    monkeypatch.setattr(attn_zoo.models.primitives.torch.utils.checkpoint, "checkpoint", checkpoint)
     return segments, forwards
 
 
@@ -95,7 +95,7 @@ def spy_chunk_rows(monkeypatch):
     """Wrap ``chunk_rows`` in every models module that calls it (the real one still runs). Returns a list that
     gets, per call, the row counts of the slices its function was run on (a broadcast argument, row dim of size
     1, counts as no rows)."""
-    real = models.primitives.chunk_rows
+    real = attn_zoo.models.primitives.chunk_rows
     calls = []
 
     def chunk_rows(fn, args, dims, chunk_size, out_dim):
@@ -108,7 +108,7 @@ def spy_chunk_rows(monkeypatch):
 
         return real(run, args, dims, chunk_size, out_dim)
 
-    for mod in (models.primitives, models.triangle, models.evoformer, models.pairformer):
+    for mod in (attn_zoo.models.primitives, attn_zoo.models.triangle, attn_zoo.models.evoformer, attn_zoo.models.pairformer):
         monkeypatch.setattr(mod, "chunk_rows", chunk_rows)
     return calls
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attn_ops.reference import attention_reference
-from models.pairformer import AttentionPairBias, PairformerBlock, PairformerStack
+from attn_zoo.models.pairformer import AttentionPairBias, PairformerBlock, PairformerStack
 from test_primitives import (
     compare_backend_to_torch,
     param_grads,

@@ -1,4 +1,4 @@
-"""models.primitives: the attention config, AlphaFold inits, gated Attention against a float64 reference,
+"""attn_zoo.models.primitives: the attention config, AlphaFold inits, gated Attention against a float64 reference,
 shared-mask dropout, row chunking. Also holds small helpers the block tests import."""
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attn_ops.reference import attention_reference
-from models.primitives import (
+from attn_zoo.models.primitives import (
     Attention,
     AttentionConfig,
     Linear,
@@ -318,7 +318,7 @@ def test_transition_chunked_equals_plain(cls):
 def test_layer_norm_under_autocast_returns_low_precision_within_bound(offset):
     """Under autocast our LayerNorm returns bf16, where nn.LayerNorm returns float32 that the next linear
     rounds to bf16; the error vs float64 stays within 3x of that rounded PyTorch result's."""
-    from models.primitives import LayerNorm
+    from attn_zoo.models.primitives import LayerNorm
 
     g = torch.Generator().manual_seed(0)
     ln = LayerNorm(128)

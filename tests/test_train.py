@@ -8,8 +8,8 @@ import lightning as L
 import pytest
 import torch
 
-import train
-from test_configs import make_cfg
+from attn_zoo import train
+from test_configs import CONFIG_DIR, make_cfg
 
 TINY_MSA = ["data.crop_size=16", "data.msa_depth=4", "data.batch_size=2", "data.train_samples=8", "data.val_samples=4",
             "data.max_msa_rows=64"]
@@ -25,7 +25,7 @@ EXPERIMENTS = {
                         "model.net.trunk.c_hidden_mul=8", "data.msa_depth=3", "data.length=12", "data.train_samples=2"],
     "bench_longctx": ["trainer=cpu", "data.seq_len=32", "data.train_samples=2"] + TINY_LM[:3],
 }
-EXPERIMENT_FILES = sorted(p.stem for p in (Path(train.ROOT) / "configs" / "experiment").glob("*.yaml"))
+EXPERIMENT_FILES = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
 
 
 def test_every_experiment_is_covered():
@@ -121,7 +121,7 @@ def test_missing_ckpt_path_is_an_error(tmp_path):
 
 
 def test_contact_precision_counts_separation_in_residue_numbers():
-    from models.tasks.metrics import long_range_contact_precision
+    from attn_zoo.models.tasks.metrics import long_range_contact_precision
 
     n, bins = 30, 64
     distogram = torch.full((1, n, n), bins - 1)

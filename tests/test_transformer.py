@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from models.transformer import (RotaryEmbedding, SwiGLU, TransformerBlock, TransformerLM,
+from attn_zoo.models.transformer import (RotaryEmbedding, SwiGLU, TransformerBlock, TransformerLM,
                                 esm2_like, gather_sequence, relative_position_bucket, shard_for_context_parallel)
 
 

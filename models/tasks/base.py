@@ -33,7 +33,7 @@ class Task(L.LightningModule):
         # hparams hold plain values only, so checkpoints load with torch.load(weights_only=True)
         self.save_hyperparameters(logger=False, ignore=["net", "optimizer", "scheduler", "attention"])
         if attention is not None:
-            from models.primitives import AttentionConfig
+            from ..primitives import AttentionConfig
 
             a = AttentionConfig.coerce(attention)
             self.hparams["attention"] = {"backend": a.backend, **a.options}

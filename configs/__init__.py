@@ -1,0 +1,1 @@
+"""Hydra configs of attn-zoo (installed as ``attn_zoo.configs``; ``pkg://attn_zoo.configs`` finds them)."""
