@@ -185,10 +185,10 @@ def _plan(lead, lead_b, lq, lk, lq_b, lk_b, causal, ndim, device):
     key_valid = None
     if lk_b != lk:
         key_valid = (torch.arange(lk_b, device=device) < lk).reshape((1,) * (ndim - 1) + (lk_b,))
-    _PLANS[key] = (block_mask, key_valid)
+    plan = _PLANS[key] = (block_mask, key_valid)
     if len(_PLANS) > _PLAN_CACHE_SIZE:
         _PLANS.popitem(last=False)
-    return block_mask, key_valid
+    return plan
 
 
 def _finish(out, lse, live):
@@ -267,14 +267,13 @@ def _fused(*args):
 
     limit_hit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", TorchDynamoException)
     key = _compile_key(args)
-    reason = _UNFUSED.get(key)
-    if reason is None and key not in _COMPILED:
-        if len(_COMPILED) >= MAX_COMPILES:
-            reason = (f"flex backend: {MAX_COMPILES} padded shapes compiled already (attn_ops.flex.MAX_COMPILES); "
-                      "new shapes run flex unfused (materialised scores, slow)")
-            _UNFUSED[key] = reason
-    if reason is not None:
-        _warn_once(reason, reason)
+    unfused = _UNFUSED.get(key)  # (reason, message)
+    if unfused is None and key not in _COMPILED and len(_COMPILED) >= MAX_COMPILES:
+        unfused = _UNFUSED[key] = ("cap", f"flex backend: {MAX_COMPILES} padded shapes compiled already "
+                                          "(attn_ops.flex.MAX_COMPILES); new shapes run flex unfused "
+                                          "(materialised scores, slow)")
+    if unfused is not None:
+        _warn_once(*unfused)
         return _eager(*args)
     try:
         if key in _COMPILED:
@@ -288,10 +287,10 @@ def _fused(*args):
         return result
     except (TorchDynamoException, limit_hit) as exc:
         first = (str(exc).strip().splitlines() or [""])[0][:300]
-        reason = (f"flex backend: flex_attention could not be compiled for q {tuple(args[0].shape)} "
-                  f"{args[0].dtype} ({type(exc).__name__}: {first}); running it unfused (materialised scores, slow)")
-        _UNFUSED[key] = reason
-        _warn_once(type(exc).__name__, reason)
+        unfused = _UNFUSED[key] = (type(exc).__name__, (
+            f"flex backend: flex_attention could not be compiled for q {tuple(args[0].shape)} {args[0].dtype} "
+            f"({type(exc).__name__}: {first}); running it unfused (materialised scores, slow)"))
+        _warn_once(*unfused)
         return _eager(*args)
 
 
