@@ -200,6 +200,11 @@ def _finish(out, lse, live):
     return out, lse
 
 
+def _shift(causal: bool, lq: int, lk: int) -> int:
+    """The causal diagonal's offset Lk - Lq; 0 when not causal, so that it is no compile-time constant then."""
+    return lk - lq if causal else 0
+
+
 def _run_unpadded(q, k, v, bias, mask, scale, causal, runner):
     lead = tuple(q.shape[:-3])
     n = math.prod(lead) if lead else 1
@@ -209,7 +214,7 @@ def _run_unpadded(q, k, v, bias, mask, scale, causal, runner):
     if live_idx is not None and live_idx.ndim < q.ndim - 1:
         live_idx = live_idx.reshape((1,) * (q.ndim - 1 - live_idx.ndim) + tuple(live_idx.shape))
     q4, k4, v4 = (t.reshape((n,) + t.shape[-3:]) for t in (q, k, v))  # [N, H, L, D]
-    out, lse = runner(q4, k4, v4, bias, mask, live_idx, None, scale, lead, causal, lk - lq)
+    out, lse = runner(q4, k4, v4, bias, mask, live_idx, None, scale, lead, causal, _shift(causal, lq, lk))
     out = out.reshape(q.shape[:-1] + v.shape[-1:])
     return _finish(out, lse.reshape(q.shape[:-1]), live)
 
@@ -234,7 +239,8 @@ def _run_padded(q, k, v, bias, mask, scale, causal, runner):
     v4 = _pad_to(v, lead_b + (h, lk_b, v.shape[-1])).reshape(-1, h, lk_b, v.shape[-1])  # [N_b, H, Lk_b, Dv]
     bias_p = None if bias is None else _pad_to(bias, full)  # its gradient is sliced back to bias's own shape
     mask_p = key_valid if mask is None else _pad_to(mask, full, value=False)
-    out, lse = runner(q4, k4, v4, bias_p, mask_p, live_p, block_mask, scale, lead_b, causal, lk - lq)
+    out, lse = runner(q4, k4, v4, bias_p, mask_p, live_p, block_mask, scale, lead_b, causal,
+                      _shift(causal, lq, lk))
     keep = tuple(slice(0, s) for s in lead) + (slice(None), slice(0, lq))
     out = out.reshape(lead_b + (h, lq_b, v.shape[-1]))[keep]  # [*batch, H, Lq, Dv]
     lse = lse.reshape(lead_b + (h, lq_b))[keep]  # [*batch, H, Lq]
@@ -246,8 +252,7 @@ def _compile_key(args):
     grad = torch.is_grad_enabled()
     meta = tuple(None if t is None else (tuple(t.shape), t.dtype, grad and t.requires_grad)
                  for t in (q, k, v, bias, mask, live))
-    return (q.device, meta, tuple(block_mask.kv_num_blocks.shape), scale, lead, causal, shift if causal else 0,
-            grad)
+    return (q.device, meta, tuple(block_mask.kv_num_blocks.shape), scale, lead, causal, shift, grad)
 
 
 def _recompile_room(n: int):

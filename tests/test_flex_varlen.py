@@ -199,6 +199,22 @@ def test_compiles_once_per_bucket_past_the_recompile_limit(fresh_flex):
     assert not flex._UNFUSED and len(flex._COMPILED) == 5
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_lengths_within_a_bucket_share_one_compile(fresh_flex, causal):
+    """Cross-attention lengths varying inside one bucket: one compile (causal: one per Lk - Lq offset)."""
+    pairs = [(100, 200), (110, 230), (128, 250), (97, 197)]  # offsets 100, 120, 122, 100
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i, (lq, lk) in enumerate(pairs):
+            q, k, v, bias, mask = make_inputs((2,), 2, lq, lk, 16, bias_shape=(2, 1, lk), mask_shape=(2, 1, 1, lk),
+                                              seed=i, requires_grad=False)
+            bias_c, mask_c = _canonical(q, k, v, bias, mask)
+            out, lse = flex._run_padded(q, k, v, bias_c, mask_c, 0.25, causal, flex._fused)
+            ref_out, ref_lse = attention_reference(q, k, v, bias, mask, 0.25, causal)
+            torch.testing.assert_close(out, ref_out, rtol=2e-5, atol=2e-5)
+    assert len(fresh_flex) == len(flex._COMPILED) == (3 if causal else 1)  # the bookkeeping models the guards
+
+
 def test_compile_failure_warns_once_and_runs_unfused(fresh_flex, monkeypatch):
     def breaks(*args):
         torch._dynamo.graph_break()
