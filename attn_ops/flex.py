@@ -24,7 +24,7 @@ from .inputs import combine_masks
 Tensor = torch.Tensor
 
 BLOCK = 128  # flex's default sparse block size: the unit of the block mask and of the length buckets
-MAX_COMPILES = 64  # distinct padded shapes compiled in one process before new ones run unfused (with a warning)
+MAX_COMPILES = 128  # padded shapes compiled per process before new ones run unfused (with a warning)
 _PLAN_CACHE_SIZE = 256
 
 _COMPILED: set = set()  # compile keys (padded shapes, dtypes, structure) compiled so far
@@ -250,7 +250,7 @@ def _run_padded(q, k, v, bias, mask, scale, causal, runner):
 def _compile_key(args):
     q, k, v, bias, mask, live, block_mask, scale, lead, causal, shift = args
     grad = torch.is_grad_enabled()
-    meta = tuple(None if t is None else (tuple(t.shape), t.dtype, grad and t.requires_grad)
+    meta = tuple(None if t is None else (tuple(t.shape), t.dtype, t.requires_grad)
                  for t in (q, k, v, bias, mask, live))
     return (q.device, meta, tuple(block_mask.kv_num_blocks.shape), scale, lead, causal, shift, grad)
 
