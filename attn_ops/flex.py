@@ -13,8 +13,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import OrderedDict
-from functools import lru_cache
-from typing import Optional, Tuple
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +29,7 @@ _PLAN_CACHE_SIZE = 256
 _COMPILED: set = set()  # compile keys (padded shapes, dtypes, structure) compiled so far
 _UNFUSED: dict = {}  # compile key -> reason it runs unfused
 _WARNED: set = set()  # reasons already warned about
-_PLANS: "OrderedDict[tuple, tuple]" = OrderedDict()
+_PLANS: OrderedDict[tuple, tuple] = OrderedDict()
 
 
 def _grid(n: int, quantum: int) -> int:
@@ -63,7 +62,7 @@ def bucket_batch(n: int) -> int:
 def _warn_once(reason: str, message: str) -> None:
     if reason not in _WARNED:
         _WARNED.add(reason)
-        warnings.warn(message, RuntimeWarning, stacklevel=6)  # the caller of attn_ops.attention
+        warnings.warn(message, UserWarning, stacklevel=6)  # the caller of attn_ops.attention
 
 
 def _index(t: Tensor, lead_sizes, b, *tail):
@@ -122,13 +121,13 @@ def _eager(*args):
         return _flex_call(*args)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _compiled():
     # fullgraph: a graph break or Dynamo's recompile limit raises instead of running flex unfused in silence.
     return torch.compile(_flex_call, fullgraph=True, dynamic=False)
 
 
-def _live_rows(mask: Optional[Tensor], causal: bool, lq: int, lk: int, device) -> Optional[Tensor]:
+def _live_rows(mask: Tensor | None, causal: bool, lq: int, lk: int, device) -> Tensor | None:
     """[..., Lq or 1, 1] True where a query row has at least one key to attend; None if every row has one."""
     if mask is None and causal:
         if lk >= lq:
@@ -274,9 +273,9 @@ def _fused(*args):
     key = _compile_key(args)
     unfused = _UNFUSED.get(key)  # (reason, message)
     if unfused is None and key not in _COMPILED and len(_COMPILED) >= MAX_COMPILES:
-        unfused = _UNFUSED[key] = ("cap", f"flex backend: {MAX_COMPILES} padded shapes compiled already "
-                                          "(attn_ops.flex.MAX_COMPILES); new shapes run flex unfused "
-                                          "(materialised scores, slow)")
+        unfused = _UNFUSED[key] = ("cap", (f"flex backend: {MAX_COMPILES} padded shapes compiled already "
+                                           "(attn_ops.flex.MAX_COMPILES); new shapes run flex unfused "
+                                           "(materialised scores, slow)"))
     if unfused is not None:
         _warn_once(*unfused)
         return _eager(*args)
@@ -299,7 +298,7 @@ def _fused(*args):
         return _eager(*args)
 
 
-def flex_attention(q, k, v, bias, mask, scale, causal, deterministic=True) -> Tuple[Tensor, Tensor]:
+def flex_attention(q, k, v, bias, mask, scale, causal, deterministic=True) -> tuple[Tensor, Tensor]:
     """The ``flex`` backend (canonical inputs: bias/mask have q.ndim dims). Returns (out, lse float32)."""
     if torch.compiler.is_compiling():
         return _run_unpadded(q, k, v, bias, mask, scale, causal, _flex_call)  # the caller's compile fuses it
