@@ -131,8 +131,9 @@ def _registry() -> Dict[str, Backend]:
             deterministic_devices=frozenset({"cpu"}),
         ),
         "flex": Backend(
-            name="flex", entry="adapters:flex_attention",
-            description="flex_attention (compiled on CUDA) with a score_mod reading bias and mask",
+            name="flex", entry="flex:flex_attention",
+            description="flex_attention with a score_mod reading bias and mask; on CUDA compiled once per "
+                        "length bucket (inputs padded)",
             devices=frozenset({"cpu", "cuda"}), grad_devices=frozenset({"cuda"}), dtypes=LOW_AND_FP32,
             min_head_dim=16, deterministic_bias_grad=False, requires="torch.nn.attention.flex_attention",
         ),
