@@ -281,6 +281,7 @@ class RobertaLMHead(nn.Module):
         self.layer_norm = LayerNorm(embed_dim, eps=layer_norm_eps)
         self.weight = weight  # the embedding's Parameter: state_dict lists it under both names, as fair-esm
         self.bias = nn.Parameter(torch.zeros(output_dim))
+        self.loaded = True  # False for a Hugging Face EsmModel checkpoint, which has no LM head (models/zoo.py)
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.layer_norm(gelu(self.dense(x)))
@@ -307,8 +308,12 @@ class ContactPredictionHead(nn.Module):
         super().__init__()
         self.eos_idx = eos_idx
         self.regression = nn.Linear(in_features, 1)
+        self.loaded = True  # False when a checkpoint came without its contact regression (models/zoo.py)
 
     def forward(self, tokens: Tensor, attentions: Tensor) -> Tensor:
+        if not self.loaded:
+            raise ValueError("this model's checkpoint had no contact regression (fair-esm ships it in a separate "
+                             "contact-regression file): merge its 'model' dict into the checkpoint's before loading")
         eos = tokens.ne(self.eos_idx).to(attentions)  # [B, L]
         attentions = attentions * (eos[:, None, :] * eos[:, :, None])[:, None, None]
         attentions = attentions[..., 1:-1, 1:-1]  # drop <eos> (last) and <cls> (first)
