@@ -333,13 +333,22 @@ def from_hf_esm(state_dict_or_folder: Any, config: Any = None, attention: Any = 
     if any(_FAIR_PREFIX.match(k) and not k.startswith("encoder.layer.") and not k.startswith("encoder.emb_layer")
            for k in hf) or "embed_tokens.weight" in hf:
         raise ZooCheckpointError(f"{source}: this is a fair-esm checkpoint; use from_fair_esm")
+    # transformers' legacy LayerNorm names, which its save_pretrained writes and its loader reads
+    hf = {re.sub(r"\.gamma$", ".weight", re.sub(r"\.beta$", ".bias", k)): v for k, v in hf.items()}
     for k in ("pooler.dense.weight", "pooler.dense.bias"):
         hf.pop(k, None)
     decoder = hf.pop("lm_head.decoder.weight", None)  # tied to the word embeddings
 
+    if "embeddings.word_embeddings.weight" not in hf:
+        raise ZooCheckpointError(f"{source}: not an ESM-2 checkpoint: no embeddings.word_embeddings.weight; keys "
+                                 f"seen: {_first_keys(hf)}")
     sd: Dict[str, Any] = {}
     unknown = []
+    # one shared rotary buffer: rotary_embeddings.inv_freq (transformers >= 5 in memory), or its saved form
+    # encoder.layer.*.attention.self.rotary_embeddings.inv_freq (save_pretrained of transformers >= 5)
     shared_inv_freq = hf.pop("rotary_embeddings.inv_freq", None)
+    starred = hf.pop("encoder.layer.*.attention.self.rotary_embeddings.inv_freq", None)
+    shared_inv_freq = starred if shared_inv_freq is None else shared_inv_freq
     for k, v in hf.items():
         m = _HF_LAYER.match(k)
         if m:
