@@ -5,7 +5,7 @@ a round trip is promised), each checking keys, shapes and dtypes before anything
 raises :class:`ZooCheckpointError` naming what is wrong and nothing half-loaded is returned.
 
     ESM-2 (fair-esm)       from_fair_esm, to_fair_esm
-    ESM-2 (Hugging Face)   from_hf_esm
+    ESM-2 (Hugging Face)   from_hf_esm, to_hf_esm
 """
 from __future__ import annotations
 
@@ -390,3 +390,36 @@ def from_hf_esm(state_dict_or_folder: Any, config: Any = None, attention: Any = 
 
 def _default_inv_freq(head_dim: int) -> Tensor:
     return 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+
+
+def to_hf_esm(module: ESM2) -> Tuple[Dict[str, Tensor], Dict[str, Any]]:
+    """This project's ESM-2 -> ``(state_dict, config dict)`` of a Hugging Face ``EsmForMaskedLM``:
+    ``EsmForMaskedLM(EsmConfig(**config)).load_state_dict(state_dict)`` (same tensors, no copy)."""
+    if not isinstance(module, ESM2):
+        raise TypeError(f"to_hf_esm takes an attn_zoo ESM2 module, got {type(module).__name__}")
+    inv = {n: o for o, n in _HF_LAYER_MAP.items() if "rotary" not in o}
+    top = {n: o for o, n in _HF_TOP_MAP.items()}
+    freqs = [layer.self_attn.rot_emb.inv_freq for layer in module.layers]
+    if any(not torch.equal(f, freqs[0]) for f in freqs):
+        raise ValueError("the layers' rotary frequencies differ; Hugging Face ESM keeps one shared buffer")
+    sd: Dict[str, Tensor] = {"esm.rotary_embeddings.inv_freq": freqs[0].detach()}
+    for k, v in module.state_dict(keep_vars=True).items():
+        m = _LAYER_KEY.match(k)
+        if k == "lm_head.weight" or k.endswith("rot_emb.inv_freq"):
+            continue
+        if m:
+            rest = k[m.end():]
+            old = next(o + rest[len(n):] for n, o in inv.items() if rest.startswith(n))
+            sd[f"esm.encoder.layer.{m.group(1)}.{old}"] = v.detach()
+        else:
+            old = next(o + k[len(n):] for n, o in top.items() if k.startswith(n))
+            sd[old if old.startswith("lm_head.") else "esm." + old] = v.detach()
+    sd["lm_head.decoder.weight"] = module.embed_tokens.weight.detach()
+    eps = module.emb_layer_norm_after.eps
+    config = dict(vocab_size=len(ALPHABET), hidden_size=module.embed_dim, num_hidden_layers=module.num_layers,
+                  num_attention_heads=module.attention_heads, intermediate_size=4 * module.embed_dim,
+                  position_embedding_type="rotary", token_dropout=module.token_dropout,
+                  mask_token_id=ALPHABET.mask_idx, pad_token_id=ALPHABET.padding_idx, emb_layer_norm_before=False,
+                  layer_norm_eps=eps, max_position_embeddings=1026, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0)
+    return sd, config

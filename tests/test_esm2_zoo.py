@@ -15,7 +15,7 @@ from esm.model.esm2 import ESM2 as FairESM2  # noqa: E402
 from transformers import EsmConfig, EsmForMaskedLM, EsmModel  # noqa: E402
 
 from attn_zoo.models.esm2 import ALPHABET, ESM2, ESM2_CONFIGS, esm2, esm2_config  # noqa: E402
-from attn_zoo.models.zoo import ZooCheckpointError, from_fair_esm, from_hf_esm, to_fair_esm  # noqa: E402
+from attn_zoo.models.zoo import ZooCheckpointError, from_fair_esm, from_hf_esm, to_fair_esm, to_hf_esm  # noqa: E402
 
 FAIR_ALPHABET = esm.data.Alphabet.from_architecture("ESM-1b")
 RTOL = 1e-5
@@ -265,6 +265,20 @@ def test_hf_base_model_folder_matches(tokens, tmp_path):
         out = ours(tokens, repr_layers=[2])["representations"][2]
     assert rel(out, ref) < RTOL
     assert not ours.lm_head.loaded
+
+
+def test_to_hf_esm_loads_in_transformers_and_round_trips(peer, tokens, peer_out):
+    ours = from_fair_esm(peer.state_dict())
+    sd, config = to_hf_esm(ours)
+    hf = EsmForMaskedLM(EsmConfig(**config)).eval()
+    result = hf.load_state_dict(sd, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    with torch.no_grad():
+        ref = hf(tokens, attention_mask=tokens.ne(ALPHABET.padding_idx)).logits
+    assert rel(ref, peer_out["logits"]) < RTOL
+    back = to_fair_esm(from_hf_esm(sd, config))
+    assert list(back) == list(peer.state_dict())
+    assert all(torch.equal(back[k], v) for k, v in peer.state_dict().items())
 
 
 def test_hf_truncated_and_wrong_configs(tmp_path):
