@@ -11,7 +11,6 @@ Shapes: B batch, L tokens (with ``<cls>`` and ``<eos>``), C embed dim, H heads, 
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -145,8 +144,8 @@ def esm2(size: str = "650M", attention: Any = None, **kwargs) -> "ESM2":
 # Rotary embedding, attention, layer
 # --------------------------------------------------------------------------------------------------
 def gelu(x: Tensor) -> Tensor:
-    """Exact (erf) GELU, as fair-esm."""
-    return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+    """Exact (erf) GELU, fair-esm's ``x * 0.5 * (1 + erf(x / sqrt(2)))`` as one fused op (one saved tensor)."""
+    return nn.functional.gelu(x)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
