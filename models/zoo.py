@@ -293,3 +293,237 @@ def to_boltz(stack: nn.Module) -> Dict[str, Tensor]:
             for t, p in zip(theirs, parts):
                 out[f"layers.{i}.{t}"] = p.clone()
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints trained here: rebuild the network from the config its task recorded
+# --------------------------------------------------------------------------------------------------
+# _target_ prefixes a checkpoint may name without trusted=True (a _target_ is code the loader calls)
+_TRUSTED_TARGETS = ("attn_zoo.", "attn_ops.", "torch.nn.")
+
+
+def _import_target(path: str, trusted: bool) -> Callable:
+    import importlib
+
+    if not trusted and not path.startswith(_TRUSTED_TARGETS):
+        raise ZooCheckpointError(
+            f"_target_ {path!r} is outside {_TRUSTED_TARGETS}: pass trusted=True to build it (it runs that code)"
+        )
+    module, _, name = path.rpartition(".")
+    try:
+        obj = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ZooCheckpointError(f"_target_ {path!r} cannot be imported: {e}") from e
+    return obj
+
+
+def build_network(config: Mapping[str, Any], *, trusted: bool = False) -> nn.Module:
+    """Build a module from a Hydra-style config (``{"_target_": "attn_zoo.models....", **kwargs}``, nested
+    ``_target_`` dicts built first) without Hydra: what a task records as ``net_config``. Other ``_``-keys
+    (``_partial_``, ``_recursive_``) are refused; targets outside ``attn_zoo.``/``attn_ops.``/``torch.nn.``
+    need ``trusted=True``."""
+
+    def build(node: Any, where: str) -> Any:
+        if isinstance(node, Mapping):
+            if "_target_" not in node:
+                return {k: build(v, f"{where}.{k}") for k, v in node.items()}
+            extra = sorted(k for k in node if str(k).startswith("_") and k != "_target_")
+            if extra:
+                raise ZooCheckpointError(f"net config {where} uses {extra}: only plain _target_ calls are rebuilt")
+            fn = _import_target(str(node["_target_"]), trusted)
+            kwargs = {k: build(v, f"{where}.{k}") for k, v in node.items() if k != "_target_"}
+            return fn(**kwargs)
+        if isinstance(node, (list, tuple)):
+            return [build(v, f"{where}[{i}]") for i, v in enumerate(node)]
+        return node
+
+    if not isinstance(config, Mapping) or "_target_" not in config:
+        raise ZooCheckpointError(f"a net config must be a mapping with a _target_, got {config!r}")
+    net = build(config, "net")
+    if not isinstance(net, nn.Module):
+        raise ZooCheckpointError(f"net config {config['_target_']!r} built a {type(net).__name__}, not an nn.Module")
+    return net
+
+
+def _with_attention(config: Any, attention: Any) -> Any:
+    """The config with every ``attention`` entry replaced (e.g. a GPU run's triton reloaded on a CPU)."""
+    if isinstance(config, Mapping):
+        return {k: (attention if k == "attention" else _with_attention(v, attention)) for k, v in config.items()}
+    if isinstance(config, list):
+        return [_with_attention(v, attention) for v in config]
+    return config
+
+
+def _check_and_load(module: nn.Module, sd: Mapping[str, Tensor], what: str) -> None:
+    """``module.load_state_dict(sd, strict=True)`` after checking every key and shape first, so a mismatch
+    raises one ZooCheckpointError naming all of them and leaves ``module`` untouched."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(sd))
+    unexpected = sorted(set(sd) - set(own))
+    shapes = [f"{k} {tuple(sd[k].shape)} (expected {tuple(own[k].shape)})" for k in own
+              if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)]
+    report = _mismatch_report(missing, unexpected, shapes, what)
+    if report:
+        raise ZooCheckpointError(report)
+    module.load_state_dict(sd, strict=True)
+
+
+def _net_state(state_dict: Mapping[str, Any], source: str) -> Dict[str, Tensor]:
+    """The net's own keys of a task's state_dict (``net.x`` -> ``x``)."""
+    sd = {k[len("net."):]: v for k, v in state_dict.items() if isinstance(k, str) and k.startswith("net.")}
+    if not sd:
+        raise ZooCheckpointError(f"{source}: its state_dict has no 'net.*' keys (first keys: {_summarise(list(state_dict), 5)})")
+    return _flat_tensors(sd, source)
+
+
+def _is_ours(obj: Any) -> bool:
+    return (isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping)
+            and (isinstance(obj.get("hyper_parameters"), Mapping) and "net_config" in obj["hyper_parameters"]
+                 or "attn_zoo_task" in obj))
+
+
+def load_checkpoint(
+    path: PathLike, map_location: Any = "cpu", *, attention: Any = None, task: bool = False, trusted: bool = False,
+) -> nn.Module:
+    """Rebuild a network (or with ``task=True`` its LightningModule) from a checkpoint trained here.
+
+        net = load_checkpoint("logs/train/runs/X/checkpoints/last.ckpt", attention="torch").eval()
+        out = net(batch)
+
+    The task saved the net's config (``hyper_parameters["net_config"]``); the net is built from it with
+    ``build_network`` and its weights loaded strictly. ``attention`` replaces the recorded attention
+    config (a run trained with triton on a GPU, reloaded on a CPU). ``task=True`` returns the task class
+    the checkpoint names, without an optimizer (inference, evaluation; ``train.py ckpt_path=`` resumes
+    training). ``trusted``: see ``build_network``.
+    """
+    source = repr(str(path))
+    obj = _torch_load(path, map_location=map_location)
+    if not _is_ours(obj):
+        hint = ""
+        if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
+            if any(str(k).startswith(_BOLTZ_PREFIXES) for k in obj["state_dict"]):
+                hint = " (a Boltz-2 checkpoint: use from_boltz)"
+            else:
+                hint = (" (a Lightning checkpoint without the net config: trained before the config was recorded? "
+                        "build the net and use load_pretrained(path, into=net))")
+        elif isinstance(obj, Mapping) and "model" in obj:
+            hint = " (a fair-esm checkpoint? use from_fair_esm)"
+        raise ZooCheckpointError(f"{source} is not a checkpoint trained with attn-zoo{hint}")
+    hparams = dict(obj["hyper_parameters"] or {})
+    if "net_config" not in hparams:
+        raise ZooCheckpointError(f"{source} records no net_config in its hyperparameters: cannot rebuild the net")
+    net_config = hparams["net_config"]
+    if attention is not None:
+        from .primitives import AttentionConfig
+
+        a = AttentionConfig.coerce(attention)
+        net_config = _with_attention(net_config, {"backend": a.backend, **a.options})
+    net = build_network(net_config, trusted=trusted)
+    _check_and_load(net, _net_state(obj["state_dict"], source), f"{source} does not match the net it records")
+    if not task:
+        return net
+    cls_path = obj.get("attn_zoo_task")
+    if not cls_path:
+        raise ZooCheckpointError(f"{source} does not name its task class ('attn_zoo_task'): load the net instead")
+    cls = _import_target(str(cls_path), trusted)
+    kwargs = {k: v for k, v in hparams.items() if k != "net_config"}
+    module = cls(net=net, **kwargs)
+    module.record_net_config(net_config)
+    return module
+
+
+# --------------------------------------------------------------------------------------------------
+# Fine-tuning: load whatever the zoo knows into an existing network
+# --------------------------------------------------------------------------------------------------
+def _zoo_function(name: str) -> Callable:
+    """A converter of another section of this module (the ESM-2 converters), looked up when used."""
+    fn = globals().get(name)
+    if fn is None:
+        raise ZooCheckpointError(f"attn_zoo.models.zoo.{name} is not available in this build")
+    return fn
+
+
+def _only_module_of(net: nn.Module, cls: type, what: str) -> nn.Module:
+    found = [m for m in net.modules() if isinstance(m, cls)]
+    if len(found) != 1:
+        raise ZooCheckpointError(f"{what} needs exactly one {cls.__name__} inside {type(net).__name__}, found {len(found)}")
+    return found[0]
+
+
+def _load_hf_folder(path: Path, map_location: Any) -> Tuple[Dict[str, Tensor], Dict[str, Any]]:
+    import json
+
+    config_file = path / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ZooCheckpointError(f"{str(path)!r}: not a Hugging Face model folder ({config_file.name}: {e})") from e
+    weights = path / "model.safetensors"
+    if weights.is_file():
+        try:
+            from safetensors.torch import load_file
+        except ImportError as e:
+            raise ZooCheckpointError(f"{str(weights)!r} needs the safetensors package") from e
+        try:
+            return load_file(str(weights), device=str(map_location)), config
+        except Exception as e:  # truncated or corrupt
+            raise ZooCheckpointError(f"cannot read {str(weights)!r}: truncated or corrupt: {e}") from e
+    bin_file = path / "pytorch_model.bin"
+    if bin_file.is_file():
+        return _flat_tensors(_torch_load(bin_file, map_location=map_location), repr(str(bin_file))), config
+    raise ZooCheckpointError(f"{str(path)!r} has config.json but neither model.safetensors nor pytorch_model.bin")
+
+
+def load_pretrained(
+    path: PathLike, into: nn.Module, *, map_location: Any = "cpu", weights_only: bool = True
+) -> nn.Module:
+    """Load pretrained weights into an existing network ``into`` (fine-tuning), dispatching on what ``path`` is:
+
+    - a checkpoint trained here (``.ckpt`` with the task's ``net.*`` weights): loaded into ``into``;
+    - a Boltz-2 checkpoint or PairformerModule state_dict: ``from_boltz``, loaded into the one
+      ``PairformerStack`` inside ``into`` (which must be ``variant="boltz2"`` of the same sizes);
+    - a fair-esm ``.pt`` (a dict with ``model``): ``from_fair_esm``; a Hugging Face folder (``config.json``):
+      ``from_hf_esm``; the converted module's weights are loaded into ``into``;
+    - a bare state_dict of ``into`` itself (``torch.save(net.state_dict())``).
+
+    Every key and shape is checked before anything is copied: on a ZooCheckpointError ``into`` is unchanged.
+    Returns ``into``.
+    """
+    p = Path(path).expanduser()
+    source = repr(str(p))
+    if p.is_dir():
+        sd, config = _load_hf_folder(p, map_location)
+        converted = _zoo_function("from_hf_esm")(sd, config)
+        _check_and_load(into, converted.state_dict(), f"{source} (Hugging Face ESM) does not fit {type(into).__name__}")
+        return into
+    obj = _torch_load(p, map_location=map_location, weights_only=weights_only)
+    if _is_ours(obj):
+        _check_and_load(into, _net_state(obj["state_dict"], source), f"{source} does not fit {type(into).__name__}")
+        return into
+    inner = obj.get("state_dict") if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping) else obj
+    if isinstance(inner, Mapping) and any(
+        isinstance(k, str) and k.endswith(_BOLTZ_MARKER) and k[: -len(_BOLTZ_MARKER)] in _BOLTZ_PREFIXES + ("",)
+        for k in inner
+    ):
+        from .pairformer import PairformerStack
+
+        target = _only_module_of(into, PairformerStack, f"the Boltz-2 Pairformer of {source}")
+        stack = from_boltz(obj)
+        _check_and_load(target, stack.state_dict(),
+                        f"{source} (Boltz-2 Pairformer) does not fit the PairformerStack in {type(into).__name__} "
+                        "(build it with variant='boltz2' and the checkpoint's sizes)")
+        return into
+    if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):  # fair-esm: {"model", "args"/"cfg"}
+        converted = _zoo_function("from_fair_esm")(obj["model"])
+        _check_and_load(into, converted.state_dict(), f"{source} (fair-esm) does not fit {type(into).__name__}")
+        return into
+    if isinstance(obj, Mapping) and obj and all(isinstance(v, Tensor) for v in obj.values()):
+        _check_and_load(into, obj, f"{source} (a state_dict) does not fit {type(into).__name__}")
+        return into
+    keys = _summarise([str(k) for k in obj], 5) if isinstance(obj, Mapping) else type(obj).__name__
+    raise ZooCheckpointError(
+        f"{source} is none of what the zoo loads (a checkpoint trained here, Boltz-2, fair-esm .pt, Hugging Face "
+        f"folder, a state_dict of the network): {keys}"
+    )
