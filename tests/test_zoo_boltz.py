@@ -244,3 +244,48 @@ def test_truncated_empty_and_absent_files(tmp_path):
         from_boltz(path)
     with pytest.raises(ZooCheckpointError, match="does not exist"):
         from_boltz(tmp_path / "nope.ckpt")
+
+
+# ---- GPU: the published widths (Boltz-2 trunk: token_s 384, token_z 128, 16 / 4 heads, pair head width 32) ----
+PUBLISHED = dict(token_s=384, token_z=128, num_heads=16, pairwise_head_width=32, pairwise_num_heads=4)
+
+
+def _gpu_case(num_blocks=4, N=192, seed=0):
+    m = boltz_module(seed, num_blocks=num_blocks, **PUBLISHED).cuda()
+    s, z, mask, pair_mask = (t.cuda() for t in inputs(B=2, N=N, seed=seed, c_s=384, c_z=128))
+    return m, s, z, mask, pair_mask
+
+
+def _real_err(out, ref, mask):
+    real_pairs = mask[:, :, None] & mask[:, None, :]
+    return rel_err(out[0][mask], ref[0][mask]), rel_err(out[1][real_pairs], ref[1][real_pairs])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "chunked"])
+def test_gpu_fp32_parity_at_published_widths(backend):
+    """fp32 on the GPU (no TF32: the triton backend's fp32 uses tf32 dots, so it is checked in bf16 below)."""
+    m, s, z, mask, pair_mask = _gpu_case()
+    stack = from_boltz(m.state_dict(), attention=backend).cuda().eval()
+    with torch.no_grad():
+        ref = m(s, z, mask.float(), pair_mask.float())
+        out = stack(s, z, mask, pair_mask)
+    es, ez = _real_err(out, ref, mask)
+    assert es < 1e-5 and ez < 1e-5, (es, ez)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_bf16_within_2x_boltz_own_bf16_error():
+    """Under bf16 autocast, ours with the triton backend against Boltz's fp32 output: at most 2x the error
+    Boltz's own bf16 run makes against its fp32 output (s and z at real positions)."""
+    m, s, z, mask, pair_mask = _gpu_case()
+    stack = from_boltz(m.state_dict(), attention="triton").cuda().eval()
+    with torch.no_grad():
+        ref = m(s, z, mask.float(), pair_mask.float())
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            peer = m(s, z, mask.float(), pair_mask.float())
+            out = stack(s, z, mask, pair_mask)
+    peer_s, peer_z = _real_err([t.float() for t in peer], ref, mask)
+    ours_s, ours_z = _real_err([t.float() for t in out], ref, mask)
+    print(f"bf16 error vs Boltz fp32: s ours {ours_s:.3g} boltz {peer_s:.3g}; z ours {ours_z:.3g} boltz {peer_z:.3g}")
+    assert ours_s <= 2 * peer_s and ours_z <= 2 * peer_z
