@@ -72,6 +72,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
 
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
     model: L.LightningModule = hydra.utils.instantiate(cfg.model)
+    if cfg.model.get("net") is not None and hasattr(model, "record_net_config"):  # zoo.load_checkpoint rebuilds from it
+        model.record_net_config(OmegaConf.to_container(cfg.model.net, resolve=True))
     callbacks = instantiate_group(cfg.get("callbacks"))
     loggers = instantiate_group(cfg.get("logger"))
     if not loggers:  # LearningRateMonitor refuses to run without a logger

@@ -18,6 +18,7 @@ from .primitives import (
     Attention,
     AttentionConfig,
     LayerNorm,
+    LineDropout,
     Linear,
     SharedDropout,
     SwiGLUTransition,
@@ -32,6 +33,8 @@ from .triangle import (
 )
 
 Tensor = torch.Tensor
+
+VARIANTS = ("default", "boltz2")
 
 
 def _default_masks(s: Tensor, z: Tensor, single_mask: Optional[Tensor], pair_mask: Optional[Tensor]):
@@ -53,9 +56,10 @@ def _default_masks(s: Tensor, z: Tensor, single_mask: Optional[Tensor], pair_mas
 class AttentionPairBias(nn.Module):
     """AF3 Alg. 24 (Pairformer form, no conditioning): residues of ``s`` attend to each other, biased by
     ``Linear(LN(z))`` ``[B, H, N, N]`` and with the key mask ``single_mask`` as ``[B, 1, 1, N]``.
-    Head width ``c_s // num_heads``; gated; query projection with bias, output without."""
+    Head width ``c_s // num_heads``; gated; query projection with bias, output without. ``gate_bias=False``:
+    the gate has no bias (Boltz-2)."""
 
-    def __init__(self, c_s: int, c_z: int, num_heads: int = 16, attention: Any = None):
+    def __init__(self, c_s: int, c_z: int, num_heads: int = 16, attention: Any = None, gate_bias: bool = True):
         super().__init__()
         if c_s % num_heads:
             raise ValueError(f"c_s={c_s} must be divisible by num_heads={num_heads}")
@@ -63,7 +67,8 @@ class AttentionPairBias(nn.Module):
         self.layer_norm_z = LayerNorm(c_z)
         self.linear_z = Linear(c_z, num_heads, bias=False, init="normal")
         self.mha = Attention(
-            c_s, c_s, c_s // num_heads, num_heads, gating=True, attention=attention, q_bias=True, out_bias=False
+            c_s, c_s, c_s // num_heads, num_heads, gating=True, attention=attention, q_bias=True, out_bias=False,
+            gate_bias=gate_bias,
         )
 
     def forward(self, s: Tensor, z: Tensor, single_mask: Tensor, chunk_size: Optional[int] = None) -> Tensor:
@@ -81,24 +86,45 @@ class AttentionPairBias(nn.Module):
 
 class PairformerBlock(nn.Module):
     """AF3 Alg. 17: one Pairformer block. Dropout row-wise on the triangle multiplications and the
-    starting-node attention, column-wise on the ending-node attention."""
+    starting-node attention, column-wise on the ending-node attention.
+
+    ``variant`` picks the parameterisation (the computation order is the same):
+    - ``"default"``: the triangle multiplications' four linears, the triangle attentions' gate and output
+      projection and the single attention's gate have biases (gates start at ``sigmoid(1)``); dropout masks
+      are shared over rows (row-wise) or columns (column-wise) and drawn per channel (AF2's DropoutRowwise).
+    - ``"boltz2"``: Boltz-2's trunk layer (``PairformerLayer(v2=True)``): none of those biases (gates start
+      at 0.5), and dropout drops whole rows i (row-wise) or whole columns j (column-wise) of the pair update,
+      one draw per row / column shared by every channel. ``attn_zoo.models.zoo.from_boltz`` builds it. Boltz
+      runs the single track in float32 with autocast off; here it follows the caller's autocast.
+    ``post_norm_s``: a LayerNorm on s at the end of the block (Boltz's ``post_layer_norm``; off in Boltz-2).
+    Fully masked attention rows (padded residues) give 0 here and a mean of the masked values in Boltz;
+    neither reaches a real position.
+    """
 
     def __init__(
         self, c_s: int = 384, c_z: int = 128, num_heads_single: int = 16, num_heads_pair: int = 4,
         c_hidden_pair: int = 32, c_hidden_mul: int = 128, transition_n: int = 4, pair_dropout: float = 0.25,
-        attention: Any = None,
+        attention: Any = None, variant: str = "default", post_norm_s: bool = False,
     ):
         super().__init__()
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
         attention = AttentionConfig.coerce(attention)
-        self.tri_mul_out = TriangleMultiplicationOutgoing(c_z, c_hidden_mul)
-        self.tri_mul_in = TriangleMultiplicationIncoming(c_z, c_hidden_mul)
-        self.tri_att_start = TriangleAttentionStartingNode(c_z, c_hidden_pair, num_heads_pair, attention)
-        self.tri_att_end = TriangleAttentionEndingNode(c_z, c_hidden_pair, num_heads_pair, attention)
+        bias = variant == "default"
+        self.tri_mul_out = TriangleMultiplicationOutgoing(c_z, c_hidden_mul, bias=bias)
+        self.tri_mul_in = TriangleMultiplicationIncoming(c_z, c_hidden_mul, bias=bias)
+        self.tri_att_start = TriangleAttentionStartingNode(c_z, c_hidden_pair, num_heads_pair, attention, bias=bias)
+        self.tri_att_end = TriangleAttentionEndingNode(c_z, c_hidden_pair, num_heads_pair, attention, bias=bias)
         self.pair_transition = SwiGLUTransition(c_z, transition_n)
-        self.attention_pair_bias = AttentionPairBias(c_s, c_z, num_heads_single, attention)
+        self.attention_pair_bias = AttentionPairBias(c_s, c_z, num_heads_single, attention, gate_bias=bias)
         self.single_transition = SwiGLUTransition(c_s, transition_n)
-        self.pair_dropout_row = SharedDropout(pair_dropout, shared_dim=-3)
-        self.pair_dropout_col = SharedDropout(pair_dropout, shared_dim=-2)
+        if variant == "boltz2":
+            self.pair_dropout_row = LineDropout(pair_dropout, dim=-3)
+            self.pair_dropout_col = LineDropout(pair_dropout, dim=-2)
+        else:
+            self.pair_dropout_row = SharedDropout(pair_dropout, shared_dim=-3)
+            self.pair_dropout_col = SharedDropout(pair_dropout, shared_dim=-2)
+        self.post_norm_s = LayerNorm(c_s) if post_norm_s else None
 
     def forward(
         self,
@@ -118,18 +144,21 @@ class PairformerBlock(nn.Module):
         z = z + self.pair_transition(z, c)
         s = s + self.attention_pair_bias(s, z, single_mask, c)
         s = s + self.single_transition(s, c)
+        if self.post_norm_s is not None:
+            s = self.post_norm_s(s)
         return s, z
 
 
 class PairformerStack(nn.Module):
     """AF3 Pairformer: ``num_blocks`` PairformerBlocks with activation checkpointing every
-    ``checkpoint_every`` blocks (training only) and inference chunking over rows (``chunk_size``)."""
+    ``checkpoint_every`` blocks (training only) and inference chunking over rows (``chunk_size``).
+    ``variant`` and ``post_norm_s``: see ``PairformerBlock``."""
 
     def __init__(
         self, c_s: int = 384, c_z: int = 128, num_blocks: int = 48, num_heads_single: int = 16,
         num_heads_pair: int = 4, c_hidden_pair: int = 32, c_hidden_mul: int = 128, transition_n: int = 4,
         pair_dropout: float = 0.25, attention: Any = None, checkpoint_every: int = 0,
-        chunk_size: Optional[int] = None,
+        chunk_size: Optional[int] = None, variant: str = "default", post_norm_s: bool = False,
     ):
         super().__init__()
         if checkpoint_every < 0:
@@ -140,7 +169,7 @@ class PairformerStack(nn.Module):
         self.blocks = nn.ModuleList(
             PairformerBlock(
                 c_s, c_z, num_heads_single, num_heads_pair, c_hidden_pair, c_hidden_mul, transition_n,
-                pair_dropout, attention,
+                pair_dropout, attention, variant, post_norm_s,
             )
             for _ in range(num_blocks)
         )

@@ -223,6 +223,37 @@ class SharedDropout(nn.Module):
         return f"p={self.p}, shared_dim={self.shared_dim}"
 
 
+class LineDropout(nn.Module):
+    """Dropout of whole rows (``dim=-3``) or whole columns (``dim=-2``) of a pair tensor ``[B, N_i, N_j, C]``.
+
+    One keep/drop draw per batch element and row i (or column j), shared by the other index and every
+    channel: Boltz's ``get_dropout_mask``. ``SharedDropout`` instead shares one mask over all rows and
+    draws per column and channel (AF2).
+    """
+
+    def __init__(self, p: float, dim: int):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout p must be in [0, 1), got {p}")
+        if dim not in (-3, -2):
+            raise ValueError(f"LineDropout dim must be -3 (rows) or -2 (columns), got {dim}")
+        self.p = p
+        self.dim = dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if x.ndim < 4:
+            raise ValueError(f"LineDropout expects [B, N_i, N_j, C], got {tuple(x.shape)}")
+        shape = [x.shape[0]] + [1] * (x.ndim - 1)
+        shape[self.dim] = x.shape[self.dim]  # [B, N, 1, 1] rows or [B, 1, N, 1] columns
+        keep = torch.empty(shape, device=x.device, dtype=x.dtype).bernoulli_(1.0 - self.p)
+        return x * keep.div_(1.0 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, dim={self.dim}"
+
+
 # --------------------------------------------------------------------------------------------------
 # Row chunking for inference
 # --------------------------------------------------------------------------------------------------
@@ -276,6 +307,8 @@ class Attention(nn.Module):
         attention: anything ``AttentionConfig.coerce`` accepts (None, "triton", {"backend": ..., ...}).
         q_bias: a bias on the query projection (AF3's AttentionPairBias has one).
         out_bias: a bias on the output projection (AF2 has one; AF3's single attention does not).
+        gate_bias: a bias on the gate projection (default, started at 1); Boltz-2's gates have none, so
+            they start at ``sigmoid(0) = 0.5``.
     """
 
     def __init__(
@@ -288,6 +321,7 @@ class Attention(nn.Module):
         attention: Any = None,
         q_bias: bool = False,
         out_bias: bool = True,
+        gate_bias: bool = True,
     ):
         super().__init__()
         self.c_hidden = c_hidden
@@ -297,7 +331,9 @@ class Attention(nn.Module):
         self.linear_q = Linear(c_q, hc, bias=q_bias, init="glorot")
         self.linear_k = Linear(c_kv, hc, bias=False, init="glorot")
         self.linear_v = Linear(c_kv, hc, bias=False, init="glorot")
-        self.linear_g = Linear(c_q, hc, init="gating") if gating else None
+        self.linear_g = None
+        if gating:  # weights 0: the gate starts at sigmoid(bias) = sigmoid(1), or 0.5 without a bias
+            self.linear_g = Linear(c_q, hc, bias=gate_bias, init="gating" if gate_bias else "final")
         self.linear_o = Linear(hc, c_q, bias=out_bias, init="final")
 
     def _heads(self, x: Tensor) -> Tensor:

@@ -47,18 +47,22 @@ class TriangleMultiplication(nn.Module):
     outgoing: ``x_ij = sum_k a_ik * b_jk``; incoming: ``x_ij = sum_k a_ki * b_kj``, with
     ``a, b = sigmoid(Linear_g(LN(z))) * Linear_p(LN(z))``, zeroed at masked pairs, and the update
     ``sigmoid(Linear(LN(z))) * Linear(LN(x))``.
+
+    ``bias=False`` drops the biases of all four linears (Boltz-2, AF3 Alg. 12's LinearNoBias): the gates
+    then start at ``sigmoid(0) = 0.5`` instead of ``sigmoid(1)``.
     """
 
-    def __init__(self, c_z: int, c_hidden: int, outgoing: bool):
+    def __init__(self, c_z: int, c_hidden: int, outgoing: bool, bias: bool = True):
         super().__init__()
         self.outgoing = outgoing
         self.c_hidden = c_hidden
+        gating = "gating" if bias else "final"  # weights 0 either way; "gating" needs a bias (set to 1)
         self.layer_norm_in = LayerNorm(c_z)
-        self.linear_ab_p = Linear(c_z, 2 * c_hidden)  # a and b projections, [a | b]
-        self.linear_ab_g = Linear(c_z, 2 * c_hidden, init="gating")
+        self.linear_ab_p = Linear(c_z, 2 * c_hidden, bias=bias)  # a and b projections, [a | b]
+        self.linear_ab_g = Linear(c_z, 2 * c_hidden, bias=bias, init=gating)
         self.layer_norm_out = LayerNorm(c_hidden)
-        self.linear_z = Linear(c_hidden, c_z, init="final")
-        self.linear_g = Linear(c_z, c_z, init="gating")
+        self.linear_z = Linear(c_hidden, c_z, bias=bias, init="final")
+        self.linear_g = Linear(c_z, c_z, bias=bias, init=gating)
 
     def _gated_channels_first(self, zn: Tensor, pair_mask: Optional[Tensor]) -> Tensor:
         """``[a | b] = sigmoid(Linear_g(zn)) * Linear_p(zn)``, zeroed at masked pairs: ``[*, 2C, N, N]`` contiguous.
@@ -71,7 +75,9 @@ class TriangleMultiplication(nn.Module):
           layout; the form above would cost eager PyTorch a strided transpose copy each way (~38 ms per step).
         """
         w = torch.cat([self.linear_ab_g.weight, self.linear_ab_p.weight], dim=0)  # [4C, c_z]
-        bias = torch.cat([self.linear_ab_g.bias, self.linear_ab_p.bias], dim=0)  # [4C]
+        bias = None
+        if self.linear_ab_p.bias is not None:
+            bias = torch.cat([self.linear_ab_g.bias, self.linear_ab_p.bias], dim=0)  # [4C]
         c2 = 2 * self.c_hidden
         if torch.compiler.is_compiling():
             y = nn.functional.linear(zn, w, bias)  # [*, N, N, 4C]
@@ -81,7 +87,8 @@ class TriangleMultiplication(nn.Module):
             return ab.movedim(-1, -3).contiguous()
         lead, n = zn.shape[:-3], zn.shape[-2]
         zt = zn.reshape(-1, n * n, zn.shape[-1]).transpose(-1, -2)  # [B', c_z, N*N]
-        y = torch.baddbmm(bias[None, :, None], w.expand(zt.shape[0], -1, -1), zt)  # [B', 4C, N*N]
+        wb = w.expand(zt.shape[0], -1, -1)  # [B', 4C, c_z]
+        y = torch.bmm(wb, zt) if bias is None else torch.baddbmm(bias[None, :, None], wb, zt)  # [B', 4C, N*N]
         y = y.reshape(*lead, 2 * c2, n, n)  # [*, 4C, N, N]
         ab = torch.sigmoid(y[..., :c2, :, :]) * y[..., c2:, :, :]  # [*, 2C, N, N]
         if pair_mask is not None:
@@ -112,15 +119,15 @@ class TriangleMultiplication(nn.Module):
 class TriangleMultiplicationOutgoing(TriangleMultiplication):
     """AF2 Alg. 11: ``x_ij = sum_k a_ik b_jk`` (edges leaving i and j)."""
 
-    def __init__(self, c_z: int, c_hidden: int = 128):
-        super().__init__(c_z, c_hidden, outgoing=True)
+    def __init__(self, c_z: int, c_hidden: int = 128, bias: bool = True):
+        super().__init__(c_z, c_hidden, outgoing=True, bias=bias)
 
 
 class TriangleMultiplicationIncoming(TriangleMultiplication):
     """AF2 Alg. 12: ``x_ij = sum_k a_ki b_kj`` (edges arriving at i and j)."""
 
-    def __init__(self, c_z: int, c_hidden: int = 128):
-        super().__init__(c_z, c_hidden, outgoing=False)
+    def __init__(self, c_z: int, c_hidden: int = 128, bias: bool = True):
+        super().__init__(c_z, c_hidden, outgoing=False, bias=bias)
 
 
 class TriangleAttention(nn.Module):
@@ -130,14 +137,21 @@ class TriangleAttention(nn.Module):
     ``b_jk = Linear(LN(z_jk))`` shared by every row (passed as ``[*, 1, H, N, N]``, never expanded) and
     the key mask ``pair_mask[i, k]`` (``[*, N, 1, 1, N]``). The ending node is the same on the transposed
     pair tensor.
+
+    ``bias=False`` drops the gate's and the output projection's biases (Boltz-2, OpenFold's layout as Boltz
+    vendors it: the gate starts at ``sigmoid(0) = 0.5``).
     """
 
-    def __init__(self, c_z: int, c_hidden: int, num_heads: int, starting: bool, attention: Any = None):
+    def __init__(
+        self, c_z: int, c_hidden: int, num_heads: int, starting: bool, attention: Any = None, bias: bool = True
+    ):
         super().__init__()
         self.starting = starting
         self.layer_norm = LayerNorm(c_z)
         self.linear_bias = Linear(c_z, num_heads, bias=False, init="normal")
-        self.mha = Attention(c_z, c_z, c_hidden, num_heads, gating=True, attention=attention)
+        self.mha = Attention(
+            c_z, c_z, c_hidden, num_heads, gating=True, attention=attention, out_bias=bias, gate_bias=bias
+        )
 
     def forward(self, z: Tensor, pair_mask: Optional[Tensor] = None, chunk_size: Optional[int] = None) -> Tensor:
         """z ``[*, N, N, c_z]``, pair_mask ``[*, N, N]`` bool -> update ``[*, N, N, c_z]``.
@@ -164,12 +178,16 @@ class TriangleAttention(nn.Module):
 class TriangleAttentionStartingNode(TriangleAttention):
     """AF2 Alg. 13: rows of the pair tensor attend along their own row, biased by the pair."""
 
-    def __init__(self, c_z: int, c_hidden: int = 32, num_heads: int = 4, attention: Any = None):
-        super().__init__(c_z, c_hidden, num_heads, starting=True, attention=attention)
+    def __init__(
+        self, c_z: int, c_hidden: int = 32, num_heads: int = 4, attention: Any = None, bias: bool = True
+    ):
+        super().__init__(c_z, c_hidden, num_heads, starting=True, attention=attention, bias=bias)
 
 
 class TriangleAttentionEndingNode(TriangleAttention):
     """AF2 Alg. 14: columns of the pair tensor attend along their own column, biased by the pair."""
 
-    def __init__(self, c_z: int, c_hidden: int = 32, num_heads: int = 4, attention: Any = None):
-        super().__init__(c_z, c_hidden, num_heads, starting=False, attention=attention)
+    def __init__(
+        self, c_z: int, c_hidden: int = 32, num_heads: int = 4, attention: Any = None, bias: bool = True
+    ):
+        super().__init__(c_z, c_hidden, num_heads, starting=False, attention=attention, bias=bias)

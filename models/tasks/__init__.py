@@ -1,9 +1,8 @@
-"""LightningModules (one per training task) that receive their network as an argument, the
-networks they train, metrics and callbacks."""
+"""LightningModules (one per training task) that receive their network as an argument, metrics and
+callbacks. The networks they train live in ``attn_zoo.models.networks``."""
 from .base import Task
 from .callbacks import ThroughputMonitor
 from .language_model import LanguageModelTask
 from .msa_distogram import MSADistogramTask
-from .networks import MSADistogramNet, PairformerTrunk
 
-__all__ = ["Task", "MSADistogramTask", "LanguageModelTask", "MSADistogramNet", "PairformerTrunk", "ThroughputMonitor"]
+__all__ = ["Task", "MSADistogramTask", "LanguageModelTask", "ThroughputMonitor"]

@@ -2,7 +2,7 @@
 as partials (lightning-hydra-template style)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import lightning as L
 import torch
@@ -16,22 +16,44 @@ class Task(L.LightningModule):
     optimizer, stepped every ``scheduler_interval`` ('step' or 'epoch'). attention: the attention
     config the net was built with, kept only for the hyperparameter record (the net's modules
     already hold it). compile: wrap the net in ``torch.compile`` at fit start.
+
+    Reloading: ``net_config`` is the net's constructor config (``_target_`` dicts, as in ``model.net``;
+    ``train.py`` records it with ``record_net_config``). It is saved in the checkpoint's hyperparameters, so
+    ``attn_zoo.models.zoo.load_checkpoint(path)`` (or ``Task.load_from_checkpoint(path)``) rebuilds the net
+    with no config at hand; with ``net=None`` the net is built from it.
+    pretrained: a path the zoo loads into the net before training (``zoo.load_pretrained``: a checkpoint
+    trained here, a Boltz-2 checkpoint, a fair-esm ``.pt`` or a Hugging Face folder); ``pretrained_weights_only``
+    False lets ``torch.load`` unpickle Python objects in that file (only for files you trust).
     """
 
     def __init__(
         self,
-        net: torch.nn.Module,
-        optimizer: Callable,
+        net: Optional[torch.nn.Module] = None,
+        optimizer: Optional[Callable] = None,
         scheduler: Optional[Callable] = None,
         scheduler_interval: str = "step",
         attention: Any = None,
         compile: bool = False,
+        net_config: Optional[Mapping[str, Any]] = None,
+        pretrained: Optional[str] = None,
+        pretrained_weights_only: bool = True,
     ):
         super().__init__()
         if scheduler_interval not in ("step", "epoch"):
             raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}")
-        # hparams hold plain values only, so checkpoints load with torch.load(weights_only=True)
-        self.save_hyperparameters(logger=False, ignore=["net", "optimizer", "scheduler", "attention"])
+        if net is None:
+            if net_config is None:
+                raise ValueError(f"{type(self).__name__} needs net (a module) or net_config (to build one); got neither")
+            from ..zoo import build_network
+
+            net = build_network(net_config)
+        # hparams hold plain values only, so checkpoints load with torch.load(weights_only=True); the pretrained
+        # path is not one of them: a reloaded checkpoint already holds the weights and the file may be gone
+        self.save_hyperparameters(
+            logger=False, ignore=["net", "optimizer", "scheduler", "attention", "pretrained", "pretrained_weights_only"]
+        )
+        if net_config is not None:
+            self.record_net_config(net_config)
         if attention is not None:
             from ..primitives import AttentionConfig
 
@@ -39,12 +61,31 @@ class Task(L.LightningModule):
             self.hparams["attention"] = {"backend": a.backend, **a.options}
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.net = net
+        if pretrained:
+            from ..zoo import load_pretrained
+
+            load_pretrained(pretrained, into=self.net, weights_only=pretrained_weights_only)
+
+    def record_net_config(self, config: Mapping[str, Any]) -> None:
+        """Keep the net's constructor config (``_target_`` dicts, interpolations resolved) in the hparams
+        that every checkpoint saves, so the net can be rebuilt from the checkpoint alone."""
+        from ..primitives import _plain
+
+        if not isinstance(config, Mapping) or "_target_" not in config:
+            raise ValueError(f"net_config must be a mapping with a _target_, got {type(config).__name__}: {config!r}")
+        self.hparams["net_config"] = _plain(config)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # which task class to rebuild (load_checkpoint(path, task=True)); a checkpoint key, not an hparam
+        checkpoint["attn_zoo_task"] = f"{type(self).__module__}.{type(self).__qualname__}"
 
     def setup(self, stage: str) -> None:
         if self.hparams.compile and stage == "fit":
             self.net.compile()  # in place: state_dict keys (and checkpoints) stay those of the plain net
 
     def configure_optimizers(self):
+        if self.optimizer_factory is None:
+            raise ValueError(f"{type(self).__name__} was built without an optimizer: it can run, not train")
         optimizer = self.optimizer_factory(params=self.trainer.model.parameters())
         if self.scheduler_factory is None:
             return {"optimizer": optimizer}

@@ -17,9 +17,11 @@ class MSADistogramTask(Task):
     top-L long-range (|i-j| >= 24) contact precision where structures exist.
     """
 
-    def __init__(self, net, optimizer, scheduler=None, scheduler_interval="step", attention=None,
-                 compile=False, masked_msa_weight: float = 1.0, distogram_weight: float = 1.0):
-        super().__init__(net, optimizer, scheduler, scheduler_interval, attention, compile)
+    def __init__(self, net=None, optimizer=None, scheduler=None, scheduler_interval="step", attention=None,
+                 compile=False, masked_msa_weight: float = 1.0, distogram_weight: float = 1.0, net_config=None,
+                 pretrained=None, pretrained_weights_only: bool = True):
+        super().__init__(net, optimizer, scheduler, scheduler_interval, attention, compile, net_config, pretrained,
+                         pretrained_weights_only)
 
     def step(self, batch):
         out = self.net(batch)
