@@ -365,3 +365,23 @@ def test_gpu_stack_offload_equals_device_and_saves_memory():
     assert got[1].device.type == "cpu"
     assert rel_err(got[1], want[1]) < 1e-6 and rel_err(got[0].cpu(), want[0]) < 1e-6
     assert offload_peak < device_peak - 0.8 * z_bytes, (offload_peak / GIB, device_peak / GIB)
+
+
+def test_bench_memory_script_runs_on_cpu(tmp_path):
+    """scripts/bench_memory.py end to end at tiny widths on the CPU (a typo there would only show on the GPU)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import bench_memory
+
+    bench = bench_memory.main(["--tiny", "--device", "cpu", "--backend", "torch", "--block-n", "12", "--iters", "0",
+                               "--stack-n", "12", "--stack-blocks", "2", "--step", "4", "--max-probes", "1",
+                               "--evo-n", "10", "--evo-seq", "3", "--evo-blocks", "1", "--out", str(tmp_path)])
+    rows = bench.rows
+    assert not [r for r in rows if r["status"] == "error"], rows
+    impls = {(r["section"], r["impl"]) for r in rows if r["status"] in ("ok", "result")}
+    assert {("block", "bounded"), ("block", "bounded-inplace"), ("block", "plain-chunk128"),
+            ("stack", "stack 2 blocks"), ("evoformer", "EvoformerStack AF2 widths")} <= impls, impls
+    assert (tmp_path / "memory.csv").read_text().count("\n") == len(rows) + 1
+    assert "| block | bounded | 12 |" in (tmp_path / "memory.md").read_text()
