@@ -127,6 +127,22 @@ def test_triton_block_inplace_within_dtype_rounding(dtype):
         assert rel_err(g, e) <= 2 * rel_err(p, e) + 4 * eps, (rel_err(g, e), rel_err(p, e))
 
 
+def test_autocast_bf16_within_dtype_rounding():
+    """fp32 parameters and inputs under bf16 autocast (the stored projection is bf16): error against float64 at
+    most twice the plain path's."""
+    s, z, res, pair = _pair_inputs(B=1, N=9, seed=17)
+    ref = randomize_(PairformerStack(**PW, num_blocks=2, attention="torch"), seed=18).double().eval()
+    stack = randomize_(PairformerStack(**PW, num_blocks=2, attention="torch"), seed=18).eval()
+    with torch.no_grad():
+        exact = ref(s, z, res, pair)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plain = stack.configure_inference(mode="plain")(s.float(), z.float(), res, pair)
+            got = stack.configure_inference(mode="auto", chunk_size=4)(s.float(), z.float(), res, pair)
+    for g, p, e in zip(got, plain, exact):
+        assert g.dtype == p.dtype
+        assert rel_err(g, e) <= 2 * rel_err(p, e) + 1e-3, (rel_err(g, e), rel_err(p, e))
+
+
 def test_stack_takes_the_bounded_path_only_without_grad_in_eval(monkeypatch):
     s, z, res, pair = _pair_inputs(N=5, seed=11)
     stack = randomize_(PairformerStack(**PW, num_blocks=2, attention="torch"), seed=12).double()
