@@ -613,7 +613,9 @@ def run_stack(
             del zd
         if pin:
             torch.cuda.current_stream(dev).synchronize()
-        return x, (host if z.device.type == "cpu" else host.to(z.device))
+        if z.device.type == "cpu":
+            return x, host
+        return x, (z.copy_(host) if inplace else host.to(z.device))
 
 
 def run_block(blk: nn.Module, block_fn: Callable, x: Tensor, z: Tensor, masks: Sequence[Tensor],
@@ -634,7 +636,8 @@ def configure(settings: InferenceSettings, **changes: Any) -> InferenceSettings:
     """``settings`` with ``changes`` (validated)."""
     unknown = sorted(set(changes) - set(InferenceSettings.__dataclass_fields__))
     if unknown:
-        raise TypeError(f"unknown inference setting(s) {unknown}; known: {sorted(InferenceSettings.__dataclass_fields__)}")
+        known = sorted(InferenceSettings.__dataclass_fields__)
+        raise TypeError(f"unknown inference setting(s) {unknown}; known: {known}")
     return replace(settings, **changes)
 
 

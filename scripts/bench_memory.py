@@ -10,7 +10,8 @@
    device and with ``offload`` (z in pinned host memory): the plan's estimate proposes an N, probes (the 48 blocks'
    parameters resident, ``--probe-blocks`` of them run: the in-place path's peak is the same for every block)
    walk it up or down by ``--step``.
-3. An EvoformerStack (AF2 widths, 512 sequences) at N=4096: ``--evo-blocks`` blocks, time per block.
+3. An EvoformerStack (AF2 widths, 512 sequences) at N=4096: ``--evo-blocks`` blocks, time per block (run before
+   the stack section, whose probes take what time is left).
 
 Writes ``memory.csv`` and ``memory.md`` to ``--out`` row by row. Under 9 minutes on an H100 with the defaults
 (``--time-limit`` stops starting new items). Boltz-2 / cuequivariance install as in scripts/bench_blocks.py:
@@ -196,7 +197,7 @@ class Bench:
                     else:
                         mod, use_kernels = boltz
                         sf, pf = single.float(), pair.float()
-                        # Boltz keeps s in fp32; z stays bf16 under autocast (fp32 on the CPU, which has no autocast here)
+                        # Boltz keeps s in fp32; z stays bf16 under autocast (fp32 on the CPU: no autocast here)
                         s, z = s.float(), (z if self.cuda else z.float())
 
                         def fn():
@@ -437,11 +438,11 @@ def main(argv=None):
     p.add_argument("--evo-n", type=int, default=4096)
     p.add_argument("--evo-seq", type=int, default=512)
     p.add_argument("--evo-blocks", type=int, default=2)
-    p.add_argument("--sections", nargs="+", default=["blocks", "stack", "evoformer"],
+    p.add_argument("--sections", nargs="+", default=["blocks", "evoformer", "stack"],
                    choices=["blocks", "stack", "evoformer"])
-    p.add_argument("--time-limit", type=float, default=480.0, help="start nothing new after this many s")
-    p.add_argument("--reserve-s", type=float, default=120.0,
-                   help="time kept for the longest-N probes and the Evoformer when deciding on the 48-block run")
+    p.add_argument("--time-limit", type=float, default=470.0, help="start nothing new after this many s")
+    p.add_argument("--reserve-s", type=float, default=90.0,
+                   help="time kept for the longest-N probes when deciding on the 48-block run")
     p.add_argument("--tiny", action="store_true", help="small widths (a smoke run, e.g. on the CPU)")
     args = p.parse_args(argv)
     bench = Bench(args)
