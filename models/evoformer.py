@@ -17,6 +17,7 @@ from torch import nn
 
 import attn_ops
 
+from . import inference
 from .primitives import (
     Attention,
     AttentionConfig,
@@ -241,6 +242,17 @@ class _MSAPairBlock(nn.Module):
         z = z + self.pair_transition(z, c)
         return m, z
 
+    def forward_inference(
+        self, m: Tensor, z: Tensor, msa_mask: Optional[Tensor] = None, pair_mask: Optional[Tensor] = None,
+        *, chunk_size: Optional[int] = None, memory_budget: Optional[int] = None, inplace: bool = False,
+    ) -> Tuple[Tensor, Tensor]:
+        """The block without autograd, by chunks, updating m and z in place (``attn_zoo.models.inference``): equal
+        to ``forward`` in eval mode. ``chunk_size`` None: planned from ``memory_budget`` (bytes beyond the inputs;
+        None: the free device memory). ``inplace``: m and z are overwritten with the result."""
+        msa_mask, pair_mask = _default_masks(m, z, msa_mask, pair_mask)
+        return inference.run_block(self, inference.msa_pair_block_, m, z, (msa_mask, pair_mask), chunk_size,
+                                   memory_budget, n_seq=m.shape[-3], inplace=inplace)
+
 
 class EvoformerBlock(_MSAPairBlock):
     """AF2 Alg. 6: one Evoformer block (gated MSA row/column attention, transitions, outer product
@@ -276,9 +288,12 @@ class ExtraMSABlock(_MSAPairBlock):
         )
 
 
-class _Stack(nn.Module):
+class _Stack(inference.StackInference, nn.Module):
     """Blocks run in order, with activation checkpointing every ``checkpoint_every`` blocks (training
-    only) and inference chunking over rows (``chunk_size``; None = off)."""
+    only) and inference chunking over rows (``chunk_size``; None = off).
+
+    Without autograd in eval mode the stack takes the memory-bounded path (``attn_zoo.models.inference``):
+    see ``configure_inference``, ``plan_inference`` and ``forward_inference``."""
 
     def __init__(self, blocks, checkpoint_every: int, chunk_size: Optional[int]):
         super().__init__()
@@ -295,9 +310,23 @@ class _Stack(nn.Module):
     ) -> Tuple[Tensor, Tensor]:
         """m ``[B, S, N, c_m]``, z ``[B, N, N, c_z]``, msa_mask ``[B, S, N]``, pair_mask ``[B, N, N]`` -> (m, z)."""
         msa_mask, pair_mask = _default_masks(m, z, msa_mask, pair_mask)
+        if inference.use_bounded_path(self, self.inference_settings):
+            return self.forward_inference(m, z, msa_mask, pair_mask)
         return run_blocks(
             self.blocks, m, z, (msa_mask, pair_mask), self.checkpoint_every, self.chunk_size, self.training
         )
+
+
+    def forward_inference(
+        self, m: Tensor, z: Tensor, msa_mask: Optional[Tensor] = None, pair_mask: Optional[Tensor] = None,
+        *, inplace: bool = False,
+    ) -> Tuple[Tensor, Tensor]:
+        """The stack without autograd, block by block in place on one copy of m and z (``inplace``: on them), chunk
+        sizes from ``inference_settings`` / ``chunk_size`` or planned; with ``offload`` z waits on the host."""
+        msa_mask, pair_mask = _default_masks(m, z, msa_mask, pair_mask)
+        return inference.run_stack(self, inference.msa_pair_block_, m, z, (msa_mask, pair_mask),
+                                   self.inference_settings, n_seq=m.shape[-3], inplace=inplace,
+                                   default_chunk=self.chunk_size)
 
 
 class EvoformerStack(_Stack):

@@ -14,6 +14,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
+from . import inference
 from .primitives import (
     Attention,
     AttentionConfig,
@@ -148,11 +149,25 @@ class PairformerBlock(nn.Module):
             s = self.post_norm_s(s)
         return s, z
 
+    def forward_inference(
+        self, s: Tensor, z: Tensor, single_mask: Optional[Tensor] = None, pair_mask: Optional[Tensor] = None,
+        *, chunk_size: Optional[int] = None, memory_budget: Optional[int] = None, inplace: bool = False,
+    ) -> Tuple[Tensor, Tensor]:
+        """The block without autograd, by chunks, updating z in place (``attn_zoo.models.inference``): equal to
+        ``forward`` in eval mode. ``chunk_size`` None: planned from ``memory_budget`` (bytes beyond the inputs;
+        None: the free device memory). ``inplace``: z is overwritten with the result (no copy of z)."""
+        single_mask, pair_mask = _default_masks(s, z, single_mask, pair_mask)
+        return inference.run_block(self, inference.pairformer_block_, s, z, (single_mask, pair_mask), chunk_size,
+                                   memory_budget, inplace=inplace)
 
-class PairformerStack(nn.Module):
+
+class PairformerStack(inference.StackInference, nn.Module):
     """AF3 Pairformer: ``num_blocks`` PairformerBlocks with activation checkpointing every
     ``checkpoint_every`` blocks (training only) and inference chunking over rows (``chunk_size``).
-    ``variant`` and ``post_norm_s``: see ``PairformerBlock``."""
+    ``variant`` and ``post_norm_s``: see ``PairformerBlock``.
+
+    Without autograd in eval mode the stack takes the memory-bounded path (``attn_zoo.models.inference``):
+    see ``configure_inference``, ``plan_inference`` and ``forward_inference``."""
 
     def __init__(
         self, c_s: int = 384, c_z: int = 128, num_blocks: int = 48, num_heads_single: int = 16,
@@ -181,6 +196,18 @@ class PairformerStack(nn.Module):
     ) -> Tuple[Tensor, Tensor]:
         """s ``[B, N, c_s]``, z ``[B, N, N, c_z]``, single_mask ``[B, N]``, pair_mask ``[B, N, N]`` -> (s, z)."""
         single_mask, pair_mask = _default_masks(s, z, single_mask, pair_mask)
+        if inference.use_bounded_path(self, self.inference_settings):
+            return self.forward_inference(s, z, single_mask, pair_mask)
         return run_blocks(
             self.blocks, s, z, (single_mask, pair_mask), self.checkpoint_every, self.chunk_size, self.training
         )
+
+    def forward_inference(
+        self, s: Tensor, z: Tensor, single_mask: Optional[Tensor] = None, pair_mask: Optional[Tensor] = None,
+        *, inplace: bool = False,
+    ) -> Tuple[Tensor, Tensor]:
+        """The stack without autograd, block by block in place on one copy of z (``inplace``: on z itself), chunk
+        sizes from ``inference_settings`` / ``chunk_size`` or planned; with ``offload`` z waits on the host."""
+        single_mask, pair_mask = _default_masks(s, z, single_mask, pair_mask)
+        return inference.run_stack(self, inference.pairformer_block_, s, z, (single_mask, pair_mask),
+                                   self.inference_settings, inplace=inplace, default_chunk=self.chunk_size)

@@ -226,7 +226,10 @@ def test_chunked_stack_equals_plain(stack_cls, monkeypatch):
     on slices of 3 rows (S = 4 MSA rows, N = 7 residues)."""
     m, z, msa_mask, pair_mask = _inputs(S=4, N=7, seed=8)
     plain = randomize_(stack_cls(**W, num_blocks=2, attention="torch"), seed=9).double().eval()
+    plain.configure_inference(mode="plain")  # today's path, as the chunked stack below
     chunked = stack_cls(**W, num_blocks=2, attention="torch", chunk_size=3).double().eval()
+    # today's row-chunked path (without grad in eval mode the stack would take the in-place one)
+    chunked.configure_inference(mode="plain")
     chunked.load_state_dict(plain.state_dict())
     calls = spy_chunk_rows(monkeypatch)
     with torch.no_grad():

@@ -112,7 +112,10 @@ def test_chunked_stack_equals_plain(monkeypatch):
     3 of the N = 7 rows."""
     s, z, single_mask, pair_mask = _inputs(N=7, seed=8)
     plain = randomize_(PairformerStack(**W, num_blocks=2, attention="torch"), seed=9).double().eval()
+    plain.configure_inference(mode="plain")  # today's path, as the chunked stack below
     chunked = PairformerStack(**W, num_blocks=2, attention="torch", chunk_size=3).double().eval()
+    # today's row-chunked path (without grad in eval mode the stack would take the in-place one)
+    chunked.configure_inference(mode="plain")
     chunked.load_state_dict(plain.state_dict())
     calls = spy_chunk_rows(monkeypatch)
     with torch.no_grad():

@@ -1,0 +1,680 @@
+"""Memory-bounded inference through the Evoformer and Pairformer blocks and stacks.
+
+Under ``torch.no_grad`` a block's update of the pair tensor ``z [*, N, N, c_z]`` is computed by chunks of rows
+(or columns) and added into ``z`` in place, so the transient memory of a block is about one ``z`` (the one
+projection triangle multiplication must hold) plus one chunk's temporaries, instead of several ``z``-sized
+intermediates. The MSA ``m [*, S, N, c_m]`` is updated likewise by chunks of sequences or columns.
+
+Why the in-place updates are exact (each chunk reads only what no earlier chunk wrote):
+- triangle multiplication, outgoing ``x_ij = sum_k a_ik b_jk``: ``b`` is stored whole (channels-first, from the
+  input ``z``); output rows ``I`` need ``a`` of rows ``I`` only, computed from ``z[I]`` just before ``z[I]`` is
+  written. Incoming ``x_ij = sum_k a_ki b_kj``: ``a`` is stored whole; output columns ``J`` need ``b`` of
+  columns ``J`` only, computed from ``z[:, J]`` just before it is written.
+- triangle attention: the pair bias ``[*, H, N, N]`` is computed whole first (small: H channels); then each
+  row (starting node) or column (ending node) attends within itself.
+- transitions, MSA row / column attention: each row / column depends on itself (the pair bias first).
+- outer product mean: reads ``m`` only, adds into ``z`` rows.
+
+Chunk sizes come from an estimate of the transient bytes (``estimate_inference_memory``) against a budget:
+given by the user or, on CUDA, the free device memory. ``plan_inference`` picks the largest chunk that fits.
+Dropout is not applied (inference); the stacks' training path is untouched.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .primitives import chunk_rows
+
+Tensor = torch.Tensor
+GIB = 2.0 ** 30
+
+_MODES = ("auto", "bounded", "plain")
+# bytes kept free of the planned peak for cuBLAS workspaces and allocator rounding
+_RESERVE_BYTES = 256 * 2 ** 20
+# chunks whose temporaries stay under this fraction of z (or _MIN_CHUNK_BYTES) are large enough to run at
+# full matmul efficiency; larger ones only cost memory
+_CHUNK_FRACTION_OF_Z = 0.5
+_MIN_CHUNK_BYTES = 256 * 2 ** 20
+
+
+# --------------------------------------------------------------------------------------------------
+# Settings and plans
+# --------------------------------------------------------------------------------------------------
+def _check_chunk(name: str, value: Any) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int or None, got {type(value).__name__}: {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int or None, got {value}")
+    return value
+
+
+def _check_budget(value: Any) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"memory_budget must be a number of bytes or None, got {type(value).__name__}: {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"memory_budget must be a positive number of bytes, got {value}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class InferenceSettings:
+    """How a stack runs when it runs without autograd.
+
+    mode: ``auto`` (default): the memory-bounded path when grad is disabled and the stack is in eval mode,
+        today's path otherwise; ``bounded``: always the memory-bounded path (no gradients; eval mode only);
+        ``plain``: always today's path.
+    chunk_size / msa_chunk_size: pair rows (columns) and MSA rows (columns) per chunk; None = planned from
+        ``memory_budget``. A stack's own ``chunk_size`` is used for the pair chunk when this one is None.
+    memory_budget: bytes the block may allocate beyond the parameters and the inputs (None: on CUDA the free
+        device memory, on the CPU a chunk whose temporaries are a fraction of z).
+    offload: keep the pair tensor in pinned host memory between blocks (each block copies it in and out). Saves
+        device memory when ``z`` is passed on the host; the result then stays on the host.
+    """
+
+    mode: str = "auto"
+    chunk_size: Optional[int] = None
+    msa_chunk_size: Optional[int] = None
+    memory_budget: Optional[int] = None
+    offload: bool = False
+
+    def __post_init__(self):
+        if self.mode not in _MODES:
+            raise ValueError(f"inference mode must be one of {_MODES}, got {self.mode!r}")
+        _check_chunk("chunk_size", self.chunk_size)
+        _check_chunk("msa_chunk_size", self.msa_chunk_size)
+        object.__setattr__(self, "memory_budget", _check_budget(self.memory_budget))
+        if not isinstance(self.offload, bool):
+            raise TypeError(f"offload must be a bool, got {type(self.offload).__name__}: {self.offload!r}")
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Widths of a Pairformer / Evoformer block that the memory estimate needs (``Dims.of(block)`` reads them)."""
+
+    c_z: int = 128
+    c_hidden_mul: int = 128
+    num_heads_pair: int = 4
+    c_hidden_pair: int = 32
+    transition_n: int = 4
+    # Pairformer single track (c_s = 0: none)
+    c_s: int = 0
+    num_heads_single: int = 16
+    # Evoformer MSA track (c_m = 0: none)
+    c_m: int = 0
+    num_heads_msa: int = 8
+    c_hidden_msa: int = 32
+    c_hidden_opm: int = 32
+
+    @classmethod
+    def of(cls, block: nn.Module) -> "Dims":
+        tm, ta = block.tri_mul_out, block.tri_att_start
+        d = dict(
+            c_z=tm.linear_ab_p.in_features, c_hidden_mul=tm.c_hidden, num_heads_pair=ta.mha.num_heads,
+            c_hidden_pair=ta.mha.c_hidden,
+            transition_n=max(1, _transition_width(block.pair_transition) // tm.linear_ab_p.in_features),
+        )
+        if hasattr(block, "attention_pair_bias"):
+            apb = block.attention_pair_bias
+            d.update(c_s=apb.layer_norm_s.normalized_shape[0], num_heads_single=apb.mha.num_heads)
+        if hasattr(block, "msa_row_attention"):
+            ra = block.msa_row_attention
+            d.update(c_m=ra.layer_norm_m.normalized_shape[0], num_heads_msa=ra.mha.num_heads,
+                     c_hidden_msa=ra.mha.c_hidden, c_hidden_opm=block.outer_product_mean.c_hidden)
+        return cls(**d)
+
+
+def _transition_width(mod: nn.Module) -> int:
+    """Hidden width of a (SwiGLU) transition."""
+    for name in ("linear_out", "linear_2"):
+        lin = getattr(mod, name, None)
+        if lin is not None:
+            return lin.in_features
+    raise TypeError(f"unknown transition {type(mod).__name__}")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one block (or a stack, block by block) needs on the device in the memory-bounded path.
+
+    ``inputs``: the inputs that live on the device (z unless offloaded, s or m, masks); ``working``: the
+    copies the path makes of z and m (none with ``inplace``); ``transient``: the largest module's temporaries
+    (stored projection, pair bias, one chunk); ``extra = working + transient`` is what the budget bounds;
+    ``peak = inputs + extra``. ``modules`` lists each module's transient.
+    """
+
+    n: int
+    chunk_size: int
+    msa_chunk_size: Optional[int]
+    z_bytes: int
+    inputs: int
+    working: int
+    transient: int
+    modules: Tuple[Tuple[str, int], ...] = field(default=())
+
+    @property
+    def extra(self) -> int:
+        return self.working + self.transient
+
+    @property
+    def peak(self) -> int:
+        return self.inputs + self.extra
+
+    def __str__(self) -> str:
+        mods = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.modules)
+        return (f"N={self.n} chunk={self.chunk_size} msa_chunk={self.msa_chunk_size}: z {self.z_bytes / GIB:.2f} GiB, "
+                f"extra {self.extra / GIB:.2f} GiB (working {self.working / GIB:.2f}, transient "
+                f"{self.transient / GIB:.2f}: {mods}), peak {self.peak / GIB:.2f} GiB")
+
+
+@dataclass(frozen=True)
+class InferencePlan:
+    """Chunk sizes for one run of the memory-bounded path, with the estimate they were chosen by."""
+
+    chunk_size: int
+    msa_chunk_size: Optional[int]
+    offload: bool
+    estimate: MemoryEstimate
+    budget: Optional[int] = None
+
+    @property
+    def fits(self) -> bool:
+        return self.budget is None or self.estimate.extra <= self.budget
+
+
+def estimate_inference_memory(
+    dims: Dims, n: int, chunk_size: int, *, n_seq: int = 0, msa_chunk_size: Optional[int] = None,
+    batch: int = 1, dtype: torch.dtype = torch.bfloat16, inplace: bool = False, offload: bool = False,
+) -> MemoryEstimate:
+    """Upper estimate of the device bytes of one block of the memory-bounded path.
+
+    ``dims``: the block's widths (``Dims.of(block)``); ``n``: residues; ``chunk_size``: pair rows per chunk;
+    ``n_seq`` / ``msa_chunk_size``: MSA sequences and MSA rows (columns) per chunk (Evoformer only);
+    ``dtype``: the activations' dtype; ``inplace``: the block writes into the caller's z (and m), no working
+    copy; ``offload``: z (and the result) live on the host between blocks. Assumes a fused attention backend
+    (triton, flex, cuequivariance) that holds no ``[..., L, L]`` scores.
+    """
+    n = _check_chunk("n", n)
+    chunk = _check_chunk("chunk_size", chunk_size)
+    if n is None or chunk is None:
+        raise ValueError(f"n and chunk_size must be positive ints, got n={n}, chunk_size={chunk_size}")
+    msa = dims.c_m > 0
+    if msa and (isinstance(n_seq, bool) or not isinstance(n_seq, int) or n_seq <= 0):
+        raise ValueError(f"an Evoformer estimate needs n_seq (MSA sequences) > 0, got {n_seq!r}")
+    msa_chunk = _check_chunk("msa_chunk_size", msa_chunk_size) if msa else None
+    if msa and msa_chunk is None:
+        msa_chunk = chunk
+    r = min(chunk, n)
+    e = torch.empty((), dtype=dtype).element_size()
+    B = batch
+    cz, C, H, hc = dims.c_z, dims.c_hidden_mul, dims.num_heads_pair, dims.num_heads_pair * dims.c_hidden_pair
+    tn = dims.transition_n
+    nn2 = B * n * n
+    z_bytes = nn2 * cz * e
+    rows = B * r * n  # pair entries in one chunk
+    mods = [
+        # stored projection + (LN(z), [g|p], a / b and its channels-first copy, x, x channels-last, LN(x),
+        # gate, output) of one chunk
+        ("triangle_multiplication", nn2 * C * e + rows * e * (3 * cz + 6 * C)),
+        # pair bias + (LN(z), fused q|k|v|g|pad, contiguous q, k, v for the op, o, o flat, gated o, output)
+        # of one chunk, and its fp32 lse
+        ("triangle_attention", nn2 * H * e + rows * e * (2 * cz + 4 * hc + H + 8 + 3 * hc + 3 * hc) + rows * H * 4),
+        # LN, [a|b], silu(a), silu(a)*b, output
+        ("pair_transition", rows * e * cz * (2 + 4 * tn)),
+    ]
+    m_bytes = s_bytes = 0
+    if dims.c_s:
+        cs, hs = dims.c_s, dims.num_heads_single
+        s_bytes = B * n * cs * e
+        # pair bias + its build chunk (LN(z) rows, H) + the single attention's projections, o, lse
+        mods.append(("attention_pair_bias", nn2 * hs * e + rows * e * (cz + hs) + B * n * e * 10 * cs + B * hs * n * 4))
+        mods.append(("single_transition", B * n * e * cs * (2 + 4 * tn)))
+    if msa:
+        cm, hm, hcm, co = dims.c_m, dims.num_heads_msa, dims.num_heads_msa * dims.c_hidden_msa, dims.c_hidden_opm
+        m_bytes = B * n_seq * n * cm * e
+        rs = min(msa_chunk, n_seq)
+        rc = min(msa_chunk, n)
+        att = e * (2 * cm + 4 * hcm + 6 * hcm)  # per MSA entry of a chunk: LN, q|k|v|g, op copies, o, output
+        mods.append(("msa_row_attention", nn2 * hm * e + rows * e * (cz + hm) + B * rs * n * (att + hm * 4)))
+        mods.append(("msa_column_attention", B * rc * n_seq * (att + 4 * hm) + B * rc * n_seq * cm * e))
+        mods.append(("msa_transition", B * rs * n * e * cm * (2 + 4 * tn)))
+        # a, b (fp32-safe: activations' dtype) + the build chunk of LN(m) + one row chunk's outer products
+        # (outer, its transposed copy), outputs and counts
+        opm = (2 * B * n_seq * n * co * e + B * n_seq * rc * cm * e * 2
+               + rows * e * (2 * co * co + 2 * cz) + rows * 8)
+        mods.append(("outer_product_mean", opm))
+    mask_bytes = nn2 + (B * n_seq * n if msa else 0) + B * n
+    inputs = (0 if offload else z_bytes) + s_bytes + m_bytes + mask_bytes
+    working = (0 if inplace and not offload else z_bytes) + (0 if inplace or not msa else m_bytes)
+    transient = max(v for _, v in mods) + _RESERVE_BYTES
+    return MemoryEstimate(n, chunk, msa_chunk, z_bytes, inputs, working, transient, tuple(mods))
+
+
+def _candidates(n: int) -> list:
+    """Chunk sizes tried, largest first: n, then powers of two below it."""
+    out, c = [n], 1 << max(0, (n - 1).bit_length() - 1)
+    while c >= 1:
+        if c < n:
+            out.append(c)
+        c //= 2
+    return out
+
+
+def plan_inference(
+    dims: Dims, n: int, budget: Optional[int] = None, *, n_seq: int = 0, batch: int = 1,
+    dtype: torch.dtype = torch.bfloat16, inplace: bool = False, offload: bool = False,
+    chunk_size: Optional[int] = None, msa_chunk_size: Optional[int] = None,
+) -> InferencePlan:
+    """Chunk sizes for ``n`` residues within ``budget`` bytes beyond the parameters and inputs.
+
+    The pair chunk is the largest candidate (``n``, then powers of two) whose estimate fits the budget and whose
+    chunk temporaries stay under half of z (larger chunks gain no matmul efficiency); then likewise the MSA
+    chunk. A ``chunk_size`` / ``msa_chunk_size`` given is kept as is. ``budget`` None: only the size rule.
+    Raises ``ValueError`` when even chunks of 1 do not fit, with the estimate.
+    """
+    budget = _check_budget(budget)
+    chunk_size = _check_chunk("chunk_size", chunk_size)
+    msa_chunk_size = _check_chunk("msa_chunk_size", msa_chunk_size)
+    n = _check_chunk("n", n)
+    if n is None:
+        raise ValueError("n must be a positive int")
+    msa = dims.c_m > 0
+    kw = dict(n_seq=n_seq, batch=batch, dtype=dtype, inplace=inplace, offload=offload)
+    z_bytes = batch * n * n * dims.c_z * torch.empty((), dtype=dtype).element_size()
+    size_cap = max(_CHUNK_FRACTION_OF_Z * z_bytes, _MIN_CHUNK_BYTES)
+
+    def est(c, mc):
+        return estimate_inference_memory(dims, n, c, msa_chunk_size=mc, **kw)
+
+    def ok(e0: MemoryEstimate, e: MemoryEstimate, check_size: bool) -> bool:
+        if budget is not None and e.extra > budget:
+            return False
+        # chunk temporaries: what the estimate adds over chunks of one row
+        return not check_size or e.transient - e0.transient <= size_cap
+
+    base = est(1, 1 if msa else None)
+    if budget is not None and base.extra > budget:
+        raise ValueError(
+            f"N={n} does not fit in memory_budget={budget / GIB:.2f} GiB: even chunks of 1 need "
+            f"{base.extra / GIB:.2f} GiB beyond the inputs ({base}); "
+            + ("use inplace=True, " if not inplace else "") + "offload z to the host, or a smaller N"
+        )
+    pair_choices = [chunk_size] if chunk_size is not None else _candidates(n)
+    chosen = None
+    for c in pair_choices:
+        e = est(c, 1 if msa else None)
+        if ok(base, e, chunk_size is None):
+            chosen = c
+            break
+    if chosen is None:
+        if chunk_size is not None:
+            e = est(chunk_size, 1 if msa else None)
+            raise ValueError(f"chunk_size={chunk_size} does not fit in memory_budget={budget / GIB:.2f} GiB: {e}")
+        chosen = 1
+    msa_chosen = None
+    if msa:
+        msa_choices = [msa_chunk_size] if msa_chunk_size is not None else _candidates(max(n, n_seq))
+        for mc in msa_choices:
+            e = est(chosen, mc)
+            if ok(base, e, msa_chunk_size is None):
+                msa_chosen = mc
+                break
+        if msa_chosen is None:
+            if msa_chunk_size is not None:
+                raise ValueError(f"msa_chunk_size={msa_chunk_size} does not fit in memory_budget="
+                                 f"{budget / GIB:.2f} GiB: {est(chosen, msa_chunk_size)}")
+            msa_chosen = 1
+    return InferencePlan(chosen, msa_chosen, offload, est(chosen, msa_chosen), budget)
+
+
+def free_device_memory(device: torch.device) -> Optional[int]:
+    """Bytes a new allocation can get on a CUDA ``device``: the driver's free memory plus what the caching
+    allocator holds unused. None on other devices."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+# --------------------------------------------------------------------------------------------------
+# In-place chunked modules (all run without autograd)
+# --------------------------------------------------------------------------------------------------
+def _spans(n: int, chunk: int) -> Iterator[slice]:
+    for start in range(0, n, chunk):
+        yield slice(start, min(n, start + chunk))
+
+
+def _rows(x: Tensor, dim: int, idx: slice) -> Tensor:
+    """``x`` narrowed to ``idx`` along ``dim`` (a view)."""
+    return x.narrow(dim, idx.start, idx.stop - idx.start)
+
+
+def rows_update_(x: Tensor, dim: int, chunk: int, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """``x += fn(x)`` by chunks along ``dim``, where each row of ``fn(x)`` depends only on that row of ``x``."""
+    for idx in _spans(x.shape[dim], chunk):
+        part = _rows(x, dim, idx)
+        part += fn(part)
+    return x
+
+
+def _gated_projection(mod: nn.Module, which: int) -> Tuple[Tensor, Tensor]:
+    """Weight ``[2C, c_z]`` and bias of triangle multiplication's ``[gate | projection]`` for a (0) or b (1)."""
+    sl = slice(which * mod.c_hidden, (which + 1) * mod.c_hidden)
+    w = torch.cat([mod.linear_ab_g.weight[sl], mod.linear_ab_p.weight[sl]])  # [2C, c_z]
+    if mod.linear_ab_g.bias is None:  # Boltz-2's variant has no biases here
+        return w, None
+    b = torch.cat([mod.linear_ab_g.bias[sl], mod.linear_ab_p.bias[sl]])  # [2C]
+    return w, b
+
+
+def _gated(zn: Tensor, wb: Tuple[Tensor, Tensor], mask: Tensor, c: int) -> Tensor:
+    """``sigmoid(Linear_g(zn)) * Linear_p(zn)`` zeroed where ``mask`` is False: ``[*, R, N, C]``."""
+    y = nn.functional.linear(zn, *wb)  # [*, R, N, 2C]
+    out = torch.sigmoid(y[..., :c])
+    out.mul_(y[..., c:])
+    del y
+    return out.mul_(mask.unsqueeze(-1).to(out.dtype))
+
+
+def triangle_multiplication_(mod: nn.Module, z: Tensor, pair_mask: Tensor, chunk: int) -> Tensor:
+    """``z += mod(z, pair_mask)`` in place (AF2 Alg. 11/12), holding one projection ``[*, C, N, N]``."""
+    c = mod.c_hidden
+    n = z.shape[-2]
+    w_a, w_b = _gated_projection(mod, 0), _gated_projection(mod, 1)
+    # outgoing: store b[c, j, k] from rows j; output rows i from a of rows i.
+    # incoming: store a[c, k, i] from rows k; output columns j from b of columns j.
+    stored_wb, chunk_wb = (w_b, w_a) if mod.outgoing else (w_a, w_b)
+    stored = None
+    for idx in _spans(n, chunk):
+        zr = z[..., idx, :, :]  # [*, R, N, c_z]
+        p = _gated(mod.layer_norm_in(zr), stored_wb, pair_mask[..., idx, :], c)  # [*, R, N, C]
+        if stored is None:
+            stored = torch.empty(*z.shape[:-3], c, n, n, dtype=p.dtype, device=z.device)  # [*, C, N, N]
+        stored[..., :, idx, :] = p.movedim(-1, -3)
+        del p
+    dim = -3 if mod.outgoing else -2  # output rows i (outgoing) or columns j (incoming)
+    for idx in _spans(n, chunk):
+        zc = _rows(z, dim, idx)  # [*, R, N, c_z] or [*, N, R, c_z]
+        zn = mod.layer_norm_in(zc)
+        g = mod.linear_g(zn)  # [*, R, N, c_z] / [*, N, R, c_z]
+        p = _gated(zn, chunk_wb, _rows(pair_mask, dim + 1, idx), c).movedim(-1, -3)  # [*, C, R, N] / [*, C, N, R]
+        del zn
+        if mod.outgoing:
+            x = torch.matmul(p, stored.transpose(-1, -2))  # [*, C, R(i), N(j)]: sum_k a[i, k] b[j, k]
+        else:
+            x = torch.matmul(stored.transpose(-1, -2), p)  # [*, C, N(i), R(j)]: sum_k a[k, i] b[k, j]
+        del p
+        upd = mod.linear_z(mod.layer_norm_out(x.movedim(-3, -1)))  # [*, R, N, c_z] / [*, N, R, c_z]
+        del x
+        upd.mul_(torch.sigmoid_(g))
+        del g
+        zc += upd
+        del upd
+    return z
+
+
+def pair_bias(z: Tensor, layer_norm: nn.Module, linear: nn.Module, chunk: int) -> Tensor:
+    """``linear(layer_norm(z))`` channels-first ``[*, H, N_i, N_j]``, computed by chunks of rows i."""
+    out = None
+    for idx in _spans(z.shape[-3], chunk):
+        b = linear(layer_norm(z[..., idx, :, :]))  # [*, R, N, H]
+        if out is None:
+            out = torch.empty(*z.shape[:-3], b.shape[-1], z.shape[-3], z.shape[-2], dtype=b.dtype, device=z.device)
+        out[..., :, idx, :] = b.movedim(-1, -3)
+    return out
+
+
+def triangle_attention_(mod: nn.Module, z: Tensor, pair_mask: Tensor, chunk: int) -> Tensor:
+    """``z += mod(z, pair_mask)`` in place (AF2 Alg. 13/14): the bias once, then rows (columns) by chunks."""
+    zt = z if mod.starting else z.transpose(-2, -3)  # [*, I, J, c_z] view: rows attend along themselves
+    mt = pair_mask if mod.starting else pair_mask.transpose(-1, -2)
+    bias = pair_bias(zt, mod.layer_norm, mod.linear_bias, chunk).unsqueeze(-4)  # [*, 1, H, J, K]
+    for idx in _spans(zt.shape[-3], chunk):
+        zr = zt[..., idx, :, :]  # [*, R, J, c_z] view into z
+        zn = mod.layer_norm(zr)
+        q, k, v, g = mod.mha.project(zn, zn)  # [*, R, J, H*C]
+        del zn
+        mask = mt[..., idx, None, None, :]  # [*, R, 1, 1, K]
+        zr += mod.mha.attend(q, k, v, g, bias, mask)
+    return z
+
+
+def attention_pair_bias(mod: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor, chunk: int) -> Tensor:
+    """``mod(s, z, single_mask)`` with the pair bias computed by chunks of z's rows (AF3 Alg. 24)."""
+    bias = pair_bias(z, mod.layer_norm_z, mod.linear_z, chunk)  # [B, H, N, N]
+    sn = mod.layer_norm_s(s)
+    mask = single_mask[:, None, None, :]  # [B, 1, 1, N]
+    return chunk_rows(lambda q, b: mod.mha(q, sn, bias=b, mask=mask), [sn, bias], [-2, -2], chunk, out_dim=-2)
+
+
+def msa_row_attention_(mod: nn.Module, m: Tensor, z: Tensor, msa_mask: Tensor, z_chunk: int, chunk: int) -> Tensor:
+    """``m += mod(m, z, msa_mask)`` in place (AF2 Alg. 7): the pair bias once, then MSA rows by chunks."""
+    bias = pair_bias(z, mod.layer_norm_z, mod.linear_z, z_chunk).unsqueeze(-4)  # [B, 1, H, N, N]
+
+    def rows(x: Tensor, idx: slice) -> Tensor:
+        xn = mod.layer_norm_m(x)
+        return mod.mha(xn, xn, bias=bias, mask=msa_mask[..., idx, None, None, :])
+
+    for idx in _spans(m.shape[-3], chunk):
+        part = m[..., idx, :, :]  # [B, R, N, c_m]
+        part += rows(part, idx)
+    return m
+
+
+def msa_column_attention_(mod: nn.Module, m: Tensor, msa_mask: Tensor, chunk: int) -> Tensor:
+    """``m += mod(m, msa_mask)`` in place by chunks of residue columns (AF2 Alg. 8 and 19: columns are independent)."""
+    for idx in _spans(m.shape[-2], chunk):
+        part = m[..., idx, :]  # [B, S, R, c_m] view
+        part += mod(part, msa_mask[..., idx])
+    return m
+
+
+def outer_product_mean_(mod: nn.Module, m: Tensor, msa_mask: Tensor, z: Tensor, chunk: int, msa_chunk: int) -> Tensor:
+    """``z += mod(m, msa_mask)`` in place (AF2 Alg. 10) by chunks of rows i of z."""
+    w = msa_mask.unsqueeze(-1)  # [B, S, N, 1] bool
+    a = b = None
+    for idx in _spans(m.shape[-2], msa_chunk):  # a, b by residue columns: one LN(m) chunk at a time
+        mn = mod.layer_norm(m[..., idx, :])
+        wi = w[..., idx, :].to(mn.dtype)
+        ai, bi = mod.linear_a(mn) * wi, mod.linear_b(mn) * wi  # [B, S, R, C]
+        if a is None:
+            a = ai.new_empty(*m.shape[:-1], ai.shape[-1])
+            b = bi.new_empty(*m.shape[:-1], bi.shape[-1])
+        a[..., idx, :], b[..., idx, :] = ai, bi
+        del mn, ai, bi
+    wf = msa_mask.to(a.dtype)  # [B, S, N]
+    b_flat = b.flatten(-2)  # [B, S, N*C]
+    cc = mod.c_hidden
+    for idx in _spans(z.shape[-3], chunk):
+        a_rows = a[..., idx, :]  # [B, S, R, C]
+        ni = a_rows.shape[-2]
+        count = torch.einsum("...si,...sj->...ij", wf[..., idx], wf)  # [B, R, N]
+        outer = torch.matmul(a_rows.flatten(-2).transpose(-1, -2), b_flat)  # [B, R*C, N*C]
+        # [B, R, C, N, D] -> [B, R, N, C, D] -> [B, R, N, C*D]
+        outer = outer.unflatten(-1, (-1, cc)).unflatten(-3, (ni, cc)).transpose(-2, -3).flatten(-2)
+        out = nn.functional.linear(outer, mod.linear_out.weight)  # [B, R, N, c_z]
+        del outer
+        out = out / (count.unsqueeze(-1) + mod.eps).to(out.dtype)
+        if mod.linear_out.bias is not None:
+            out = out + mod.linear_out.bias.to(out.dtype)
+        z[..., idx, :, :] += out
+    return z
+
+
+def _transition_fn(mod: nn.Module) -> Callable[[Tensor], Tensor]:
+    return mod._run  # the transition without its row chunking
+
+
+def pair_stack_(blk: nn.Module, z: Tensor, pair_mask: Tensor, chunk: int) -> Tensor:
+    """The pair half shared by both blocks: triangle multiplications, triangle attentions, pair transition."""
+    triangle_multiplication_(blk.tri_mul_out, z, pair_mask, chunk)
+    triangle_multiplication_(blk.tri_mul_in, z, pair_mask, chunk)
+    triangle_attention_(blk.tri_att_start, z, pair_mask, chunk)
+    triangle_attention_(blk.tri_att_end, z, pair_mask, chunk)
+    return rows_update_(z, -3, chunk, _transition_fn(blk.pair_transition))
+
+
+def pairformer_block_(blk: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor, pair_mask: Tensor,
+                      plan: InferencePlan) -> Tuple[Tensor, Tensor]:
+    """One Pairformer block (AF3 Alg. 17) updating ``z`` in place; returns ``(s, z)``."""
+    c = plan.chunk_size
+    pair_stack_(blk, z, pair_mask, c)
+    s = s + attention_pair_bias(blk.attention_pair_bias, s, z, single_mask, c)
+    s = s + blk.single_transition(s, c)
+    if blk.post_norm_s is not None:
+        s = blk.post_norm_s(s)
+    return s, z
+
+
+def msa_pair_block_(blk: nn.Module, m: Tensor, z: Tensor, msa_mask: Tensor, pair_mask: Tensor,
+                    plan: InferencePlan) -> Tuple[Tensor, Tensor]:
+    """One Evoformer / extra-MSA block (AF2 Alg. 6 / 18) updating ``m`` and ``z`` in place; returns ``(m, z)``."""
+    c, mc = plan.chunk_size, plan.msa_chunk_size or plan.chunk_size
+    msa_row_attention_(blk.msa_row_attention, m, z, msa_mask, c, mc)
+    msa_column_attention_(blk.msa_column_attention, m, msa_mask, mc)
+    rows_update_(m, -3, mc, _transition_fn(blk.msa_transition))
+    outer_product_mean_(blk.outer_product_mean, m, msa_mask, z, c, mc)
+    pair_stack_(blk, z, pair_mask, c)
+    return m, z
+
+
+# --------------------------------------------------------------------------------------------------
+# Running blocks and stacks
+# --------------------------------------------------------------------------------------------------
+def use_bounded_path(module: nn.Module, settings: InferenceSettings) -> bool:
+    """Whether a stack's forward takes the memory-bounded path."""
+    if settings.mode == "plain":
+        return False
+    if settings.mode == "bounded":
+        return True
+    return not torch.is_grad_enabled() and not module.training
+
+
+def make_plan(blk: nn.Module, settings: InferenceSettings, n: int, device: torch.device, dtype: torch.dtype,
+              *, n_seq: int = 0, batch: int = 1, inplace: bool = False, offload: bool = False,
+              default_chunk: Optional[int] = None) -> InferencePlan:
+    """The plan for a run: the user's chunk sizes where given, the rest planned against the settings' budget or
+    the free device memory."""
+    budget = settings.memory_budget
+    if budget is None and settings.chunk_size is None:
+        free = free_device_memory(device)
+        budget = None if free is None else int(0.95 * free)
+    chunk = settings.chunk_size if settings.chunk_size is not None else default_chunk
+    return plan_inference(Dims.of(blk), n, budget, n_seq=n_seq, batch=batch, dtype=dtype, inplace=inplace,
+                          offload=offload, chunk_size=chunk, msa_chunk_size=settings.msa_chunk_size)
+
+
+def _check_inference(module: nn.Module) -> None:
+    if module.training:
+        raise ValueError(f"the memory-bounded path of {type(module).__name__} applies no dropout: call .eval() first "
+                         "(or configure_inference(mode='plain') to run today's path)")
+
+
+def run_stack(
+    stack: nn.Module, block_fn: Callable, x: Tensor, z: Tensor, masks: Sequence[Tensor],
+    settings: InferenceSettings, *, n_seq: int = 0, inplace: bool = False, default_chunk: Optional[int] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Run every block of ``stack`` by ``block_fn(blk, x, z, *masks, plan)`` without autograd.
+
+    ``x`` (s or m) lives on the parameters' device. Without offload z is copied once (not with ``inplace``)
+    and updated in place block after block. With ``settings.offload`` z lives in (pinned) host memory between
+    blocks; the result is returned where the input z was.
+    """
+    _check_inference(stack)
+    if len(stack.blocks) == 0:
+        return x, z
+    dev = x.device
+    masks = [t.to(dev, non_blocking=True) for t in masks]
+    offload = settings.offload
+    with torch.no_grad():
+        plan = make_plan(stack.blocks[0], settings, z.shape[-2], dev, z.dtype, n_seq=n_seq, batch=z.shape[0],
+                         inplace=inplace or offload, offload=offload, default_chunk=default_chunk)
+        x = x if inplace else x.clone()  # the MSA blocks update m in place
+        if not offload:
+            work = z if inplace else z.clone()
+            work = work.to(dev)
+            for blk in stack.blocks:
+                x, work = block_fn(blk, x, work, *masks, plan)
+            return x, work
+        pin = dev.type == "cuda"
+        if z.device.type == "cpu" and (inplace or z.is_pinned() or not pin):
+            host = z if inplace else z.clone()
+        else:
+            host = torch.empty(z.shape, dtype=z.dtype, device="cpu", pin_memory=pin)
+            host.copy_(z)
+        if host.device.type == "cpu" and pin and not host.is_pinned():
+            host = host.pin_memory()
+        for blk in stack.blocks:
+            zd = host.to(dev, non_blocking=True)
+            x, zd = block_fn(blk, x, zd, *masks, plan)
+            host.copy_(zd, non_blocking=True)
+            del zd
+        if pin:
+            torch.cuda.current_stream(dev).synchronize()
+        if z.device.type == "cpu":
+            return x, host
+        return x, (z.copy_(host) if inplace else host.to(z.device))
+
+
+def run_block(blk: nn.Module, block_fn: Callable, x: Tensor, z: Tensor, masks: Sequence[Tensor],
+              chunk_size: Optional[int], memory_budget: Optional[int], *, n_seq: int = 0,
+              inplace: bool = False) -> Tuple[Tensor, Tensor]:
+    """One block's memory-bounded forward (``inplace``: z, and m for the MSA blocks, are updated in place)."""
+    _check_inference(blk)
+    settings = InferenceSettings(mode="bounded", chunk_size=chunk_size, memory_budget=memory_budget)
+    with torch.no_grad():
+        plan = make_plan(blk, settings, z.shape[-2], z.device, z.dtype, n_seq=n_seq, batch=z.shape[0],
+                         inplace=inplace)
+        if not inplace:
+            x, z = x.clone(), z.clone()
+        return block_fn(blk, x, z, *masks, plan)
+
+
+def configure(settings: InferenceSettings, **changes: Any) -> InferenceSettings:
+    """``settings`` with ``changes`` (validated)."""
+    unknown = sorted(set(changes) - set(InferenceSettings.__dataclass_fields__))
+    if unknown:
+        known = sorted(InferenceSettings.__dataclass_fields__)
+        raise TypeError(f"unknown inference setting(s) {unknown}; known: {known}")
+    return replace(settings, **changes)
+
+
+class StackInference:
+    """Mixin for the stacks: settings, planning and estimates of the memory-bounded inference path.
+
+    A stack defines ``_inference_block_fn`` (the in-place block function) and ``forward_inference``.
+    """
+
+    inference_settings: InferenceSettings = InferenceSettings()
+
+    def configure_inference(self, **changes: Any):
+        """Set ``InferenceSettings`` fields (mode, chunk_size, msa_chunk_size, memory_budget, offload); returns self."""
+        self.inference_settings = configure(self.inference_settings, **changes)
+        return self
+
+    def inference_dims(self) -> Dims:
+        if len(self.blocks) == 0:
+            raise ValueError(f"{type(self).__name__} has no blocks")
+        return Dims.of(self.blocks[0])
+
+    def estimate_inference_memory(self, n: int, chunk_size: int, **kwargs: Any) -> MemoryEstimate:
+        """``estimate_inference_memory(self.inference_dims(), n, chunk_size, **kwargs)``: bytes of one block."""
+        return estimate_inference_memory(self.inference_dims(), n, chunk_size, **kwargs)
+
+    def plan_inference(self, n: int, budget: Optional[int] = None, **kwargs: Any) -> InferencePlan:
+        """Chunk sizes for ``n`` residues within ``budget`` bytes beyond parameters and inputs (None: the free
+        memory of the parameters' CUDA device, or only the chunk-size rule elsewhere); raises ``ValueError``
+        when ``n`` does not fit. ``kwargs`` as ``plan_inference`` (n_seq, batch, dtype, inplace, offload, ...)."""
+        if budget is None:
+            p = next(self.parameters(), None)
+            budget = None if p is None else free_device_memory(p.device)
+        kwargs.setdefault("offload", self.inference_settings.offload)
+        return plan_inference(self.inference_dims(), n, budget, **kwargs)

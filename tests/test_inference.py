@@ -1,0 +1,415 @@
+"""Memory-bounded inference (attn_zoo.models.inference): the in-place chunked path equals the plain path (float64
+at small N with chunk sizes 1, sizes that do not divide N and N; masks with holes and fully masked residues;
+triton under the interpreter in fp32 / fp16), really chunks, leaves its inputs alone unless asked, takes over only
+without grad in eval mode; offload; errors; the planning arithmetic. On a GPU: N=1024 blocks against the plain
+path and the chunk-size choice against a budget, measured with the CUDA allocator's peak."""
+import pytest
+import torch
+
+import attn_zoo.models.inference as inference
+from attn_zoo.models.evoformer import EvoformerBlock, EvoformerStack, ExtraMSAStack
+from attn_zoo.models.inference import Dims, InferenceSettings, estimate_inference_memory, plan_inference
+from attn_zoo.models.pairformer import PairformerBlock, PairformerStack
+from test_primitives import randomize_, rel_err, skip_unless_backend
+
+PW = dict(c_s=32, c_z=8, num_heads_single=2, num_heads_pair=2, c_hidden_pair=16, c_hidden_mul=8, transition_n=2)
+EW = dict(c_m=16, c_z=8, num_heads_msa=2, c_hidden_msa=16, num_heads_pair=2, c_hidden_pair=16, c_hidden_opm=4,
+          c_hidden_mul=8, transition_n=2)
+GIB = 2 ** 30
+
+
+def _masks(B, N, g, S=None):
+    """Residue mask with a hole and a fully masked residue, pair mask with extra holes, MSA mask with holes."""
+    res = torch.rand(B, N, generator=g) > 0.25
+    res[:, :2] = True
+    res[:, -2] = False  # a fully masked row / column of the pair tensor
+    pair = res[:, :, None] & res[:, None, :] & (torch.rand(B, N, N, generator=g) > 0.15)
+    assert not pair.all() and pair.any()
+    msa = None if S is None else torch.rand(B, S, N, generator=g) > 0.2
+    return res, pair, msa
+
+
+def _pair_inputs(B=2, N=7, seed=0, dtype=torch.float64, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(B, N, PW["c_s"], generator=g, dtype=dtype)
+    z = torch.randn(B, N, N, PW["c_z"], generator=g, dtype=dtype)
+    res, pair, _ = _masks(B, N, g)
+    return [t.to(device) for t in (s, z, res, pair)]
+
+
+def _msa_inputs(B=2, S=5, N=7, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randn(B, S, N, EW["c_m"], generator=g, dtype=dtype)
+    z = torch.randn(B, N, N, EW["c_z"], generator=g, dtype=dtype)
+    _, pair, msa = _masks(B, N, g, S)
+    return m, z, msa, pair
+
+
+def _spy_spans(monkeypatch):
+    """Record the (length, chunk) of every chunk loop of the in-place path."""
+    calls, real = [], inference._spans
+
+    def spans(n, chunk):
+        calls.append((n, chunk))
+        return real(n, chunk)
+
+    monkeypatch.setattr(inference, "_spans", spans)
+    return calls
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 7, 64])
+def test_pairformer_stack_inplace_equals_plain(chunk, monkeypatch):
+    s, z, res, pair = _pair_inputs(N=7, seed=1)
+    stack = randomize_(PairformerStack(**PW, num_blocks=2, attention="torch"), seed=2).double().eval()
+    s0, z0 = s.clone(), z.clone()
+    with torch.no_grad():
+        want = stack.configure_inference(mode="plain")(s, z, res, pair)
+        calls = _spy_spans(monkeypatch)
+        got = stack.configure_inference(mode="auto", chunk_size=chunk)(s, z, res, pair)
+    assert rel_err(got[0], want[0]) < 1e-12 and rel_err(got[1], want[1]) < 1e-12
+    assert torch.equal(s, s0) and torch.equal(z, z0)  # the inputs are untouched
+    # every pair loop ran over the 7 rows in chunks of `chunk`: 2 blocks x (2 x 2 triangle multiplication loops,
+    # 2 x 2 triangle attention loops (bias, rows), transition, attention-pair-bias bias)
+    assert calls and all(c == (7, chunk) for c in calls), calls
+    assert len(calls) == 2 * 10, len(calls)
+
+
+def test_boltz2_variant_inplace_equals_plain():
+    """Boltz-2's variant (no biases in triangle multiplication / gates, post-norm of s) through the bounded path."""
+    s, z, res, pair = _pair_inputs(N=7, seed=3)
+    stack = PairformerStack(**PW, num_blocks=2, attention="torch", variant="boltz2", post_norm_s=True)
+    stack = randomize_(stack, seed=4).double().eval()
+    with torch.no_grad():
+        want = stack.configure_inference(mode="plain")(s, z, res, pair)
+        got = stack.configure_inference(mode="bounded", chunk_size=3)(s, z, res, pair)
+    assert rel_err(got[0], want[0]) < 1e-12 and rel_err(got[1], want[1]) < 1e-12
+
+
+@pytest.mark.parametrize("stack_cls", [EvoformerStack, ExtraMSAStack])
+@pytest.mark.parametrize("chunk,msa_chunk", [(1, 1), (3, 2), (4, 5), (7, 7), (2, 64)])
+def test_msa_stacks_inplace_equal_plain(stack_cls, chunk, msa_chunk):
+    m, z, msa, pair = _msa_inputs(S=5, N=7, seed=3)
+    stack = randomize_(stack_cls(**EW, num_blocks=2, attention="torch"), seed=4).double().eval()
+    m0, z0 = m.clone(), z.clone()
+    with torch.no_grad():
+        want = stack.configure_inference(mode="plain")(m, z, msa, pair)
+        got = stack.configure_inference(mode="bounded", chunk_size=chunk, msa_chunk_size=msa_chunk)(m, z, msa, pair)
+    assert rel_err(got[0], want[0]) < 1e-12 and rel_err(got[1], want[1]) < 1e-12
+    assert torch.equal(m, m0) and torch.equal(z, z0)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_blocks_forward_inference(inplace):
+    """Block-level path: equal to forward in eval mode; ``inplace`` overwrites z (and m) with the result."""
+    s, z, res, pair = _pair_inputs(N=6, seed=5)
+    blk = randomize_(PairformerBlock(**PW, attention="torch"), seed=6).double().eval()
+    with torch.no_grad():
+        want = blk(s, z, res, pair)
+    z_in = z.clone()
+    got = blk.forward_inference(s, z_in, res, pair, chunk_size=4, inplace=inplace)
+    assert rel_err(got[0], want[0]) < 1e-12 and rel_err(got[1], want[1]) < 1e-12
+    assert (got[1].data_ptr() == z_in.data_ptr()) == inplace
+    assert torch.equal(z_in, got[1] if inplace else z)
+
+    m, z, msa, pair = _msa_inputs(S=4, N=6, seed=7)
+    blk = randomize_(EvoformerBlock(**EW, attention="torch"), seed=8).double().eval()
+    with torch.no_grad():
+        want = blk(m, z, msa, pair)
+    m_in, z_in = m.clone(), z.clone()
+    got = blk.forward_inference(m_in, z_in, msa, pair, chunk_size=5, inplace=inplace)
+    assert rel_err(got[0], want[0]) < 1e-12 and rel_err(got[1], want[1]) < 1e-12
+    assert torch.equal(m_in, got[0] if inplace else m) and torch.equal(z_in, got[1] if inplace else z)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_block_inplace_within_dtype_rounding(dtype):
+    """Triton under the interpreter: the in-place path's error against the float64 result is at most twice the
+    plain path's in the same dtype."""
+    skip_unless_backend("triton")
+    s, z, res, pair = _pair_inputs(B=1, N=6, seed=9)
+    ref = randomize_(PairformerBlock(**PW, attention="torch"), seed=10).double().eval()
+    blk = randomize_(PairformerBlock(**PW, attention="triton"), seed=10).to(dtype).eval()
+    with torch.no_grad():
+        exact = ref(s, z, res, pair)
+        plain = blk(s.to(dtype), z.to(dtype), res, pair)
+        got = blk.forward_inference(s.to(dtype), z.to(dtype), res, pair, chunk_size=4)
+    eps = torch.finfo(dtype).eps
+    for g, p, e in zip(got, plain, exact):
+        assert rel_err(g, e) <= 2 * rel_err(p, e) + 4 * eps, (rel_err(g, e), rel_err(p, e))
+
+
+def test_autocast_bf16_within_dtype_rounding():
+    """fp32 parameters and inputs under bf16 autocast (the stored projection is bf16): error against float64 at
+    most twice the plain path's."""
+    s, z, res, pair = _pair_inputs(B=1, N=9, seed=17)
+    ref = randomize_(PairformerStack(**PW, num_blocks=2, attention="torch"), seed=18).double().eval()
+    stack = randomize_(PairformerStack(**PW, num_blocks=2, attention="torch"), seed=18).eval()
+    with torch.no_grad():
+        exact = ref(s, z, res, pair)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plain = stack.configure_inference(mode="plain")(s.float(), z.float(), res, pair)
+            got = stack.configure_inference(mode="auto", chunk_size=4)(s.float(), z.float(), res, pair)
+    for g, p, e in zip(got, plain, exact):
+        assert g.dtype == p.dtype
+        assert rel_err(g, e) <= 2 * rel_err(p, e) + 1e-3, (rel_err(g, e), rel_err(p, e))
+
+
+def test_stack_takes_the_bounded_path_only_without_grad_in_eval(monkeypatch):
+    s, z, res, pair = _pair_inputs(N=5, seed=11)
+    stack = randomize_(PairformerStack(**PW, num_blocks=2, attention="torch"), seed=12).double()
+    runs = []
+    real = inference.pairformer_block_
+    monkeypatch.setattr(inference, "pairformer_block_", lambda *a: runs.append(1) or real(*a))
+    stack.eval()
+    with torch.no_grad():
+        stack(s, z, res, pair)
+    assert len(runs) == 2
+    stack(s, z, res, pair)  # grad enabled: today's path
+    stack.train()
+    with torch.no_grad():
+        stack(s, z, res, pair)  # train mode: today's path (dropout)
+    assert len(runs) == 2
+    zi = z.clone().requires_grad_()
+    stack(s, zi, res, pair)[1].sum().backward()  # training still differentiates
+    assert zi.grad is not None and zi.grad.abs().sum() > 0
+    stack.configure_inference(mode="bounded")
+    with pytest.raises(ValueError, match="eval"):
+        stack(s, z, res, pair)
+    stack.eval()
+    out = stack(s, z, res, pair)  # explicit flag: bounded even with grad enabled (no graph)
+    assert len(runs) == 4 and not out[1].requires_grad
+
+
+def test_offload_equals_device_path():
+    """offload keeps z on the host between blocks; on a CPU-only machine the data path is the same copy."""
+    s, z, res, pair = _pair_inputs(N=7, seed=13)
+    stack = randomize_(PairformerStack(**PW, num_blocks=3, attention="torch"), seed=14).double().eval()
+    z0 = z.clone()
+    with torch.no_grad():
+        want = stack.configure_inference(mode="plain")(s, z, res, pair)
+        got = stack.configure_inference(mode="auto", chunk_size=3, offload=True)(s, z, res, pair)
+    assert rel_err(got[1], want[1]) < 1e-12 and rel_err(got[0], want[0]) < 1e-12
+    assert torch.equal(z, z0) and got[1].device == z.device
+
+
+def test_bad_settings_get_clear_errors():
+    stack = PairformerStack(**PW, num_blocks=1, attention="torch").eval()
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match=f"chunk_size must be a positive int or None, got {bad}"):
+            stack.configure_inference(chunk_size=bad)
+    for bad in (2.5, True, "8"):
+        with pytest.raises(TypeError, match="chunk_size must be a positive int"):
+            stack.configure_inference(chunk_size=bad)
+    with pytest.raises(ValueError, match="msa_chunk_size"):
+        InferenceSettings(msa_chunk_size=0)
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="memory_budget must be a positive number of bytes"):
+            stack.configure_inference(memory_budget=bad)
+    with pytest.raises(TypeError, match="memory_budget must be a number of bytes"):
+        stack.configure_inference(memory_budget="10GiB")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        stack.configure_inference(mode="fast")
+    with pytest.raises(TypeError, match="unknown inference setting"):
+        stack.configure_inference(chunksize=4)
+    with pytest.raises(TypeError, match="offload must be a bool"):
+        stack.configure_inference(offload=1)
+    blk = PairformerBlock(**PW, attention="torch").eval()
+    s, z, res, pair = _pair_inputs(B=1, N=5, dtype=torch.float32)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int or None, got 0"):
+        blk.forward_inference(s, z, res, pair, chunk_size=0)
+    # a budget too small for even one row names N, the budget and what is needed
+    with pytest.raises(ValueError, match=r"N=5 does not fit in memory_budget=.*even chunks of 1 need"):
+        blk.forward_inference(s, z, res, pair, memory_budget=1000)
+    with pytest.raises(ValueError, match="N=4096 does not fit"):
+        plan_inference(Dims(c_s=384), 4096, 4 * GIB)
+    with pytest.raises(ValueError, match="chunk_size=4096 does not fit"):
+        plan_inference(Dims(c_s=384), 4096, 20 * GIB, chunk_size=4096)
+    with pytest.raises(ValueError, match="n_seq"):
+        estimate_inference_memory(Dims(c_m=256), 256, 16)
+
+
+def test_dims_read_from_blocks():
+    assert Dims.of(PairformerBlock()) == Dims(c_s=384, num_heads_single=16)
+    assert Dims.of(EvoformerBlock()) == Dims(c_m=256, num_heads_msa=8, c_hidden_msa=32, c_hidden_opm=32)
+    assert Dims.of(PairformerBlock(**PW)) == Dims(c_z=8, c_hidden_mul=8, num_heads_pair=2, c_hidden_pair=16,
+                                                  transition_n=2, c_s=32, num_heads_single=2)
+
+
+def test_planning_arithmetic():
+    """AF3 widths, bf16: the estimate's terms, the planned chunk is the largest candidate within budget, larger
+    budgets never give smaller chunks, and the planned block at N=4096 needs at most 2.5 z beyond its inputs."""
+    d = Dims(c_s=384)
+    n, e = 4096, 2
+    z = n * n * 128 * e
+    est = estimate_inference_memory(d, n, 128)
+    mods = dict(est.modules)
+    assert est.z_bytes == z
+    # triangle multiplication holds one [C, N, N] projection; triangle attention its [H, N, N] bias
+    assert z <= mods["triangle_multiplication"] < 1.5 * z
+    assert n * n * 4 * e <= mods["triangle_attention"] < 0.5 * z
+    assert est.working == z and est.inputs >= z and est.peak == est.inputs + est.extra
+    assert estimate_inference_memory(d, n, 128, inplace=True).working == 0
+    off = estimate_inference_memory(d, n, 128, offload=True)
+    assert off.inputs < z and off.working == z
+    # estimates grow with the chunk and with N
+    sizes = [estimate_inference_memory(d, n, c).extra for c in (1, 16, 128, 1024, 4096)]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+    assert estimate_inference_memory(d, 2 * n, 128).extra > 3 * est.extra
+
+    chunks = []
+    for budget_gib in (8.5, 9, 10, 12, 16, 40, 80):
+        budget = int(budget_gib * GIB)
+        plan = plan_inference(d, n, budget)
+        assert plan.fits and plan.estimate.extra <= budget
+        bigger = [c for c in inference._candidates(n) if c > plan.chunk_size]
+        if bigger:  # the next larger candidate is over the budget or over the chunk-size rule
+            nxt = estimate_inference_memory(d, n, min(bigger))
+            base = estimate_inference_memory(d, n, 1)
+            assert nxt.extra > budget or nxt.transient - base.transient > 0.5 * z
+        chunks.append(plan.chunk_size)
+    assert chunks == sorted(chunks) and chunks[0] < chunks[-1], chunks
+    free = plan_inference(d, n, None)
+    assert free.estimate.extra <= 2.5 * z and free.estimate.extra - z <= 1.5 * z  # the issue's target, in bytes
+    assert plan_inference(d, n, None, inplace=True).estimate.extra <= 1.5 * z
+    # Evoformer, AF2 widths, 512 sequences: the MSA chunk is planned too and fits its budget
+    ev = plan_inference(Dims(c_m=256), n, 16 * GIB, n_seq=512)
+    assert ev.msa_chunk_size is not None and ev.estimate.extra <= 16 * GIB
+    assert dict(ev.estimate.modules)["outer_product_mean"] > 0
+
+
+def test_auto_plan_uses_the_settings_budget(monkeypatch):
+    """Without a chunk size, the stack plans against memory_budget (the CPU has no free-memory query)."""
+    s, z, res, pair = _pair_inputs(N=16, seed=15, dtype=torch.float32)
+    stack = randomize_(PairformerStack(**PW, num_blocks=1, attention="torch"), seed=16).eval()
+    d = stack.inference_dims()
+    budgets = [estimate_inference_memory(d, 16, c, batch=2, dtype=torch.float32).extra for c in (2, 8)]
+    seen = []
+    for budget in budgets:
+        calls = _spy_spans(monkeypatch)
+        with torch.no_grad():
+            stack.configure_inference(memory_budget=budget)(s, z, res, pair)
+        seen.append({c for _, c in calls})
+    assert seen == [{2}, {8}], seen
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------------
+def _gpu_pairformer(n, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    blk = randomize_(PairformerBlock(attention="triton"), seed=seed).cuda().eval()
+    s = torch.randn(1, n, 384, generator=g).cuda()
+    z = torch.randn(1, n, n, 128, generator=g).cuda()
+    res = torch.arange(n, device="cuda")[None] < n - 13
+    res[:, n // 3] = False
+    pair = res[:, :, None] & res[:, None, :]
+    return blk, s, z, res, pair
+
+
+@pytest.mark.gpu
+def test_gpu_pairformer_block_n1024_equals_plain():
+    """N=1024, bf16 weights and inputs: the in-place path's error against the fp32 plain block is at most twice the
+    bf16 plain block's."""
+    blk, s, z, res, pair = _gpu_pairformer(1024)
+    with torch.no_grad():
+        exact = blk(s, z, res, pair)
+        b16 = blk.to(torch.bfloat16)
+        plain = b16(s.bfloat16(), z.bfloat16(), res, pair, chunk_size=256)
+        got = b16.forward_inference(s.bfloat16(), z.bfloat16(), res, pair)
+    for gt, p, e in zip(got, plain, exact):
+        assert rel_err(gt, e) <= 2 * rel_err(p, e) + 1e-3, (rel_err(gt, e), rel_err(p, e))
+
+
+@pytest.mark.gpu
+def test_gpu_evoformer_block_equals_plain():
+    g = torch.Generator().manual_seed(1)
+    n, S = 512, 64
+    blk = randomize_(EvoformerBlock(attention="triton"), seed=1).cuda().eval()
+    m = torch.randn(1, S, n, 256, generator=g).cuda()
+    z = torch.randn(1, n, n, 128, generator=g).cuda()
+    msa = (torch.rand(1, S, n, generator=g) > 0.1).cuda()
+    pair = torch.ones(1, n, n, dtype=torch.bool, device="cuda")
+    pair[:, -7:, :] = pair[:, :, -7:] = False
+    with torch.no_grad():
+        exact = blk(m, z, msa, pair)
+        b16 = blk.to(torch.bfloat16)
+        plain = b16(m.bfloat16(), z.bfloat16(), msa, pair)
+        got = b16.forward_inference(m.bfloat16(), z.bfloat16(), msa, pair, chunk_size=96)
+    for gt, p, e in zip(got, plain, exact):
+        assert rel_err(gt, e) <= 2 * rel_err(p, e) + 1e-3, (rel_err(gt, e), rel_err(p, e))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget_z", [2.3, 2.6, 3.0, 5.0])
+def test_gpu_chunk_choice_respects_budget(budget_z):
+    """The planned block's peak allocation beyond its inputs, measured by the CUDA allocator, stays within the
+    budget (and within the estimate); smaller budgets give smaller chunks."""
+    n = 1024
+    blk, s, z, res, pair = _gpu_pairformer(n, seed=2)
+    blk = blk.to(torch.bfloat16)
+    s, z = s.bfloat16(), z.bfloat16()
+    z_bytes = z.numel() * z.element_size()
+    budget = int(budget_z * z_bytes + 256 * 2 ** 20)
+    plan = plan_inference(Dims.of(blk), n, budget, dtype=torch.bfloat16)
+    small = plan_inference(Dims.of(blk), n, int(2.3 * z_bytes + 256 * 2 ** 20), dtype=torch.bfloat16)
+    assert plan.chunk_size >= small.chunk_size
+    with torch.no_grad():
+        blk.forward_inference(s, z, res, pair, memory_budget=budget)  # warm-up: kernels, cuBLAS workspace
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = blk.forward_inference(s, z, res, pair, memory_budget=budget)
+        torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra <= budget, (extra / GIB, budget / GIB, str(plan.estimate))
+    assert extra <= plan.estimate.extra, (extra / GIB, str(plan.estimate))
+    del out
+
+
+@pytest.mark.gpu
+def test_gpu_stack_offload_equals_device_and_saves_memory():
+    """offload with z on the host: the same result, and the device never holds the caller's z."""
+    n = 1024
+    _, s, z, res, pair = _gpu_pairformer(n, seed=3)
+    stack = randomize_(PairformerStack(num_blocks=2, attention="triton"), seed=3).cuda().bfloat16().eval()
+    stack.configure_inference(chunk_size=128)  # the same chunks in both runs: the same bits
+    s, z = s.bfloat16(), z.bfloat16()
+    z_host = z.cpu().pin_memory()
+    z_bytes = z.numel() * z.element_size()
+    with torch.no_grad():
+        stack(s, z, res, pair)  # warm-up
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        want = stack(s, z, res, pair)
+        torch.cuda.synchronize()
+        device_peak = torch.cuda.max_memory_allocated()
+        want = [t.cpu() for t in want]
+        del z
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        got = stack.configure_inference(offload=True)(s, z_host, res, pair)
+        torch.cuda.synchronize()
+        offload_peak = torch.cuda.max_memory_allocated()
+    assert got[1].device.type == "cpu"
+    assert rel_err(got[1], want[1]) < 1e-6 and rel_err(got[0].cpu(), want[0]) < 1e-6
+    assert offload_peak < device_peak - 0.8 * z_bytes, (offload_peak / GIB, device_peak / GIB)
+
+
+def test_bench_memory_script_runs_on_cpu(tmp_path):
+    """scripts/bench_memory.py end to end at tiny widths on the CPU (a typo there would only show on the GPU)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import bench_memory
+
+    bench = bench_memory.main(["--tiny", "--device", "cpu", "--backend", "torch", "--block-n", "12", "--iters", "0",
+                               "--stack-n", "12", "--stack-blocks", "2", "--step", "4", "--max-probes", "1",
+                               "--evo-n", "10", "--evo-seq", "3", "--evo-blocks", "1", "--out", str(tmp_path)])
+    rows = bench.rows
+    assert not [r for r in rows if r["status"] == "error"], rows
+    impls = {(r["section"], r["impl"]) for r in rows if r["status"] in ("ok", "result")}
+    assert {("block", "bounded"), ("block", "bounded-inplace"), ("block", "plain-chunk128"),
+            ("stack", "stack 2 blocks"), ("evoformer", "EvoformerStack AF2 widths")} <= impls, impls
+    assert (tmp_path / "memory.csv").read_text().count("\n") == len(rows) + 1
+    assert "| block | bounded | 12 |" in (tmp_path / "memory.md").read_text()
