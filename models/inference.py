@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .primitives import chunk_rows
+from .primitives import at_least_fp32, chunk_rows
 
 Tensor = torch.Tensor
 GIB = 2.0 ** 30
@@ -421,11 +421,13 @@ def triangle_multiplication_(mod: nn.Module, z: Tensor, pair_mask: Tensor, chunk
     return z
 
 
-def pair_bias(z: Tensor, layer_norm: nn.Module, linear: nn.Module, chunk: int) -> Tensor:
-    """``linear(layer_norm(z))`` channels-first ``[*, H, N_i, N_j]``, computed by chunks of rows i."""
+def pair_bias(z: Tensor, layer_norm: nn.Module, linear: nn.Module, chunk: int, fp32: bool = False) -> Tensor:
+    """``linear(layer_norm(z))`` channels-first ``[*, H, N_i, N_j]``, computed by chunks of rows i (``fp32``: each
+    chunk of z read as float32)."""
     out = None
     for idx in _spans(z.shape[-3], chunk):
-        b = linear(layer_norm(z[..., idx, :, :]))  # [*, R, N, H]
+        zc = z[..., idx, :, :]
+        b = linear(layer_norm(at_least_fp32(zc) if fp32 else zc))  # [*, R, N, H]
         if out is None:
             out = torch.empty(*z.shape[:-3], b.shape[-1], z.shape[-3], z.shape[-2], dtype=b.dtype, device=z.device)
         out[..., :, idx, :] = b.movedim(-1, -3)
@@ -447,9 +449,11 @@ def triangle_attention_(mod: nn.Module, z: Tensor, pair_mask: Tensor, chunk: int
     return z
 
 
-def attention_pair_bias(mod: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor, chunk: int) -> Tensor:
-    """``mod(s, z, single_mask)`` with the pair bias computed by chunks of z's rows (AF3 Alg. 24)."""
-    bias = pair_bias(z, mod.layer_norm_z, mod.linear_z, chunk)  # [B, H, N, N]
+def attention_pair_bias(mod: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor, chunk: int,
+                        fp32: bool = False) -> Tensor:
+    """``mod(s, z, single_mask)`` with the pair bias computed by chunks of z's rows (AF3 Alg. 24); ``fp32``: z read
+    as float32 chunk by chunk (s must be float32 then, under autocast off)."""
+    bias = pair_bias(z, mod.layer_norm_z, mod.linear_z, chunk, fp32)  # [B, H, N, N]
     sn = mod.layer_norm_s(s)
     mask = single_mask[:, None, None, :]  # [B, 1, 1, N]
     return chunk_rows(lambda q, b: mod.mha(q, sn, bias=b, mask=mask), [sn, bias], [-2, -2], chunk, out_dim=-2)
@@ -527,7 +531,11 @@ def pairformer_block_(blk: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor,
     """One Pairformer block (AF3 Alg. 17) updating ``z`` in place; returns ``(s, z)``."""
     c = plan.chunk_size
     pair_stack_(blk, z, pair_mask, c)
-    s = s + attention_pair_bias(blk.attention_pair_bias, s, z, single_mask, c)
+    if blk.single_fp32:  # as PairformerBlock.forward: the single track's attention in float32, autocast off
+        with torch.autocast(s.device.type, enabled=False):
+            s = at_least_fp32(s) + attention_pair_bias(blk.attention_pair_bias, at_least_fp32(s), z, single_mask, c, fp32=True)
+    else:
+        s = s + attention_pair_bias(blk.attention_pair_bias, s, z, single_mask, c)
     s = s + blk.single_transition(s, c)
     if blk.post_norm_s is not None:
         s = blk.post_norm_s(s)

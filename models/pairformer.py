@@ -16,6 +16,7 @@ from torch import nn
 
 from . import inference
 from .primitives import (
+    at_least_fp32,
     Attention,
     AttentionConfig,
     LayerNorm,
@@ -95,8 +96,8 @@ class PairformerBlock(nn.Module):
       are shared over rows (row-wise) or columns (column-wise) and drawn per channel (AF2's DropoutRowwise).
     - ``"boltz2"``: Boltz-2's trunk layer (``PairformerLayer(v2=True)``): none of those biases (gates start
       at 0.5), and dropout drops whole rows i (row-wise) or whole columns j (column-wise) of the pair update,
-      one draw per row / column shared by every channel. ``attn_zoo.models.zoo.from_boltz`` builds it. Boltz
-      runs the single track in float32 with autocast off; here it follows the caller's autocast.
+      one draw per row / column shared by every channel; the single track's attention runs in float32 with
+      autocast off, as Boltz-2 runs it. ``attn_zoo.models.zoo.from_boltz`` builds it.
     ``post_norm_s``: a LayerNorm on s at the end of the block (Boltz's ``post_layer_norm``; off in Boltz-2).
     Fully masked attention rows (padded residues) give 0 here and a mean of the masked values in Boltz;
     neither reaches a real position.
@@ -126,6 +127,7 @@ class PairformerBlock(nn.Module):
             self.pair_dropout_row = SharedDropout(pair_dropout, shared_dim=-3)
             self.pair_dropout_col = SharedDropout(pair_dropout, shared_dim=-2)
         self.post_norm_s = LayerNorm(c_s) if post_norm_s else None
+        self.single_fp32 = variant == "boltz2"
 
     def forward(
         self,
@@ -143,7 +145,11 @@ class PairformerBlock(nn.Module):
         z = z + self.pair_dropout_row(self.tri_att_start(z, pair_mask, c))
         z = z + self.pair_dropout_col(self.tri_att_end(z, pair_mask, c))
         z = z + self.pair_transition(z, c)
-        s = s + self.attention_pair_bias(s, z, single_mask, c)
+        if self.single_fp32:  # Boltz-2: the single track's attention in float32, autocast off
+            with torch.autocast(s.device.type, enabled=False):
+                s = at_least_fp32(s) + self.attention_pair_bias(at_least_fp32(s), at_least_fp32(z), single_mask, c)
+        else:
+            s = s + self.attention_pair_bias(s, z, single_mask, c)
         s = s + self.single_transition(s, c)
         if self.post_norm_s is not None:
             s = self.post_norm_s(s)

@@ -85,6 +85,11 @@ class AttentionConfig:
         )
 
 
+def at_least_fp32(x: Tensor) -> Tensor:
+    """``x`` in float32 if it is a 16-bit float, else unchanged (float64 stays float64)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 def _plain(v: Any) -> Any:
     """Turn omegaconf containers into plain dicts/lists without importing omegaconf."""
     if isinstance(v, Mapping):
