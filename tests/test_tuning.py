@@ -9,6 +9,7 @@ pytest.importorskip("triton")
 import triton.testing  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
+from attn_ops import settings  # noqa: E402
 from attn_ops.triton import tuning  # noqa: E402
 from attn_ops.triton.tuning import Cfg, candidates, pick  # noqa: E402
 from helpers import check_against_reference, make_inputs  # noqa: E402
@@ -61,7 +62,7 @@ def test_tiny_sequences_get_one_small_config():
 
 def test_pair_and_dbias_candidate_expansion():
     """``pair``: each tile shape also with two rows per program (small heads only). dbias: each tile shape with
-    every split count, 2 first (ATTN_ZOO_NO_TUNE then runs the fp32-partials path)."""
+    every split count, 2 first (an untimed pick then runs the fp32-partials path)."""
     base = candidates("dkdv", 64, 256, 256)
     assert candidates("dkdv", 64, 256, 256, pair=True) == base + [c._replace(rows=2) for c in base]
     assert candidates("dkdv", 128, 256, 256, pair=True) == candidates("dkdv", 128, 256, 256)
@@ -93,11 +94,11 @@ class FakeBench:
 
 @pytest.fixture
 def tuner(monkeypatch):
-    """pick() as on a GPU: no interpreter shortcut, an empty cache, no tuning switches set, a fake timer."""
+    """pick() as on a GPU: no interpreter shortcut, an empty cache, default settings without a disk cache, a fake
+    timer."""
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
     monkeypatch.setattr(tuning, "_CACHE", {})
-    monkeypatch.delenv("ATTN_ZOO_NO_TUNE", raising=False)
-    monkeypatch.delenv("ATTN_ZOO_TUNE_LOG", raising=False)
+    monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None))
     bench = FakeBench()
     monkeypatch.setattr(triton.testing, "do_bench", bench.do_bench)
     return bench
@@ -113,7 +114,7 @@ def test_pick_times_every_candidate_and_keeps_the_fastest(tuner):
     tuner.ms[cands[2]] = 0.5  # neither the first nor the last
     assert pick("fwd", ("shape",), launch=tuner.launch, **ARGS) == cands[2]
     assert tuner.timed == cands
-    assert tuning.chosen() == {("fwd", False, "shape"): cands[2]}
+    assert tuning.chosen() == {("fwd", False, "shape", True, None): cands[2]}
 
 
 def test_pick_caches_per_key(tuner):
@@ -152,21 +153,21 @@ def test_pick_with_no_candidate_launching_falls_back_to_the_last(tuner):
 
 
 def test_no_tune_switch_launches_the_first_candidate_without_timing(tuner, monkeypatch):
-    """ATTN_ZOO_NO_TUNE=1 (read at each pick): the first candidate that launches, no timing; one that is out of
-    resources is passed over; the choice is cached like a timed one."""
+    """settings.tune False (read at each pick): the first candidate that launches, no timing; one that is out of
+    resources is passed over; the choice is cached like a timed one, under a key of its own."""
     cands = candidates("fwd", **ARGS)
     tuner.ms = {cands[0]: 50.0}  # the slowest: only the switch picks it
-    monkeypatch.setenv("ATTN_ZOO_NO_TUNE", "1")
+    settings.update(tune=False)
     assert pick("fwd", ("a",), launch=tuner.launch, **ARGS) == cands[0]
     assert tuner.launched == cands[:1] and tuner.timed == []
     tuner.fail = {cands[0]}
     tuner.launched.clear()
     assert pick("fwd", ("b",), launch=tuner.launch, **ARGS) == cands[1]
     assert tuner.launched == cands[:2] and tuner.timed == []
-    assert tuning.chosen() == {("fwd", False, "a"): cands[0], ("fwd", False, "b"): cands[1]}
-    monkeypatch.delenv("ATTN_ZOO_NO_TUNE")  # the same process times again once the switch is off
+    assert tuning.chosen() == {("fwd", False, "a", False, None): cands[0], ("fwd", False, "b", False, None): cands[1]}
+    settings.update(tune=True)  # the same process times again once the switch is off, also for key "a"
     tuner.fail = set()
-    assert pick("fwd", ("c",), launch=tuner.launch, **ARGS) != cands[0]
+    assert pick("fwd", ("a",), launch=tuner.launch, **ARGS) != cands[0]
     assert tuner.timed == cands
 
 
@@ -199,7 +200,7 @@ def test_timed_launchers_are_repeatable(monkeypatch, opts):
     after tuning still matches the reference."""
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
     monkeypatch.setattr(tuning, "_CACHE", {})
-    monkeypatch.delenv("ATTN_ZOO_NO_TUNE", raising=False)
+    monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None))
     timed = []
 
     def do_bench(fn, warmup=25, rep=100, **kw):
