@@ -43,6 +43,7 @@ def compiled_path(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None))
     monkeypatch.setattr(fastlaunch, "_COMPILED", {})
+    monkeypatch.setattr(fastlaunch, "_EXACT", {})
     monkeypatch.setattr(fastlaunch, "_TRAILING", {})
     monkeypatch.setattr(fastlaunch, "_SPECIALIZE", {})
     monkeypatch.setattr(fastlaunch, "_device", lambda: 0)  # no CUDA here
@@ -138,6 +139,8 @@ def test_integers_key_on_what_triton_specialises_not_their_value():
     for n, L in runs:
         fastlaunch.launch(k, (1,), (x, n, L), 4, 1, BLOCK=16)
     assert [e[0] for e in k.log] == ["plain", "direct", "plain", "plain", "direct", "plain"]
+    assert k.log[1][2][1:] == (80, 201, 16)  # the direct call gets this launch's values (and BLOCK)
+    assert fastlaunch._leading_params(k) == 3 and len(fastlaunch._COMPILED) == 4
     assert fastlaunch.signature((x, 64, 200), (True, True, False)) == fastlaunch.signature((x, 80, 17),
                                                                                            (True, True, False))
     assert fastlaunch.signature((True,)) != fastlaunch.signature((1,)) != fastlaunch.signature((1.0,))

@@ -33,6 +33,10 @@ except ImportError:  # pragma: no cover - older Triton
 _COMPILED: Dict[Tuple, object] = {}
 _TRAILING: Dict[object, int] = {}  # kernel -> number of leading non-constexpr params (-1: not trailing)
 _SPECIALIZE: Dict[object, Tuple[bool, ...]] = {}  # kernel -> per runtime param: Triton specialises its value
+# exact argument values -> compiled kernel: a hit skips the per-argument specialisation work (ints hash in C);
+# a miss falls back to the specialisation key above, so a new length still finds its compiled kernel
+_EXACT: Dict[Tuple, object] = {}
+_EXACT_MAX = 4096
 
 
 def _leading_params(kernel) -> int:
@@ -92,9 +96,15 @@ def launch(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_st
     if interpreting() or not _settings.get().fast_launch:
         kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
         return
-    key = (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()),
-           signature(args, _specialized(kernel)))
-    compiled = _COMPILED.get(key)
+    head = (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()))
+    exact = (head, tuple([a if type(a) is int else _arg_key(a) for a in args]))
+    compiled = _EXACT.get(exact)
+    key = None
+    if compiled is None:
+        key = head + (signature(args, _specialized(kernel)),)
+        compiled = _COMPILED.get(key)
+        if compiled is not None:
+            _remember_exact(exact, compiled)
     grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     if compiled is not None:
         compiled[grid3](*args, *constexprs.values())
@@ -104,3 +114,10 @@ def launch(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_st
             p.name == name for p, name in zip(kernel.params[len(args):], constexprs)) and hasattr(
             result, "__getitem__"):
         _COMPILED[key] = result
+        _remember_exact(exact, result)
+
+
+def _remember_exact(exact: Tuple, compiled) -> None:
+    if len(_EXACT) >= _EXACT_MAX:  # many shapes seen: start over (the specialisation cache keeps everything)
+        _EXACT.clear()
+    _EXACT[exact] = compiled
