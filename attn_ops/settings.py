@@ -9,27 +9,22 @@
 Initial values come from the environment when attn_ops is imported (later changes to ``os.environ`` are not
 seen; call :func:`reload_from_env` to read it again):
 
-=========================  ====================  =====================================================
-variable                   field                 meaning
-=========================  ====================  =====================================================
-``ATTN_ZOO_NO_TUNE=1``     ``tune=False``        no timing: cached, on-disk or heuristic tile configs
-``ATTN_ZOO_TUNE_LOG=1``    ``tune_log=True``     print each timed candidate
-``ATTN_ZOO_PLAIN_LAUNCH=1`` ``fast_launch=False`` Triton's own launch path on every call
-``ATTN_ZOO_NO_TMA=1``      ``tma=False``         pointer loads and per-element atomics, no TMA descriptors
-``ATTN_ZOO_CACHE_DIR=DIR`` ``cache_dir=DIR``     on-disk tuning cache (default ``~/.cache/attn_zoo``;
-                                                 empty: no disk cache)
-=========================  ====================  =====================================================
+- ``ATTN_ZOO_NO_TUNE=1`` -> ``tune=False``: no timing, the first candidate config (the same in every process)
+- ``ATTN_ZOO_TUNE_LOG=1`` -> ``tune_log=True``: print each timed candidate
+- ``ATTN_ZOO_PLAIN_LAUNCH=1`` -> ``fast_launch=False``: Triton's own launch path on every call
+- ``ATTN_ZOO_NO_TMA=1`` -> ``tma=False``: pointer loads and per-element atomics, no TMA descriptors
+- ``ATTN_ZOO_CACHE_DIR=DIR`` -> ``cache_dir``: the on-disk tuning cache (default ``~/.cache/attn_zoo``; empty: none)
 
-Every field that changes which kernel or tile config runs (``tune``, ``tma``) is part of the cache keys it
-affects (:meth:`KernelSettings.key`): the tuner's, the launch plans' and, through the kernels' arguments, the
-direct-launch cache's.
+Every field that changes which kernel or tile config runs is part of the cache keys it affects: ``tune`` of the
+tuner's (untuned picks are cached apart), ``tma`` of the launchers' tuning key and, through the kernels' arguments
+(a descriptor vs a tensor, HAS_BIAS), of the direct-launch cache's.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import os
-from typing import Iterator, Mapping, Optional, Tuple
+from typing import Iterator, Mapping, Optional
 
 __all__ = ["KernelSettings", "get", "update", "kernel_settings", "from_env", "reload_from_env"]
 
@@ -56,10 +51,6 @@ class KernelSettings:
                 raise TypeError(f"KernelSettings.{f} must be a bool, got {getattr(self, f)!r}")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise TypeError(f"KernelSettings.cache_dir must be a path or None, got {self.cache_dir!r}")
-
-    def key(self) -> Tuple[bool, bool]:
-        """The fields that change a kernel or tile choice, for cache keys."""
-        return self.tune, self.tma
 
 
 def _default_cache_dir() -> str:

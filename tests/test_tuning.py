@@ -12,6 +12,7 @@ import triton.testing  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from attn_ops import settings  # noqa: E402
+from attn_ops.triton import launch as launch_mod  # noqa: E402
 from attn_ops.triton import tuning  # noqa: E402
 from attn_ops.triton.tuning import Cfg, candidates, pick  # noqa: E402
 from helpers import check_against_reference, make_inputs  # noqa: E402
@@ -257,9 +258,6 @@ def _fake_timer(monkeypatch, ms):
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
     monkeypatch.setattr(launch_mod, "pick", pick)
     return state
-
-
-from attn_ops.triton import launch as launch_mod  # noqa: E402
 
 
 def _run(L, seed=3):
