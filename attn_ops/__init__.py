@@ -5,12 +5,16 @@ Public API:
               backend="auto", deterministic=True, **options)
     merge_partials(outs, lses), blockwise_attention(...), ring_attention(...)
     backends(): the backends usable here.
+    settings, kernel_settings(...): the triton kernels' switches (tuning, TMA, direct launch, cache folder).
+    pretune(shapes, ...): time the triton kernels' tile configs for some shapes ahead of a run.
 """
-from . import registry
+from . import registry, settings
 from .api import attention
 from .merge import blockwise_attention, merge_partials
+from .pretune import pretune
 from .reference import attention_reference
 from .ring import ring_attention, ring_positions, shard_sequence, unshard_sequence, zigzag_merge, zigzag_split
+from .settings import kernel_settings
 
 
 registry.warm_up()
@@ -22,6 +26,7 @@ def backends():
 
 
 __all__ = [
-    "attention", "attention_reference", "backends", "blockwise_attention", "merge_partials", "registry",
-    "ring_attention", "ring_positions", "shard_sequence", "unshard_sequence", "zigzag_merge", "zigzag_split",
+    "attention", "attention_reference", "backends", "blockwise_attention", "kernel_settings", "merge_partials",
+    "pretune", "registry", "ring_attention", "ring_positions", "settings", "shard_sequence", "unshard_sequence",
+    "zigzag_merge", "zigzag_split",
 ]

@@ -8,6 +8,8 @@ import torch
 # registry) read this at import, so it is set before any test module imports them.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# No on-disk tuning cache in tests unless a test points one at its own folder (attn_ops.settings reads this once).
+os.environ.setdefault("ATTN_ZOO_CACHE_DIR", "")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:

@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from attn_ops import settings  # noqa: E402
 from attn_ops.triton import fastlaunch  # noqa: E402
 
 
@@ -23,10 +24,11 @@ class FakeCompiled:
 
 
 class FakeKernel:
-    """Params (name, is_constexpr) in order; ``kernel[grid](...)`` logs a plain launch and returns a compiled one."""
+    """Params (name, is_constexpr) in order; ``kernel[grid](...)`` logs a plain launch and returns a compiled one.
+    ``dns``: names of params marked ``do_not_specialize``."""
 
-    def __init__(self, params):
-        self.params = [types.SimpleNamespace(name=n, is_constexpr=c) for n, c in params]
+    def __init__(self, params, dns=()):
+        self.params = [types.SimpleNamespace(name=n, is_constexpr=c, do_not_specialize=n in dns) for n, c in params]
         self.log = []
 
     def __getitem__(self, grid):
@@ -39,9 +41,11 @@ class FakeKernel:
 @pytest.fixture(autouse=True)
 def compiled_path(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv("ATTN_ZOO_PLAIN_LAUNCH", raising=False)
+    monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None))
     monkeypatch.setattr(fastlaunch, "_COMPILED", {})
+    monkeypatch.setattr(fastlaunch, "_EXACT", {})
     monkeypatch.setattr(fastlaunch, "_TRAILING", {})
+    monkeypatch.setattr(fastlaunch, "_SPECIALIZE", {})
     monkeypatch.setattr(fastlaunch, "_device", lambda: 0)  # no CUDA here
 
 
@@ -69,9 +73,7 @@ def test_anything_triton_specialises_on_goes_through_triton_again(change, monkey
     if change == "scalar":
         args = (base, 65, 0.5)  # 65: not divisible by 16
     elif change == "scalar_type":
-        args = (base, 64, 1)  # int 1 after float 0.5 ...
-        fastlaunch.launch(k, (1,), args, warps, stages, **kw)
-        args = (base, 64, 1.0)  # ... then float 1.0, equal to it in Python but another Triton signature
+        args = (base, 64, 1)  # int 1 after float 0.5: another Triton signature
     elif change == "dtype":
         args = (base.half(), 64, 0.5)
     elif change == "alignment":
@@ -86,7 +88,7 @@ def test_anything_triton_specialises_on_goes_through_triton_again(change, monkey
         stages = 3
     fastlaunch.launch(k, (1,), args, warps, stages, **kw)
     fastlaunch.launch(k, (1,), args, warps, stages, **kw)
-    assert [e[0] for e in k.log] == ["plain"] * (3 if change == "scalar_type" else 2) + ["direct"]
+    assert [e[0] for e in k.log] == ["plain"] * 2 + ["direct"]
 
 
 def test_constexprs_not_trailing_or_misnamed_keep_the_plain_path():
@@ -100,12 +102,11 @@ def test_constexprs_not_trailing_or_misnamed_keep_the_plain_path():
     assert [e[0] for e in k.log] == ["plain", "plain"]
 
 
-def test_interpreter_and_env_switch_take_the_plain_path(monkeypatch):
+def test_interpreter_and_settings_switch_take_the_plain_path(monkeypatch):
     k, x = _kernel(), torch.zeros(4)
-    monkeypatch.setenv("ATTN_ZOO_PLAIN_LAUNCH", "1")
-    for _ in range(2):
-        fastlaunch.launch(k, (1,), (x, 4, 1.0), 4, 1, BLOCK=16, EVEN=True)
-    monkeypatch.delenv("ATTN_ZOO_PLAIN_LAUNCH")
+    with settings.kernel_settings(fast_launch=False):
+        for _ in range(2):
+            fastlaunch.launch(k, (1,), (x, 4, 1.0), 4, 1, BLOCK=16, EVEN=True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for _ in range(2):
         fastlaunch.launch(k, (1,), (x, 4, 1.0), 4, 1, BLOCK=16, EVEN=True)
@@ -128,3 +129,19 @@ def test_tensor_descriptors_key_on_dtype_and_block_shape():
     assert key != fastlaunch.signature([desc(a, [1, 16, 16]), 3])
     assert key != fastlaunch.signature([desc(a.half(), [1, 32, 16]), 3])
     hash(key)
+
+
+def test_integers_key_on_what_triton_specialises_not_their_value():
+    """A specialised int keys on (width, == 1, divisible by 16): 64 and 80 share a compiled kernel, 65 and 1 do
+    not; a ``do_not_specialize`` int keys on its width only, so every length below 2**31 shares one."""
+    k, x = FakeKernel([("X", False), ("n", False), ("L", False), ("BLOCK", True)], dns=("L",)), torch.zeros(4)
+    runs = [(64, 200), (80, 201), (65, 207), (1, 16), (64, 1), (64, 2 ** 31)]
+    for n, L in runs:
+        fastlaunch.launch(k, (1,), (x, n, L), 4, 1, BLOCK=16)
+    assert [e[0] for e in k.log] == ["plain", "direct", "plain", "plain", "direct", "plain"]
+    assert k.log[1][2][1:] == (80, 201, 16)  # the direct call gets this launch's values (and BLOCK)
+    assert fastlaunch._leading_params(k) == 3 and len(fastlaunch._COMPILED) == 4
+    assert fastlaunch.signature((x, 64, 200), (True, True, False)) == fastlaunch.signature((x, 80, 17),
+                                                                                           (True, True, False))
+    assert fastlaunch.signature((True,)) != fastlaunch.signature((1,)) != fastlaunch.signature((1.0,))
+    assert fastlaunch.signature((0.5,)) == fastlaunch.signature((1.0,))  # fp32, never specialised on its value

@@ -14,6 +14,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 import attn_ops  # noqa: E402
+from attn_ops.settings import kernel_settings  # noqa: E402
 from attn_ops.reference import attention_reference  # noqa: E402
 from attn_ops.triton import triton_attention  # noqa: E402
 from attn_ops.triton.attention import triton_lse_backward  # noqa: E402
@@ -363,7 +364,7 @@ def test_dbias_split_counts_match_reference(splits, monkeypatch):
 def test_bias_tma_layout_rules(monkeypatch):
     """Which biases the kernels read through a tensor descriptor (slice stride, slices, batch strides in slices)
     and which keep pointer loads: a dim broadcast inside the tile, rows that are not 16-byte multiples, a
-    misaligned base, batch strides that are not whole slices, fp64, and the ATTN_ZOO_NO_TMA switch."""
+    misaligned base, batch strides that are not whole slices, fp64, and the settings' tma switch."""
     from attn_ops.triton.launch import bias_tma
 
     shared = torch.zeros(1, 1, 4, 40, 24)
@@ -381,8 +382,9 @@ def test_bias_tma_layout_rules(monkeypatch):
     assert bias_tma(torch.zeros(4 * 960 + 1)[1:].view(1, 1, 4, 40, 24), 40, 24) is None  # 4-byte offset base
     uneven = torch.zeros(4000).as_strided((2, 1, 2, 40, 24), (1928, 0, 960, 24, 1))
     assert bias_tma(uneven, 40, 24) is None
-    monkeypatch.setenv("ATTN_ZOO_NO_TMA", "1")
-    assert bias_tma(shared, 40, 24) is None
+    with kernel_settings(tma=False):
+        assert bias_tma(shared, 40, 24) is None
+    assert bias_tma(shared, 40, 24) is not None  # restored after the block
 
 
 # Biases whose tiles go through a tensor descriptor: 16-byte rows (Lk = 24 in fp32 and fp16), ragged tiles both ways
@@ -422,13 +424,12 @@ def test_tma_bias_tiles_equal_pointer_loads(name, dtype, variant, monkeypatch):
 
     with_tma, paths = run()
     assert paths and all(p is not None for p in paths)
-    monkeypatch.setenv("ATTN_ZOO_NO_TMA", "1")
-    plain, paths = run()
+    with kernel_settings(tma=False):
+        plain, paths = run()
     assert paths and all(p is None for p in paths)
     for a, b in zip(with_tma, plain):
         assert torch.equal(a, b)
     if name == "shared_over_rows" and variant == "split":
-        monkeypatch.delenv("ATTN_ZOO_NO_TMA")
         check_against_reference("triton", q, k, v, bias, mask, **opts)
 
 
@@ -458,12 +459,11 @@ def test_shared_bias_is_copied_into_tma_rows(layout, monkeypatch):
     copied, paths = run()
     assert paths and all(t is not None for t in paths)
     assert copied[-1].shape == bias.shape
-    monkeypatch.setenv("ATTN_ZOO_NO_TMA", "1")
-    plain, paths = run()
+    with kernel_settings(tma=False):
+        plain, paths = run()
     assert paths and all(t is None for t in paths)
     for a, b in zip(copied, plain):
         assert torch.equal(a, b)
-    monkeypatch.delenv("ATTN_ZOO_NO_TMA")
     check_against_reference("triton", q, k, v, bias, mask)
 
 

@@ -3,11 +3,13 @@
 Errors are bounded by a small multiple of plain PyTorch's error in the same dtype (tests/helpers.py); fp32 inputs
 use full fp32 products in the kernels (no TF32), like PyTorch's default matmul.
 """
+import dataclasses
 import os
 
 import pytest
 import torch
 
+from attn_ops.settings import kernel_settings
 from helpers import (
     GARBAGE_IDS, GARBAGE_RUNS, check_against_reference, check_garbage_at_masked_keys,
     check_row_under_huge_additive_bias, make_inputs,
@@ -18,13 +20,14 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _one_config_per_kernel(monkeypatch):
-    """ATTN_ZOO_NO_TUNE=1 (read by the tuner at each pick) for this file's tests only, unless already set: one config
-    per kernel keeps this file's compile time small; other GPU test modules in the session still tune, and the
-    untuned picks stay in a cache of this test's own (the tuner's cache key does not record the switch)."""
+    """settings.tune False for this file's tests only, unless ATTN_ZOO_NO_TUNE is set: one config per kernel keeps
+    this file's compile time small; other GPU test modules in the session still tune, and the untuned picks stay in
+    a cache of this test's own."""
+    from attn_ops import settings
     from attn_ops.triton import tuning
 
     if "ATTN_ZOO_NO_TUNE" not in os.environ:
-        monkeypatch.setenv("ATTN_ZOO_NO_TUNE", "1")
+        monkeypatch.setattr(settings, "_current", dataclasses.replace(settings.get(), tune=False))
     monkeypatch.setattr(tuning, "_CACHE", {})
 
 # (name, batch, H, Lq, Lk, D, Dv, bias_shape, mask_shape, causal)
@@ -65,7 +68,7 @@ def test_matches_reference_gpu(case, dtype, variant):
 
 @pytest.fixture
 def two_rows_only(monkeypatch):
-    """Offer the tuner only two-rows-per-program dK/dV configs for pair biases (ATTN_ZOO_NO_TUNE would pick one row)."""
+    """Offer the tuner only two-rows-per-program dK/dV configs for pair biases (an untuned pick would take one row)."""
     from attn_ops.triton import tuning
 
     original = tuning.candidates
@@ -80,7 +83,7 @@ def two_rows_only(monkeypatch):
 
 @pytest.mark.parametrize("rows", [24, 7], ids=["even_R", "odd_R"])
 def test_atomic_dbias_two_rows_per_program_gpu(rows, two_rows_only):
-    """The tuner picks two rows per dK/dV program for pair biases with deterministic=False; with ATTN_ZOO_NO_TUNE the
+    """The tuner picks two rows per dK/dV program for pair biases with deterministic=False; untuned, the
     file's other cases run one row, so this case offers only two-row configs (an odd R repeats its last row)."""
     tuning = two_rows_only
     q, k, v, bias, mask = make_inputs((1, rows), 4, 160, 160, 32, dtype=torch.bfloat16, bias_shape=(1, 1, 4, 160, 160),
@@ -111,7 +114,7 @@ def test_split_backward_is_bitwise_deterministic_gpu(bias_shape):
 @pytest.mark.parametrize("splits", [2, 1])
 def test_direct_launch_equals_triton_launch_gpu(monkeypatch, splits):
     """Every kernel of a forward + backward runs through fastlaunch's direct call on the second call (the entries
-    exist), and gives the same bits as Triton's own launch path (ATTN_ZOO_PLAIN_LAUNCH=1)."""
+    exist), and gives the same bits as Triton's own launch path (settings.fast_launch False)."""
     from attn_ops.triton import fastlaunch, tuning, triton_attention
     from attn_ops.triton.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
     from attn_ops.triton.dbias import attn_bwd_dbias_kernel, sum_splits_kernel
@@ -127,9 +130,8 @@ def test_direct_launch_equals_triton_launch_gpu(monkeypatch, splits):
         out, lse = triton_attention(q, k, v, bias, mask, 32 ** -0.5, False)
         return (out, lse) + torch.autograd.grad((out * g).sum() + lse.sum(), (q, k, v, bias))
 
-    monkeypatch.setenv("ATTN_ZOO_PLAIN_LAUNCH", "1")
-    plain = run()
-    monkeypatch.delenv("ATTN_ZOO_PLAIN_LAUNCH")
+    with kernel_settings(fast_launch=False):
+        plain = run()
     monkeypatch.setattr(fastlaunch, "_COMPILED", {})
     run()  # remembers the compiled kernels
     direct = run()
@@ -262,7 +264,7 @@ def test_garbage_at_masked_keys_two_rows_per_program_gpu(two_rows_only):
 @pytest.mark.parametrize("variant", ["split", "atomic"])
 def test_tma_and_pointer_bias_loads_both_match_reference_gpu(variant, monkeypatch):
     """A shared pair bias with 16-byte rows (bf16, L = 200: ragged against every tile) is read through a TMA
-    descriptor by default and through pointers with ATTN_ZOO_NO_TMA=1; both paths match the reference, and each
+    descriptor by default and through pointers with settings.tma False; both paths match the reference, and each
     run took the path it was meant to."""
     from attn_ops.triton import launch
 
@@ -275,8 +277,8 @@ def test_tma_and_pointer_bias_loads_both_match_reference_gpu(variant, monkeypatc
     check_against_reference("triton", q, k, v, bias, mask, **opts)
     assert seen and all(p is not None for p in seen)
     seen.clear()
-    monkeypatch.setenv("ATTN_ZOO_NO_TMA", "1")
-    check_against_reference("triton", q, k, v, bias, mask, **opts)
+    with kernel_settings(tma=False):
+        check_against_reference("triton", q, k, v, bias, mask, **opts)
     assert seen and all(p is None for p in seen)
 
 
@@ -300,3 +302,38 @@ def test_tma_reduce_and_element_atomics_both_match_reference_gpu(variant, monkey
     monkeypatch.setattr(launch, "_tma_reduce", lambda device: False)
     check_against_reference("triton", q, k, v, bias, mask, **opts)
     assert not made
+
+
+def _compiled_counts():
+    """Compiled binaries per kernel in Triton's in-process cache (JITFunction.device_caches[device][0])."""
+    from attn_ops.triton.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
+    from attn_ops.triton.dbias import attn_bwd_dbias_kernel, sum_splits_kernel
+    from attn_ops.triton.forward import attn_fwd_kernel
+
+    kernels = (attn_fwd_kernel, bwd_preprocess_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
+               attn_bwd_dbias_kernel, sum_splits_kernel)
+    return {k.fn.__name__: sum(len(c[0]) for c in k.device_caches.values()) for k in kernels}
+
+
+@pytest.mark.parametrize("variant", ["split", "atomic"])
+def test_lengths_differing_mod_16_reuse_compiled_kernels_gpu(variant):
+    """Lengths 193-207 (one tuning bucket, ragged against every tile) run on the kernels compiled for 200: the
+    length args and length-proportional strides are not specialised, so Triton compiles nothing new, and the direct
+    launch cache gains no entry. (The atomic variant's TMA reduction of dbias needs Lk % 4 == 0: its lengths keep
+    that.)"""
+    from attn_ops.triton import fastlaunch
+
+    opts = dict(bwd="split") if variant == "split" else dict(bwd="split", deterministic=False)
+
+    def step(L):
+        q, k, v, bias, mask = make_inputs((1, 4), 4, L, L, 32, dtype=torch.bfloat16, bias_shape=(1, 1, 4, L, L),
+                                          mask_shape=(1, 4, 1, 1, L), seed=L, device="cuda")
+        check_against_reference("triton", q, k, v, bias, mask, **opts)
+
+    step(200)
+    compiled, direct = _compiled_counts(), len(fastlaunch._COMPILED)
+    assert sum(compiled.values()) > 0
+    for L in ((207, 193, 204) if variant == "split" else (196, 204)):
+        step(L)
+        assert _compiled_counts() == compiled, L
+        assert len(fastlaunch._COMPILED) == direct, L

@@ -1,6 +1,8 @@
 """The block-size tuner (attn_ops/triton/tuning.py) on the CPU: candidate pruning, and pick()'s timing, cache and
 switches with the interpreter shortcut turned off. A fake ``launch`` and a fake ``triton.testing.do_bench`` stand
 in for the GPU; the last test times real interpreter launches of the op's launchers."""
+import os
+
 import pytest
 import torch
 
@@ -9,6 +11,8 @@ pytest.importorskip("triton")
 import triton.testing  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
+from attn_ops import settings  # noqa: E402
+from attn_ops.triton import launch as launch_mod  # noqa: E402
 from attn_ops.triton import tuning  # noqa: E402
 from attn_ops.triton.tuning import Cfg, candidates, pick  # noqa: E402
 from helpers import check_against_reference, make_inputs  # noqa: E402
@@ -61,7 +65,7 @@ def test_tiny_sequences_get_one_small_config():
 
 def test_pair_and_dbias_candidate_expansion():
     """``pair``: each tile shape also with two rows per program (small heads only). dbias: each tile shape with
-    every split count, 2 first (ATTN_ZOO_NO_TUNE then runs the fp32-partials path)."""
+    every split count, 2 first (an untimed pick then runs the fp32-partials path)."""
     base = candidates("dkdv", 64, 256, 256)
     assert candidates("dkdv", 64, 256, 256, pair=True) == base + [c._replace(rows=2) for c in base]
     assert candidates("dkdv", 128, 256, 256, pair=True) == candidates("dkdv", 128, 256, 256)
@@ -93,11 +97,11 @@ class FakeBench:
 
 @pytest.fixture
 def tuner(monkeypatch):
-    """pick() as on a GPU: no interpreter shortcut, an empty cache, no tuning switches set, a fake timer."""
+    """pick() as on a GPU: no interpreter shortcut, an empty cache, default settings without a disk cache, a fake
+    timer."""
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
     monkeypatch.setattr(tuning, "_CACHE", {})
-    monkeypatch.delenv("ATTN_ZOO_NO_TUNE", raising=False)
-    monkeypatch.delenv("ATTN_ZOO_TUNE_LOG", raising=False)
+    monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None))
     bench = FakeBench()
     monkeypatch.setattr(triton.testing, "do_bench", bench.do_bench)
     return bench
@@ -113,7 +117,7 @@ def test_pick_times_every_candidate_and_keeps_the_fastest(tuner):
     tuner.ms[cands[2]] = 0.5  # neither the first nor the last
     assert pick("fwd", ("shape",), launch=tuner.launch, **ARGS) == cands[2]
     assert tuner.timed == cands
-    assert tuning.chosen() == {("fwd", False, "shape"): cands[2]}
+    assert tuning.chosen() == {("fwd", False, "shape", True, None): cands[2]}
 
 
 def test_pick_caches_per_key(tuner):
@@ -152,21 +156,21 @@ def test_pick_with_no_candidate_launching_falls_back_to_the_last(tuner):
 
 
 def test_no_tune_switch_launches_the_first_candidate_without_timing(tuner, monkeypatch):
-    """ATTN_ZOO_NO_TUNE=1 (read at each pick): the first candidate that launches, no timing; one that is out of
-    resources is passed over; the choice is cached like a timed one."""
+    """settings.tune False (read at each pick): the first candidate that launches, no timing; one that is out of
+    resources is passed over; the choice is cached like a timed one, under a key of its own."""
     cands = candidates("fwd", **ARGS)
     tuner.ms = {cands[0]: 50.0}  # the slowest: only the switch picks it
-    monkeypatch.setenv("ATTN_ZOO_NO_TUNE", "1")
+    settings.update(tune=False)
     assert pick("fwd", ("a",), launch=tuner.launch, **ARGS) == cands[0]
     assert tuner.launched == cands[:1] and tuner.timed == []
     tuner.fail = {cands[0]}
     tuner.launched.clear()
     assert pick("fwd", ("b",), launch=tuner.launch, **ARGS) == cands[1]
     assert tuner.launched == cands[:2] and tuner.timed == []
-    assert tuning.chosen() == {("fwd", False, "a"): cands[0], ("fwd", False, "b"): cands[1]}
-    monkeypatch.delenv("ATTN_ZOO_NO_TUNE")  # the same process times again once the switch is off
+    assert tuning.chosen() == {("fwd", False, "a", False, None): cands[0], ("fwd", False, "b", False, None): cands[1]}
+    settings.update(tune=True)  # the same process times again once the switch is off, also for key "a"
     tuner.fail = set()
-    assert pick("fwd", ("c",), launch=tuner.launch, **ARGS) != cands[0]
+    assert pick("fwd", ("a",), launch=tuner.launch, **ARGS) != cands[0]
     assert tuner.timed == cands
 
 
@@ -199,7 +203,7 @@ def test_timed_launchers_are_repeatable(monkeypatch, opts):
     after tuning still matches the reference."""
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
     monkeypatch.setattr(tuning, "_CACHE", {})
-    monkeypatch.delenv("ATTN_ZOO_NO_TUNE", raising=False)
+    monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None))
     timed = []
 
     def do_bench(fn, warmup=25, rep=100, **kw):
@@ -220,3 +224,298 @@ def _small_candidates(kernel, head_dim, lq, lk, pair=False):
     """Interpreter-sized candidates: three tile shapes (two rows per program too where ``pair``)."""
     out = [Cfg(16, 16, 4, 1), Cfg(32, 16, 4, 1), Cfg(16, 32, 4, 1)]
     return out + [c._replace(rows=2) for c in out] if pair else out
+
+
+# --- length buckets -------------------------------------------------------------------------------------------
+
+
+def test_buckets_are_powers_of_two_and_candidates_depend_only_on_them():
+    assert [tuning.bucket(n) for n in (1, 15, 16, 17, 33, 129, 200, 256, 257, 520)] == [
+        16, 16, 16, 32, 64, 256, 256, 256, 512, 1024]
+    for kernel in KERNELS:
+        for lo, hi in ((17, 32), (129, 256), (257, 512)):
+            assert candidates(kernel, 32, lo, lo) == candidates(kernel, 32, hi, hi) == candidates(kernel, 32, lo, hi)
+
+
+def _fake_timer(monkeypatch, ms):
+    """do_bench -> ms(cfg, L) for the config being launched (the launch closure's cfg) and the current length."""
+    state = {}
+
+    def do_bench(fn, warmup=25, rep=100, **kw):
+        fn()
+        return ms(state["cfg"], state["L"])
+
+    real_pick = tuning.pick
+
+    def pick(kernel, key, head_dim, lq, lk, launch, pair=False, device=None):
+        def tracked(c):
+            state["cfg"] = c
+            state["timed"] = state.get("timed", 0) + 1
+            return launch(c)
+        state["L"] = lk
+        return real_pick(kernel, key, head_dim, lq, lk, tracked, pair, device)
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(launch_mod, "pick", pick)
+    return state
+
+
+def _run(L, seed=3):
+    """out, lse and every gradient of a tiny pair-bias case with L keys and queries (fp32, interpreter)."""
+    from attn_ops.triton import triton_attention
+
+    q, k, v, bias, mask = make_inputs((1, 2), 2, L, L, 16, bias_shape=(1, 1, 2, L, L), mask_shape=(1, 2, 1, 1, L),
+                                      seed=seed)
+    out, lse = triton_attention(q, k, v, bias, mask, 0.25, False)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    grads = torch.autograd.grad((out * g).sum() + lse.masked_fill(lse.isinf(), 0).sum(), (q, k, v, bias))
+    return (out, lse) + grads, (q, k, v, bias, mask)
+
+
+@pytest.mark.parametrize("same_pick", [True, False], ids=["same_config", "other_config"])
+def test_bucketed_tuning_matches_exact_tuning(monkeypatch, same_pick):
+    """L = 20 is timed; L = 24 (same bucket, 32) reuses its picks without timing. Against tuning keyed by the exact
+    length (the bucket function made the identity): the same bits where both pick the same config, results within
+    the reference's tolerance where the exact tuner picks another (the fake clock prefers other tiles at L = 24)."""
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None))
+    monkeypatch.setattr(tuning, "candidates", _small_candidates)
+
+    def ms(cfg, L):  # at L = 24 the exact tuner prefers the 32-row tiles unless same_pick
+        return float(cfg.block_m == (16 if same_pick or L != 24 else 32)) + 0.1 * cfg.rows
+
+    state = _fake_timer(monkeypatch, ms)
+    monkeypatch.setattr(tuning, "_CACHE", {})
+    _run(20)
+    timed_first = state["timed"]
+    assert timed_first >= 6
+    bucketed, inputs = _run(24)
+    assert state["timed"] == timed_first  # every kernel's pick came from L = 20's bucket
+    picks_bucketed = dict(tuning.chosen())
+
+    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(launch_mod, "bucket", lambda n: n)  # exact-length keys
+    _run(20)
+    before = state["timed"]
+    exact, _ = _run(24)
+    assert state["timed"] - before >= 6  # L = 24 timed again
+    after_exact = state["timed"]
+    picks_exact = {k: c for k, c in tuning.chosen().items() if 24 in k}
+    same = {c.block_m for c in picks_exact.values()} == {c.block_m for c in picks_bucketed.values()}
+    assert same == same_pick
+    if same_pick:
+        for a, b in zip(bucketed, exact):
+            assert torch.equal(a, b)
+    else:
+        monkeypatch.setattr(launch_mod, "bucket", tuning.bucket)
+        monkeypatch.setattr(tuning, "_CACHE", picks_bucketed)
+        check_against_reference("triton", *inputs)  # the bucketed picks (cached) against float64
+        assert state["timed"] == after_exact  # no new timing there
+        for a, b in zip(bucketed, exact):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# --- on-disk cache --------------------------------------------------------------------------------------------
+
+IDENT = {"gpu": "NVIDIA H100 80GB HBM3", "triton": "3.6.0", "source": "0123456789abcdef"}
+
+
+def _json(path):
+    import json
+
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def test_disk_cache_round_trip(tmp_path):
+    a = tuning.DiskCache(tmp_path, IDENT)
+    a.put(("fwd", False, "k"), Cfg(64, 64, 4, 3))
+    b = tuning.DiskCache(tmp_path, IDENT)  # another process, same folder and identity
+    assert b.get(("fwd", False, "k")) == Cfg(64, 64, 4, 3)
+    assert b.get(("fwd", False, "other")) is None
+    assert _json(a.path)["identity"] == IDENT
+    other = tuning.DiskCache(tmp_path, dict(IDENT, gpu="NVIDIA A100"))  # another GPU: another file
+    assert other.path != a.path and other.get(("fwd", False, "k")) is None
+
+
+@pytest.mark.parametrize("content", ["{not json", "", '{"identity": 3}', '["a"]',
+                                     '{"identity": %s, "configs": {"x": [1]}}'],
+                         ids=["garbage", "empty", "bad_identity", "list", "bad_config"])
+def test_corrupt_file_is_ignored_with_one_warning_and_rebuilt(tmp_path, content):
+    import json
+    import warnings
+
+    cache = tuning.DiskCache(tmp_path, IDENT)
+    with open(cache.path, "w") as fh:
+        fh.write(content.replace("%s", json.dumps(IDENT)))
+    with pytest.warns(RuntimeWarning, match="ignored"):
+        assert cache.get(("fwd", False, "k")) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning, not one per look-up
+        os.utime(cache.path, ns=(1, 1))  # looks changed: read again
+        assert cache.get(("fwd", False, "j")) is None
+        cache.put(("fwd", False, "k"), Cfg(32, 32, 4, 2))
+    data = _json(cache.path)
+    assert data == {"identity": IDENT, "configs": {repr(("fwd", False, "k")): [32, 32, 4, 2, 1, 0]}}
+
+
+@pytest.mark.parametrize("field", ["gpu", "triton", "source"], ids=["device_name", "triton_version", "source_hash"])
+def test_foreign_file_is_ignored_with_a_warning_and_rebuilt(tmp_path, field):
+    """A file at this identity's path written for another GPU / Triton / kernel source (copied, or a hash clash)."""
+    foreign = tuning.DiskCache(tmp_path, dict(IDENT, **{field: "other"}))
+    foreign.put(("fwd", False, "k"), Cfg(128, 128, 8, 3))
+    cache = tuning.DiskCache(tmp_path, IDENT)
+    os.replace(foreign.path, cache.path)
+    with pytest.warns(RuntimeWarning, match="written for"):
+        assert cache.get(("fwd", False, "k")) is None
+    cache.put(("fwd", False, "j"), Cfg(64, 64, 4, 3))
+    data = _json(cache.path)
+    assert data["identity"] == IDENT and list(data["configs"]) == [repr(("fwd", False, "j"))]
+
+
+def _writer(folder, name, n, barrier):
+    cache = tuning.DiskCache(folder, IDENT)
+    barrier.wait()
+    for i in range(n):
+        cache.put(("fwd", False, name, i), Cfg(16 * (1 + i % 4), 64, 4, 3))
+
+
+def test_two_processes_writing_at_once_lose_nothing(tmp_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), name, 25, barrier)) for name in ("a", "b")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    cache = tuning.DiskCache(tmp_path, IDENT)
+    for name in ("a", "b"):
+        for i in range(25):
+            assert cache.get(("fwd", False, name, i)) == Cfg(16 * (1 + i % 4), 64, 4, 3), (name, i)
+    assert len(_json(cache.path)["configs"]) == 50
+    assert [f for f in os.listdir(tmp_path) if f.endswith(".tmp")] == []  # no temp file left behind
+
+
+@pytest.mark.parametrize("how", ["cannot_create_files", "folder_is_a_file"])
+def test_read_only_folder_warns_once_and_keeps_memory(tmp_path, monkeypatch, how):
+    import warnings
+
+    if how == "cannot_create_files":  # EACCES as in a read-only folder (the tests may run as root, which chmod
+        folder = tmp_path                 # does not stop)
+
+        def refuse(*a, **k):
+            raise PermissionError(13, "Permission denied", str(tmp_path))
+
+        monkeypatch.setattr(tuning.tempfile, "mkstemp", refuse)
+    else:
+        (tmp_path / "file").write_text("")
+        folder = tmp_path / "file" / "cache"
+    cache = tuning.DiskCache(folder, IDENT)
+    with pytest.warns(RuntimeWarning, match="cannot be written"):
+        cache.put(("fwd", False, "k"), Cfg(64, 64, 4, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache.put(("fwd", False, "j"), Cfg(32, 64, 4, 3))
+    assert cache.get(("fwd", False, "k")) == Cfg(64, 64, 4, 3) and cache.get(("fwd", False, "j")) == Cfg(32, 64, 4, 3)
+    assert not os.path.exists(cache.path)
+
+
+def test_pick_uses_the_disk_cache_across_processes(tuner, tmp_path, monkeypatch):
+    """A timed pick lands on disk; a fresh process (empty memory caches) picks it up without timing; a stored
+    config the candidate lists no longer offer is timed again; an untuned pick neither reads nor writes it."""
+    monkeypatch.setattr(tuning, "identity", lambda device=None: IDENT)
+    monkeypatch.setattr(tuning, "_DISK", {})
+    settings.update(cache_dir=str(tmp_path))
+    cands = candidates("fwd", **ARGS)
+    tuner.ms = {c: 1.0 for c in cands}
+    tuner.ms[cands[2]] = 0.5
+    assert pick("fwd", ("k",), launch=tuner.launch, **ARGS) == cands[2]
+    assert len(tuner.timed) == len(cands)
+    path = tuning.disk_cache(str(tmp_path)).path
+    assert list(_json(path)["configs"]) == [repr(("fwd", False, "k"))]
+
+    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning, "_DISK", {})
+    tuner.timed.clear()
+    assert pick("fwd", ("k",), launch=tuner.launch, **ARGS) == cands[2]
+    assert tuner.timed == []
+
+    with settings.kernel_settings(tune=False):  # the first candidate, as in every process; the file untouched
+        assert pick("fwd", ("j",), launch=tuner.launch, **ARGS) == cands[0]
+    assert list(_json(path)["configs"]) == [repr(("fwd", False, "k"))]
+
+    tuning.disk_cache(str(tmp_path)).put(("fwd", False, "stale"), Cfg(256, 256, 16, 9))
+    assert pick("fwd", ("stale",), launch=tuner.launch, **ARGS) == cands[2]
+    assert len(tuner.timed) == len(cands)
+
+
+def test_pretune_fills_the_disk_cache_for_a_later_process(monkeypatch, tmp_path):
+    """attn_ops.pretune times every kernel of a forward + backward for a shape and stores the picks; a later
+    process (empty memory caches) running another length of the same bucket times nothing."""
+    import attn_ops
+
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning, "_DISK", {})
+    monkeypatch.setattr(tuning, "identity", lambda device=None: IDENT)
+    monkeypatch.setattr(tuning, "candidates", _small_candidates)
+    monkeypatch.setattr(settings, "_current", settings.KernelSettings(tune=False, cache_dir=str(tmp_path)))
+    timed = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: timed.append(fn()) or float(len(timed) % 3))
+    with pytest.raises(ValueError, match="bias must be one of"):
+        attn_ops.pretune([(1, 2, 2, 20, 16)], bias="shared")
+    chosen = attn_ops.pretune([(1, 2, 2, 20, 16)], dtype=torch.float32)
+    assert {k[0] for k in chosen} == {"fwd", "dkdv", "dq", "dbias"} and timed
+    assert settings.get().tune is False  # pretune tuned inside its own settings block
+    stored = _json(tuning.disk_cache(str(tmp_path)).path)["configs"]
+    assert {eval(k)[0] for k in stored} == {"fwd", "dkdv", "dq", "dbias"}
+
+    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning, "_DISK", {})
+    settings.update(tune=True)
+    timed.clear()
+    _run(24)
+    assert timed == []
+
+
+def _launch_keys(monkeypatch, R, Lq, Lk=20):
+    """(kernel, constexprs, Triton's specialisation of each runtime arg) of every launch of a forward + backward
+    with a pair bias shared over R rows and a key mask: the key of Triton's compiled-kernel cache (warps and stages
+    come from the config, the same here). Ints go through Triton's own specialisation function."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from attn_ops.triton import fastlaunch, triton_attention
+
+    keys = []
+    real = launch_mod._launch
+
+    def record(kernel, grid, args, num_warps, num_stages, **constexprs):
+        dns = set(getattr(kernel, "kwargs", {}).get("do_not_specialize") or ())
+        names = [p for p in kernel.arg_names if p not in constexprs]
+        spec = tuple(native_specialize_impl(BaseBackend, a, False, n not in dns, True)
+                     if isinstance(a, (int, float)) else fastlaunch._arg_key(a) for n, a in zip(names, args))
+        keys.append((kernel.__name__, tuple(constexprs.items()), num_warps, num_stages, spec))
+        return real(kernel, grid, args, num_warps, num_stages, **constexprs)
+
+    monkeypatch.setattr(launch_mod, "_launch", record)
+    q, k, v, bias, mask = make_inputs((1, R), 2, Lq, Lk, 16, bias_shape=(1, 1, 2, Lq, Lk), mask_shape=(1, R, 1, 1, Lk),
+                                      seed=R)
+    out, lse = triton_attention(q, k, v, bias, mask, 0.25, False)
+    torch.autograd.grad(out.sum() + lse.masked_fill(lse.isinf(), 0).sum(), (q, k, v, bias))
+    return keys
+
+
+def test_lengths_differing_mod_16_compile_nothing_new(monkeypatch):
+    """Row counts and query lengths 16 / 20 / 29 and 2 / 3 / 16 (one tile either way in the interpreter's configs,
+    so the EVEN flags agree): every kernel launch has the same Triton specialisation, i.e. the GPU would reuse the
+    kernels compiled for the first shape. (There is no compile to count under the interpreter.)"""
+    first = _launch_keys(monkeypatch, 2, 16)
+    assert {k[0] for k in first} >= {"attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel",
+                                     "attn_bwd_dbias_kernel", "bwd_preprocess_kernel", "sum_splits_kernel"}
+    for R, Lq in ((3, 20), (16, 29)):
+        monkeypatch.undo()
+        assert _launch_keys(monkeypatch, R, Lq) == first, (R, Lq)

@@ -144,8 +144,8 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], ma
             A NaN in v at a masked key propagates (0 * NaN), as in PyTorch.
         scale: logit scale. causal: query i sees key j iff ``j <= i + (Lk - Lq)``.
         deterministic: True (default) gives bitwise-identical gradients on repeated calls (no atomics); the
-            tile configs are tuned once per shape and process, so for the same bits across processes set
-            ``ATTN_ZOO_NO_TUNE=1`` (the first candidate config everywhere). False
+            tile configs are tuned once per length bucket (and cached on disk), so for the same bits across
+            processes set ``attn_ops.settings.update(tune=False)`` (the first candidate config everywhere). False
             sums the gradient of a bias broadcast over batch dims with fp32 atomics in the dK/dV pass (one pass
             fewer) and allows ``bwd="fused"``.
         bwd: ``"split"`` (dK/dV and dQ kernels), ``"fused"`` (one pass, dQ by fp32 atomics; needs

@@ -9,12 +9,13 @@ import triton
 import triton.language as tl
 
 from .common import (
+    LENGTH_ARGS,
     batch_offset, bias_f32, key_rows, key_terms_t, kv_scores, load_lse2, load_masked, load_rows, mm, logits_t,
     split_batch,
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_ARGS)
 def bwd_preprocess_kernel(
     Out, dOut, dLse, Delta,
     s_ob, s_or, s_oh, s_om,
@@ -127,7 +128,7 @@ def _store_dkdv(dK, dV, dk, dv, offs_n, s_kn, s_vn, Lk, D, Dv, scale, BLOCK_D: t
              mask=n_ok[:, None] & (offs_dv[None, :] < Dv))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_ARGS)
 def attn_bwd_dkdv_kernel(
     Q, K, V, Bias, Mask, dOut, Lse, Delta, dQacc, dK, dV, dBias,
     s_qb, s_qr, s_qh, s_qm,
@@ -286,7 +287,7 @@ def _dq_tiles(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_ARGS)
 def attn_bwd_dq_kernel(
     Q, K, V, Bias, Mask, dOut, Lse, Delta, dQ, dBias,
     s_qb, s_qr, s_qh, s_qm,

@@ -5,7 +5,7 @@ The bias has own shape ``[BB, BR, BH, BLq, BLk]`` with every dim 1 or full. A pr
 and loops, in a fixed order, over everything that tile sums: the broadcast batch indices (and, for a bias
 broadcast over Lq or Lk, all query or key tiles). It recomputes dS = P * (dO V^T - delta) per step and
 accumulates it in fp32 registers, so no ``[R, H, Lq, Lk]`` buffer exists and the result has the same bits
-on every call with the same tile config (the tuner picks one per shape and process; ``ATTN_ZOO_NO_TUNE=1`` fixes
+on every call with the same tile config (the tuner picks one per length bucket; ``settings.tune`` False fixes
 it across processes). Several programs may share one tile's batch loop (contiguous chunks, grid axis 2); their
 fp32 partial sums go to ``dBiasPart[split]`` and are added in a fixed order (one split: written in the bias's
 dtype).
@@ -18,7 +18,7 @@ broadcast extent is 1.
 import triton
 import triton.language as tl
 
-from .common import batch_offset, key_rows, load_lse2, load_masked, load_tile, mm
+from .common import LENGTH_ARGS, batch_offset, key_rows, load_lse2, load_masked, load_tile, mm
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def _ds_step(
     return p * (dp - delta[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_ARGS)
 def attn_bwd_dbias_kernel(
     Q, K, V, Bias, Mask, dOut, Lse, Delta, dBiasPart,
     s_qb, s_qr, s_qh, s_qm,
@@ -166,7 +166,7 @@ def attn_bwd_dbias_kernel(
                  mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=LENGTH_ARGS)
 def sum_splits_kernel(Part, Out, numel, splits, BLOCK: tl.constexpr):
     """Out[i] = sum over s of Part[s * numel + i], added in split order in fp32, stored in Out's dtype."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

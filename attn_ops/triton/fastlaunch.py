@@ -6,21 +6,23 @@ step is bound by such host time (triangle ``[1,256,4,256,32]``: five launches pe
 :func:`launch` keeps the compiled kernel Triton returned for a launch signature and calls it directly the next
 time (~11 us). The signature holds everything Triton specialises on: the constexprs, warps and stages, the value
 of every scalar argument and each tensor argument's dtype and 16-byte alignment; and the current device, since a
-compiled kernel's handle is loaded for the device it was launched on. A new value of any of them goes through
-Triton's own path again (which finds its cached binary) and is remembered too.
+compiled kernel's handle is loaded for the device it was launched on. Integer scalars count as Triton sees them:
+their type (int32/int64) and, unless the kernel marks them ``do_not_specialize``, whether they equal 1 or divide
+by 16, not their value (so a new sequence length reuses the entry). A new signature goes through Triton's own
+path again (which finds its cached binary) and is remembered too.
 
 The direct call passes the arguments in the kernel's parameter order, constexprs included, as Triton's own
 ``JITFunction.run`` does in 3.x; kernels whose constexprs are not the trailing parameters, the CPU interpreter
 (``TRITON_INTERPRET=1``) and Triton versions whose launch does not return a compiled kernel take the plain path.
-``ATTN_ZOO_PLAIN_LAUNCH=1`` forces the plain path (for comparison).
+``settings.fast_launch`` False (``ATTN_ZOO_PLAIN_LAUNCH=1``) forces the plain path (for comparison).
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, Sequence, Tuple
 
 import torch
 
+from .. import settings as _settings
 from .tuning import interpreting
 
 try:
@@ -30,6 +32,11 @@ except ImportError:  # pragma: no cover - older Triton
 
 _COMPILED: Dict[Tuple, object] = {}
 _TRAILING: Dict[object, int] = {}  # kernel -> number of leading non-constexpr params (-1: not trailing)
+_SPECIALIZE: Dict[object, Tuple[bool, ...]] = {}  # kernel -> per runtime param: Triton specialises its value
+# exact argument values -> compiled kernel: a hit skips the per-argument specialisation work (ints hash in C);
+# a miss falls back to the specialisation key above, so a new length still finds its compiled kernel
+_EXACT: Dict[Tuple, object] = {}
+_EXACT_MAX = 4096
 
 
 def _leading_params(kernel) -> int:
@@ -43,22 +50,38 @@ def _leading_params(kernel) -> int:
     return n
 
 
-def _arg_key(a):
+def _specialized(kernel) -> Tuple[bool, ...]:
+    """Per param of ``kernel``: whether Triton specialises its value (not marked ``do_not_specialize``)."""
+    flags = _SPECIALIZE.get(kernel)
+    if flags is None:
+        flags = _SPECIALIZE[kernel] = tuple(not getattr(p, "do_not_specialize", False)
+                                            for p in getattr(kernel, "params", ()))
+    return flags
+
+
+def _arg_key(a, specialize: bool = True):
+    if type(a) is int:
+        # int32 / int64 always; the value only through Triton's specialisations (== 1, divisible by 16)
+        wide = not -0x80000000 <= a <= 0x7FFFFFFF
+        return (int, wide, a == 1, a % 16 == 0) if specialize else (int, wide)
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
     if TensorDescriptor is not None and isinstance(a, TensorDescriptor):
         # specialised on the base's dtype and the block shape; shape and strides are runtime values of the
         # descriptor that Triton's launcher encodes on every call
         return TensorDescriptor, a.base.dtype, tuple(a.block_shape), a.padding
+    if type(a) is float:
+        return (float,)  # fp32, never specialised on its value
     return type(a), a
 
 
-def signature(args: Sequence) -> Tuple:
+def signature(args: Sequence, specialize: Sequence[bool] = ()) -> Tuple:
     """What Triton specialises a launch on, from the runtime arguments: each tensor's dtype and whether its data
-    pointer is 16-byte aligned; a tensor descriptor's dtype and block shape; the scalars with their type (the value
-    decides int32 vs int64, divisibility by 16 and the value-1 specialisation; the type keeps True, 1 and 1.0
-    apart, which compare equal in Python)."""
-    return tuple(_arg_key(a) for a in args)
+    pointer is 16-byte aligned; a tensor descriptor's dtype and block shape; an int's width (int32 / int64) and,
+    where ``specialize[i]`` (default True) says Triton specialises it, whether it is 1 or divisible by 16; other
+    scalars with their type and value (the type keeps True, 1 and 1.0 apart, which compare equal in Python)."""
+    n = len(specialize)
+    return tuple(_arg_key(a, specialize[i] if i < n else True) for i, a in enumerate(args))
 
 
 def _device() -> int:
@@ -70,11 +93,18 @@ def launch(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_st
     """``kernel[grid](*args, num_warps=.., num_stages=.., **constexprs)``, directly on a remembered compiled kernel
     when this launch signature was seen before. ``args`` are the runtime params in order; ``constexprs`` must be
     exactly the kernel's trailing constexpr params, in order."""
-    if interpreting() or os.environ.get("ATTN_ZOO_PLAIN_LAUNCH") == "1":
+    if interpreting() or not _settings.get().fast_launch:
         kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
         return
-    key = (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()), signature(args))
-    compiled = _COMPILED.get(key)
+    head = (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()))
+    exact = (head, tuple([a if type(a) is int else _arg_key(a) for a in args]))
+    compiled = _EXACT.get(exact)
+    key = None
+    if compiled is None:
+        key = head + (signature(args, _specialized(kernel)),)
+        compiled = _COMPILED.get(key)
+        if compiled is not None:
+            _remember_exact(exact, compiled)
     grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     if compiled is not None:
         compiled[grid3](*args, *constexprs.values())
@@ -84,3 +114,10 @@ def launch(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_st
             p.name == name for p, name in zip(kernel.params[len(args):], constexprs)) and hasattr(
             result, "__getitem__"):
         _COMPILED[key] = result
+        _remember_exact(exact, result)
+
+
+def _remember_exact(exact: Tuple, compiled) -> None:
+    if len(_EXACT) >= _EXACT_MAX:  # many shapes seen: start over (the specialisation cache keeps everything)
+        _EXACT.clear()
+    _EXACT[exact] = compiled

@@ -6,10 +6,11 @@ their own shapes: a size-1 dim is passed with stride 0, so nothing is expanded.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
+
+from .. import settings as _settings
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -21,7 +22,7 @@ from .common import LOG2E
 from .dbias import attn_bwd_dbias_kernel, sum_splits_kernel
 from .fastlaunch import launch as _launch
 from .forward import attn_fwd_kernel
-from .tuning import interpreting, pick
+from .tuning import bucket, interpreting, pick
 
 Tensor = torch.Tensor
 
@@ -82,10 +83,13 @@ def _mask_kind(mask: Optional[Tensor]) -> int:
 
 
 def _key(q: Tensor, v: Tensor, bias, mask, causal: bool, *extra) -> Tuple:
+    """The tuner's key: length buckets (not lengths, :func:`tuning.bucket`), the batch count's power of two, the
+    head widths, dtypes, bias/mask kind and broadcast pattern, and the TMA switch (it changes the kernels)."""
     B, R, H, Lq, D = q.shape
     nbatch = (B * R * H).bit_length()
-    return (q.dtype, q.device.index, D, v.shape[-1], Lq, v.shape[3], nbatch, bias is not None,
-            None if bias is None else bias.dtype, mask is not None, causal) + extra
+    pattern = None if bias is None else tuple(n == 1 for n in bias.shape)
+    return (str(q.dtype), D, v.shape[-1], bucket(Lq), bucket(v.shape[3]), nbatch, pattern,
+            None if bias is None else str(bias.dtype), _mask_kind(mask), causal, _settings.get().tma) + extra
 
 
 def _pairs_rows(bias: Optional[Tensor], R: int, causal: bool, atomic_dbias: bool) -> bool:
@@ -109,8 +113,9 @@ _CAPABILITY = {}  # CUDA device index -> compute capability major
 
 def _tma_capable(device: torch.device) -> bool:
     """Tensor-memory-accelerator copies: Hopper or newer GPUs with a Triton that has host tensor descriptors, and
-    the CPU interpreter (so the CPU tests run this path too); ``ATTN_ZOO_NO_TMA=1`` turns it off."""
-    if os.environ.get("ATTN_ZOO_NO_TMA") == "1" or TensorDescriptor is None:
+    the CPU interpreter (so the CPU tests run this path too); ``settings.tma`` False (``ATTN_ZOO_NO_TMA=1``) turns
+    it off."""
+    if TensorDescriptor is None or not _settings.get().tma:
         return False
     if interpreting():
         return True
@@ -222,7 +227,7 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
         )
 
-    cfg = pick("fwd", _key(q, v, bias, mask, causal), _width(q, D, Dv), Lq, Lk, launch)
+    cfg = pick("fwd", _key(q, v, bias, mask, causal), _width(q, D, Dv), Lq, Lk, launch, device=q.device.index)
     launch(cfg)
     return out, lse
 
@@ -326,7 +331,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
         )
 
     launch_dkdv(pick("dkdv", key, _width(q, D, Dv), Lq, Lk, launch_dkdv,
-                     pair=_pairs_rows(bias, R, causal, atomic and not fused)))
+                     pair=_pairs_rows(bias, R, causal, atomic and not fused), device=dev.index))
     if atomic:
         dbias = dbias.to(bias.dtype, copy=True)  # a copy: the accumulator may live in dq's memory
 
@@ -351,7 +356,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
                 BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
             )
 
-        launch_dq(pick("dq", key, _width(q, D, Dv), Lq, Lk, launch_dq))
+        launch_dq(pick("dq", key, _width(q, D, Dv), Lq, Lk, launch_dq, device=dev.index))
     return dq, dk, dv, dbias
 
 
@@ -400,6 +405,8 @@ def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, mask
             _launch(sum_splits_kernel, (_cdiv(numel, block),), (part, dbias, numel, splits), 4, 1, BLOCK=block)
         state["dbias"] = dbias
 
-    cfg = pick("dbias", key + (tuple(bias.shape),), _width(q, D, Dv), Lq, Lk, launch)
+    # the bias's broadcast pattern is in the key; R's power of two sets how many batch steps each tile sums
+    cfg = pick("dbias", key + ((B // BB * R // BR * H // BH).bit_length(),), _width(q, D, Dv), Lq, Lk, launch,
+               device=q.device.index)
     launch(cfg)
     return state["dbias"]

@@ -1,11 +1,22 @@
-"""Block-size choice for the kernels: a small pruned candidate list, benchmarked once per shape key and cached.
+"""Block-size choice for the kernels: a small pruned candidate list, timed once per length bucket and cached in
+memory and on disk.
 
-Under ``TRITON_INTERPRET=1`` (CPU tests) there is no timing: one small config is used.
+Keys hold the length bucket (:func:`bucket`), not the exact length, so a new protein length reuses its bucket's
+choice instead of stalling on compiles and timing. Timed choices persist in a JSON file (:class:`DiskCache`) keyed
+by GPU name, Triton version and a hash of the kernel sources, so a second process starts warm. With
+``settings.tune`` False nothing is timed: the first candidate that launches (the lists are ordered best-first),
+the same in every process. Under ``TRITON_INTERPRET=1`` (CPU tests) there is no timing: one small config is used.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-from typing import Callable, Dict, List, NamedTuple, Tuple
+import tempfile
+import warnings
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+
+from .. import settings as _settings
 
 
 class Cfg(NamedTuple):
@@ -24,15 +35,14 @@ _CANDIDATES = {
     "fwd": [Cfg(128, 64, 4, 3), Cfg(128, 128, 8, 3), Cfg(64, 64, 4, 3), Cfg(128, 32, 4, 3), Cfg(64, 128, 4, 3)],
     "dkdv": [Cfg(64, 128, 8, 3), Cfg(32, 128, 4, 3), Cfg(64, 64, 4, 3), Cfg(32, 64, 4, 3), Cfg(128, 128, 8, 2)],
     "dq": [Cfg(128, 64, 8, 3), Cfg(64, 64, 4, 3), Cfg(128, 32, 4, 3), Cfg(64, 128, 8, 3)],
-    # dbias: 4 warps and 64x64 tiles win since its steps lost their load masks (H100, triangle 768: 1.25 ms vs
-    # 1.9-2.1 for 128x64 / 64x128 with 8 warps); each tile shape is also timed with several split counts.
+    # dbias: 4 warps and 64x64 tiles win since its steps lost their load masks (H100 triangle 768: docs/bench);
+    # each tile shape is also timed with several split counts.
     "dbias": [Cfg(64, 64, 4, 3), Cfg(64, 64, 4, 4), Cfg(64, 32, 4, 3), Cfg(32, 64, 4, 3), Cfg(128, 64, 8, 3),
               Cfg(64, 128, 8, 3), Cfg(32, 32, 4, 3)],
 }
-# 2 first: ATTN_ZOO_NO_TUNE (first candidate) then runs the fp32-partials path. 0 is the launcher's occupancy
-# default (a few programs per SM, up to 64 splits) for shapes with few output tiles; the timed launch includes
-# the sum over the splits (an earlier tuner timed the kernel alone and picked 9 splits for the H100 triangle
-# [1,256,4,256,32]: 2.31 ms vs 1.41).
+# 2 first: an untimed pick then runs the fp32-partials path. 0 is the launcher's occupancy default (a few programs
+# per SM, up to 64 splits) for shapes with few output tiles; the timed launch includes the sum over the splits
+# (timing the kernel alone picked too many splits on the H100 triangle; docs/bench).
 _DBIAS_SPLITS = (2, 1, 4, 0)
 _INTERPRETER = Cfg(32, 16, 4, 1)
 
@@ -41,11 +51,22 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def bucket(n: int) -> int:
+    """The length bucket of ``n`` in tuning keys: the next power of two, at least 16.
+
+    Powers of two, not finer steps: the candidate lists are pruned by exactly this value (so every length of a
+    bucket has the same candidates), a bucket's tile counts differ by less than 2x, and a run over lengths
+    180-520 meets three buckets per dim, each timed once (multiples of 64 would time seven).
+    """
+    return max(16, 1 << (n - 1).bit_length())
+
+
 def candidates(kernel: str, head_dim: int, lq: int, lk: int, pair: bool = False) -> List[Cfg]:
     """Pruned candidates: big head dims need small tiles (registers, shared memory); tiny L, small tiles.
 
     ``head_dim`` is the padded width in 16-bit units (the caller doubles it for fp32 inputs). ``pair``: the
-    kernel can run two batch rows per program on one bias tile; each tile shape is tried both ways.
+    kernel can run two batch rows per program on one bias tile; each tile shape is tried both ways. Depends on
+    ``lq`` and ``lk`` only through :func:`bucket`.
     """
     out = []
     for c in _CANDIDATES[kernel]:
@@ -53,7 +74,7 @@ def candidates(kernel: str, head_dim: int, lq: int, lk: int, pair: bool = False)
             continue
         if head_dim > 64 and kernel == "dkdv" and c.block_m * c.block_n > 64 * 128:
             continue
-        if c.block_m > max(16, 1 << (lq - 1).bit_length()) or c.block_n > max(16, 1 << (lk - 1).bit_length()):
+        if c.block_m > bucket(lq) or c.block_n > bucket(lk):
             continue
         out.append(c)
     if head_dim > 128:
@@ -68,37 +89,53 @@ def candidates(kernel: str, head_dim: int, lq: int, lk: int, pair: bool = False)
 
 
 def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Callable[[Cfg], None],
-         pair: bool = False) -> Cfg:
-    """The cached best config for ``key``; on a miss, time each candidate with ``launch(cfg)`` and keep the best.
+         pair: bool = False, device: Optional[int] = None) -> Cfg:
+    """The cached config for ``key`` (which holds length buckets, not lengths); on a miss, the on-disk cache's, else
+    time each candidate with ``launch(cfg)`` and keep the best (``settings.tune`` False: the first candidate that
+    launches, no timing, no disk).
 
     ``launch`` must be repeatable (it re-zeroes any buffer it accumulates into). ``pair``: see :func:`candidates`
-    (the CPU interpreter then always runs the two-row path, so the tests cover it).
+    (the CPU interpreter then always runs the two-row path, so the tests cover it). ``device``: the CUDA device
+    index (which GPU's disk cache; part of the in-memory key).
     """
     if interpreting():
         return _INTERPRETER._replace(rows=2 if pair else 1)
-    full_key = (kernel, pair) + key
+    s = _settings.get()
+    full_key = (kernel, pair) + key + (s.tune, device)
     cfg = _CACHE.get(full_key)
     if cfg is not None:
         return cfg
     cands = candidates(kernel, head_dim, lq, lk, pair)
-    if len(cands) == 1 or os.environ.get("ATTN_ZOO_NO_TUNE") == "1":
-        cfg = _first_that_launches(cands, launch)
-    else:
-        from triton.testing import do_bench
-
-        best = None
-        for c in cands:
-            try:
-                ms = do_bench(lambda: launch(c), warmup=5, rep=25)
-            except Exception:  # out of resources for this shape: skip the candidate
-                continue
-            if os.environ.get("ATTN_ZOO_TUNE_LOG") == "1":
-                print(f"tune {kernel} {key}: {c} {ms:.3f} ms", flush=True)
-            if best is None or ms < best[0]:
-                best = (ms, c)
-        cfg = best[1] if best is not None else cands[-1]
+    disk = disk_cache(s.cache_dir, device) if s.tune else None
+    if disk is not None:
+        cfg = disk.get((kernel, pair) + key)
+        if cfg is not None and cfg not in cands:
+            cfg = None  # a config the current candidate lists no longer offer
+    if cfg is None:
+        if len(cands) == 1 or not s.tune:
+            cfg = _first_that_launches(cands, launch)
+        else:
+            cfg = _time(kernel, key, cands, launch, s.tune_log)
+            if disk is not None:
+                disk.put((kernel, pair) + key, cfg)
     _CACHE[full_key] = cfg
     return cfg
+
+
+def _time(kernel: str, key: Tuple, cands: List[Cfg], launch: Callable[[Cfg], None], log: bool) -> Cfg:
+    from triton.testing import do_bench
+
+    best = None
+    for c in cands:
+        try:
+            ms = do_bench(lambda: launch(c), warmup=5, rep=25)
+        except Exception:  # out of resources for this shape: skip the candidate
+            continue
+        if log:
+            print(f"tune {kernel} {key}: {c} {ms:.3f} ms", flush=True)
+        if best is None or ms < best[0]:
+            best = (ms, c)
+    return best[1] if best is not None else cands[-1]
 
 
 def _first_that_launches(cands: List[Cfg], launch: Callable[[Cfg], None]) -> Cfg:
@@ -115,5 +152,170 @@ def _first_that_launches(cands: List[Cfg], launch: Callable[[Cfg], None]) -> Cfg
 
 
 def chosen() -> Dict[Tuple, Cfg]:
-    """Configs picked so far (for benchmark reports)."""
+    """Configs picked so far (for benchmark reports): key ``(kernel, pair, *launcher key, tune, device)``."""
     return dict(_CACHE)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On-disk cache
+
+
+_KERNEL_FILES = ("common.py", "forward.py", "backward.py", "dbias.py", "tuning.py")
+
+
+def source_hash() -> str:
+    """A hash of the kernel sources and this file's candidate lists: a changed kernel invalidates the cache."""
+    h = hashlib.sha256()
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in _KERNEL_FILES:
+        with open(os.path.join(here, name), "rb") as fh:
+            h.update(name.encode() + b"\0" + fh.read())
+    return h.hexdigest()[:16]
+
+
+def identity(device=None) -> Dict[str, str]:
+    """What a cached config is valid for: the GPU's name, Triton's version and the kernel sources."""
+    import torch
+    import triton
+
+    gpu = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"
+    return {"gpu": gpu, "triton": triton.__version__, "source": source_hash()}
+
+
+class DiskCache:
+    """Tuned configs in one JSON file per identity under ``folder``: ``{"identity": {...}, "configs": {key: cfg}}``.
+
+    Robust by construction: a corrupt file or one written for another identity is ignored with one warning and
+    rebuilt on the next write; writes merge with what is on disk under a lock and land by ``os.replace`` of a temp
+    file (two processes writing at once lose nothing and never leave a torn file); a folder that cannot be written
+    warns once and the cache lives on in memory.
+    """
+
+    def __init__(self, folder: str, ident: Dict[str, str]):
+        self.ident = dict(ident)
+        tag = hashlib.sha256(json.dumps(self.ident, sort_keys=True).encode()).hexdigest()[:16]
+        self.path = os.path.join(os.fspath(folder), f"tuning-{tag}.json")
+        self.configs: Dict[str, Cfg] = {}
+        self.writable = True
+        self._stamp = None  # (mtime_ns, size) of the file last read
+        self._warned = set()
+
+    def _warn(self, what: str, msg: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(f"attn_ops tuning cache {self.path}: {msg}", RuntimeWarning, stacklevel=3)
+
+    def _read(self) -> Dict[str, Cfg]:
+        """The file's configs ({} when absent, corrupt or foreign: one warning each)."""
+        try:
+            with open(self.path, "r", encoding="utf-8") as fh:
+                data = json.load(fh)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            self._warn("corrupt", f"unreadable ({type(exc).__name__}: {exc}); ignored, rebuilt on the next write")
+            return {}
+        try:
+            if data.get("identity") != self.ident:
+                self._warn("foreign", f"written for {data.get('identity')}, not {self.ident}; ignored, rebuilt")
+                return {}
+            return {k: Cfg(*v) for k, v in data["configs"].items()}
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            self._warn("corrupt", f"malformed ({type(exc).__name__}: {exc}); ignored, rebuilt on the next write")
+            return {}
+
+    def refresh(self) -> None:
+        """Re-read the file if it changed since the last read (another process may have tuned more)."""
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime_ns, st.st_size)
+        except OSError:
+            return
+        if stamp != self._stamp:
+            self._stamp = stamp
+            self.configs.update(self._read())
+
+    @staticmethod
+    def _name(key: Tuple) -> str:
+        return repr(key)
+
+    def get(self, key: Tuple) -> Optional[Cfg]:
+        name = self._name(key)
+        if name not in self.configs:
+            self.refresh()
+        return self.configs.get(name)
+
+    def put(self, key: Tuple, cfg: Cfg) -> None:
+        self.configs[self._name(key)] = cfg
+        if self.writable:
+            try:
+                self._write()
+            except OSError as exc:
+                self.writable = False
+                self._warn("readonly", f"cannot be written ({type(exc).__name__}: {exc}); kept in memory only")
+
+    def _write(self) -> None:
+        folder = os.path.dirname(self.path)
+        os.makedirs(folder, exist_ok=True)
+        with _locked(self.path + ".lock"):
+            merged = self._read()
+            merged.update(self.configs)
+            self.configs = merged
+            fd, tmp = tempfile.mkstemp(prefix=".tuning-", suffix=".tmp", dir=folder)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                    json.dump({"identity": self.ident, "configs": {k: list(c) for k, c in sorted(merged.items())}},
+                              fh, indent=0)
+                os.replace(tmp, self.path)
+            except BaseException:
+                with _suppress():
+                    os.unlink(tmp)
+                raise
+            st = os.stat(self.path)
+            self._stamp = (st.st_mtime_ns, st.st_size)
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return exc[0] is not None and issubclass(exc[0], OSError)
+
+
+class _locked:
+    """An exclusive ``flock`` on ``path`` (created if needed) for a read-merge-write; no lock where fcntl is missing."""
+
+    def __init__(self, path: str):
+        self.path, self.fd = path, None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX: os.replace still keeps the file whole
+            return self
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the lock
+        return False
+
+
+_DISK: Dict[Tuple, DiskCache] = {}
+
+
+def disk_cache(folder: Optional[str], device=None) -> Optional[DiskCache]:
+    """The disk cache for ``folder`` and the current GPU (None: no folder set)."""
+    if not folder:
+        return None
+    import torch
+
+    index = torch.cuda.current_device() if device is None and torch.cuda.is_available() else device
+    key = (os.fspath(folder), index)
+    cache = _DISK.get(key)
+    if cache is None:
+        cache = _DISK[key] = DiskCache(folder, identity(index))
+    return cache

@@ -1,0 +1,110 @@
+"""Kernel settings: the switches of the ``triton`` backend in one object, read from the environment once.
+
+    import attn_ops
+    attn_ops.settings.get().tune                  # the current values (a frozen KernelSettings)
+    attn_ops.settings.update(tune=False)          # for the rest of the process
+    with attn_ops.kernel_settings(tma=False):     # for a block of code; the previous values come back after it
+        ...
+
+Initial values come from the environment when attn_ops is imported (later changes to ``os.environ`` are not
+seen; call :func:`reload_from_env` to read it again):
+
+- ``ATTN_ZOO_NO_TUNE=1`` -> ``tune=False``: no timing, the first candidate config (the same in every process)
+- ``ATTN_ZOO_TUNE_LOG=1`` -> ``tune_log=True``: print each timed candidate
+- ``ATTN_ZOO_PLAIN_LAUNCH=1`` -> ``fast_launch=False``: Triton's own launch path on every call
+- ``ATTN_ZOO_NO_TMA=1`` -> ``tma=False``: pointer loads and per-element atomics, no TMA descriptors
+- ``ATTN_ZOO_CACHE_DIR=DIR`` -> ``cache_dir``: the on-disk tuning cache (default ``~/.cache/attn_zoo``; empty: none)
+
+Every field that changes which kernel or tile config runs is part of the cache keys it affects: ``tune`` of the
+tuner's (untuned picks are cached apart), ``tma`` of the launchers' tuning key and, through the kernels' arguments
+(a descriptor vs a tensor, HAS_BIAS), of the direct-launch cache's.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Iterator, Mapping, Optional
+
+__all__ = ["KernelSettings", "get", "update", "kernel_settings", "from_env", "reload_from_env"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSettings:
+    """Behaviour switches of the triton kernels (see the module docstring for their environment variables).
+
+    tune: time the candidate tile configs of a length bucket not yet in the cache (False: the heuristic choice).
+    tune_log: print each timed candidate. fast_launch: call Triton's compiled kernels directly once a launch
+    signature was seen. tma: TMA tensor descriptors on Hopper GPUs. cache_dir: the on-disk tuning cache's folder
+    (None: no disk cache).
+    """
+
+    tune: bool = True
+    tune_log: bool = False
+    fast_launch: bool = True
+    tma: bool = True
+    cache_dir: Optional[str] = None
+
+    def __post_init__(self):
+        for f in ("tune", "tune_log", "fast_launch", "tma"):
+            if not isinstance(getattr(self, f), bool):
+                raise TypeError(f"KernelSettings.{f} must be a bool, got {getattr(self, f)!r}")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise TypeError(f"KernelSettings.cache_dir must be a path or None, got {self.cache_dir!r}")
+
+
+def _default_cache_dir() -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "attn_zoo")
+
+
+def from_env(environ: Optional[Mapping[str, str]] = None) -> KernelSettings:
+    """Settings from environment variables (``os.environ`` by default); unset variables give the defaults."""
+    env = os.environ if environ is None else environ
+    cache_dir = env.get("ATTN_ZOO_CACHE_DIR")
+    if cache_dir is None:
+        cache_dir = _default_cache_dir()
+    return KernelSettings(
+        tune=env.get("ATTN_ZOO_NO_TUNE") != "1",
+        tune_log=env.get("ATTN_ZOO_TUNE_LOG") == "1",
+        fast_launch=env.get("ATTN_ZOO_PLAIN_LAUNCH") != "1",
+        tma=env.get("ATTN_ZOO_NO_TMA") != "1",
+        cache_dir=cache_dir or None,
+    )
+
+
+_current = from_env()
+
+
+def get() -> KernelSettings:
+    """The settings in force now."""
+    return _current
+
+
+def update(**changes) -> KernelSettings:
+    """Replace some fields for the rest of the process; returns the new settings. Unknown names: TypeError."""
+    global _current
+    fields = {f.name for f in dataclasses.fields(KernelSettings)}
+    unknown = sorted(set(changes) - fields)
+    if unknown:
+        raise TypeError(f"unknown kernel setting(s) {unknown}; known: {sorted(fields)}")
+    _current = dataclasses.replace(_current, **changes)
+    return _current
+
+
+def reload_from_env() -> KernelSettings:
+    """Read the environment variables again (e.g. after a test changed them)."""
+    global _current
+    _current = from_env()
+    return _current
+
+
+@contextlib.contextmanager
+def kernel_settings(**changes) -> Iterator[KernelSettings]:
+    """``with kernel_settings(tune=False): ...``: the changed settings inside the block, the previous ones after it
+    (also when the block raises)."""
+    global _current
+    previous = _current
+    try:
+        yield update(**changes)
+    finally:
+        _current = previous
