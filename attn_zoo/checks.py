@@ -91,7 +91,8 @@ def Any_(*opts: Opt, expected: str, nullable=False) -> Opt:
 
 
 def StrList(nullable=True) -> Opt:
-    return Opt(lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v), "a list of names", nullable)
+    return Opt(lambda v: isinstance(v, str) or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)),
+               "a list of names (or one comma-separated string)", nullable)
 
 
 # a batch limit: an int count >= 0 or a fraction in [0, 1]
