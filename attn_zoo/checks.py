@@ -96,7 +96,7 @@ def StrList(nullable=True) -> Opt:
 
 
 # a batch limit: an int count >= 0 or a fraction in [0, 1]
-LIMIT = Any_(Int(0), Float(0.0, 1.0), expected="an int >= 0 (batches) or a fraction in [0, 1]", nullable=True)
+LIMIT = Any_(Int(0), Float(0, 1), expected="an int >= 0 (batches) or a fraction in [0, 1]", nullable=True)
 
 TRAINER: dict[str, Opt] = {
     "max_epochs": Int(-1, nullable=True),
@@ -109,11 +109,11 @@ TRAINER: dict[str, Opt] = {
     "num_nodes": Int(1),
     "precision": Choice("64-true", "64", 64, "32-true", "32", 32, "16-mixed", "16", 16, "bf16-mixed", "bf16",
                         "16-true", "bf16-true", "transformer-engine", "transformer-engine-float16", nullable=True),
-    "gradient_clip_val": Float(0.0, nullable=True),
+    "gradient_clip_val": Float(0, nullable=True),
     "gradient_clip_algorithm": Choice("norm", "value", nullable=True),
     "accumulate_grad_batches": Int(1),
     "check_val_every_n_epoch": Int(1, nullable=True),
-    "val_check_interval": Any_(Int(1), Float(0.0, 1.0), expected="an int >= 1 (batches) or a fraction in [0, 1]",
+    "val_check_interval": Any_(Int(1), Float(0, 1), expected="an int >= 1 (batches) or a fraction in [0, 1]",
                                nullable=True),
     "log_every_n_steps": Int(1, nullable=True),
     "deterministic": Opt(lambda v: isinstance(v, bool) or v == "warn", "true, false or 'warn'", True),
@@ -124,7 +124,7 @@ TRAINER: dict[str, Opt] = {
     "limit_predict_batches": LIMIT,
     "num_sanity_val_steps": Int(-1, nullable=True),
     "fast_dev_run": Any_(Bool(), Int(0), expected="true, false or an int >= 0 (batches)"),
-    "overfit_batches": Any_(Int(0), Float(0.0, 1.0), expected="an int >= 0 (batches) or a fraction in [0, 1]"),
+    "overfit_batches": Any_(Int(0), Float(0, 1), expected="an int >= 0 (batches) or a fraction in [0, 1]"),
     "enable_progress_bar": Bool(nullable=True),
     "enable_checkpointing": Bool(nullable=True),
     "enable_model_summary": Bool(nullable=True),
@@ -134,13 +134,13 @@ TRAINER: dict[str, Opt] = {
 }
 
 PATH = Str(nullable=True)
-FRACTION = Float(0.0, 1.0, hi_open=True)
+FRACTION = Float(0, 1, hi_open=True)
 DATA: dict[str, Opt] = {
     "msa_dir": PATH, "mmcif_dir": PATH, "fasta": PATH, "cluster_file": PATH,
     "batch_size": Int(1),
     "crop_size": Int(1, nullable=True),
     "msa_depth": Int(1),
-    "mask_prob": Float(0.0, 1.0, hi_open=True),
+    "mask_prob": Float(0, 1, hi_open=True),
     "max_msa_rows": Int(1, nullable=True),
     "train_samples": Int(1, nullable=True),
     "val_samples": Int(1, nullable=True),
