@@ -304,7 +304,8 @@ def _train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"[train] model {cfg.model._target_} ({n_params / 1e6:.2f}M parameters), attention "
-        f"{OmegaConf.to_container(attention) if attention is not None else None}, data {cfg.data._target_}",
+        f"{ {k: v for k, v in OmegaConf.to_container(attention).items() if v is not None} if attention is not None else None}"
+        f", data {cfg.data._target_}",
         flush=True,
     )
     hparams = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
