@@ -197,6 +197,14 @@ def _plain(node):
 
 def check_trainer(trainer: Mapping) -> None:
     _check_group("trainer", trainer, TRAINER)
+    if trainer.get("accelerator") in ("gpu", "cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"trainer.accelerator={trainer['accelerator']} but this machine has no CUDA device: use trainer=cpu "
+                f"(and model.attention.backend=chunked or auto), or run on a GPU machine"
+            )
     for lo, hi in (("min_epochs", "max_epochs"), ("min_steps", "max_steps")):
         a, b = trainer.get(lo), trainer.get(hi)
         if _is_int(a) and _is_int(b) and b >= 0 and a > b:

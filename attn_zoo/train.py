@@ -136,8 +136,8 @@ def _csv_file(loggers) -> Path | None:
 
 
 def plot_losses(csv_file: Path) -> Path | None:
-    """A loss-curve PNG beside ``metrics.csv`` (train loss per step, validation loss per validation run);
-    None without matplotlib."""
+    """A loss-curve PNG beside ``metrics.csv`` (train loss per logged step and per epoch, validation loss per
+    validation run); None without matplotlib. Called right after fit, before the final validate/test rows."""
     import csv
 
     try:
@@ -150,7 +150,7 @@ def plot_losses(csv_file: Path) -> Path | None:
     series: dict[str, tuple[list, list]] = {}
     with open(csv_file) as fh:
         for row in csv.DictReader(fh):
-            for key in ("train/loss_step", "val/loss"):
+            for key in ("train/loss_step", "train/loss_epoch", "val/loss"):
                 if row.get(key) not in (None, "") and row.get("step") not in (None, ""):
                     xs, ys = series.setdefault(key, ([], []))
                     xs.append(int(float(row["step"])))
@@ -159,7 +159,9 @@ def plot_losses(csv_file: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker="o" if key.startswith("val") else None, markersize=3, label=key.replace("_step", ""))
+        step = key.endswith("_step")
+        ax.plot(xs, ys, marker=None if step else "o", markersize=4, linewidth=0.8 if step else 1.5,
+                alpha=0.6 if step else 1.0, label=key)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     ax.legend()
@@ -222,8 +224,8 @@ def summarize(cfg: DictConfig, trainer, callbacks, loggers, metrics: dict, stage
     csv_file = _csv_file(loggers)
     if csv_file is not None:
         summary["metrics_csv"] = str(csv_file)
-        png = plot_losses(csv_file)
-        if png is not None:
+        png = csv_file.with_name("loss_curve.png")
+        if png.is_file():
             summary["loss_curve"] = str(png)
     if not trainer.is_global_zero:
         return summary
@@ -318,6 +320,9 @@ def _train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     if cfg.get("train", True):
         trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path)
         ckpts = checkpoint_paths(callbacks)
+        csv_file = _csv_file(loggers)
+        if csv_file is not None and trainer.is_global_zero:
+            plot_losses(csv_file)
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
         stages["train"] = "last epoch"
         stages["val"] = "last validation"
@@ -349,7 +354,12 @@ def _train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
 
 @hydra.main(version_base="1.3", config_path="pkg://attn_zoo.configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    metrics, _ = train(cfg)
+    from .checks import ConfigError
+
+    try:
+        metrics, _ = train(cfg)
+    except (ConfigError, RunFolderInUse) as err:  # the message says what to change: no traceback
+        raise SystemExit(f"[train] error: {err}") from None
     name = cfg.get("optimized_metric")  # for Hydra sweepers
     return metrics.get(name) if name else None
 

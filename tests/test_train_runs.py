@@ -26,9 +26,10 @@ def _files(folder: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    """One tiny finished run (2 epochs = 8 steps; last.ckpt's periodic interval is 50 steps)."""
+    """One tiny finished run: 2 epochs = 8 steps, last.ckpt's periodic saves at steps 3 and 6."""
     out = tmp_path_factory.mktemp("run")
-    metrics, objs = train.train(make_cfg(TINY + ["trainer.max_epochs=2"], out))
+    metrics, objs = train.train(make_cfg(TINY + ["trainer.max_epochs=2", "callbacks.last_checkpoint.every_n_train_steps=3"],
+                                         out))
     return out, metrics, objs
 
 
@@ -64,7 +65,8 @@ def test_loss_curve_png_beside_the_csv(finished_run):
 def test_resume_of_a_finished_run_does_nothing(finished_run, capsys):
     out, _, _ = finished_run
     before = _files(out)
-    metrics, objs = train.train(make_cfg(TINY + ["trainer.max_epochs=2", "resume=true"], out))
+    metrics, objs = train.train(make_cfg(TINY + ["trainer.max_epochs=2", "callbacks.last_checkpoint.every_n_train_steps=3",
+                                                 "resume=true"], out))
     assert metrics == {} and "trainer" not in objs
     assert "already finished at step 8" in capsys.readouterr().out
     assert _files(out) == before
@@ -115,7 +117,7 @@ BAD = [
     ("model.attention.bwd=fused", "model.attention.bwd does not apply to backend 'chunked'; it is an option of triton"),
     ("model.attention.deterministic=maybe", "model.attention.deterministic must be true or false"),
     ("seed=x", "seed must be an int"),
-]
+] + ([] if torch.cuda.is_available() else [("trainer=gpu", "trainer.accelerator=gpu but this machine has no CUDA device")])
 
 
 @pytest.mark.parametrize("override,message", BAD, ids=[b[0] for b in BAD])
