@@ -7,7 +7,10 @@
     python train.py run_name=myrun resume=true         # resume run "myrun" from its last.ckpt if it exists
     python train.py debug=fdr                          # fast_dev_run: one batch of train/val/test
 
-Everything is built by ``hydra.utils.instantiate`` (lightning-hydra-template conventions).
+Everything is built by ``hydra.utils.instantiate`` (lightning-hydra-template conventions). Before any work
+the config is checked (``attn_zoo.checks``) and the run folder too (a folder with checkpoints is resumed
+or refused; a finished run resumed with the same limits does nothing). The data are read and split before
+the model is built; the run ends with a summary (folder, checkpoints, each split's metrics, loss curve).
 """
 from __future__ import annotations
 
