@@ -127,6 +127,14 @@ def test_split_is_disjoint_and_keeps_clusters_together():
     assert fixed["test"] == ["p3", "p4", "p5"]  # the named protein's whole cluster
 
 
+def test_uniref_cluster_ids_in_names_keep_a_cluster_together():
+    names = ["fasta:seqs:UniRef50_A0A1", "msa:UniRef50_A0A1", "msa:sub/UniRef50_A0A1_deep"] + [f"p{i}" for i in range(6)]
+    for seed in range(6):
+        s = split_proteins(names, val_fraction=0.3, test_fraction=0.3, seed=seed)
+        where = {n: k for k, v in s.items() for n in v}
+        assert len({where[n] for n in names[:3]}) == 1
+
+
 def test_overlapping_test_set_is_refused():
     names = ["a", "b", "c", "d"]
     with pytest.raises(ValueError, match="'b'.*(val|test)_names.*(val|test)_names"):

@@ -8,6 +8,7 @@ import gzip
 import json
 import logging
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -137,9 +138,13 @@ def read_clusters(path: str | Path) -> dict[str, str]:
     return out
 
 
+_UNIREF = re.compile(r"UniRef(50|90)_[A-Za-z0-9]+")
+
+
 def cluster_of(names: Iterable[str], clusters: Mapping[str, str] | None) -> dict[str, str]:
-    """Each protein's cluster id: from ``clusters`` (by full name, last path part, or lower-case), else
-    its own name (a singleton cluster)."""
+    """Each protein's cluster id: from ``clusters`` (by full name, last path part, or lower-case); else the
+    UniRef50 / UniRef90 cluster id its name carries (``UniRef50_P12345``: a FASTA record and an alignment
+    of one UniRef cluster stay together); else its own name (a singleton cluster)."""
     lower = {k.lower(): v for k, v in (clusters or {}).items()}
     out = {}
     for n in names:
@@ -152,6 +157,9 @@ def cluster_of(names: Iterable[str], clusters: Mapping[str, str] | None) -> dict
             if key.lower() in lower:
                 cid = lower[key.lower()]
                 break
+        if cid is None:
+            m = _UNIREF.search(n)
+            cid = m.group(0) if m else None
         out[n] = f"cluster:{cid}" if cid is not None else n
     return out
 
