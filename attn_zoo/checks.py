@@ -256,7 +256,8 @@ def check_attention(attention: Mapping | None, trainer: Mapping, training: bool 
             owners = [n for n, b in registry.BACKENDS.items() if key in b.options]
             hint = (f"it is an option of {', '.join(owners)}: set model.attention.backend={owners[0]}" if owners
                     else f"backend {backend!r} takes: {', '.join(sorted(takes))}")
-            raise ConfigError(f"model.attention.{key} does not apply to backend {backend!r}; {hint}")
+            raise ConfigError(f"model.attention.{key}={value!r} does not apply to backend {backend!r}; {hint} "
+                              f"(or model.attention.{key}=null)")
         ATTENTION_OPTIONS[key].validate(f"model.attention.{key}", value)
     if backend == registry.AUTO:
         return

@@ -114,7 +114,7 @@ BAD = [
     ("data.val_fraction=0.9", "data.val_fraction + data.test_fraction must be < 1"),
     ("+data.msa_folder=/x", "data.msa_folder is not an option of attn_zoo.models.data.MSADataModule"),
     ("model.attention.chunk_size=0", "model.attention.chunk_size must be an int >= 1"),
-    ("model.attention.bwd=fused", "model.attention.bwd does not apply to backend 'chunked'; it is an option of triton"),
+    ("model.attention.bwd=fused", "model.attention.bwd='fused' does not apply to backend 'chunked'; it is an option of triton"),
     ("model.attention.deterministic=maybe", "model.attention.deterministic must be true or false"),
     ("seed=x", "seed must be an int"),
 ] + ([] if torch.cuda.is_available() else [("trainer=gpu", "trainer.accelerator=gpu but this machine has no CUDA device")])
