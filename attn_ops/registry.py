@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, FrozenSet, List, Optional, Sequence
 
 import torch
@@ -168,7 +168,10 @@ def not_supported_reasons(name: str, inputs: AttnInputs) -> List[str]:
     if why:
         reasons.append(why)
     if inputs.device not in b.devices:
-        reasons.append(f"device {inputs.device} not supported (supports {sorted(b.devices)})")
+        hint = ""
+        if name == "triton" and inputs.device == "cpu":
+            hint = "; TRITON_INTERPRET=1 set before Python starts runs it on the CPU in Triton's interpreter (very slow: for debugging)"
+        reasons.append(f"device {inputs.device} not supported (supports {sorted(b.devices)}{hint})")
     grad_devices = b.devices if b.grad_devices is None else b.grad_devices
     if inputs.needs_grad and inputs.device not in grad_devices:
         reasons.append(f"no backward on {inputs.device} (backward on {sorted(grad_devices)})")
@@ -193,9 +196,9 @@ def not_supported_reasons(name: str, inputs: AttnInputs) -> List[str]:
         reasons.append("no gradient through lse")
     det_devices = b.devices if b.deterministic_devices is None else b.deterministic_devices
     if inputs.deterministic and inputs.needs_grad and inputs.device not in det_devices:
-        reasons.append(f"backward is not deterministic on {inputs.device} (pass deterministic=False to allow it)")
+        reasons.append(f"backward is not deterministic on {inputs.device}")
     if inputs.deterministic and inputs.bias_needs_grad and not b.deterministic_bias_grad:
-        reasons.append("bias gradient uses atomics, not deterministic (pass deterministic=False to allow it)")
+        reasons.append("bias gradient uses atomics, not deterministic")
     return reasons
 
 
@@ -220,8 +223,36 @@ def select(name: str, inputs: AttnInputs) -> Backend:
         if not reasons:
             return get(cand)
         rejected[cand] = reasons
-    detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items())
-    raise UnsupportedInputs(f"no attention backend can serve these inputs (backend={name!r}). Rejected: {detail}")
+    raise UnsupportedInputs(unsupported_message(name, inputs, rejected))
+
+
+def _unlocked_by_nondeterminism(name: str, inputs: AttnInputs) -> bool:
+    """True when ``deterministic=False`` alone would let backend ``name`` serve ``inputs``."""
+    return inputs.deterministic and not not_supported_reasons(name, replace(inputs, deterministic=False))
+
+
+def unsupported_message(name: str, inputs: AttnInputs, rejected: Dict[str, List[str]]) -> str:
+    """Why the requested backend(s) cannot serve ``inputs`` and what would: the backends that can as they
+    are, and those that ``deterministic=False`` would allow (suggested only where it alone suffices)."""
+    parts = []
+    for n, r in rejected.items():
+        unlock = " (deterministic=False would allow it)" if _unlocked_by_nondeterminism(n, inputs) else ""
+        parts.append(f"{n}: {', '.join(r)}{unlock}")
+    msg = f"no attention backend can serve these inputs (backend={name!r}). Rejected: {'; '.join(parts)}."
+    order = list(priority(inputs)) + [n for n in BACKENDS if n not in priority(inputs)]
+    others = [n for n in order if n not in rejected]
+    can = [n for n in others if not not_supported_reasons(n, inputs)]
+    unlock = [n for n in others if n not in can and _unlocked_by_nondeterminism(n, inputs)]
+    cannot = [n for n in others if n not in can and n not in unlock]
+    if can:
+        msg += f" Backends that can: {', '.join(can)} (backend='{can[0]}', or 'auto')."
+    if unlock:
+        msg += f" With deterministic=False also: {', '.join(unlock)}."
+    if not can and not unlock:
+        msg += " No other backend can serve them either."
+    if cannot:
+        msg += " Others: " + "; ".join(f"{n}: {', '.join(not_supported_reasons(n, inputs))}" for n in cannot) + "."
+    return msg
 
 
 def available() -> List[str]:

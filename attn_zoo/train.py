@@ -7,7 +7,10 @@
     python train.py run_name=myrun resume=true         # resume run "myrun" from its last.ckpt if it exists
     python train.py debug=fdr                          # fast_dev_run: one batch of train/val/test
 
-Everything is built by ``hydra.utils.instantiate`` (lightning-hydra-template conventions).
+Everything is built by ``hydra.utils.instantiate`` (lightning-hydra-template conventions). Before any work
+the config is checked (``attn_zoo.checks``) and the run folder too (a folder with checkpoints is resumed
+or refused; a finished run resumed with the same limits does nothing). The data are read and split before
+the model is built; the run ends with a summary (folder, checkpoints, each split's metrics, loss curve).
 """
 from __future__ import annotations
 
@@ -17,6 +20,10 @@ from typing import Any
 import hydra
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
+
+
+class RunFolderInUse(ValueError):
+    """The run folder already holds checkpoints and the config does not say to resume them."""
 
 
 def validate_attention(cfg: DictConfig) -> None:
@@ -40,6 +47,43 @@ def instantiate_group(group: DictConfig | None) -> list:
     return out
 
 
+def checkpoint_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.paths.output_dir) / "checkpoints"
+
+
+def check_run_folder(cfg: DictConfig) -> None:
+    """Refuse a run folder that already holds checkpoints unless the run resumes them (``resume=true``
+    or a ``ckpt_path`` inside it): a reused ``run_name`` never mixes two runs' checkpoints."""
+    ckpts = sorted(p.name for p in checkpoint_dir(cfg).glob("*.ckpt")) if checkpoint_dir(cfg).is_dir() else []
+    if not ckpts or cfg.get("resume") or not cfg.get("train", True):
+        return
+    if cfg.get("ckpt_path") and Path(cfg.ckpt_path).expanduser().resolve().parent == checkpoint_dir(cfg).resolve():
+        return
+    raise RunFolderInUse(
+        f"run folder {cfg.paths.output_dir} already holds checkpoints ({', '.join(ckpts)}): pass resume=true to "
+        f"continue that run (run_name={cfg.get('run_name')}), or choose another run_name"
+    )
+
+
+def _expected_max_epochs(trainer_cfg) -> int:
+    """Lightning's resolution of ``max_epochs`` (None -> 1000 without max_steps, else -1)."""
+    max_epochs, max_steps = trainer_cfg.get("max_epochs"), trainer_cfg.get("max_steps", -1)
+    if max_epochs is None:
+        return 1000 if max_steps == -1 and trainer_cfg.get("max_time") is None else -1
+    return max_epochs
+
+
+def run_state(path: str | Path) -> dict:
+    """The run record ``LastCheckpoint`` stores in a checkpoint (``finished``, ``max_steps``,
+    ``max_epochs``) plus its ``global_step``; {} for checkpoints without one."""
+    import torch
+
+    from .models.tasks.callbacks import RUN_STATE_KEY
+
+    ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    return {**ckpt.get(RUN_STATE_KEY, {}), "global_step": ckpt.get("global_step"), "epoch": ckpt.get("epoch")}
+
+
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     """``ckpt_path`` if given (must exist); else with ``resume=true`` the run's ``last.ckpt`` if it exists."""
     if cfg.get("ckpt_path"):
@@ -48,7 +92,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
             raise ValueError(f"ckpt_path {str(path)!r} does not exist")
         return str(path)
     if cfg.get("resume"):
-        last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+        last = checkpoint_dir(cfg) / "last.ckpt"
         if last.is_file():
             print(f"[train] resuming from {last}", flush=True)
             return str(last)
@@ -56,21 +100,204 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     return None
 
 
+def finished_already(cfg: DictConfig, ckpt: str | None) -> dict | None:
+    """The run state if ``ckpt`` is the end-of-training checkpoint of a run with the same step and epoch
+    limits as this config (resuming it would do nothing), else None."""
+    if not ckpt:
+        return None
+    state = run_state(ckpt)
+    if not state.get("finished"):
+        return None
+    t = cfg.trainer
+    if state.get("max_steps") == t.get("max_steps", -1) and state.get("max_epochs") == _expected_max_epochs(t):
+        return state
+    return None
+
+
+def _is_empty_run_folder(path: Path) -> bool:
+    """Nothing but Hydra's record (.hydra/) and log files."""
+    if not path.is_dir():
+        return False
+    for p in path.rglob("*"):
+        rel = p.relative_to(path)
+        if p.is_file() and rel.parts[0] != ".hydra" and p.suffix != ".log":
+            return False
+    return True
+
+
+def _objects_by_type(callbacks, cls):
+    return [c for c in callbacks if isinstance(c, cls)]
+
+
+def _csv_file(loggers) -> Path | None:
+    for lg in loggers:
+        if isinstance(lg, L.pytorch.loggers.CSVLogger):
+            f = Path(lg.log_dir) / "metrics.csv"
+            if f.is_file():
+                return f
+    return None
+
+
+def plot_losses(csv_file: Path) -> Path | None:
+    """A loss-curve PNG beside ``metrics.csv`` (train loss per logged step and per epoch, validation loss per
+    validation run); None without matplotlib. Called right after fit, before the final validate/test rows."""
+    import csv
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    series: dict[str, tuple[list, list]] = {}
+    with open(csv_file) as fh:
+        for row in csv.DictReader(fh):
+            for key in ("train/loss_step", "train/loss_epoch", "val/loss"):
+                if row.get(key) not in (None, "") and row.get("step") not in (None, ""):
+                    xs, ys = series.setdefault(key, ([], []))
+                    xs.append(int(float(row["step"])))
+                    ys.append(float(row[key]))
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, (xs, ys) in series.items():
+        step = key.endswith("_step")
+        ax.plot(xs, ys, marker=None if step else "o", markersize=4, linewidth=0.8 if step else 1.5,
+                alpha=0.6 if step else 1.0, label=key)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    out = csv_file.with_name("loss_curve.png")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def _stage_metrics(metrics: dict, stage: str) -> dict:
+    """``stage/name`` metrics as {name: value}: per-step values left out, ``loss_epoch`` as ``loss``."""
+    out = {}
+    for k, v in sorted(metrics.items()):
+        if k.startswith(stage + "/") and not k.endswith("_step"):
+            name = k.split("/", 1)[1]
+            out[name[: -len("_epoch")] if name.endswith("_epoch") else name] = v
+    return out
+
+
+def _split_metrics(metrics: dict, stage: str) -> str:
+    return ", ".join(f"{k}={v:.4g}" for k, v in _stage_metrics(metrics, stage).items())
+
+
+def checkpoint_paths(callbacks) -> dict:
+    """{'best_checkpoint', 'best_score', 'last_checkpoint'} as the checkpoint callbacks hold them now
+    (read right after fit: validate/test with a checkpoint restore older callback states)."""
+    from .models.tasks.callbacks import LastCheckpoint
+
+    out: dict[str, Any] = {}
+    best_cb = [c for c in _objects_by_type(callbacks, L.pytorch.callbacks.ModelCheckpoint) if c.monitor]
+    last_cb = _objects_by_type(callbacks, LastCheckpoint)
+    if best_cb and best_cb[0].best_model_path:
+        out["best_checkpoint"] = best_cb[0].best_model_path
+        score = best_cb[0].best_model_score
+        out["best_score"] = {best_cb[0].monitor: None if score is None else float(score)}
+    if last_cb and last_cb[0].last_model_path:
+        out["last_checkpoint"] = last_cb[0].last_model_path
+    return out
+
+
+def summarize(cfg: DictConfig, trainer, callbacks, loggers, metrics: dict, stages: dict, ckpts: dict) -> dict:
+    """Print (and write ``summary.json``) the run folder, best and last checkpoints, each split's
+    metrics, why training stopped early if it did, and the loss-curve PNG beside the CSV."""
+    import json
+
+    from .models.tasks.callbacks import ReportingEarlyStopping
+
+    out_dir = Path(cfg.paths.output_dir)
+    summary: dict[str, Any] = {"run_folder": str(out_dir), "global_step": trainer.global_step, **ckpts}
+    stopped = [c.report for c in _objects_by_type(callbacks, ReportingEarlyStopping) if c.report]
+    if stopped:
+        summary["early_stopping"] = stopped[0]
+    summary["splits"] = {}
+    for stage, where in stages.items():
+        vals = _stage_metrics(metrics, stage)
+        if vals:
+            summary["splits"][stage] = {"weights": where, **vals}
+    csv_file = _csv_file(loggers)
+    if csv_file is not None:
+        summary["metrics_csv"] = str(csv_file)
+        png = csv_file.with_name("loss_curve.png")
+        if png.is_file():
+            summary["loss_curve"] = str(png)
+    if not trainer.is_global_zero:
+        return summary
+    lines = [f"run folder: {out_dir}"]
+    if "best_checkpoint" in summary or "last_checkpoint" in summary:
+        lines.append(f"best checkpoint: {summary.get('best_checkpoint', 'none')}"
+                     + (f" ({', '.join(f'{k}={v:.4g}' for k, v in summary['best_score'].items() if v is not None)})"
+                        if summary.get("best_score") else ""))
+        lines.append(f"last checkpoint: {summary.get('last_checkpoint', 'none')} (step {trainer.global_step})")
+    for stage, where in stages.items():
+        text = _split_metrics(metrics, stage)
+        if text:
+            lines.append(f"{stage} ({where}): {text}")
+    if stopped:
+        lines.append(stopped[0])
+    if csv_file is not None:
+        lines.append(f"metrics: {csv_file}" + (f"; loss curve: {summary['loss_curve']}" if "loss_curve" in summary
+                                              else " (pip install matplotlib for a loss-curve PNG)"))
+    print("[train] " + "\n[train] ".join(lines), flush=True)
+    if out_dir.is_dir():
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return summary
+
+
 def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Seed, instantiate data/model/callbacks/loggers/trainer, fit, test.
+    """Check the config, seed, instantiate data/model/callbacks/loggers/trainer, fit, test, summarize.
 
     Returns (metrics: the trainer's callback metrics as floats after fit and test, objects: cfg,
-    datamodule, model, callbacks, loggers, trainer).
+    datamodule, model, callbacks, loggers, trainer, summary). A run folder that this call found empty
+    and leaves empty (a run that failed before writing anything) is removed.
     """
+    out_dir = Path(cfg.paths.output_dir)
+    was_empty = not out_dir.exists() or _is_empty_run_folder(out_dir)
+    try:
+        return _train(cfg)
+    except BaseException:
+        if was_empty and _is_empty_run_folder(out_dir):
+            import shutil
+
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+
+
+def _train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    from .checks import check_config
+
+    check_config(cfg)  # types, ranges, the attention backend on this device: before any work
+    validate_attention(cfg)
+    check_run_folder(cfg)
+    ckpt_path = resolve_ckpt_path(cfg) if cfg.get("train", True) else None
+    done = finished_already(cfg, ckpt_path) if cfg.get("resume") and not cfg.get("ckpt_path") else None
+    if done is not None:
+        print(
+            f"[train] run {cfg.paths.output_dir} already finished at step {done['global_step']} "
+            f"(max_steps={done['max_steps']}, max_epochs={done['max_epochs']}): nothing to do. Raise "
+            f"trainer.max_epochs or trainer.max_steps to train it further.", flush=True,
+        )
+        return {}, dict(cfg=cfg, finished=done)
+
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     if cfg.get("matmul_precision"):  # "high" lets fp32 matmuls use TF32 tensor cores
         import torch
 
         torch.set_float32_matmul_precision(cfg.matmul_precision)
-    validate_attention(cfg)
 
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
+    if hasattr(datamodule, "prepare_report"):  # read and split the data now: a data error stops the run here
+        datamodule.prepare_report(Path(cfg.paths.output_dir))
     model: L.LightningModule = hydra.utils.instantiate(cfg.model)
     if cfg.model.get("net") is not None and hasattr(model, "record_net_config"):  # zoo.load_checkpoint rebuilds from it
         model.record_net_config(OmegaConf.to_container(cfg.model.net, resolve=True))
@@ -84,7 +311,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"[train] model {cfg.model._target_} ({n_params / 1e6:.2f}M parameters), attention "
-        f"{OmegaConf.to_container(attention) if attention is not None else None}, data {cfg.data._target_}",
+        f"{ {k: v for k, v in OmegaConf.to_container(attention).items() if v is not None} if attention is not None else None}"
+        f", data {cfg.data._target_}",
         flush=True,
     )
     hparams = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
@@ -92,27 +320,51 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         logger.log_hyperparams(hparams)
 
     metrics: dict[str, Any] = {}
+    stages: dict[str, str] = {}
+    ckpts: dict[str, Any] = {}
     if cfg.get("train", True):
-        trainer.fit(model=model, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg))
+        trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path)
+        ckpts = checkpoint_paths(callbacks)
+        csv_file = _csv_file(loggers)
+        if csv_file is not None and trainer.is_global_zero:
+            plot_losses(csv_file)
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+        stages["train"] = "last epoch"
+        stages["val"] = "last validation"
     if cfg.get("test", False):
         ckpt = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
         if ckpt is None and not cfg.get("train", True):  # test only: the checkpoint the user named
             ckpt = resolve_ckpt_path(cfg)
         if ckpt is None:
             print("[train] no best checkpoint: testing the current weights", flush=True)
-        trainer.test(model=model, datamodule=datamodule, ckpt_path=ckpt)
-        metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+        has_test = getattr(datamodule, "has_test_set", lambda: True)()
+        if not has_test:
+            print("[train] no test set (data.test_fraction=0 and no data.test_names): not testing", flush=True)
+        else:
+            where = f"checkpoint {Path(ckpt).name}" if ckpt else "final weights"
+            if ckpt and cfg.get("train", True) and not trainer.fast_dev_run:
+                # validation metrics of the same weights the test set sees, not the last epoch's
+                val = trainer.validate(model=model, datamodule=datamodule, ckpt_path=ckpt, verbose=False)
+                metrics.update({k: float(v) for k, v in (val[0] if val else {}).items()})
+                stages["val"] = where
+            trainer.test(model=model, datamodule=datamodule, ckpt_path=ckpt)
+            metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
+            stages["test"] = where
 
-    summary = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()) if k.startswith(("val/", "test/")))
-    print(f"[train] done at global step {trainer.global_step}: {summary}", flush=True)
-    objects = dict(cfg=cfg, datamodule=datamodule, model=model, callbacks=callbacks, loggers=loggers, trainer=trainer)
+    summary = summarize(cfg, trainer, callbacks, loggers, metrics, stages, ckpts)
+    objects = dict(cfg=cfg, datamodule=datamodule, model=model, callbacks=callbacks, loggers=loggers, trainer=trainer,
+                   summary=summary)
     return metrics, objects
 
 
 @hydra.main(version_base="1.3", config_path="pkg://attn_zoo.configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    metrics, _ = train(cfg)
+    from .checks import ConfigError
+
+    try:
+        metrics, _ = train(cfg)
+    except (ConfigError, RunFolderInUse) as err:  # the message says what to change: no traceback
+        raise SystemExit(f"[train] error: {err}") from None
     name = cfg.get("optimized_metric")  # for Hydra sweepers
     return metrics.get(name) if name else None
 

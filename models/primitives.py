@@ -71,7 +71,8 @@ class AttentionConfig:
         if isinstance(x, str):
             return cls(backend=x)
         if isinstance(x, Mapping):
-            items = {str(k): _plain(v) for k, v in x.items() if not str(k).startswith("_")}
+            # a null option is unset (the Hydra attention configs list every option, null by default)
+            items = {str(k): _plain(v) for k, v in x.items() if not str(k).startswith("_") and v is not None}
             backend = items.pop("backend", "auto")
             options = dict(items.pop("options", None) or {})
             overlap = sorted(set(options) & set(items))

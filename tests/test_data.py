@@ -175,8 +175,9 @@ def test_collate_pads_and_masks():
 def test_msa_datamodule_on_sample_splits_by_protein_and_is_deterministic_on_val():
     dm = MSADataModule(crop_size=32, msa_depth=8, batch_size=4, train_samples=8, val_samples=4)
     dm.setup("fit")
-    assert not set(dm.train_names) & set(dm.val_names)
-    assert "3zee" in dm.train_names + dm.val_names and "4i6p" not in dm.train_names + dm.val_names  # duplicate dropped
+    assert not set(dm.train_names) & set(dm.val_names) and not (set(dm.train_names) | set(dm.val_names)) & set(dm.test_names)
+    everything = dm.train_names + dm.val_names + dm.test_names
+    assert "3zee" in everything and "4i6p" not in everything  # duplicate dropped
     b = next(iter(dm.train_dataloader()))
     assert b["msa"].shape[0] == 4 and b["msa"].shape[2] <= 32 and b["msa"].shape[1] <= 8
     assert b["msa_loss_mask"].any()
@@ -190,13 +191,13 @@ def test_msa_datamodule_own_directory(tmp_path):
     write(d, "a.a3m", ">q\nMKVLAAGIVL\n>h\nMKV-AAGcIVL\n")
     write(d, "b.a3m", ">q\nPPGWSTQRRE\n>h\nPPG-STQRRE\n")
     dm = MSADataModule(msa_dir=str(d), mmcif_dir=None, crop_size=8, msa_depth=4, batch_size=2, train_samples=2,
-                       val_samples=2)
+                       val_samples=2, test_fraction=0)
     dm.setup("fit")
-    assert sorted(dm.train_names + dm.val_names) == ["a", "b"]
+    assert sorted(dm.train_names + dm.val_names) == ["a", "b"] and dm.test_names == [] and not dm.has_test_set()
     b = next(iter(dm.train_dataloader()))
     assert b["msa"].shape == (2, 2, 8) and not b["distogram_mask"].any()
     with pytest.raises(ValueError, match="does not exist"):
-        MSADataModule(msa_dir=str(tmp_path / "nope")).setup("fit")
+        MSADataModule(msa_dir=str(tmp_path / "nope"), mmcif_dir=None).setup("fit")
 
 
 def test_lm_datamodules_on_sample():

@@ -13,37 +13,56 @@ from torch.utils.data import DataLoader, Dataset
 from .alphabet import GAP, encode
 from .batching import collate_lm
 from .parsers import read_a3m, read_fasta
-from .sample import list_files, resolve, split_names
+from .sources import DataReport, gather_sources, protein_name, read_clusters, split_proteins
 from .transforms import bert_mask
 
 
-def load_sequences(fasta="sample", msa_dir="sample", msa_rows: str = "query") -> list[tuple[str, str]]:
-    """-> [(group, sequence)], exact duplicates dropped. ``msa_rows``: 'query' or 'all'."""
+def load_sequences(fasta="sample", msa_dir="sample", msa_rows: str = "query",
+                   report: DataReport | None = None) -> list[tuple[str, str]]:
+    """-> [(group, sequence)], exact duplicates dropped (recorded in ``report``). ``msa_rows``: 'query'
+    or 'all'. A group (the unit of the train/val/test split) is one FASTA record or one whole A3M file."""
     if msa_rows not in ("query", "all"):
         raise ValueError(f"msa_rows must be 'query' or 'all', got {msa_rows!r}")
-    out, seen = [], set()
+    report = report if report is not None else DataReport()
+    found = gather_sources({"fasta": fasta, "msa_dir": msa_dir},
+                           {"fasta": (".fasta", ".fa", ".faa"), "msa_dir": (".a3m",)})
+    for opt, f in found.items():
+        if f.root is not None:
+            report.add_source(opt, f)
+    out, seen, rows_dropped = [], {}, [0]
 
-    def add(group, seq):
-        if seq and seq not in seen:
-            seen.add(seq)
-            out.append((group, seq))
+    def add(group, seq, first=True):
+        if seq in seen:
+            if first and seen[seq] != group:  # a record or an alignment's query
+                report.drop(group, f"same sequence as {seen[seq]}")
+            elif not first:
+                rows_dropped[0] += 1
+            return
+        seen[seq] = group
+        out.append((group, seq))
 
-    for path in list_files(resolve(msa_dir, "msa"), (".a3m",)):
+    for path in found["msa_dir"].files:
         msa = read_a3m(path)
-        for seq in msa.unaligned if msa_rows == "all" else msa.unaligned[:1]:
-            add(f"msa:{path.stem}", seq)
-    for path in list_files(resolve(fasta, "fasta"), (".fasta", ".fa", ".faa")):
+        for i, seq in enumerate(msa.unaligned if msa_rows == "all" else msa.unaligned[:1]):
+            add(f"msa:{protein_name(path, found['msa_dir'].root)}", seq, first=i == 0)
+    for path in found["fasta"].files:
         for rec in read_fasta(path):
-            add(f"fasta:{path.stem}:{rec.header.split()[0] if rec.header else rec.line}", rec.sequence)
+            add(f"fasta:{protein_name(path, found['fasta'].root)}:{rec.header.split()[0] if rec.header else rec.line}",
+                rec.sequence)
+    report.kept = len({g for g, _ in out})
+    if rows_dropped[0]:
+        report.notes.append(f"{rows_dropped[0]} alignment row(s) dropped: exact copies of an earlier sequence")
     if not out:
         raise ValueError(f"no sequences found (fasta={fasta!r}, msa_dir={msa_dir!r})")
     return out
 
 
-def split_sequences(seqs, val_fraction, seed):
-    """Split [(group, seq)] by group -> (train seqs, val seqs)."""
-    train_groups, val_groups = split_names(sorted({g for g, _ in seqs}), val_fraction, seed)
-    return [s for g, s in seqs if g in train_groups], [s for g, s in seqs if g in val_groups]
+def split_sequences(seqs, val_fraction, seed, test_fraction=0.0, clusters=None, val_names=None, test_names=None):
+    """Split [(group, seq)] by group -> {'train', 'val', 'test'}: lists of sequences (and ``.groups``)."""
+    groups = sorted({g for g, _ in seqs})
+    splits = split_proteins(groups, val_fraction=val_fraction, test_fraction=test_fraction, seed=seed,
+                            clusters=clusters, val_names=val_names, test_names=test_names)
+    return {k: [s for g, s in seqs if g in set(v)] for k, v in splits.items()}, splits
 
 
 class MaskedLMDataset(Dataset):
@@ -100,23 +119,43 @@ class CausalLMDataset(Dataset):
 
 
 class _LMDataModule(L.LightningDataModule):
-    def __init__(self, fasta="sample", msa_dir="sample", msa_rows="query", batch_size=8, train_samples=512,
-                 val_samples=64, val_fraction=0.2, split_seed=0, num_workers=0):
-        super().__init__()
-        self.train_set = self.val_set = None
+    """Shared LM data plumbing. Splits are by group (a FASTA record or an A3M file), see ``MSADataModule``
+    for ``val_fraction`` / ``test_fraction`` / ``val_names`` / ``test_names`` / ``cluster_file``; group
+    names are ``fasta:<file>:<record id>`` and ``msa:<file>``."""
 
-    def _datasets(self, train_seqs, val_seqs):
+    def _datasets(self, seqs, kind):
         raise NotImplementedError
 
     def setup(self, stage=None):
         if self.train_set is not None:
             return
+        from .msa import _names
+
         h = self.hparams
-        seqs = load_sequences(h.fasta, h.msa_dir, h.msa_rows)
-        train, val = split_sequences(seqs, h.val_fraction, h.split_seed)
-        self.train_set, self.val_set = self._datasets(train, val)
+        report = DataReport()
+        seqs = load_sequences(h.fasta, h.msa_dir, h.msa_rows, report=report)
+        clusters = read_clusters(h.cluster_file) if h.cluster_file else None
+        by_split, names = split_sequences(seqs, h.val_fraction, h.split_seed, h.test_fraction, clusters,
+                                          _names(h.val_names), _names(h.test_names))
+        report.splits = names
+        report.emit()
+        self.report = report
+        self.train_set = self._datasets(by_split["train"], "train")
+        self.val_set = self._datasets(by_split["val"], "val") if by_split["val"] else None
+        self.test_set = self._datasets(by_split["test"], "test") if by_split["test"] else None
+
+    def prepare_report(self, folder=None):
+        self.setup("fit")
+        if folder is not None:
+            self.report.write(folder)
+
+    def has_test_set(self) -> bool:
+        self.setup("test")
+        return self.test_set is not None
 
     def _loader(self, ds, shuffle):
+        if ds is None:
+            return []
         return DataLoader(ds, batch_size=self.hparams.batch_size, shuffle=shuffle, collate_fn=collate_lm,
                           num_workers=self.hparams.num_workers, persistent_workers=self.hparams.num_workers > 0)
 
@@ -127,34 +166,43 @@ class _LMDataModule(L.LightningDataModule):
         return self._loader(self.val_set, False)
 
     def test_dataloader(self):
-        return self._loader(self.val_set, False)
+        return self._loader(self.test_set, False)
+
+    def _samples(self, kind):
+        h = self.hparams
+        return {"train": h.train_samples, "val": h.val_samples, "test": h.test_samples or h.val_samples}[kind]
+
+    def _seed(self, kind):
+        return {"train": None, "val": self.hparams.split_seed + 1, "test": self.hparams.split_seed + 2}[kind]
 
 
 class MaskedLMDataModule(_LMDataModule):
     """ESM-2-style masked LM on FASTA + MSA query sequences ('sample' = bundled)."""
 
     def __init__(self, fasta="sample", msa_dir="sample", msa_rows="query", max_len=128, mask_prob=0.15,
-                 batch_size=8, train_samples=512, val_samples=64, val_fraction=0.2, split_seed=0, num_workers=0):
-        super().__init__(fasta, msa_dir, msa_rows, batch_size, train_samples, val_samples, val_fraction,
-                         split_seed, num_workers)
+                 batch_size=8, train_samples=512, val_samples=64, test_samples=None, val_fraction=0.2,
+                 test_fraction=0.1, val_names=None, test_names=None, cluster_file=None, split_seed=0, num_workers=0):
+        super().__init__()
         self.save_hyperparameters(logger=False)
+        self.train_set = self.val_set = self.test_set = None
+        self.report = DataReport()
 
-    def _datasets(self, train, val):
+    def _datasets(self, seqs, kind):
         h = self.hparams
-        return (MaskedLMDataset(train, h.max_len, h.mask_prob, h.train_samples, None),
-                MaskedLMDataset(val, h.max_len, h.mask_prob, h.val_samples, h.split_seed + 1))
+        return MaskedLMDataset(seqs, h.max_len, h.mask_prob, self._samples(kind), self._seed(kind))
 
 
 class CausalLMDataModule(_LMDataModule):
     """Causal LM on proteins concatenated into one stream (default: every MSA row + FASTA)."""
 
     def __init__(self, fasta="sample", msa_dir="sample", msa_rows="all", seq_len=256, batch_size=8,
-                 train_samples=512, val_samples=64, val_fraction=0.2, split_seed=0, num_workers=0):
-        super().__init__(fasta, msa_dir, msa_rows, batch_size, train_samples, val_samples, val_fraction,
-                         split_seed, num_workers)
+                 train_samples=512, val_samples=64, test_samples=None, val_fraction=0.2, test_fraction=0.1,
+                 val_names=None, test_names=None, cluster_file=None, split_seed=0, num_workers=0):
+        super().__init__()
         self.save_hyperparameters(logger=False)
+        self.train_set = self.val_set = self.test_set = None
+        self.report = DataReport()
 
-    def _datasets(self, train, val):
+    def _datasets(self, seqs, kind):
         h = self.hparams
-        return (CausalLMDataset(train, h.seq_len, h.train_samples, None),
-                CausalLMDataset(val, h.seq_len, h.val_samples, h.split_seed + 1))
+        return CausalLMDataset(seqs, h.seq_len, self._samples(kind), self._seed(kind))

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 from .alphabet import encode, encode_msa
 from .batching import collate_msa
 from .parsers import read_a3m
-from .sample import list_files, resolve, split_names
+from .sources import DataReport, check_disjoint, gather_sources, protein_name, read_clusters, split_proteins
 from .structure import distogram_bins, read_mmcif
 from .transforms import bert_mask, crop_start, subsample_msa
 
@@ -31,40 +31,64 @@ class Entry:
     residue_index: Optional[torch.Tensor] = None
 
 
-def load_entries(msa_dir=None, mmcif_dir=None, max_msa_rows: int | None = None) -> list[Entry]:
-    """Parse every ``.a3m`` in ``msa_dir`` and every ``.cif`` in ``mmcif_dir`` ('sample' = bundled)."""
+def load_entries(msa_dir=None, mmcif_dir=None, max_msa_rows: int | None = None,
+                 report: DataReport | None = None) -> list[Entry]:
+    """Parse every ``.a3m`` (``.a3m.gz``) under ``msa_dir`` and every ``.cif``/``.mmcif`` (``.gz``) under
+    ``mmcif_dir``, subfolders included ('sample' = bundled; None = that source unused). A structure
+    whose sequence is an alignment's query joins that protein; exact duplicates and structures without
+    a usable protein chain are dropped, each recorded in ``report`` with why."""
+    report = report if report is not None else DataReport()
+    found = gather_sources({"msa_dir": msa_dir, "mmcif_dir": mmcif_dir},
+                           {"msa_dir": (".a3m",), "mmcif_dir": (".cif", ".mmcif")})
+    for opt, f in found.items():
+        if f.root is not None:
+            report.add_source(opt, f)
     entries = []
-    for path in list_files(resolve(msa_dir, "msa"), (".a3m",)):
+    msa_root = found["msa_dir"].root
+    for path in found["msa_dir"].files:
         msa = read_a3m(path, max_rows=max_msa_rows)
         tokens = encode_msa(msa.aligned)  # [S, L]
         n = tokens.shape[1]
-        entries.append(
-            Entry(path.stem, tokens, torch.zeros(n, n, dtype=torch.long), torch.zeros(n, n, dtype=torch.bool))
-        )
+        entries.append(Entry(protein_name(path, msa_root), tokens, torch.zeros(n, n, dtype=torch.long),
+                             torch.zeros(n, n, dtype=torch.bool)))
     by_query = {tuple(e.msa[0].tolist()): e for e in entries}
-    for path in list_files(resolve(mmcif_dir, "mmcif"), (".cif", ".mmcif")):
-        s = read_mmcif(path)
+    cif_root = found["mmcif_dir"].root
+    for path in found["mmcif_dir"].files:
+        name = protein_name(path, cif_root)
+        try:
+            s = read_mmcif(path)
+        except ValueError as err:
+            if "no protein chain with" not in str(err):
+                raise  # malformed or truncated: the user fixes the file
+            report.drop(name, str(err).split(": ", 1)[-1])
+            continue
         bins, pair_mask = distogram_bins(s.coords, s.mask)  # [N, N], [N, N]
         key = tuple(encode(s.sequence).tolist())
         match = by_query.get(key)
         if match is not None and not match.distogram_mask.any():
             # the structure of a protein that has an alignment: its distogram joins that MSA
             match.distogram, match.distogram_mask, match.residue_index = bins, pair_mask, s.residue_index
+            report.notes.append(f"structure {name} joined alignment {match.name} (same sequence)")
         elif match is None:
-            by_query[key] = Entry(path.stem, encode(s.sequence)[None], bins, pair_mask, s.residue_index)
+            by_query[key] = Entry(name, encode(s.sequence)[None], bins, pair_mask, s.residue_index)
             entries.append(by_query[key])
+        else:
+            report.drop(name, f"same sequence as {match.name}, which already has a structure")
     # exact duplicates of an earlier protein are dropped (the sample has 3zee and 4i6p, the same chain),
     # so one copy cannot sit in train and the other in val
-    seen, unique = set(), []
+    seen, unique = {}, []
     for e in entries:
         key = tuple(e.msa[0].tolist())
-        if key not in seen:
-            seen.add(key)
-            unique.append(e)
-    entries = unique
-    if not entries:
-        raise ValueError(f"no .a3m files in msa_dir={msa_dir!r} and no .cif files in mmcif_dir={mmcif_dir!r}")
-    return entries
+        if key in seen:
+            report.drop(e.name, f"same query sequence as {seen[key]}")
+            continue
+        seen[key] = e.name
+        unique.append(e)
+    report.kept = len(unique)
+    if not unique:
+        raise ValueError(f"no usable proteins in msa_dir={msa_dir!r} / mmcif_dir={mmcif_dir!r}: "
+                         + "; ".join(f"{n}: {w}" for n, w in report.dropped))
+    return unique
 
 
 class MSADataset(Dataset):
@@ -104,11 +128,15 @@ class MSADataset(Dataset):
 
 
 class MSADataModule(L.LightningDataModule):
-    """Masked-MSA + distogram data from A3M and mmCIF directories.
+    """Masked-MSA + distogram data from A3M and mmCIF folders.
 
-    ``msa_dir`` / ``mmcif_dir``: a directory (or one file), ``"sample"`` for the bundled real data, or
-    None to leave that source out. Proteins are split into train/val by name (``val_fraction``); the
-    test set is the validation set (the sample is small).
+    ``msa_dir`` / ``mmcif_dir``: a folder (searched with its subfolders; ``.gz`` read) or one file,
+    ``"sample"`` for the bundled real data, or None to leave that source out; the bundled data is never
+    mixed with yours. Proteins are split into train/val/test by cluster (``cluster_file``: MMseqs2-style
+    ``cluster_id member`` lines; else each protein is its own cluster): ``val_names`` / ``test_names``
+    fix a split, otherwise ``val_fraction`` / ``test_fraction`` of the clusters (at least one each when
+    > 0; 0 = no such split), stratified by whether a protein has a structure. ``setup`` prints what was
+    found, kept, dropped and how it was split (``self.report``).
     """
 
     def __init__(
@@ -122,32 +150,59 @@ class MSADataModule(L.LightningDataModule):
         batch_size: int = 4,
         train_samples: int = 256,
         val_samples: int = 32,
+        test_samples: int | None = None,
         val_fraction: float = 0.2,
+        test_fraction: float = 0.1,
+        val_names: list | None = None,
+        test_names: list | None = None,
+        cluster_file: str | None = None,
         split_seed: int = 0,
         num_workers: int = 0,
     ):
         super().__init__()
         self.save_hyperparameters(logger=False)
-        self.train_set = self.val_set = None
+        self.train_set = self.val_set = self.test_set = None
+        self.report = DataReport()
 
     def setup(self, stage=None):
         if self.train_set is not None:
             return
         h = self.hparams
-        entries = load_entries(h.msa_dir, h.mmcif_dir, h.max_msa_rows)
-        # split MSAs and structures separately so both kinds land in train and val
-        train, val = [], []
-        for has_structure in (False, True):
-            group = [e for e in entries if bool(e.distogram_mask.any()) == has_structure]
-            tr, va = split_names([e.name for e in group], h.val_fraction, h.split_seed)
-            train += [e for e in group if e.name in tr]
-            val += [e for e in group if e.name in va]
-        self.train_names, self.val_names = [e.name for e in train], [e.name for e in val]
+        report = DataReport()
+        entries = load_entries(h.msa_dir, h.mmcif_dir, h.max_msa_rows, report=report)
+        clusters = read_clusters(h.cluster_file) if h.cluster_file else None
+        strata = {e.name: "structure" if bool(e.distogram_mask.any()) else "msa" for e in entries}
+        splits = split_proteins(
+            [e.name for e in entries], val_fraction=h.val_fraction, test_fraction=h.test_fraction, seed=h.split_seed,
+            clusters=clusters, strata=strata, val_names=_names(h.val_names), test_names=_names(h.test_names),
+        )
+        check_disjoint(splits, sequences={e.name: e.msa[0].numpy().tobytes().hex() for e in entries})
+        report.splits = splits
+        report.emit()
+        self.report = report
+        by_name = {e.name: e for e in entries}
+        train, val, test = ([by_name[n] for n in splits[s]] for s in ("train", "val", "test"))
+        self.train_names, self.val_names, self.test_names = splits["train"], splits["val"], splits["test"]
         common = dict(crop_size=h.crop_size, msa_depth=h.msa_depth, mask_prob=h.mask_prob)
         self.train_set = MSADataset(train, num_samples=h.train_samples, seed=None, **common)
-        self.val_set = MSADataset(val, num_samples=h.val_samples, seed=h.split_seed + 1, **common)
+        self.val_set = MSADataset(val, num_samples=h.val_samples, seed=h.split_seed + 1, **common) if val else None
+        self.test_set = (MSADataset(test, num_samples=h.test_samples or max(len(test), h.val_samples),
+                                    seed=h.split_seed + 2, **common) if test else None)
+
+    def prepare_report(self, folder=None):
+        """Read and split the data now (a data error stops a run before the model is built) and write
+        ``data.json`` (files, proteins kept/dropped, splits) into ``folder``."""
+        self.setup("fit")
+        if folder is not None:
+            self.report.write(folder)
+
+    def has_test_set(self) -> bool:
+        self.setup("test")
+        return self.test_set is not None
 
     def _loader(self, ds, shuffle):
+        if ds is None:
+            return []
         return DataLoader(
             ds, batch_size=self.hparams.batch_size, shuffle=shuffle, collate_fn=collate_msa,
             num_workers=self.hparams.num_workers, persistent_workers=self.hparams.num_workers > 0,
@@ -160,4 +215,13 @@ class MSADataModule(L.LightningDataModule):
         return self._loader(self.val_set, shuffle=False)
 
     def test_dataloader(self):
-        return self._loader(self.val_set, shuffle=False)
+        return self._loader(self.test_set, shuffle=False)
+
+
+def _names(x):
+    """A list of protein names from a config value (None, a list, or a comma-separated string)."""
+    if x is None:
+        return None
+    if isinstance(x, str):
+        return [n.strip() for n in x.split(",") if n.strip()]
+    return [str(n) for n in x]

@@ -46,26 +46,27 @@ class MSA:
 
 def _records(path: Path, allowed: re.Pattern, kind: str) -> list[Record]:
     """Split a FASTA-like file into records, checking every sequence line against ``allowed``."""
+    from .sources import read_text  # gzip, a UTF-8 BOM and CRLF line ends handled there
+
     records: list[Record] = []
-    with open(path, "r", encoding="utf-8", errors="replace") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            line = raw.strip()
-            if not line:
-                continue
-            if line.startswith(">"):
-                records.append(Record(line[1:].strip(), "", lineno))
-                continue
-            if line.startswith(";") or line.startswith("#"):
-                continue  # comment lines (old FASTA, HHsuite '#' lines)
-            if not records:
-                raise ValueError(f"{path}:{lineno}: {kind} sequence data before the first '>' header")
-            if not allowed.match(line):
-                bad = next(c for c in line if not allowed.match(c))
-                raise ValueError(
-                    f"{path}:{lineno}: invalid character {bad!r} in {kind} sequence "
-                    f"(allowed: letters, '-'{', .' if kind == 'A3M' else ''} and '*')"
-                )
-            records[-1].sequence += line
+    for lineno, raw in enumerate(read_text(path).split("\n"), start=1):
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith(">"):
+            records.append(Record(line[1:].strip(), "", lineno))
+            continue
+        if line.startswith(";") or line.startswith("#"):
+            continue  # comment lines (old FASTA, HHsuite '#' lines)
+        if not records:
+            raise ValueError(f"{path}:{lineno}: {kind} sequence data before the first '>' header")
+        if not allowed.match(line):
+            bad = next(c for c in line if not allowed.match(c))
+            raise ValueError(
+                f"{path}:{lineno}: invalid character {bad!r} in {kind} sequence "
+                f"(allowed: letters, '-'{', .' if kind == 'A3M' else ''} and '*')"
+            )
+        records[-1].sequence += line
     if not records:
         raise ValueError(f"{path}:1: no '>' records found in {kind} file")
     for r in records:
@@ -84,7 +85,9 @@ def read_fasta(path: str | Path) -> list[Record]:
 
 
 def read_a3m(path: str | Path, max_rows: int | None = None) -> MSA:
-    """Read an A3M alignment (first record = query; lower-case/'.' = insertions; '-' = gap).
+    """Read an A3M alignment (first record = query; lower-case/'.' = insertions; '-' = gap); ``.a3m.gz`` too.
+
+    An all-lower-case query makes the whole file a plain alignment (letters upper-cased, each a column).
 
     ``max_rows`` keeps the query plus the first ``max_rows - 1`` hits. Every aligned row must have the
     query's length after insertions are dropped; otherwise the error names the row's header line.
@@ -93,6 +96,16 @@ def read_a3m(path: str | Path, max_rows: int | None = None) -> MSA:
     records = _records(path, _A3M_OK, "A3M")
     if max_rows is not None:
         records = records[:max_rows]
+    query = records[0].sequence
+    if not any(c.isupper() for c in query) and any(c.islower() for c in query):
+        # an all-lowercase query has no match columns in A3M terms: the file is a plain (case-free)
+        # alignment, so every letter is a column; rows must then have the query's length
+        import logging
+
+        logging.getLogger("attn_zoo.data").warning(
+            "%s: the query is all lower-case: reading the file as a plain alignment (every letter a column)", path)
+        for r in records:
+            r.sequence = r.sequence.upper()
     aligned, unaligned, headers = [], [], []
     length = None
     for r in records:
@@ -110,4 +123,6 @@ def read_a3m(path: str | Path, max_rows: int | None = None) -> MSA:
         aligned.append(row)
         unaligned.append("".join(c for c in seq if c not in "-.").upper())
         headers.append(r.header)
-    return MSA(name=path.stem, aligned=aligned, unaligned=unaligned, headers=headers)
+    from .sources import protein_name
+
+    return MSA(name=protein_name(path, path), aligned=aligned, unaligned=unaligned, headers=headers)

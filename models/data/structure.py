@@ -58,7 +58,9 @@ def _tokens(line: str) -> list[str]:
 
 def locate_atom_site_error(path: Path) -> str:
     """Find the first malformed ``_atom_site`` row: '<file>:<line>: <reason>' (or a file-level reason)."""
-    lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+    from .sources import read_text
+
+    lines = read_text(path).splitlines()
     columns: list[str] = []
     in_loop = reading_header = False
     for lineno, line in enumerate(lines, start=1):
@@ -94,18 +96,38 @@ def locate_atom_site_error(path: Path) -> str:
     return f"{path}:1: malformed mmCIF file"
 
 
+def check_complete(text: str, path: Path) -> None:
+    """Raise ValueError if an mmCIF file looks truncated: it closes its categories with '#' lines (as
+    the PDB's and gemmi's files do) but its final record is not one, i.e. it ends inside a category."""
+    lines = text.rstrip("\n").split("\n")
+    if not any(line.strip() == "#" for line in lines) or lines[-1].strip() == "#":
+        return
+    category = next((line.split(".")[0].split()[0] for line in reversed(lines) if line.startswith("_")), "a category")
+    raise ValueError(
+        f"{path}:{len(lines)}: the file ends inside {category} without the closing '#' record that ends its other "
+        f"categories: it looks truncated (download or copy it again)"
+    )
+
+
 def read_mmcif(path: str | Path, chain: str | None = None, min_residues: int = 16) -> Structure:
     """Read the first model of an mmCIF file and return one protein chain.
 
     ``chain``: author chain id; default = the longest amino-acid chain with >= ``min_residues``
-    residues. Residues are those present in ``_atom_site`` (unresolved ones are skipped).
+    residues. Residues are those present in ``_atom_site`` (unresolved ones are skipped). ``.cif.gz``
+    is read too; a file cut short (no closing '#' record) is refused (``check_complete``).
     """
     import biotite.structure as struc
     import biotite.structure.io.pdbx as pdbx
 
+    import io
+
+    from .sources import protein_name, read_text
+
     path = Path(path)
+    text = read_text(path)  # .cif.gz too
+    check_complete(text, path)
     try:
-        atoms = pdbx.get_structure(pdbx.CIFFile.read(str(path)), model=1)
+        atoms = pdbx.get_structure(pdbx.CIFFile.read(io.StringIO(text)), model=1)
     except Exception as err:  # biotite raises several types without a line number
         raise ValueError(f"{locate_atom_site_error(path)} (biotite: {type(err).__name__}: {err})") from err
     if not np.all(np.isfinite(atoms.coord)):
@@ -139,7 +161,7 @@ def read_mmcif(path: str | Path, chain: str | None = None, min_residues: int = 1
         coords.append(res.coord[hit[0]] if len(hit) else np.zeros(3, dtype=np.float32))
         mask.append(bool(len(hit)))
     return Structure(
-        name=path.stem,
+        name=protein_name(path, path),
         chain=chain,
         sequence="".join(seq),
         coords=torch.tensor(np.stack(coords), dtype=torch.float32),  # [N, 3]

@@ -97,3 +97,57 @@ class ThroughputMonitor(L.Callback):
                 f"{s['step_ms']:.1f} ms/step over {timed} steps; peak memory {mem:.0f} MiB ({kind}) on {s['device']}",
                 flush=True,
             )
+
+
+# ---------------------------------------------------------------------------------------------------
+# checkpoints and run records
+
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint  # noqa: E402
+
+RUN_STATE_KEY = "attn_zoo_run"
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """``last.ckpt`` every ``every_n_train_steps``, on an exception, and always at the end of training,
+    so it holds the final step. The end-of-fit save records ``checkpoint["attn_zoo_run"] =
+    {"finished": True, "max_steps", "max_epochs"}``, which lets a resume of a finished run do nothing.
+    The version counter is off: there is one ``last.ckpt`` per run folder, never ``last-v1.ckpt``.
+    """
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("save_last", True)
+        kwargs.setdefault("enable_version_counter", False)
+        super().__init__(**kwargs)
+        self._finishing = False
+
+    def on_train_end(self, trainer, pl_module):
+        self._finishing = True
+        try:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        finally:
+            self._finishing = False
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        state = {"finished": self._finishing, "max_steps": trainer.max_steps, "max_epochs": trainer.max_epochs}
+        checkpoint[RUN_STATE_KEY] = state
+        return super().on_save_checkpoint(trainer, pl_module, checkpoint)
+
+
+class ReportingEarlyStopping(EarlyStopping):
+    """Lightning's EarlyStopping that says when and why it stopped (``self.report``; printed once)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.report: str | None = None
+
+    def _run_early_stopping_check(self, trainer):
+        before = trainer.should_stop
+        super()._run_early_stopping_check(trainer)
+        reason = getattr(self, "stopping_reason_message", None)
+        if trainer.should_stop and not before and self.report is None and reason:
+            self.report = (
+                f"early stopping after epoch {trainer.current_epoch} (step {trainer.global_step}, "
+                f"patience {self.patience}, min_delta {self.min_delta}): {reason}"
+            )
+            if trainer.is_global_zero:
+                print(f"[train] {self.report}", flush=True)
