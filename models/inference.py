@@ -21,6 +21,8 @@ Dropout is not applied (inference); the stacks' training path is untouched.
 """
 from __future__ import annotations
 
+import contextlib
+
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
@@ -531,14 +533,13 @@ def pairformer_block_(blk: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor,
     """One Pairformer block (AF3 Alg. 17) updating ``z`` in place; returns ``(s, z)``."""
     c = plan.chunk_size
     pair_stack_(blk, z, pair_mask, c)
-    if blk.single_fp32:  # as PairformerBlock.forward: the single track's attention in float32, autocast off
-        with torch.autocast(s.device.type, enabled=False):
-            s = at_least_fp32(s) + attention_pair_bias(blk.attention_pair_bias, at_least_fp32(s), z, single_mask, c, fp32=True)
-    else:
-        s = s + attention_pair_bias(blk.attention_pair_bias, s, z, single_mask, c)
-    s = s + blk.single_transition(s, c)
-    if blk.post_norm_s is not None:
-        s = blk.post_norm_s(s)
+    fp32 = blk.single_fp32  # as PairformerBlock.forward: Boltz-2's single track in float32, autocast off
+    with torch.autocast(s.device.type, enabled=False) if fp32 else contextlib.nullcontext():
+        s = at_least_fp32(s) if fp32 else s
+        s = s + attention_pair_bias(blk.attention_pair_bias, s, z, single_mask, c, fp32=fp32)
+        s = s + blk.single_transition(s, c)
+        if blk.post_norm_s is not None:
+            s = blk.post_norm_s(s)
     return s, z
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -96,8 +98,8 @@ class PairformerBlock(nn.Module):
       are shared over rows (row-wise) or columns (column-wise) and drawn per channel (AF2's DropoutRowwise).
     - ``"boltz2"``: Boltz-2's trunk layer (``PairformerLayer(v2=True)``): none of those biases (gates start
       at 0.5), and dropout drops whole rows i (row-wise) or whole columns j (column-wise) of the pair update,
-      one draw per row / column shared by every channel; the single track's attention runs in float32 with
-      autocast off, as Boltz-2 runs it. ``attn_zoo.models.zoo.from_boltz`` builds it.
+      one draw per row / column shared by every channel; the single track (attention, transition, post-norm)
+      runs in float32 with autocast off, as Boltz-2 runs it. ``attn_zoo.models.zoo.from_boltz`` builds it.
     ``post_norm_s``: a LayerNorm on s at the end of the block (Boltz's ``post_layer_norm``; off in Boltz-2).
     Fully masked attention rows (padded residues) give 0 here and a mean of the masked values in Boltz;
     neither reaches a real position.
@@ -145,14 +147,13 @@ class PairformerBlock(nn.Module):
         z = z + self.pair_dropout_row(self.tri_att_start(z, pair_mask, c))
         z = z + self.pair_dropout_col(self.tri_att_end(z, pair_mask, c))
         z = z + self.pair_transition(z, c)
-        if self.single_fp32:  # Boltz-2: the single track's attention in float32, autocast off
-            with torch.autocast(s.device.type, enabled=False):
-                s = at_least_fp32(s) + self.attention_pair_bias(at_least_fp32(s), at_least_fp32(z), single_mask, c)
-        else:
+        with torch.autocast(s.device.type, enabled=False) if self.single_fp32 else contextlib.nullcontext():
+            if self.single_fp32:  # Boltz-2: the whole single track in float32, autocast off
+                s, z = at_least_fp32(s), at_least_fp32(z)
             s = s + self.attention_pair_bias(s, z, single_mask, c)
-        s = s + self.single_transition(s, c)
-        if self.post_norm_s is not None:
-            s = self.post_norm_s(s)
+            s = s + self.single_transition(s, c)
+            if self.post_norm_s is not None:
+                s = self.post_norm_s(s)
         return s, z
 
     def forward_inference(

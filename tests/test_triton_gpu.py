@@ -133,6 +133,7 @@ def test_direct_launch_equals_triton_launch_gpu(monkeypatch, splits):
     with kernel_settings(fast_launch=False):
         plain = run()
     monkeypatch.setattr(fastlaunch, "_COMPILED", {})
+    monkeypatch.setattr(fastlaunch, "_EXACT", {})  # earlier tests' exact-argument entries would bypass _COMPILED
     run()  # remembers the compiled kernels
     direct = run()
     kernels = {key[0] for key in fastlaunch._COMPILED}
