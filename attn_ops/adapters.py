@@ -10,7 +10,7 @@ from functools import lru_cache
 
 import torch
 
-from .inputs import combine_masks
+from .inputs import combine_masks, fold_segments
 
 Tensor = torch.Tensor
 
@@ -20,10 +20,12 @@ def _live_rows(mask: Tensor) -> Tensor:
     return mask.any(-1, keepdim=True)
 
 
-def sdpa_attention(q, k, v, bias, mask, scale, causal, deterministic=True):
-    """``torch.nn.functional.scaled_dot_product_attention`` with bias and mask folded into attn_mask."""
+def sdpa_attention(q, k, v, bias, mask, scale, causal, deterministic=True, segment_ids=None):
+    """``torch.nn.functional.scaled_dot_product_attention`` with bias and mask (and segment ids, as a
+    materialised mask) folded into attn_mask."""
     import torch.nn.functional as F
 
+    mask = fold_segments(mask, segment_ids)
     full_mask = combine_masks(mask, causal, q.shape[-2], k.shape[-2], q.device)
     live = None
     attn_mask = None
@@ -63,16 +65,17 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _call_flex(device_type: str, q, k, v, score_mod, scale):
+def _call_flex(device_type: str, q, k, v, score_mod, scale, block_mask=None):
     import warnings
 
     from torch.nn.attention import flex_attention as fa
 
     def call(fn):
         if hasattr(fa, "AuxRequest"):
-            out, aux = fn(q, k, v, score_mod=score_mod, scale=scale, return_aux=fa.AuxRequest(lse=True))
+            out, aux = fn(q, k, v, score_mod=score_mod, scale=scale, block_mask=block_mask,
+                          return_aux=fa.AuxRequest(lse=True))
             return out, aux.lse
-        return fn(q, k, v, score_mod=score_mod, scale=scale, return_lse=True)
+        return fn(q, k, v, score_mod=score_mod, scale=scale, block_mask=block_mask, return_lse=True)
 
     if device_type == "cuda":
         return call(_compiled_flex())
@@ -96,12 +99,35 @@ def _index(t: Tensor, lead_sizes, b, *tail):
     return t[tuple(idx)]
 
 
-def flex_attention(q, k, v, bias, mask, scale, causal, deterministic=True):
-    """``flex_attention`` (compiled on CUDA) with a score_mod that reads bias and mask through indices."""
+def _segment_block_mask(segment_ids, lead, n, lq, lk, causal, device):
+    """A flex ``BlockMask`` from a mask_mod on the ids: key blocks that share no id with a query block are
+    skipped (the document mask of packed rows); the score_mod still applies the exact mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    qi, ki = segment_ids
+    shift = lk - lq
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        a = _index(qi, lead, b, q_idx)
+        keep = (a == _index(ki, lead, b, kv_idx)) & (a >= 0)
+        if causal:
+            keep = keep & (kv_idx <= q_idx + shift)
+        return keep
+
+    return create_block_mask(mask_mod, n, None, lq, lk, device=device)
+
+
+def flex_attention(q, k, v, bias, mask, scale, causal, deterministic=True, segment_ids=None):
+    """``flex_attention`` (compiled on CUDA) with a score_mod that reads bias and mask through indices; segment
+    ids add a block mask from a mask_mod on the ids (and their mask to the score_mod's)."""
     lead = tuple(q.shape[:-3])
     n = math.prod(lead) if lead else 1
     lq, lk = q.shape[-2], k.shape[-2]
     shift = lk - lq
+    block_mask = None
+    if segment_ids is not None:
+        block_mask = _segment_block_mask(segment_ids, lead, n, lq, lk, causal, q.device)
+        mask = fold_segments(mask, segment_ids)
     full_mask = combine_masks(mask, causal, lq, lk, q.device)
     live = None if full_mask is None else _live_rows(full_mask)  # [..., Lq, 1]
     live_idx = None if live is None else live.squeeze(-1)  # [..., Lq], broadcast dims of size 1
@@ -124,7 +150,7 @@ def flex_attention(q, k, v, bias, mask, scale, causal, deterministic=True):
         return score
 
     q4, k4, v4 = (t.reshape((n,) + t.shape[-3:]) for t in (q, k, v))
-    out, lse = _call_flex(q.device.type, q4, k4, v4, score_mod, scale)
+    out, lse = _call_flex(q.device.type, q4, k4, v4, score_mod, scale, block_mask)
     out = out.reshape(q.shape[:-1] + v.shape[-1:])
     lse = lse.reshape(q.shape[:-1]).float()
     if live is not None:

@@ -1,0 +1,190 @@
+"""Packed variable-length rows (``segment_ids``): every backend on a packed batch equals the same sequences run one
+by one through the float64 reference (outputs, lse and the gradients of q, k, v, bias, also through lse).
+
+The triton backend runs under TRITON_INTERPRET=1 with tiny shapes (its tiles there are 32 queries x 16 keys, so
+rows of 40-70 tokens span several tiles and tile skipping is exercised). Errors are bounded as in tests/helpers.py:
+a small multiple of plain PyTorch's own error in the same dtype on the same packed inputs.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest does the same)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import attn_ops  # noqa: E402
+from attn_ops import registry  # noqa: E402
+from attn_ops.inputs import check_segment_ids  # noqa: E402
+from attn_ops.reference import attention_reference  # noqa: E402
+from helpers import bound, max_err  # noqa: E402
+
+
+def ids_from_lengths(lengths, total):
+    """Long [total]: sequence i's tokens get id i, in order; the rest (padding at the end) -1."""
+    ids = torch.full((total,), -1, dtype=torch.long)
+    pos = 0
+    for i, n in enumerate(lengths):
+        ids[pos:pos + n] = i
+        pos += n
+    assert pos <= total
+    return ids
+
+
+def spans(lengths):
+    out, pos = [], 0
+    for n in lengths:
+        out.append((pos, pos + n))
+        pos += n
+    return out
+
+
+# (name, per-row sequence lengths (query side), per-row lengths on the key side or None (= same ids), L, Lk,
+#  bias kind, key mask, causal)
+CASES = [
+    # odd lengths, a length-1 sequence, padding at the end; a row holding one sequence
+    ("mixed_full_bias", [[7, 1, 13, 4], [25]], None, 27, 27, "full", False, False),
+    ("mixed_full_bias_causal", [[7, 1, 13, 4], [25]], None, 27, 27, "full", False, True),
+    # a bias shared by the batch rows (its gradient sums rows packed differently) and a key mask with holes
+    ("shared_bias_key_mask", [[3, 9, 1, 5], [11, 10]], None, 23, 23, "shared", True, False),
+    ("no_bias_causal_key_mask", [[3, 9, 1, 5], [11, 10]], None, 23, 23, None, True, True),
+    # queries and keys packed differently (a pair of ids): cross attention between packed sets
+    ("pair_ids_cross", [[4, 1, 6], [9, 2]], [[5, 7, 2], [3, 10]], 13, 15, "full", False, False),
+]
+# triton: rows over several 32 x 16 tiles, sequences that straddle tile edges and some that fit in one tile
+TRITON_CASES = [
+    ("tiles_full_bias", [[17, 1, 30, 5, 12], [64]], None, 70, 70, "full", False, False),
+    ("tiles_full_bias_causal", [[17, 1, 30, 5, 12], [64]], None, 70, 70, "full", False, True),
+    ("tiles_shared_bias_key_mask", [[33, 2, 20], [9, 40, 1, 3]], None, 57, 57, "shared", True, False),
+    ("tiles_pair_ids", [[20, 3, 11], [9, 30]], [[6, 40, 2], [21, 5]], 41, 50, "full", False, False),
+]
+
+
+def make_packed(case, dtype, seed=0, grad=True):
+    name, qlens, klens, L, Lk, bias_kind, key_mask, causal = case
+    g = torch.Generator().manual_seed(seed)
+    B, H, D = len(qlens), 2, 16
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_(grad)
+
+    q, k, v = rnd(B, H, L, D), rnd(B, H, Lk, D), rnd(B, H, Lk, D)
+    bias = {None: None, "full": lambda: rnd(B, H, L, Lk), "shared": lambda: rnd(1, H, L, Lk)}[bias_kind]
+    bias = bias() if bias is not None else None
+    qids = torch.stack([ids_from_lengths(n, L) for n in qlens])
+    kids = qids if klens is None else torch.stack([ids_from_lengths(n, Lk) for n in klens])
+    mask = None
+    if key_mask:
+        mask = torch.rand(B, 1, 1, Lk, generator=g) > 0.25
+        for b, lens in enumerate(klens or qlens):  # keep each sequence's first key, so no live row is empty
+            for s, _ in spans(lens):
+                mask[b, 0, 0, s] = True
+    seg = qids if klens is None else (qids, kids)
+    return q, k, v, bias, mask, seg, causal
+
+
+def per_sequence(case, q, k, v, bias, mask, g_out, g_lse):
+    """out, lse and grads of q, k, v, bias of the packed batch computed one sequence at a time (float64)."""
+    _, qlens, klens, L, Lk, _, _, causal = case
+    q64, k64, v64 = (t.detach().double() for t in (q, k, v))
+    b64 = None if bias is None else bias.detach().double()
+    out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=torch.float64)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float64)
+    grads = [torch.zeros_like(q64), torch.zeros_like(k64), torch.zeros_like(v64)]
+    grads.append(None if b64 is None else torch.zeros_like(b64))
+    for b, lens in enumerate(qlens):
+        for (qs, qe), (ks, ke) in zip(spans(lens), spans(klens[b] if klens else lens)):
+            leaves = [q64[b, :, qs:qe].clone().requires_grad_(), k64[b, :, ks:ke].clone().requires_grad_(),
+                      v64[b, :, ks:ke].clone().requires_grad_()]
+            bb = None if b64 is None else b64[b if b64.shape[0] > 1 else 0, :, qs:qe, ks:ke].clone().requires_grad_()
+            m = None if mask is None else mask[b, :, :, ks:ke]
+            o, l = attention_reference(*leaves, bb, m, None, causal)
+            out[b, :, qs:qe], lse[b, :, qs:qe] = o.detach(), l.detach()
+            loss = (o * g_out[b, :, qs:qe]).sum() + (torch.where(torch.isfinite(l), l, 0.0) * g_lse[b, :, qs:qe]).sum()
+            gs = torch.autograd.grad(loss, leaves + ([bb] if bb is not None else []))
+            grads[0][b, :, qs:qe] += gs[0]
+            grads[1][b, :, ks:ke] += gs[1]
+            grads[2][b, :, ks:ke] += gs[2]
+            if bb is not None:
+                grads[3][b if b64.shape[0] > 1 else 0, :, qs:qe, ks:ke] += gs[3]
+    return out, lse, grads
+
+
+def _loss(out, lse, g_out, g_lse):
+    loss = (out.double() * g_out).sum()
+    if lse is not None:
+        loss = loss + (torch.where(torch.isfinite(lse), lse.double(), 0.0) * g_lse).sum()
+    return loss
+
+
+def check_packed(backend, case, dtype, seed=0, **options):
+    """The packed call on ``backend`` vs the sequences one by one: out, lse, and (where the backend has a
+    backward here) dq, dk, dv, dbias with a loss on out and on lse."""
+    info = registry.get(backend)
+    grad = "cpu" in (info.grad_devices or info.devices)
+    q, k, v, bias, mask, seg, causal = make_packed(case, dtype, seed, grad=grad)
+    g = torch.Generator().manual_seed(seed + 1)
+    g_out = torch.randn(q.shape[:-1] + v.shape[-1:], generator=g, dtype=torch.float64)
+    g_lse = torch.randn(q.shape[:-1], generator=g, dtype=torch.float64) if info.lse else torch.zeros(q.shape[:-1])
+    leaves = [t for t in (q, k, v, bias) if t is not None]
+    if info.lse:
+        out, lse = attn_ops.attention(q, k, v, bias, mask, causal=causal, return_lse=True, backend=backend,
+                                      segment_ids=seg, **options)
+    else:
+        out, lse = attn_ops.attention(q, k, v, bias, mask, causal=causal, backend=backend, segment_ids=seg,
+                                      **options), None
+    got = list(torch.autograd.grad(_loss(out, lse, g_out, g_lse), leaves)) if grad else []
+    ref_out, ref_lse, ref_grads = per_sequence(case, q, k, v, bias, mask, g_out, g_lse)
+    ref_grads = [t for t in ref_grads if t is not None]
+    # plain PyTorch in the same dtype on the packed inputs (the yardstick of acceptable error)
+    lp_leaves = [None if t is None else t.detach().clone().requires_grad_(grad) for t in (q, k, v, bias)]
+    lp_out, lp_lse = attention_reference(*lp_leaves, mask, None, causal, upcast=False,
+                                         segment_ids=check_segment_ids(seg, q, k))
+    lp = list(torch.autograd.grad(_loss(lp_out, lp_lse, g_out, g_lse), [t for t in lp_leaves if t is not None])
+              ) if grad else []
+    names = ["out"] + (["lse"] if lse is not None else []) + ["dq", "dk", "dv", "dbias"][:len(got)]
+    outs = [out] + ([lse] if lse is not None else []) + got
+    refs = [ref_out] + ([ref_lse] if lse is not None else []) + ref_grads[:len(got)]
+    lps = [lp_out] + ([lp_lse] if lse is not None else []) + lp
+    assert torch.isfinite(ref_lse).any()
+    for name, a, r, p in zip(names, outs, refs, lps):
+        assert a.shape == r.shape, (name, a.shape, r.shape)
+        assert not torch.isnan(a).any(), f"{backend}: NaN in {name}"
+        err, base = max_err(a, r), max_err(p, r)
+        allowed = bound(dtype, r, base, backend)
+        assert err <= allowed, f"{backend} {dtype} {case[0]}: {name} error {err:.3g} > {allowed:.3g} (torch {base:.3g})"
+    # padding rows: out exactly 0, lse -inf, zero gradient
+    qids = seg[0] if isinstance(seg, tuple) else seg
+    pad = qids < 0  # [B, L]
+    assert torch.equal(out.transpose(1, 2)[pad], torch.zeros_like(out.transpose(1, 2)[pad]))
+    if lse is not None:
+        assert (lse.transpose(1, 2)[pad] == float("-inf")).all()
+    if got:
+        assert torch.equal(got[0].transpose(1, 2)[pad], torch.zeros_like(got[0].transpose(1, 2)[pad]))
+    return out, lse, got
+
+
+def test_reference_with_ids_equals_sequences_one_by_one():
+    """The float64 reference's materialised id mask gives exactly the per-sequence results (to rounding)."""
+    for case in CASES:
+        q, k, v, bias, mask, seg, causal = make_packed(case, torch.float64)
+        g = torch.Generator().manual_seed(5)
+        g_out = torch.randn(q.shape[:-1] + v.shape[-1:], generator=g, dtype=torch.float64)
+        g_lse = torch.randn(q.shape[:-1], generator=g, dtype=torch.float64)
+        out, lse = attention_reference(q, k, v, bias, mask, None, causal, segment_ids=check_segment_ids(seg, q, k))
+        leaves = [t for t in (q, k, v, bias) if t is not None]
+        got = torch.autograd.grad(_loss(out, lse, g_out, g_lse), leaves)
+        r_out, r_lse, r_grads = per_sequence(case, q, k, v, bias, mask, g_out, g_lse)
+        for a, b in zip([out, lse, *got], [r_out, r_lse, *[t for t in r_grads if t is not None]]):
+            assert max_err(a, b) < 1e-12, case[0]
+
+
+CPU_BACKENDS = ["torch", "chunked", "sdpa", "flex"]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_torch_backends_match_sequences(backend, case):
+    if backend not in attn_ops.backends():
+        pytest.skip(f"{backend} not available")
+    opts = dict(chunk_size=5) if backend == "chunked" else {}  # many chunks, some inside one sequence
+    check_packed(backend, case, torch.float32, **opts)
