@@ -209,7 +209,10 @@ def _check_order(name: str, ids: Tensor) -> None:
         if ref() is ids and version == ids._version:
             return
     bad = segment_order_violation(ids)
-    if bool(bad.any()):
+    top = ids.max()
+    if bool(bad.any() | (top >= 2 ** 31 - 1)):
+        if int(top) >= 2 ** 31 - 1:
+            raise ValueError(f"{name} holds id {int(top)}: ids must be below 2**31 - 1")
         where = tuple(bad.nonzero()[0].tolist())
         row = ids[where] if where else ids
         shown = row.tolist() if row.numel() <= 32 else row.tolist()[:32] + ["..."]

@@ -188,3 +188,58 @@ def test_torch_backends_match_sequences(backend, case):
         pytest.skip(f"{backend} not available")
     opts = dict(chunk_size=5) if backend == "chunked" else {}  # many chunks, some inside one sequence
     check_packed(backend, case, torch.float32, **opts)
+
+
+TRITON_RUNS = [(c, torch.float32) for c in TRITON_CASES] + [(c, torch.float16) for c in TRITON_CASES[1:3]]
+
+
+@pytest.mark.parametrize("case,dtype", TRITON_RUNS, ids=[f"{c[0]}-{str(d)[6:]}" for c, d in TRITON_RUNS])
+def test_triton_matches_sequences(case, dtype):
+    check_packed("triton", case, dtype)
+
+
+def _tiles_meeting(qids, kids, bm, bn):
+    """Python count of the (query tile, key tile) pairs of one row whose id ranges meet."""
+    def rng(ids):
+        ok = ids[ids >= 0]
+        return (int(ok.min()), int(ok.max())) if ok.numel() else None
+    n = 0
+    for m0 in range(0, qids.numel(), bm):
+        for n0 in range(0, kids.numel(), bn):
+            a, b = rng(qids[m0:m0 + bm]), rng(kids[n0:n0 + bn])
+            n += a is not None and b is not None and a[0] <= b[1] and b[0] <= a[1]
+    return n
+
+
+def test_triton_skips_tiles_whose_segments_cannot_meet(monkeypatch):
+    """Count the score tiles each kernel computes (forward, dQ, dK/dV and the dBias reduction of a bias shared by
+    the batch rows): with segment ids exactly the tile pairs whose id ranges meet, far fewer than the dense ones,
+    and the results still match the sequences one by one."""
+    from attn_ops.triton import backward, common, dbias, forward  # noqa: F401
+
+    counts = {"logits": 0, "logits_t": 0, "ds": 0}
+
+    def counting(name, real):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(common, "logits", counting("logits", common.logits))  # forward and dQ (kv_scores)
+    monkeypatch.setattr(backward, "logits_t", counting("logits_t", backward.logits_t))  # dK/dV
+    monkeypatch.setattr(dbias, "_ds_step", counting("ds", dbias._ds_step))  # dBias reduction
+    L, H = 128, 2
+    lens = [[16] * 7 + [15], [7, 1, 40, 9, 30, 25]]  # padding at the end of both rows
+    case = ("count", lens, None, L, L, "shared", False, False)
+    q, k, v, bias, mask, ids, _ = make_packed(case, torch.float32)
+    bm, bn = 32, 16  # the interpreter's tiles (attn_ops/triton/tuning.py)
+    meet = sum(_tiles_meeting(ids[b], ids[b], bm, bn) for b in range(len(lens))) * H
+    dense = (L // bm) * (L // bn) * len(lens) * H
+    assert meet < 0.5 * dense, (meet, dense)
+    out, lse = attn_ops.attention(q, k, v, bias, return_lse=True, backend="triton", segment_ids=ids)
+    assert counts["logits"] == meet, (counts, meet)
+    (out.square().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()).backward()
+    assert counts == {"logits": 2 * meet, "logits_t": meet, "ds": meet}, (counts, meet)
+    counts["logits"] = 0
+    attn_ops.attention(q.detach(), k.detach(), v.detach(), bias.detach(), backend="triton")  # dense: every tile
+    assert counts["logits"] == dense, (counts, dense)
