@@ -243,3 +243,78 @@ def test_triton_skips_tiles_whose_segments_cannot_meet(monkeypatch):
     counts["logits"] = 0
     attn_ops.attention(q.detach(), k.detach(), v.detach(), bias.detach(), backend="triton")  # dense: every tile
     assert counts["logits"] == dense, (counts, dense)
+
+
+def _qkv(lq=6, lk=6, b=2):
+    return torch.randn(b, 2, lq, 16), torch.randn(b, 2, lk, 16), torch.randn(b, 2, lk, 16)
+
+
+def test_bad_segment_ids_are_rejected_with_clear_errors():
+    q, k, v = _qkv()
+    ids = torch.tensor([[0, 0, 1, 1, 2, -1], [0, 0, 0, 0, 0, 0]])
+    with pytest.raises(TypeError, match=r"segment_ids must be an integer tensor.*got torch.float32"):
+        attn_ops.attention(q, k, v, segment_ids=ids.float())
+    with pytest.raises(TypeError, match=r"segment_ids must be an integer tensor.*got torch.bool"):
+        attn_ops.attention(q, k, v, segment_ids=ids >= 0)
+    with pytest.raises(ValueError, match=r"segment_ids of shape \(2, 5\) is not broadcastable.*dim 1 \(size 5 vs 6\)"):
+        attn_ops.attention(q, k, v, segment_ids=ids[:, :5])
+    with pytest.raises(ValueError, match=r"segment_ids of shape \(2, 2, 6\) must have 1 to 2 dims.*no head dim"):
+        attn_ops.attention(q, k, v, segment_ids=ids[:, None].expand(2, 2, 6))
+    with pytest.raises(ValueError, match=r"segment_ids of shape \(3, 6\) is not broadcastable.*dim 0 \(size 3 vs 2\)"):
+        attn_ops.attention(q, k, v, segment_ids=torch.zeros(3, 6, dtype=torch.long))
+    with pytest.raises(ValueError, match="segment_ids is on meta but q is on cpu"):
+        attn_ops.attention(q, k, v, segment_ids=ids.to("meta"))
+    # a segment that returns after another started (id 0 again after id 1), also across padding
+    for bad in ([0, 0, 1, 0, 2, 2], [0, 1, -1, -1, 0, 1]):
+        with pytest.raises(ValueError, match=r"segment_ids must be contiguous within each row.*row \(1,\)"):
+            attn_ops.attention(q, k, v, segment_ids=torch.stack([ids[0], torch.tensor(bad)]))
+    with pytest.raises(ValueError, match="below 2"):
+        attn_ops.attention(q, k, v, segment_ids=torch.full((6,), 2 ** 31 - 1))
+    # q and k of different lengths need a pair
+    q2, k2, v2 = _qkv(lq=4)
+    with pytest.raises(ValueError, match=r"needs Lq == Lk.*pass a pair"):
+        attn_ops.attention(q2, k2, v2, segment_ids=ids)
+    with pytest.raises(ValueError, match=r"segment_ids\[0\] \(query ids\) of shape \(2, 6\)"):
+        attn_ops.attention(q2, k2, v2, segment_ids=(ids, ids))
+    with pytest.raises(ValueError, match="pair needs"):
+        attn_ops.attention(q, k, v, segment_ids=(ids, ids, ids))
+    # fine: padding anywhere, broadcast over the batch, int32
+    attn_ops.attention(q, k, v, segment_ids=torch.tensor([-1, 0, -1, 0, 1, -1], dtype=torch.int32))
+
+
+def test_backend_without_segment_support_refuses_with_a_reason(monkeypatch):
+    import dataclasses
+
+    q, k, v = _qkv()
+    ids = torch.tensor([0, 0, 1, 1, 2, -1])
+    monkeypatch.setitem(registry.BACKENDS, "sdpa", dataclasses.replace(registry.BACKENDS["sdpa"], segment_ids=False))
+    with pytest.raises(registry.UnsupportedInputs, match=r"sdpa: segment_ids \(packed variable-length rows\) not"):
+        attn_ops.attention(q, k, v, backend="sdpa", segment_ids=ids)
+    attn_ops.attention(q, k, v, backend="sdpa")  # without ids it still serves
+    assert not registry.get("sdpa").segment_ids and all(registry.get(n).segment_ids for n in ("torch", "chunked", "triton", "flex"))
+
+
+def test_triton_custom_op_with_ids_under_compile_and_opcheck():
+    """The custom op takes the id tables (fake impl included): opcheck, and torch.compile gives the eager bits."""
+    from attn_ops.triton.launch import segment_table
+
+    q, k, v = (t.requires_grad_() for t in _qkv(lq=20, lk=20, b=1))
+    ids = ids_from_lengths([7, 1, 9], 20)[None]
+    table = segment_table(ids[:, None])  # [B, R=1, 3, L]
+    q5, k5, v5 = (t[:, None].detach() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.attn_zoo.triton_attn_fwd.default,
+                          (q5, k5, v5, None, None, 0.25, True, False, False, table, table),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+    def f(q, k, v, ids):
+        out, lse = attn_ops.attention(q, k, v, causal=True, return_lse=True, backend="triton", segment_ids=ids)
+        return out, lse
+
+    eager = f(q, k, v, ids)
+    compiled = torch.compile(f, fullgraph=True)(q, k, v, ids)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+    g_e = torch.autograd.grad(eager[0].sum() + eager[1][torch.isfinite(eager[1])].sum(), (q, k, v))
+    g_c = torch.autograd.grad(compiled[0].sum() + compiled[1][torch.isfinite(compiled[1])].sum(), (q, k, v))
+    for a, b in zip(g_e, g_c):
+        assert torch.equal(a, b)
