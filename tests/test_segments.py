@@ -318,3 +318,19 @@ def test_triton_custom_op_with_ids_under_compile_and_opcheck():
     g_c = torch.autograd.grad(compiled[0].sum() + compiled[1][torch.isfinite(compiled[1])].sum(), (q, k, v))
     for a, b in zip(g_e, g_c):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_blockwise_attention_passes_ids_per_block(causal):
+    """blockwise_attention with segment ids (each key chunk slices the key ids) == the sequences one by one."""
+    case = ("blockwise", [[7, 1, 13, 4], [25]], None, 27, 27, "full", False, causal)
+    q, k, v, bias, mask, ids, _ = make_packed(case, torch.float64)
+    g = torch.Generator().manual_seed(2)
+    g_out = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    g_lse = torch.randn(q.shape[:-1], generator=g, dtype=torch.float64)
+    out, lse = attn_ops.blockwise_attention(q, k, v, bias, kv_chunk=6, q_chunk=10, causal=causal, return_lse=True,
+                                            backend="chunked", segment_ids=ids)
+    got = torch.autograd.grad(_loss(out, lse, g_out, g_lse), (q, k, v, bias))
+    r_out, r_lse, r_grads = per_sequence(case, q, k, v, bias, mask, g_out, g_lse)
+    for a, b in zip([out, lse, *got], [r_out, r_lse, *r_grads]):
+        assert max_err(a, b) < 1e-10
