@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from . import registry
-from .inputs import check_inputs, describe
+from .inputs import check_inputs, check_segment_ids, describe
 
 Tensor = torch.Tensor
 
@@ -23,6 +23,7 @@ def attention(
     return_lse: bool = False,
     backend: str = "auto",
     deterministic: bool = True,
+    segment_ids=None,
     **options,
 ):
     """Scaled dot-product attention with a trainable, broadcastable bias and a differentiable lse.
@@ -39,6 +40,15 @@ def attention(
         return_lse: also return lse.
         backend: ``"auto"`` or a name from :func:`attn_ops.backends`; see :mod:`attn_ops.registry`.
         deterministic: require a bitwise-reproducible backward (the default).
+        segment_ids: packed variable-length rows. An integer tensor ``[*batch, L]`` (Lq == Lk; broadcastable
+            over the leading batch dims like the mask, no head dim) or a pair ``(q_ids [*batch, Lq], k_ids
+            [*batch, Lk])``. A query attends a key only when their ids are equal (and, with ``causal``, the key
+            is not later: within a packed row, earlier keys of its own sequence). Negative ids mark padding:
+            such queries give out 0, lse -inf and zero gradients, such keys are never attended. Within a row
+            the non-negative ids must be non-decreasing (a segment never returns after another started); this
+            is checked in eager mode (one host sync per new ids tensor) and not under torch.compile or CUDA
+            graph capture. Composes with bias, mask and causal; the triton kernels skip tiles whose id ranges
+            cannot meet, so a packed row costs what its sequences cost alone.
         **options: backend options (``chunk_size`` for ``chunked``, ``bwd`` for ``triton``).
 
     Returns:
@@ -50,7 +60,8 @@ def attention(
     bias, mask, scale = check_inputs(q, k, v, bias, mask, scale)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
-    inputs = describe(q, k, v, bias, mask, causal, return_lse, deterministic)
+    segment_ids = check_segment_ids(segment_ids, q, k)
+    inputs = describe(q, k, v, bias, mask, causal, return_lse, deterministic, segment_ids)
     chosen = registry.select(backend, inputs)
     unknown = set(options) - chosen.options
     if unknown:
@@ -58,5 +69,7 @@ def attention(
             f"backend {chosen.name!r} got unknown option(s) {sorted(unknown)}; "
             f"it accepts {sorted(chosen.options) or 'none'}"
         )
+    if segment_ids is not None:  # backends that declare segment_ids take them as a keyword
+        options["segment_ids"] = segment_ids
     out, lse = chosen.load()(q, k, v, bias, mask, scale, causal, deterministic, **options)
     return (out, lse) if return_lse else out

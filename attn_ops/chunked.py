@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .inputs import causal_mask, narrow_bcast
+from .inputs import causal_mask, narrow_bcast, segment_mask
 
 Tensor = torch.Tensor
 DEFAULT_CHUNK = 256
@@ -18,8 +18,11 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _tile_mask(mask, causal, lq, lk, start, stop, device):
+def _tile_mask(mask, causal, lq, lk, start, stop, device, segment_ids=None):
     m = narrow_bcast(mask, -1, start, stop)
+    if segment_ids is not None:  # [*b, 1, Lq, c]: this chunk's keys' ids against every query's
+        sm = segment_mask(segment_ids, k_lo=start, k_hi=stop)
+        m = sm if m is None else m & sm
     if causal:
         cm = causal_mask(lq, stop - start, device, q_offset=lk - lq, k_offset=start)
         m = cm if m is None else m & cm
@@ -43,7 +46,8 @@ def _sum_to(x: Tensor, shape) -> Tensor:
 
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, mask, scale, causal, chunk):
+    def forward(ctx, q, k, v, bias, mask, scale, causal, chunk, q_ids, k_ids):
+        seg = None if q_ids is None else (q_ids, k_ids)
         acc = _acc_dtype(q.dtype)
         lq, lk = q.shape[-2], k.shape[-2]
         row_max = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)  # [*b, H, Lq]
@@ -52,7 +56,7 @@ class _ChunkedAttention(torch.autograd.Function):
         for start in range(0, lk, chunk):
             stop = min(start + chunk, lk)
             s = _scores(q, k[..., start:stop, :], narrow_bcast(bias, -1, start, stop),
-                        _tile_mask(mask, causal, lq, lk, start, stop, q.device), scale, acc)
+                        _tile_mask(mask, causal, lq, lk, start, stop, q.device, seg), scale, acc)
             new_max = torch.maximum(row_max, s.amax(-1))
             safe_max = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
             p = torch.exp(s - safe_max.unsqueeze(-1))  # [*b, H, Lq, c]
@@ -66,20 +70,22 @@ class _ChunkedAttention(torch.autograd.Function):
         lse = torch.where(ok, row_max + torch.log(safe_sum), torch.full_like(row_sum, float("-inf")))
         out = out.to(q.dtype)
         lse = lse.to(_acc_dtype(q.dtype))
-        ctx.save_for_backward(q, k, v, bias, mask, out, lse)
+        ctx.save_for_backward(q, k, v, bias, mask, out, lse, q_ids, k_ids)
         ctx.scale, ctx.causal, ctx.chunk = scale, causal, chunk
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        q, k, v, bias, mask, out, lse = ctx.saved_tensors
+        q, k, v, bias, mask, out, lse, q_ids, k_ids = ctx.saved_tensors
+        seg = None if q_ids is None else (q_ids, k_ids)
         dq, dk, dv, db = chunked_lse_backward(q, k, v, bias, mask, ctx.scale, ctx.causal, out, lse, d_out, d_lse,
-                                              bias is not None and ctx.needs_input_grad[3], chunk_size=ctx.chunk)
-        return dq, dk, dv, db, None, None, None, None
+                                              bias is not None and ctx.needs_input_grad[3], chunk_size=ctx.chunk,
+                                              segment_ids=seg)
+        return dq, dk, dv, db, None, None, None, None, None, None
 
 
 def chunked_lse_backward(q, k, v, bias, mask, scale, causal, out, lse, d_out, d_lse, need_dbias,
-                         chunk_size=DEFAULT_CHUNK):
+                         chunk_size=DEFAULT_CHUNK, segment_ids=None):
     """Gradients of attention given its (out, lse), one key chunk at a time.
 
     ``out``/``lse`` may be the merged result over a larger key set (ring attention passes the merged
@@ -102,7 +108,7 @@ def chunked_lse_backward(q, k, v, bias, mask, scale, causal, out, lse, d_out, d_
         stop = min(start + chunk_size, lk)
         k_c, v_c = k[..., start:stop, :].to(acc), v[..., start:stop, :].to(acc)
         s = _scores(q, k_c, narrow_bcast(bias, -1, start, stop),
-                    _tile_mask(mask, causal, lq, lk, start, stop, q.device), scale, acc)
+                    _tile_mask(mask, causal, lq, lk, start, stop, q.device, segment_ids), scale, acc)
         p = torch.exp(s - lse_sub.unsqueeze(-1))  # [*b, H, Lq, c]
         dv[..., start:stop, :] = torch.matmul(p.transpose(-1, -2), d_out)
         dp = torch.matmul(d_out, v_c.transpose(-1, -2))
@@ -117,8 +123,11 @@ def chunked_lse_backward(q, k, v, bias, mask, scale, causal, out, lse, d_out, d_
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None if db is None else db.to(bias.dtype))
 
 
-def chunked_attention(q, k, v, bias, mask, scale, causal, deterministic=True, chunk_size=DEFAULT_CHUNK):
-    """Backend entry point: returns (out, lse). ``chunk_size`` = keys per tile."""
+def chunked_attention(q, k, v, bias, mask, scale, causal, deterministic=True, chunk_size=DEFAULT_CHUNK,
+                      segment_ids=None):
+    """Backend entry point: returns (out, lse). ``chunk_size`` = keys per tile; ``segment_ids`` = (q_ids,
+    k_ids), each chunk's mask built from its slice of the key ids."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    return _ChunkedAttention.apply(q, k, v, bias, mask, scale, causal, chunk_size)
+    q_ids, k_ids = (None, None) if segment_ids is None else segment_ids
+    return _ChunkedAttention.apply(q, k, v, bias, mask, scale, causal, chunk_size, q_ids, k_ids)

@@ -6,8 +6,10 @@ rely on every dim being either 1 (broadcast) or the full size.
 """
 from __future__ import annotations
 
+import contextlib
+import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -31,6 +33,7 @@ class AttnInputs:
     bias_is_broadcast: bool
     lse_needs_grad: bool
     deterministic: bool
+    has_segments: bool = False
 
 
 def _shape(t: Tensor) -> tuple:
@@ -113,7 +116,7 @@ def check_inputs(q, k, v, bias, mask, scale):
     return bias, mask, scale
 
 
-def describe(q, k, v, bias, mask, causal, return_lse, deterministic) -> AttnInputs:
+def describe(q, k, v, bias, mask, causal, return_lse, deterministic, segment_ids=None) -> AttnInputs:
     grad_on = torch.is_grad_enabled()
     qkv_grad = grad_on and any(t.requires_grad for t in (q, k, v))
     bias_grad = grad_on and bias is not None and bias.requires_grad
@@ -133,6 +136,7 @@ def describe(q, k, v, bias, mask, causal, return_lse, deterministic) -> AttnInpu
         ),
         lse_needs_grad=return_lse and (qkv_grad or bias_grad),
         deterministic=deterministic,
+        has_segments=segment_ids is not None,
     )
 
 
@@ -159,3 +163,135 @@ def combine_masks(mask: Optional[Tensor], causal: bool, lq: int, lk: int, device
         return mask
     cm = causal_mask(lq, lk, device, q_offset=lk - lq)
     return cm if mask is None else mask & cm
+
+
+# ----------------------------------------------------------------------------------------------------
+# Segment ids: packed variable-length rows
+# ----------------------------------------------------------------------------------------------------
+SegmentIds = Tuple[Tensor, Tensor]
+_CHECKED: List[Tuple[weakref.ref, int]] = []  # id tensors whose contents passed the contiguity check
+_TRUSTED = [False]
+
+
+@contextlib.contextmanager
+def segments_checked():
+    """Inside this block the contiguity check of segment ids is skipped: for callers (ring attention,
+    blockwise attention) that checked the whole row once and pass slices of it."""
+    old = _TRUSTED[0]
+    _TRUSTED[0] = True
+    try:
+        yield
+    finally:
+        _TRUSTED[0] = old
+
+
+def _needs_sync_free() -> bool:
+    """Under torch.compile or CUDA graph capture a data-dependent check would need a host sync: skipped there."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def segment_order_violation(ids: Tensor) -> Tensor:
+    """Bool ``ids.shape[:-1]``: True where a row's non-negative ids decrease somewhere (a segment that returns
+    after another one started), computed on ids' device."""
+    valid = ids >= 0
+    run_max = torch.cummax(torch.where(valid, ids, torch.full_like(ids, -1)), -1).values
+    return (valid & (ids < run_max)).any(-1)
+
+
+def _check_order(name: str, ids: Tensor) -> None:
+    """Raise if ``ids`` is not contiguous per row; checked once per tensor object and version (one host sync in
+    eager mode; skipped under torch.compile / CUDA graph capture and inside :func:`segments_checked`)."""
+    if _TRUSTED[0] or _needs_sync_free() or type(ids) is not torch.Tensor:
+        return
+    for ref, version in _CHECKED:
+        if ref() is ids and version == ids._version:
+            return
+    bad = segment_order_violation(ids)
+    top = ids.max()
+    if bool(bad.any() | (top >= 2 ** 31 - 1)):
+        if int(top) >= 2 ** 31 - 1:
+            raise ValueError(f"{name} holds id {int(top)}: ids must be below 2**31 - 1")
+        where = tuple(bad.nonzero()[0].tolist())
+        row = ids[where] if where else ids
+        shown = row.tolist() if row.numel() <= 32 else row.tolist()[:32] + ["..."]
+        raise ValueError(
+            f"{name} must be contiguous within each row (non-negative ids non-decreasing: a segment never "
+            f"returns after another started); row {where} of {name} {_shape(ids)} is {shown}"
+        )
+    _CHECKED.append((weakref.ref(ids), ids._version))
+    del _CHECKED[:-8]
+
+
+def _check_one_ids(name: str, t, q: Tensor, length: int, what: str) -> Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be an integer tensor [*batch, L] or a pair of them, got {type(t).__name__}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor (int32/int64 ids, negative = padding), got {t.dtype}")
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    batch = tuple(q.shape[:-3])
+    target = batch + (length,)
+    if t.ndim < 1 or t.ndim > len(target):
+        raise ValueError(
+            f"{name} of shape {_shape(t)} must have 1 to {len(target)} dims broadcasting to [*batch, {what}] = "
+            f"{target} (q {_shape(q)}; segment ids have no head dim)"
+        )
+    bad = [f"dim {t.ndim - i} (size {t.shape[-i]} vs {target[-i]})" for i in range(1, t.ndim + 1)
+           if t.shape[-i] != target[-i] and not (i > 1 and t.shape[-i] == 1)]
+    if bad:
+        raise ValueError(
+            f"{name} of shape {_shape(t)} is not broadcastable to [*batch, {what}] = {target}: " + ", ".join(bad)
+        )
+    _check_order(name, t)
+    return t.reshape((1,) * (len(target) - t.ndim) + tuple(t.shape))
+
+
+def check_segment_ids(segment_ids, q: Tensor, k: Tensor) -> Optional[SegmentIds]:
+    """Validate ``segment_ids`` (a tensor ``[*batch, L]`` when Lq == Lk, or a pair ``(q_ids [*batch, Lq],
+    k_ids [*batch, Lk])``) and return the pair with ``q.ndim - 2`` dims each (size 1 where broadcast)."""
+    if segment_ids is None:
+        return None
+    lq, lk = q.shape[-2], k.shape[-2]
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2:
+            raise ValueError(f"segment_ids as a pair needs (q_ids, k_ids), got {len(segment_ids)} items")
+        qi = _check_one_ids("segment_ids[0] (query ids)", segment_ids[0], q, lq, "Lq")
+        ki = _check_one_ids("segment_ids[1] (key ids)", segment_ids[1], q, lk, "Lk")
+        return qi, ki
+    if isinstance(segment_ids, torch.Tensor) and lq != lk:
+        raise ValueError(
+            f"segment_ids as one tensor needs Lq == Lk, got q {_shape(q)} and k {_shape(k)}: "
+            "pass a pair (q_ids [*batch, Lq], k_ids [*batch, Lk])"
+        )
+    ids = _check_one_ids("segment_ids", segment_ids, q, lq, "L")
+    return ids, ids
+
+
+def segment_mask(segment_ids: Optional[SegmentIds], q_lo: int = 0, q_hi: Optional[int] = None, k_lo: int = 0,
+                 k_hi: Optional[int] = None) -> Optional[Tensor]:
+    """Bool ``[*batch, 1, Lq, Lk]`` (rows [q_lo, q_hi), keys [k_lo, k_hi)): True where the query's and the
+    key's ids are equal and non-negative. None without segment ids."""
+    if segment_ids is None:
+        return None
+    qi, ki = segment_ids
+    qi, ki = qi[..., q_lo:q_hi], ki[..., k_lo:k_hi]
+    m = (qi[..., :, None] == ki[..., None, :]) & (qi >= 0)[..., :, None]  # [*batch, Lq, Lk]
+    return m.unsqueeze(-3)
+
+
+def fold_segments(mask: Optional[Tensor], segment_ids: Optional[SegmentIds]) -> Optional[Tensor]:
+    """``mask`` and the segment mask (materialised [*batch, 1, Lq, Lk]): for the backends that take a mask."""
+    seg = segment_mask(segment_ids)
+    if seg is None:
+        return mask
+    return seg if mask is None else mask & seg
+
+
+def narrow_ids(segment_ids: Optional[SegmentIds], q_lo: int, q_hi: int, k_lo: int, k_hi: int
+               ) -> Optional[SegmentIds]:
+    """The pair sliced to query rows [q_lo, q_hi) and keys [k_lo, k_hi)."""
+    if segment_ids is None:
+        return None
+    return segment_ids[0][..., q_lo:q_hi], segment_ids[1][..., k_lo:k_hi]

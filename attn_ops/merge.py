@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .inputs import causal_mask, check_inputs, narrow_bcast
+from .inputs import causal_mask, check_inputs, check_segment_ids, narrow_bcast, narrow_ids, segments_checked
 
 Tensor = torch.Tensor
 
@@ -50,11 +50,12 @@ def merge_partials(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> Tuple[Tens
 
 def blockwise_attention(q, k, v, bias=None, mask=None, *, kv_chunk: int, q_chunk: Optional[int] = None,
                         scale=None, causal: bool = False, return_lse: bool = False, backend: str = "auto",
-                        **options):
+                        segment_ids=None, **options):
     """Attention computed block by block (query chunks x key chunks) and merged by lse.
 
     Same contract as :func:`attn_ops.attention`; each block runs ``attention(..., return_lse=True)`` on the
-    chosen backend. Blocks that causality leaves empty are skipped.
+    chosen backend. Blocks that causality leaves empty are skipped. ``segment_ids`` (as in ``attention``) are
+    checked once; each block gets its query rows' and key chunk's slices of the ids.
     """
     from .api import attention
 
@@ -64,6 +65,7 @@ def blockwise_attention(q, k, v, bias=None, mask=None, *, kv_chunk: int, q_chunk
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     bias, mask, scale = check_inputs(q, k, v, bias, mask, scale)
+    segment_ids = check_segment_ids(segment_ids, q, k)
     lq, lk = q.shape[-2], k.shape[-2]
     q_chunk = q_chunk or lq
     outs: List[Tensor] = []
@@ -79,9 +81,11 @@ def blockwise_attention(q, k, v, bias=None, mask=None, *, kv_chunk: int, q_chunk
             if causal:
                 cm = causal_mask(qe - qs, ke - ks, q.device, q_offset=qs + lk - lq, k_offset=ks)
                 m = cm if m is None else m & cm
-            o, l = attention(q[..., qs:qe, :], k[..., ks:ke, :], v[..., ks:ke, :],
-                             narrow_bcast(narrow_bcast(bias, -2, qs, qe), -1, ks, ke), m, scale=scale,
-                             return_lse=True, backend=backend, **options)
+            seg = narrow_ids(segment_ids, qs, qe, ks, ke)
+            with segments_checked():  # slices of ids checked above
+                o, l = attention(q[..., qs:qe, :], k[..., ks:ke, :], v[..., ks:ke, :],
+                                 narrow_bcast(narrow_bcast(bias, -2, qs, qe), -1, ks, ke), m, scale=scale,
+                                 return_lse=True, backend=backend, segment_ids=seg, **options)
             parts_o.append(o)
             parts_l.append(l)
         if not parts_o:  # the whole query chunk sees no key

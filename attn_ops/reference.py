@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .inputs import combine_masks
+from .inputs import combine_masks, fold_segments
 
 Tensor = torch.Tensor
 
@@ -32,6 +32,7 @@ def attention_reference(
     scale: Optional[float] = None,
     causal: bool = False,
     upcast: bool = True,
+    segment_ids=None,
 ) -> Tuple[Tensor, Tensor]:
     """softmax(q k^T * scale + bias, masked) v, and its log-sum-exp.
 
@@ -42,6 +43,9 @@ def attention_reference(
         causal: query i sees key j when ``j <= i + (Lk - Lq)``.
         upcast: compute in float32 when the inputs are fp16/bf16 (False reproduces plain low-precision
             PyTorch, which tests use as the yardstick of acceptable error).
+        segment_ids: None or ``(q_ids, k_ids)``, each ``[*batch, L]`` ints broadcastable over the batch dims
+            (as :func:`attn_ops.inputs.check_segment_ids` returns them): a query attends only keys with its own
+            non-negative id; materialised as a mask.
 
     Returns:
         out ``[*batch, H, Lq, Dv]`` in q's dtype, and lse ``[*batch, H, Lq]`` in float32 (float64 for
@@ -54,7 +58,7 @@ def attention_reference(
     s = torch.matmul(q.to(cdt), k.to(cdt).transpose(-1, -2)) * scale  # [*batch, H, Lq, Lk]
     if bias is not None:
         s = s + bias.to(cdt)
-    full_mask = combine_masks(mask, causal, q.shape[-2], k.shape[-2], q.device)
+    full_mask = combine_masks(fold_segments(mask, segment_ids), causal, q.shape[-2], k.shape[-2], q.device)
     if full_mask is not None:
         s = s.masked_fill(~full_mask, float("-inf"))
     lse = safe_lse(s)  # [*batch, H, Lq]
@@ -65,6 +69,6 @@ def attention_reference(
     return out.to(q.dtype), lse.to(lse_dtype)
 
 
-def attention_reference_backend(q, k, v, bias, mask, scale, causal, deterministic=True):
+def attention_reference_backend(q, k, v, bias, mask, scale, causal, deterministic=True, segment_ids=None):
     """The ``torch`` backend: :func:`attention_reference` with float32 accumulation."""
-    return attention_reference(q, k, v, bias, mask, scale, causal)
+    return attention_reference(q, k, v, bias, mask, scale, causal, segment_ids=segment_ids)

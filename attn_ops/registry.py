@@ -41,6 +41,9 @@ class Backend:
     lse: bool = True
     lse_grad: bool = True
     deterministic_bias_grad: bool = True  # bias gradient reduced without atomics
+    # takes ``segment_ids=(q_ids, k_ids)`` (packed variable-length rows; see attn_ops.attention). A backend that
+    # declares it must accept the keyword in its entry and, if it has one, in its lse_backward.
+    segment_ids: bool = False
     # devices where the q/k/v backward gives the same bits every run; None = all of ``devices``
     deterministic_devices: Optional[FrozenSet[str]] = None
     grad_devices: Optional[FrozenSet[str]] = None  # devices where backward works; None = all of ``devices``
@@ -109,26 +112,27 @@ def _registry() -> Dict[str, Backend]:
         "torch": Backend(
             name="torch", entry="reference:attention_reference_backend",
             description="plain PyTorch reference; materialises [*batch, H, Lq, Lk] scores",
-            devices=frozenset({"cpu", "cuda"}), dtypes=FLOATS,
+            devices=frozenset({"cpu", "cuda"}), dtypes=FLOATS, segment_ids=True,
         ),
         "chunked": Backend(
             name="chunked", entry="chunked:chunked_attention",
             description="online softmax over key chunks in PyTorch; memory O(Lq * chunk)",
             devices=frozenset({"cpu", "cuda"}), dtypes=FLOATS, options=frozenset({"chunk_size"}),
-            lse_backward="chunked:chunked_lse_backward",
+            lse_backward="chunked:chunked_lse_backward", segment_ids=True,
         ),
         "triton": Backend(
             name="triton", entry="triton:triton_attention",
             description="this project's fused Triton kernels",
             devices=_triton_devices(), dtypes=LOW_AND_FP32, min_head_dim=16, max_head_dim=256,
             options=frozenset({"bwd"}), requires="attn_ops.triton", lse_backward="triton:triton_lse_backward",
+            segment_ids=True,
         ),
         "sdpa": Backend(
             name="sdpa", entry="adapters:sdpa_attention",
             description="torch.nn.functional.scaled_dot_product_attention; bias as attn_mask; no lse",
             devices=frozenset({"cpu", "cuda"}), dtypes=FLOATS, lse=False, lse_grad=False,
             # its flash / memory-efficient CUDA backwards accumulate dq with atomics
-            deterministic_devices=frozenset({"cpu"}),
+            deterministic_devices=frozenset({"cpu"}), segment_ids=True,
         ),
         "flex": Backend(
             name="flex", entry="flex:flex_attention",
@@ -136,6 +140,7 @@ def _registry() -> Dict[str, Backend]:
                         "length bucket (inputs padded)",
             devices=frozenset({"cpu", "cuda"}), grad_devices=frozenset({"cuda"}), dtypes=LOW_AND_FP32,
             min_head_dim=16, deterministic_bias_grad=False, requires="torch.nn.attention.flex_attention",
+            segment_ids=True,
         ),
     }
 
@@ -190,6 +195,8 @@ def not_supported_reasons(name: str, inputs: AttnInputs) -> List[str]:
         reasons.append("mask not supported")
     if inputs.causal and not b.causal:
         reasons.append("causal not supported")
+    if inputs.has_segments and not b.segment_ids:
+        reasons.append("segment_ids (packed variable-length rows) not supported")
     if inputs.needs_lse and not b.lse:
         reasons.append("does not return lse")
     if inputs.lse_needs_grad and not b.lse_grad:

@@ -29,7 +29,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .inputs import check_inputs, narrow_bcast
+from .inputs import check_inputs, narrow_bcast, segment_order_violation, segments_checked
 
 Tensor = torch.Tensor
 LAYOUTS = ("contiguous", "zigzag")
@@ -203,6 +203,9 @@ class _Spec:
     kv_parts: int
     q_chunk: Optional[int]
     grad_dtype: Optional[torch.dtype]
+    # segment ids: every rank's local ids (on the device, gathered once) and their host copies (for skipping calls)
+    seg_all: Optional[List[Tensor]] = None
+    seg_host: Optional[List[Tensor]] = None
 
     def peer(self, group_rank: int) -> int:
         return self.peers[group_rank % self.world]
@@ -217,6 +220,27 @@ def _positions(spec: _Spec, n: int, rank: int, device) -> Optional[Tensor]:
 
 def _keys(call: _Call, part: _Part) -> int:
     return part.hi - part.lo if call.k_len is None else call.k_len
+
+
+def _id_range(ids: Tensor) -> Tuple[Tensor, Tensor]:
+    valid = ids >= 0
+    return (torch.where(valid, ids, torch.full_like(ids, 2 ** 62)).amin(-1),
+            torch.where(valid, ids, torch.full_like(ids, -1)).amax(-1))
+
+
+def _call_ids(spec: _Spec, t: int, part: _Part, call: _Call):
+    """(q ids, k ids) of one call on the device, or None without segment ids; "skip" when no batch row's query
+    ids meet its key ids (decided on the host copies: no device sync per step)."""
+    if spec.seg_all is None:
+        return None
+    owner = (spec.rank - t) % spec.world
+    kl = _keys(call, part)
+    qh = spec.seg_host[spec.rank][..., call.q_lo:call.q_hi]
+    kh = spec.seg_host[owner][..., part.lo:part.lo + kl]
+    (q_lo, q_hi), (k_lo, k_hi) = _id_range(qh), _id_range(kh)
+    if not bool(((q_lo <= k_hi) & (k_lo <= q_hi)).any()):
+        return "skip"
+    return spec.seg_all[spec.rank][..., call.q_lo:call.q_hi], spec.seg_all[owner][..., part.lo:part.lo + kl]
 
 
 def _tiles(spec: _Spec, bias, mask, q_pos, k_pos, part: _Part, call: _Call):
@@ -300,7 +324,7 @@ def _wait(reqs) -> None:
 # ----------------------------------------------------------------------------------------------------
 # One call's gradient for the merged softmax
 # ----------------------------------------------------------------------------------------------------
-def _lse_backward(spec: _Spec, q, k, v, b, m, causal, need_b):
+def _lse_backward(spec: _Spec, q, k, v, b, m, causal, need_b, seg=None):
     """The selected backend's backward-given-(out, lse) (registry field ``lse_backward``), or None.
 
     Called with the *merged* out and lse it gives this call's exact share of the gradient without
@@ -312,17 +336,19 @@ def _lse_backward(spec: _Spec, q, k, v, b, m, causal, need_b):
     opts = dict(spec.attn_kwargs)
     name = opts.pop("backend", "auto")
     det = opts.pop("deterministic", True)
-    info = replace(describe(q, k, v, b, m, causal, True, det), needs_grad=True, lse_needs_grad=True,
+    info = replace(describe(q, k, v, b, m, causal, True, det, seg), needs_grad=True, lse_needs_grad=True,
                    bias_needs_grad=need_b)
     fn = registry.select(name, info).load_lse_backward()
     if fn is None:
         return None
     if "deterministic" in spec.attn_kwargs:
         opts["deterministic"] = det
+    if seg is not None:
+        opts["segment_ids"] = seg
     return functools.partial(fn, **opts)
 
 
-def _call_grads(spec: _Spec, q, k, v, b, m, causal, out, lse, dout, dlse, need_b):
+def _call_grads(spec: _Spec, q, k, v, b, m, causal, out, lse, dout, dlse, need_b, seg=None):
     """Gradients of the merged attention w.r.t. one call's (q, k, v, bias tile).
 
     ``out``, ``lse``: the merged forward results for these query rows; ``dout``, ``dlse``: their upstream
@@ -334,15 +360,16 @@ def _call_grads(spec: _Spec, q, k, v, b, m, causal, out, lse, dout, dlse, need_b
     from .api import attention
 
     b_c, m_c, _ = check_inputs(q, k, v, b if b is None else b.detach(), m, spec.scale)
-    fast = _lse_backward(spec, q, k, v, b_c, m_c, causal, need_b)
+    fast = _lse_backward(spec, q, k, v, b_c, m_c, causal, need_b, seg)
     if fast is not None:
         dq, dk, dv, db = fast(q, k, v, b_c, m_c, spec.scale, causal, out, lse, dout, dlse, need_b)
         return dq, dk, dv, (db.reshape(b.shape) if need_b else None)
     with torch.enable_grad():
         qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
         bd = None if b is None else b.detach().requires_grad_(need_b)
-        o, l = attention(qd, kd, vd, bd, m, scale=spec.scale, causal=causal, return_lse=True,
-                         **spec.attn_kwargs)
+        with segments_checked():
+            o, l = attention(qd, kd, vd, bd, m, scale=spec.scale, causal=causal, return_lse=True,
+                             segment_ids=seg, **spec.attn_kwargs)
         acc = l.dtype
         delta = (dout.to(acc) * out.to(acc)).sum(-1) - dlse.to(acc)  # [*b, H, Lq]
         finite = torch.isfinite(l) & torch.isfinite(lse)
@@ -386,12 +413,15 @@ class _RingAttention(torch.autograd.Function):
             t, p, part, (k_p, v_p) = stream.part(i)
             k_pos = _positions(spec, n, r - t, q.device)
             for call in split_rows(plan_part(q_segs, part, spec.causal), part, spec.q_chunk):
+                seg = _call_ids(spec, t, part, call)
+                if seg == "skip":  # no query of this call shares a segment with the part's keys
+                    continue
                 b, m = _tiles(spec, bias, mask, q_pos, k_pos, part, call)
                 rows = slice(call.q_lo, call.q_hi)
                 with torch.no_grad():
                     kl = _keys(call, part)
                     o_c, l_c = _attention(spec, q[..., rows, :], k_p[..., :kl, :], v_p[..., :kl, :], b, m,
-                                          call.causal)
+                                          call.causal, seg)
                 _merge_into(out[..., rows, :], lse[..., rows], o_c, l_c)
             stream.finish(i)
         out = out.to(q.dtype)
@@ -440,6 +470,9 @@ class _RingAttention(torch.autograd.Function):
                 dk_p = torch.zeros(k_p.shape, dtype=gdt, device=q.device)
                 dv_p = torch.zeros(v_p.shape, dtype=gdt, device=q.device)
             for call in split_rows(plan_part(q_segs, part, spec.causal), part, spec.q_chunk):
+                seg = _call_ids(spec, t, part, call)
+                if seg == "skip":  # as in the forward: this call adds nothing
+                    continue
                 rows = slice(call.q_lo, call.q_hi)
                 with torch.enable_grad() if need_params else torch.no_grad():
                     b, m = _tiles(spec, bias, mask, q_pos, k_pos, part, call)
@@ -448,7 +481,7 @@ class _RingAttention(torch.autograd.Function):
                 g_q, g_k, g_v, g_b = _call_grads(spec, q[..., rows, :], k_p[..., :kl, :], v_p[..., :kl, :], b, m,
                                                  call.causal,
                                                  out[..., rows, :], lse[..., rows], d_out[..., rows, :],
-                                                 d_lse[..., rows], need_b)
+                                                 d_lse[..., rows], need_b, seg)
                 dq[..., rows, :] += g_q
                 if need_kv:
                     dk_p[..., :kl, :] += g_k
@@ -496,10 +529,31 @@ def _finish_sent(sent, dk, dv) -> None:
     dv[..., part.lo:part.hi, :] += recv[1]
 
 
-def _attention(spec: _Spec, q, k, v, b, m, causal):
+def _attention(spec: _Spec, q, k, v, b, m, causal, seg=None):
     from .api import attention
 
-    return attention(q, k, v, b, m, scale=spec.scale, causal=causal, return_lse=True, **spec.attn_kwargs)
+    with segments_checked():  # the whole sequence's ids were checked once (_gather_ids)
+        return attention(q, k, v, b, m, scale=spec.scale, causal=causal, return_lse=True, segment_ids=seg,
+                         **spec.attn_kwargs)
+
+
+def _gather_ids(ids: Tensor, group, world: int, layout: str) -> Tuple[List[Tensor], List[Tensor]]:
+    """Every rank's local segment ids (one all_gather of a few ints per token) on the device and on the host,
+    after checking that the whole sequence's segments are contiguous (the same ValueError on every rank)."""
+    ids = ids.contiguous()
+    if world == 1:
+        parts = [ids]
+    else:
+        parts = [torch.empty_like(ids) for _ in range(world)]
+        dist.all_gather(parts, ids, group=group)
+    host = [p.cpu() for p in parts]
+    full = unshard_sequence(host, -1, layout)
+    bad = segment_order_violation(full)
+    if bool(bad.any()):
+        where = tuple(bad.nonzero()[0].tolist())
+        raise ValueError(f"ring_attention: segment_ids must be contiguous within each row of the whole sequence "
+                         f"(non-negative ids non-decreasing); row {where} is {full[where].tolist()[:64]}")
+    return parts, host
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -571,7 +625,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, bias=None, mask: Optional[Te
                    group=None, causal: bool = False, layout: str = "contiguous", scale: Optional[float] = None,
                    backend: str = "auto", return_lse: bool = False, kv_parts: int = 1,
                    q_chunk: Optional[int] = None, grad_dtype: Optional[torch.dtype] = None, check: bool = True,
-                   **options):
+                   segment_ids: Optional[Tensor] = None, **options):
     """Attention over a sequence sharded across the ranks of ``group`` (every rank calls it).
 
     Args:
@@ -606,6 +660,13 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, bias=None, mask: Optional[Te
             precision at the cost of one rounding per contribution).
         check: exchange a validity flag and the shapes across ranks first, so that a rank with bad input makes
             every rank raise the same ValueError instead of hanging in a point-to-point op.
+        segment_ids: packed rows (several documents along the sequence): an integer tensor ``[*batch, n]`` of this
+            rank's local positions (in ``layout`` order, sharded like q), equal ids attend, negative = padding,
+            contiguous over the whole sequence (checked once per call). The ids of all ranks are gathered once
+            (one all_gather of n ints per rank, cheaper than sending them with every K/V part); every attention
+            call gets its query rows' and key part's ids, and calls whose id ranges cannot meet are skipped
+            (forward and backward). Zigzag keeps its balance of causal work; with packed rows the work per rank
+            then depends on where the documents fall.
 
     Returns:
         out ``[*batch, H, n, Dv]`` in q's dtype (local rows), and with ``return_lse`` also lse.
@@ -641,9 +702,15 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, bias=None, mask: Optional[Te
             bias = _check_side("bias", bias, q, n_total, is_mask=False)
         if mask is not None:
             mask = _check_side("mask", mask, q, n_total, is_mask=True)
+        if segment_ids is not None:
+            from .inputs import _check_one_ids
+
+            with segments_checked():  # contiguity is checked over the whole sequence once gathered
+                segment_ids = _check_one_ids("segment_ids", segment_ids, q, q.shape[-2], "n (local)")
         meta = (tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype), layout, causal, scale,
                 None if bias is None else tuple(bias.shape), bias_fn is not None,
-                None if mask is None else tuple(mask.shape), backend, kv_parts, q_chunk)
+                None if mask is None else tuple(mask.shape), backend, kv_parts, q_chunk,
+                None if segment_ids is None else tuple(segment_ids.shape))
     except (TypeError, ValueError, NotImplementedError) as exc:
         if world == 1 or not check:
             raise
@@ -651,8 +718,11 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, bias=None, mask: Optional[Te
     if check:
         _agree(group, world, rank, error, meta)
     params = _fn_params(bias_fn) if bias_fn is not None else ()
+    seg_all = seg_host = None
+    if segment_ids is not None:
+        seg_all, seg_host = _gather_ids(segment_ids, group, world, layout)
     spec = _Spec(group=group, world=world, rank=rank, peers=peers, layout=layout, causal=causal, scale=scale,
                  attn_kwargs=dict(backend=backend, **options), bias_fn=bias_fn, kv_parts=kv_parts,
-                 q_chunk=q_chunk, grad_dtype=grad_dtype)
+                 q_chunk=q_chunk, grad_dtype=grad_dtype, seg_all=seg_all, seg_host=seg_host)
     out, lse = _RingAttention.apply(spec, q, k, v, bias, mask, *params)
     return (out, lse) if return_lse else out

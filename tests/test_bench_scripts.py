@@ -61,3 +61,13 @@ def test_attention_bench_heads_last_step_fills_leaf_grads(monkeypatch):
         out = run()
         out.float().sum().backward()
         assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves), be
+
+
+def test_packed_bench_draws_rows_within_the_budget():
+    """scripts/bench_packed.py: first-fit rows of log-normal lengths stay within the token budget, ids in order."""
+    import bench_packed
+
+    rows = bench_packed.draw_rows(2, 4096)
+    assert all(sum(r) <= 4096 and all(16 <= n <= 1024 for n in r) for r in rows) and sum(map(len, rows)) >= 8
+    ids = bench_packed.ids_of(rows[0], 4096, "cpu")
+    assert ids[0] == 0 and ids[-1] == -1 and int(ids.max()) == len(rows[0]) - 1

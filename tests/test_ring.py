@@ -177,6 +177,69 @@ def _check_bad_input(world, rank):
         raise AssertionError("ranks that disagree on causal did not raise")
 
 
+def _packed_ids(B, L):
+    """Long [B, L]: row 0 packs 4 documents of odd lengths (one of length 1) and ends in padding, row 1 holds 4
+    of a quarter of the row each (the last one 2 shorter, then padding)."""
+    ids = torch.full((B, L), -1, dtype=torch.long)
+    for b, lens in enumerate(([5, 1, L // 3, L // 4], [L // 4] * 3 + [L // 4 - 2])[:B]):
+        pos = 0
+        for i, n in enumerate(lens):
+            ids[b, pos:pos + n] = i
+            pos += n
+    return ids
+
+
+def _check_packed(world, rank, seed, causal, layout, backend, with_bias):
+    """Packed rows over the ring (segment_ids sharded like q) == the float64 reference on the full sequence; the
+    reference with ids equals the sequences one by one (tests/test_segments.py). Calls whose ids cannot meet are
+    skipped: fewer attention calls than without ids."""
+    import attn_ops.ring as ring_mod
+    from attn_ops.inputs import check_segment_ids
+
+    g = torch.Generator().manual_seed(seed)
+    B, H, L, D = 2, 2, 8 * world, 8
+    q, k, v = (torch.randn(B, H, L, D, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
+    bias = torch.randn(B, H, L, L, generator=g, dtype=torch.float64).requires_grad_() if with_bias else None
+    ids = _packed_ids(B, L)
+    do = torch.randn(B, H, L, D, generator=g, dtype=torch.float64)
+    dl = torch.randn(B, H, L, generator=g, dtype=torch.float64)
+    out, lse = attention_reference(q, k, v, bias, None, None, causal, segment_ids=check_segment_ids(ids, q, k))
+    leaves = [t for t in (q, k, v, bias) if t is not None]
+    ref = torch.autograd.grad(_loss(out, lse, do, dl), leaves)
+    shard = lambda t, dim=-2: shard_sequence(t, dim, world, rank, layout)  # noqa: E731
+    local = [shard(t.detach()).requires_grad_() for t in leaves]
+    calls = []
+    real = ring_mod._attention
+    ring_mod._attention = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    try:
+        o, l = ring_attention(*local[:3], local[3] if with_bias else None, causal=causal, layout=layout,
+                              return_lse=True, backend=backend, segment_ids=shard(ids, -1), kv_parts=2)
+        got = torch.autograd.grad(_loss(o, l, shard(do), shard(dl, -1)), local)
+        n_packed = len(calls)
+        ring_attention(*[t.detach() for t in local[:3]], causal=causal, layout=layout, backend=backend, kv_parts=2)
+        n_dense = len(calls) - n_packed
+    finally:
+        ring_mod._attention = real
+    counts = torch.tensor([n_packed, n_dense])
+    dist.all_reduce(counts)
+    assert counts[0] < counts[1], counts.tolist()
+    for what, a, r in [("out", o, shard(out)), ("lse", l, shard(lse, -1))] + [
+            (f"d{n}", a, shard(r)) for n, a, r in zip("q k v bias".split(), got, ref)]:
+        a, r = a.detach(), r.detach()
+        assert torch.equal(torch.isfinite(a), torch.isfinite(r)), f"packed {layout}: {what} inf pattern differs"
+        err = (torch.nan_to_num(a, neginf=0.0) - torch.nan_to_num(r, neginf=0.0)).abs().max().item()
+        assert err <= 1e-10, f"packed {layout} causal={causal} (world {world}, rank {rank}): {what} error {err:.3e}"
+    # a segment that returns on another rank fails on every rank alike
+    bad = ids.clone()
+    bad[0, -1] = 0
+    try:
+        ring_attention(*[t.detach() for t in local[:3]], layout=layout, segment_ids=shard(bad, -1))
+    except ValueError as exc:
+        assert "contiguous" in str(exc), str(exc)
+    else:
+        raise AssertionError("non-contiguous segment ids over the ring did not raise")
+
+
 def _worker(rank, world, port, err_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -193,6 +256,10 @@ def _worker(rank, world, port, err_dir):
         assert registry.get("chunked").lse_backward and registry.get("torch").lse_backward is None
         for i in (1, 5, 6):
             _check_case(CASES[i], world, rank, seed=2000 + i, backend="torch")
+        # packed rows (segment ids): chunked has an lse_backward with ids, torch recomputes each call
+        _check_packed(world, rank, 4000, True, "zigzag", "chunked", True)
+        _check_packed(world, rank, 4001, False, "contiguous", "chunked", True)
+        _check_packed(world, rank, 4002, True, "zigzag", "torch", False)
         dist.barrier()
     except BaseException:
         with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:

@@ -8,6 +8,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from . import op as _op  # registers attn_zoo::triton_attn_fwd / _bwd; attend() calls them
+from .launch import segment_table
 
 Tensor = torch.Tensor
 BWD_VARIANTS = ("auto", "split", "fused")
@@ -48,14 +49,16 @@ def _non_overlapping_and_dense(t: Tensor) -> bool:
     return True
 
 
-def _merge_plan(q: Tensor, bias: Optional[Tensor], mask: Optional[Tensor]) -> List[List[int]]:
-    """Groups of adjacent leading dims (size-1 dims of q dropped) that share bias/mask broadcast patterns."""
+def _merge_plan(q: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], seg=None) -> List[List[int]]:
+    """Groups of adjacent leading dims (size-1 dims of q dropped) that share bias/mask/segment-id broadcast
+    patterns."""
     groups: List[List[int]] = []
     last = None
     for d in range(q.ndim - 3):
         if q.shape[d] == 1:
             continue
-        pattern = (bias is not None and bias.shape[d] != 1, mask is not None and mask.shape[d] != 1)
+        pattern = (bias is not None and bias.shape[d] != 1, mask is not None and mask.shape[d] != 1,
+                   seg is not None and seg[0].shape[d] != 1, seg is not None and seg[1].shape[d] != 1)
         if groups and pattern == last:
             groups[-1].append(d)
         else:
@@ -90,13 +93,28 @@ def _check_bwd(bwd: str, deterministic: bool) -> Tuple[bool, bool]:
     return bwd == "fused", not deterministic
 
 
-def _canonical_call(q, k, v, bias, mask, scale, causal, mode) -> Tuple[Tensor, Tensor]:
+def _seg_tables(seg, pad=()):
+    """Segment ids ``(q_ids, k_ids)`` ``[B|1, R|1, L]`` (``pad`` unit dims prepended first) -> the kernels' tables,
+    one shared table when both sides are the same tensor."""
+    if seg is None:
+        return ()
+    qt = segment_table(seg[0].reshape(pad + seg[0].shape))
+    return (qt, qt if seg[1] is seg[0] else segment_table(seg[1].reshape(pad + seg[1].shape)))
+
+
+def _canonical_call(q, k, v, bias, mask, scale, causal, mode, tables=()) -> Tuple[Tensor, Tensor]:
     """q, k, v with exactly two leading dims -> (out, lse) via the custom op; ``mode`` = (fused, atomic_dbias)."""
     q, k, v = _dense(q), _dense(k), _dense(v)
-    return _op.attend(q, k, v, bias, mask, float(scale), bool(causal), *mode)
+    return _op.attend(q, k, v, bias, mask, float(scale), bool(causal), *mode, *tables)
 
 
-def _attend(q, k, v, bias, mask, scale, causal, mode) -> Tuple[Tensor, Tensor]:
+def _seg_index(seg, i):
+    if seg is None:
+        return None
+    return tuple(t[i if t.shape[0] > 1 else 0] for t in seg)
+
+
+def _attend(q, k, v, bias, mask, scale, causal, mode, seg=None) -> Tuple[Tensor, Tensor]:
     n = q.ndim - 3
     lead = q.shape[:n]
     if n <= 2:
@@ -105,28 +123,40 @@ def _attend(q, k, v, bias, mask, scale, causal, mode) -> Tuple[Tensor, Tensor]:
         q5, k5, v5 = (t.reshape(pad + t.shape) for t in (q, k, v))
         b5 = None if bias is None else bias.reshape(pad + bias.shape)
         m5 = None if mask is None else mask.reshape(pad + mask.shape)
-        out, lse = _canonical_call(q5, k5, v5, b5, m5, scale, causal, mode)
+        out, lse = _canonical_call(q5, k5, v5, b5, m5, scale, causal, mode, _seg_tables(seg, pad))
         return out.reshape(lead + out.shape[2:]), lse.reshape(lead + lse.shape[2:])
-    groups = _merge_plan(q, bias, mask)
+    groups = _merge_plan(q, bias, mask, seg)
     if len(groups) <= 2:
         # [G1, G2, H, L, D]: each group of leading dims merged into one
         qm, km, vm = (_merge(t, groups, 3) for t in (q, k, v))
         bm, mm = _merge(bias, groups, 3), _merge(mask, groups, 3)
-        out, lse = _attend(qm, km, vm, bm, mm, scale, causal, mode)
+        sm = None if seg is None else (_merge(seg[0], groups, 1), _merge(seg[1], groups, 1))
+        if seg is not None and seg[1] is seg[0]:
+            sm = (sm[0], sm[0])
+        out, lse = _attend(qm, km, vm, bm, mm, scale, causal, mode, sm)
         return out.reshape(lead + out.shape[-3:]), lse.reshape(lead + lse.shape[-2:])
     # More than two broadcast patterns: loop over dim 0 (autograd sums a shared bias's gradient).
     outs, lses = [], []
     for i in range(q.shape[0]):
         bi = None if bias is None else bias[i if bias.shape[0] > 1 else 0]
         mi = None if mask is None else mask[i if mask.shape[0] > 1 else 0]
-        o, s = _attend(q[i], k[i], v[i], bi, mi, scale, causal, mode)
+        o, s = _attend(q[i], k[i], v[i], bi, mi, scale, causal, mode, _seg_index(seg, i))
         outs.append(o)
         lses.append(s)
     return torch.stack(outs), torch.stack(lses)
 
 
+def _canonical_ids(segment_ids, q: Tensor):
+    """``(q_ids, k_ids)`` with ``q.ndim - 2`` dims (left-padded; the API does this already), or None."""
+    if segment_ids is None:
+        return None
+    pad = lambda t: t.reshape((1,) * (q.ndim - 2 - t.ndim) + tuple(t.shape))  # noqa: E731
+    qi, ki = segment_ids
+    return (pad(qi), pad(qi)) if ki is qi else (pad(qi), pad(ki))
+
+
 def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
-                     scale: float, causal: bool, deterministic: bool = True, bwd: str = "auto"
+                     scale: float, causal: bool, deterministic: bool = True, bwd: str = "auto", segment_ids=None
                      ) -> Tuple[Tensor, Tensor]:
     """Fused attention with a broadcastable trainable bias and a differentiable lse (Triton kernels).
 
@@ -150,6 +180,9 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], ma
             fewer) and allows ``bwd="fused"``.
         bwd: ``"split"`` (dK/dV and dQ kernels), ``"fused"`` (one pass, dQ by fp32 atomics; needs
             ``deterministic=False``) or ``"auto"`` (split: faster on every shape measured on an H100).
+        segment_ids: None or ``(q_ids, k_ids)``, int ``[*batch, Lq]`` / ``[*batch, Lk]`` (size 1 on broadcast batch
+            dims; contiguous segments, negative = padding: see ``attn_ops.attention``). Every kernel visits only the
+            tiles whose id ranges meet and masks unequal ids inside a tile.
 
     Returns:
         out ``[*batch, H, Lq, Dv]`` in q's dtype; lse ``[*batch, H, Lq]`` float32, the natural log of the softmax
@@ -161,19 +194,22 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], ma
         bias = bias.reshape((1,) * (q.ndim - bias.ndim) + tuple(bias.shape))
     if mask is not None and mask.ndim < q.ndim:
         mask = mask.reshape((1,) * (q.ndim - mask.ndim) + tuple(mask.shape))
-    return _attend(q, k, v, bias, mask, scale, causal, mode)
+    return _attend(q, k, v, bias, mask, scale, causal, mode, _canonical_ids(segment_ids, q))
 
 
 def triton_lse_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
                         scale: float, causal: bool, out: Tensor, lse: Tensor, d_out: Optional[Tensor],
-                        d_lse: Optional[Tensor], need_dbias: bool, bwd: str = "auto", deterministic: bool = True):
+                        d_lse: Optional[Tensor], need_dbias: bool, bwd: str = "auto", deterministic: bool = True,
+                        segment_ids=None):
     """Gradients (dq, dk, dv, dbias or None) of attention given its saved (out, lse), without a forward.
 
     Same shapes as :func:`triton_attention`; ``out`` ``[*batch, H, Lq, Dv]`` and ``lse`` ``[*batch, H, Lq]`` may be
     the merged results over a larger key set (ring attention): the result is then this key block's share.
-    ``d_out``/``d_lse`` None mean zero. dbias has the bias's own shape and dtype.
+    ``d_out``/``d_lse`` None mean zero. dbias has the bias's own shape and dtype. ``segment_ids``: as in
+    :func:`triton_attention`.
     """
     fused, atomic = _check_bwd(bwd, deterministic)
+    seg = _canonical_ids(segment_ids, q)
     d_out = torch.zeros_like(out, dtype=v.dtype) if d_out is None else d_out.to(v.dtype)  # dots need v's dtype
     n = q.ndim - 3
     if n > 2:  # loop over dim 0: simple and exact; the merge plan of _attend is a later optimisation
@@ -182,7 +218,8 @@ def triton_lse_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
             bi = None if bias is None else bias[i if bias.shape[0] > 1 else 0]
             mi = None if mask is None else mask[i if mask.shape[0] > 1 else 0]
             parts.append(triton_lse_backward(q[i], k[i], v[i], bi, mi, scale, causal, out[i], lse[i], d_out[i],
-                                             None if d_lse is None else d_lse[i], need_dbias, bwd, deterministic))
+                                             None if d_lse is None else d_lse[i], need_dbias, bwd, deterministic,
+                                             _seg_index(seg, i)))
         dq, dk, dv = (torch.stack([p[j] for p in parts]) for j in range(3))
         db = None
         if need_dbias:
@@ -202,6 +239,6 @@ def triton_lse_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
     dlse4 = None if d_lse is None else five(d_lse).float().contiguous()
     dq, dk, dv, db = _op.backward(
         five(d_out), dlse4, q5, k5, v5, out5, lse4, five(bias), five(mask), float(scale), bool(causal), fused,
-        bool(need_dbias and bias is not None), atomic)
+        bool(need_dbias and bias is not None), atomic, *_seg_tables(seg, pad))
     db = db.reshape(bias.shape) if db is not None else None
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), db

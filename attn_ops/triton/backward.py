@@ -11,7 +11,7 @@ import triton.language as tl
 from .common import (
     LENGTH_ARGS,
     batch_offset, bias_f32, key_rows, key_terms_t, kv_scores, load_lse2, load_masked, load_rows, mm, logits_t,
-    split_batch,
+    seg_ids, seg_span, split_batch,
 )
 
 
@@ -44,6 +44,7 @@ def _dkdv_step(
     s_qm, s_dm, s_mm, s_mn, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
     FUSED_DQ: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    QSeg, kid, HAS_SEG: tl.constexpr,
 ):
     """Fold one query tile into dk [BN, BD], dv [BN, BDV] of one key tile of one row; returns dS^T [BN, BM] too.
 
@@ -58,8 +59,11 @@ def _dkdv_step(
     do = load_rows(dOut, offs_m, s_dm, offs_dv, Dv, m_ok, CHECK, not EVEN_D)  # [BM, BDV]
     lse2 = load_lse2(Lse, offs_m, Lq)
     delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
+    qid = 0
+    if HAS_SEG:
+        qid = seg_ids(QSeg, offs_m, Lq, -1)
     sT = logits_t(k, qT, baddT, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, scale,
-                       HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK)  # [BN, BM]
+                  HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, qid, kid, HAS_SEG)  # [BN, BM]
     pT = tl.exp2(sT * 1.4426950408889634 - lse2[None, :])  # exp(s - lse): one FMA per score
     dv += mm(pT.to(do.dtype), do)
     dpT = mm(v, tl.trans(do))  # [BN, BM]
@@ -99,10 +103,10 @@ def _dkdv_tiles(
     s_qm, s_dm, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
     FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, ATOMIC_DBIAS: tl.constexpr, EVEN_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, QSeg, kid, HAS_SEG: tl.constexpr,
 ):
     """Fold query tiles [lo, hi) into dk [BN, BD], dv [BN, BDV] of one key tile (transposed tiles [BN, BM]);
-    ``keep`` [BN]: the key mask's attended keys (HAS_MASK 1)."""
+    ``keep`` [BN]: the key mask's attended keys (HAS_MASK 1); ``kid`` [BN] the key tile's segment ids."""
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         biasT = 0.0
@@ -111,7 +115,7 @@ def _dkdv_tiles(
         baddT = key_terms_t(biasT, keep, HAS_BIAS, HAS_MASK)
         dk, dv, dsT = _dkdv_step(dk, dv, k, v, Q, dOut, Lse, Delta, Mask, dQacc, zq, baddT, m0, offs_m, offs_n,
                                  Lq, Lk, D, Dv, s_qm, s_dm, s_mm, s_mn, scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL,
-                                 CHECK, FUSED_DQ, EVEN_D, BLOCK_D, BLOCK_DV)
+                                 CHECK, FUSED_DQ, EVEN_D, BLOCK_D, BLOCK_DV, QSeg, kid, HAS_SEG)
         if DIRECT_DBIAS or ATOMIC_DBIAS:
             _store_dbias_t(dBias, gz, dsT, m0, n0, offs_m, offs_n, Lq, Lk, s_gm, s_gn, ATOMIC_DBIAS)
     return dk, dv
@@ -130,7 +134,7 @@ def _store_dkdv(dK, dV, dk, dv, offs_n, s_kn, s_vn, Lk, D, Dv, scale, BLOCK_D: t
 
 @triton.jit(do_not_specialize=LENGTH_ARGS)
 def attn_bwd_dkdv_kernel(
-    Q, K, V, Bias, Mask, dOut, Lse, Delta, dQacc, dK, dV, dBias,
+    Q, K, V, Bias, Mask, dOut, Lse, Delta, dQacc, dK, dV, dBias, QSeg, KSeg,
     s_qb, s_qr, s_qh, s_qm,
     s_kb, s_kr, s_kh, s_kn,
     s_vb, s_vr, s_vh, s_vn,
@@ -138,8 +142,9 @@ def attn_bwd_dkdv_kernel(
     s_mb, s_mr, s_mh, s_mm, s_mn,
     s_db, s_dr, s_dh, s_dm,
     s_gb, s_gr, s_gh, s_gm, s_gn,
+    s_sqb, s_sqr, s_skb, s_skr,
     R, H, Lq, Lk, D, Dv, scale,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
     FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, ATOMIC_DBIAS: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -152,7 +157,8 @@ def attn_bwd_dkdv_kernel(
     over Lq and Lk); dBias is an fp32 accumulator (bias's strides, 0 on broadcast dims) that every program
     adds its dS tiles into with atomics (not deterministic). ROWS = 2 (a bias shared over R, not causal, not
     FUSED_DQ): rows r and r + 1 share each bias tile load (and one atomic add of their summed dS). Lse/Delta are
-    contiguous [B, R, H, Lq].
+    contiguous [B, R, H, Lq]. HAS_SEG (not with ROWS = 2): only the query tiles whose segment ids can meet this
+    key tile's are visited (tables as in the forward kernel).
     """
     pid_n = tl.program_id(0)
     b, rp, h = split_batch(tl.program_id(1), (R + ROWS - 1) // ROWS, H)
@@ -192,9 +198,19 @@ def attn_bwd_dkdv_kernel(
     v = load_rows(V + v_off, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    lo_m = 0
+    end_m = Lq
+    kid = 0
+    QSeg_r = QSeg
+    if HAS_SEG:  # only the query tiles whose segment ids can meet this key tile's
+        QSeg_r = QSeg + b.to(tl.int64) * s_sqb + r.to(tl.int64) * s_sqr
+        KSeg_r = KSeg + b.to(tl.int64) * s_skb + r.to(tl.int64) * s_skr
+        kid = seg_ids(KSeg_r, offs_n, Lk, -2)
+        lo_m, end_m = seg_span(KSeg_r, offs_n, Lk, QSeg_r, Lq, BLOCK_M)
 
     if ROWS == 2:
         tl.static_assert(not FUSED_DQ, "two rows per program only with the split dQ kernel")
+        tl.static_assert(not HAS_SEG, "two rows per program only without segment ids")
         r2 = tl.minimum(r + 1, R - 1)
         q_off2 = batch_offset(b, r2, h, s_qb, s_qr, s_qh)
         k_off2 = batch_offset(b, r2, h, s_kb, s_kr, s_kh)
@@ -218,12 +234,13 @@ def attn_bwd_dkdv_kernel(
             baddT = key_terms_t(biasT, keep, HAS_BIAS, HAS_MASK)
             dk, dv, dsT = _dkdv_step(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Mask_r, dQ_r, zq, baddT,
                                      m0, offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm, s_mn, scale,
-                                     HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, EVEN_D, BLOCK_D, BLOCK_DV)
+                                     HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, EVEN_D, BLOCK_D, BLOCK_DV,
+                                     QSeg_r, kid, False)
             baddT2 = key_terms_t(biasT, keep2, HAS_BIAS, HAS_MASK)  # the second row's own key mask
             dk2, dv2, dsT2 = _dkdv_step(dk2, dv2, k2, v2, Q + q_off2, dO2, Lse + row2, Delta + row2, Mask2,
                                         dQ_r, zq, baddT2, m0, offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm,
                                         s_mn, scale, HAS_BIAS, HAS_MASK, False, CHECK,
-                                        FUSED_DQ, EVEN_D, BLOCK_D, BLOCK_DV)
+                                        FUSED_DQ, EVEN_D, BLOCK_D, BLOCK_DV, QSeg_r, kid, False)
             if ATOMIC_DBIAS:
                 _store_dbias_t(dBias, gz, dsT + dsT2 * w2, m0, n0, offs_m, offs_n, Lq, Lk, s_gm, s_gn, ATOMIC_DBIAS)
         if r + 1 < R:
@@ -234,18 +251,20 @@ def attn_bwd_dkdv_kernel(
         m_full = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - (Lk - Lq), 0), BLOCK_M) * BLOCK_M
         m_full = tl.minimum(tl.maximum(m_full, lo), Lq)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, bg, n0, Mask_r, keep, dQ_r,
-                             zq, dBias, gz, offs_n, lo, m_full, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn,
+                             zq, dBias, gz, offs_n, tl.maximum(lo, lo_m), tl.minimum(m_full, end_m), Lq, Lk, D, Dv,
+                             s_qm, s_dm, s_bm, s_bn, s_mm, s_mn,
                              s_gm, s_gn, scale, HAS_BIAS, HAS_MASK, True, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
-                             EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV)
+                             EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV, QSeg_r, kid, HAS_SEG)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, bg, n0, Mask_r, keep, dQ_r,
-                             zq, dBias, gz, offs_n, m_full, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn,
+                             zq, dBias, gz, offs_n, tl.maximum(m_full, lo_m), end_m, Lq, Lk, D, Dv, s_qm, s_dm,
+                             s_bm, s_bn, s_mm, s_mn,
                              s_gm, s_gn, scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
-                             EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV)
+                             EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV, QSeg_r, kid, HAS_SEG)
     else:
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Bias, bg, n0, Mask_r, keep, dQ_r,
-                             zq, dBias, gz, offs_n, 0, Lq, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn,
+                             zq, dBias, gz, offs_n, lo_m, end_m, Lq, Lk, D, Dv, s_qm, s_dm, s_bm, s_bn, s_mm, s_mn,
                              s_gm, s_gn, scale, HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, DIRECT_DBIAS, ATOMIC_DBIAS,
-                             EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV)
+                             EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV, QSeg_r, kid, HAS_SEG)
     _store_dkdv(dK + k_off, dV + v_off, dk, dv, offs_n, s_kn, s_vn, Lk, D, Dv, scale, BLOCK_D, BLOCK_DV)
 
 
@@ -253,12 +272,12 @@ def attn_bwd_dkdv_kernel(
 def _dq_step(
     dq, q, do, lse2, delta, K, V, Bias, bg, m0, n0, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn,
     s_mm, s_mn, scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
-    EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, qid, KSeg, HAS_SEG: tl.constexpr,
 ):
     """Fold one key tile into dq [BM, BD] of one query tile of one row; returns dS [BM, BN] too."""
     k, v, s = kv_scores(q, K, V, Bias, bg, m0, n0, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn,
                         s_mm, s_mn, scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, CHECK, not CHECK, EVEN_D, BLOCK_D,
-                        BLOCK_DV)  # s: [BM, BN]
+                        BLOCK_DV, qid, KSeg, HAS_SEG)  # s: [BM, BN]
     p = tl.exp2(s * 1.4426950408889634 - lse2[:, None])  # exp(s - lse): one FMA per score
     dp = mm(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
@@ -272,7 +291,7 @@ def _dq_tiles(
     s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
     DIRECT_DBIAS: tl.constexpr, EVEN_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, qid, KSeg, HAS_SEG: tl.constexpr,
 ):
     """Fold key tiles [lo, hi) into dq [BM, BD] of one query tile; store dS into dBias when it owns the rows."""
     m_ok = offs_m < Lq
@@ -280,7 +299,7 @@ def _dq_tiles(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         dq, ds = _dq_step(dq, q, do, lse2, delta, K, V, Bias, bg, m0, n0, Mask, offs_m, offs_n, Lq, Lk, D, Dv,
                           s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, EVEN_D,
-                          BLOCK_D, BLOCK_DV)
+                          BLOCK_D, BLOCK_DV, qid, KSeg, HAS_SEG)
         if DIRECT_DBIAS:
             tl.store(dBias + offs_m[:, None].to(tl.int64) * s_gm + offs_n[None, :].to(tl.int64) * s_gn,
                      ds.to(dBias.dtype.element_ty), mask=m_ok[:, None] & (offs_n[None, :] < Lk))
@@ -289,7 +308,7 @@ def _dq_tiles(
 
 @triton.jit(do_not_specialize=LENGTH_ARGS)
 def attn_bwd_dq_kernel(
-    Q, K, V, Bias, Mask, dOut, Lse, Delta, dQ, dBias,
+    Q, K, V, Bias, Mask, dOut, Lse, Delta, dQ, dBias, QSeg, KSeg,
     s_qb, s_qr, s_qh, s_qm,
     s_kb, s_kr, s_kh, s_kn,
     s_vb, s_vr, s_vh, s_vn,
@@ -297,8 +316,10 @@ def attn_bwd_dq_kernel(
     s_mb, s_mr, s_mh, s_mm, s_mn,
     s_db, s_dr, s_dh, s_dm,
     s_gb, s_gr, s_gh, s_gm, s_gn,
+    s_sqb, s_sqr, s_skb, s_skr,
     R, H, Lq, Lk, D, Dv, scale,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, DIRECT_DBIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
+    DIRECT_DBIAS: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -334,19 +355,31 @@ def attn_bwd_dq_kernel(
     lse2 = load_lse2(Lse + row, offs_m, Lq)
     delta = tl.load(Delta + row + offs_m, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo = 0
+    end = Lk
+    qid = 0
+    KSeg_r = KSeg
+    if HAS_SEG:  # only the key tiles whose segment ids can meet this query tile's
+        QSeg_r = QSeg + b.to(tl.int64) * s_sqb + r.to(tl.int64) * s_sqr
+        KSeg_r = KSeg + b.to(tl.int64) * s_skb + r.to(tl.int64) * s_skr
+        qid = seg_ids(QSeg_r, offs_m, Lq, -1)
+        lo, end = seg_span(QSeg_r, offs_m, Lq, KSeg_r, Lk, BLOCK_N)
     if CAUSAL:
-        hi = tl.minimum(Lk, m0 + BLOCK_M + (Lk - Lq))
+        hi = tl.minimum(end, m0 + BLOCK_M + (Lk - Lq))
         full_hi = (tl.maximum(m0 + 1 + (Lk - Lq), 0) // BLOCK_N) * BLOCK_N
         full_hi = tl.minimum(full_hi, tl.maximum(hi, 0))
-        dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, bg, m0, Mask_r, dBias, offs_m, 0, full_hi, Lq, Lk, D, Dv,
-                       s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, scale,
-                       HAS_BIAS, HAS_MASK, False, CHECK, DIRECT_DBIAS, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
-        dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, bg, m0, Mask_r, dBias, offs_m, full_hi, hi, Lq, Lk, D,
+        dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, bg, m0, Mask_r, dBias, offs_m, lo, full_hi, Lq, Lk, D,
                        Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, scale,
-                       HAS_BIAS, HAS_MASK, True, CHECK, DIRECT_DBIAS, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
+                       HAS_BIAS, HAS_MASK, False, CHECK, DIRECT_DBIAS, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV,
+                       qid, KSeg_r, HAS_SEG)
+        dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, bg, m0, Mask_r, dBias, offs_m, tl.maximum(full_hi, lo),
+                       hi, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, scale,
+                       HAS_BIAS, HAS_MASK, True, CHECK, DIRECT_DBIAS, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV,
+                       qid, KSeg_r, HAS_SEG)
     else:
-        dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, bg, m0, Mask_r, dBias, offs_m, 0, Lk, Lq, Lk, D, Dv,
+        dq = _dq_tiles(dq, q, do, lse2, delta, K_r, V_r, Bias, bg, m0, Mask_r, dBias, offs_m, lo, end, Lq, Lk, D, Dv,
                        s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, s_gm, s_gn, scale,
-                       HAS_BIAS, HAS_MASK, False, CHECK, DIRECT_DBIAS, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
+                       HAS_BIAS, HAS_MASK, False, CHECK, DIRECT_DBIAS, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV,
+                       qid, KSeg_r, HAS_SEG)
     tl.store(dQ + q_off + offs_m[:, None] * s_qm + offs_d[None, :], (dq * scale).to(dQ.dtype.element_ty),
              mask=m_ok[:, None] & (offs_d[None, :] < D))

@@ -139,17 +139,68 @@ def key_terms(
 
 
 @triton.jit
+def seg_ids(Seg, offs, L, FILL: tl.constexpr):
+    """Segment ids [len(offs)] of one row (``Seg`` points at the row's ids), FILL where out of range or negative
+    (padding): the query side fills -1 and the key side -2, so an equality test never pairs two paddings."""
+    ids = tl.load(Seg + offs, mask=offs < L, other=FILL)
+    return tl.where(ids < 0, FILL, ids)
+
+
+@triton.jit
+def _first_at_least(Sorted, n, target):
+    """The first i in [0, n) with Sorted[i] >= target (n if none), by binary search; Sorted non-decreasing."""
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        go_right = tl.load(Sorted + mid) < target
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(go_right, hi, mid)
+    return lo
+
+
+@triton.jit
+def seg_span(Own, offs, L_own, Other, L_other, BLOCK: tl.constexpr):
+    """For a tile of positions ``offs`` of one row (ids at ``Own``), the positions [lo, hi) of the other side's
+    row (``Other``) whose ids can equal one of the tile's non-negative ids, ``lo`` rounded down to a multiple of
+    BLOCK (the other side's tile). Each side's table holds its ids, their running maximum and their suffix
+    minimum (``launch.segment_table``), both non-decreasing, so the span is two binary searches: from the first
+    running max >= the tile's smallest id to the first suffix min > its largest (padding between or after the
+    sequences is left out). A tile of padding only gives an empty span."""
+    ids = tl.load(Own + offs, mask=offs < L_own, other=-1)
+    valid = ids >= 0
+    lo_id = tl.min(tl.where(valid, ids, 2147483647), 0)
+    hi_id = tl.max(tl.where(valid, ids, -1), 0)
+    lo = _first_at_least(Other + L_other, L_other, lo_id)
+    hi = _first_at_least(Other + 2 * L_other, L_other, hi_id + 1)
+    return (lo // BLOCK) * BLOCK, tl.maximum(hi, lo)
+
+
+@triton.jit
+def ids_meet(Qs, offs_m, Lq, Ks, offs_n, Lk):
+    """Whether a query tile and a key tile of one row share a non-negative segment id (their id ranges meet)."""
+    qi = tl.load(Qs + offs_m, mask=offs_m < Lq, other=-1)
+    ki = tl.load(Ks + offs_n, mask=offs_n < Lk, other=-1)
+    q_lo = tl.min(tl.where(qi >= 0, qi, 2147483647), 0)
+    q_hi = tl.max(qi, 0)
+    k_lo = tl.min(tl.where(ki >= 0, ki, 2147483647), 0)
+    k_hi = tl.max(ki, 0)
+    return (q_lo <= k_hi) & (k_lo <= q_hi)
+
+
+@triton.jit
 def logits(
     q, k, badd, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, logit_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
-    CHECK_M: tl.constexpr, CHECK_N: tl.constexpr,
+    CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, qid=0, kid=0, HAS_SEG: tl.constexpr = False,
 ):
     """Logits of one tile (natural units): q [BM, D] x k [BN, D] -> [BM, BN] fp32, -inf where not attended.
 
     ``badd``: the tile's bias and key mask from :func:`key_terms` (loaded by the caller, which also needs the
     key mask to load K). ``Mask`` points at this program's (b, r, h) slice; ``logit_scale``: the op's scale.
     HAS_MASK: 0 none, 1 a key mask (broadcast over Lq, in ``badd``), 2 a mask that varies over Lq (a select
-    here). Rows >= Lq (when CHECK_M) and columns >= Lk (when CHECK_N) are -inf too.
+    here). Rows >= Lq (when CHECK_M) and columns >= Lk (when CHECK_N) are -inf too. HAS_SEG: ``qid`` [BM] and
+    ``kid`` [BN] (:func:`seg_ids`) must be equal.
     """
     if HAS_BIAS or HAS_MASK == 1:
         s = mm(q, tl.trans(k)) * logit_scale + badd
@@ -158,6 +209,8 @@ def logits(
     if HAS_MASK == 2:
         keep = load_tile(Mask, offs_m, offs_n, s_mm, s_mn, Lq, Lk) != 0
         s = tl.where(keep, s, float("-inf"))
+    if HAS_SEG:
+        s = tl.where(qid[:, None] == kid[None, :], s, float("-inf"))
     if APPLY_CAUSAL:
         s = tl.where(offs_n[None, :] <= offs_m[:, None] + (Lk - Lq), s, float("-inf"))
     if CHECK_M or CHECK_N:
@@ -180,6 +233,7 @@ def load_lse2(Lse, offs_m, Lq, CHECK: tl.constexpr = True):
 def logits_t(
     k, qT, baddT, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, logit_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
+    qid=0, kid=0, HAS_SEG: tl.constexpr = False,
 ):
     """Transposed tile of :func:`logits`: k [BN, D] x qT [D, BM] -> sT [BN, BM] (-inf masked).
 
@@ -194,6 +248,8 @@ def logits_t(
     if HAS_MASK == 2:
         keep = tl.trans(load_tile(Mask, offs_m, offs_n, s_mm, s_mn, Lq, Lk)) != 0
         s = tl.where(keep, s, float("-inf"))
+    if HAS_SEG:
+        s = tl.where(kid[:, None] == qid[None, :], s, float("-inf"))
     if APPLY_CAUSAL:
         s = tl.where(offs_n[:, None] <= offs_m[None, :] + (Lk - Lq), s, float("-inf"))
     if CHECK:
@@ -219,7 +275,7 @@ def kv_scores(
     q, K, V, Bias, bg, m0, n0, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
     CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, IN_RANGE: tl.constexpr, EVEN_D: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, qid=0, KSeg=None, HAS_SEG: tl.constexpr = False,
 ):
     """One key tile of a query tile's loop: k [BN, BD], v [BN, BDV] and the logits s [BM, BN] (:func:`logits`).
     The tile starts at query row m0 and key n0 (offs_m, offs_n); (Bias, bg): see :func:`bias_f32`.
@@ -227,12 +283,16 @@ def kv_scores(
     K rows of masked keys read as zeros (:func:`key_terms`); V rows are read as they are (a NaN in v at a masked
     key reaches the output through 0 * NaN, as in the reference). IN_RANGE: every query row and key of the tile
     is < Lq, Lk; EVEN_D: D and Dv fill their blocks (the loads then need no mask beyond the key mask's rows).
+    HAS_SEG: ``qid`` [BM] the query tile's segment ids, ``KSeg`` this row's key ids.
     """
     badd, k_ok = key_terms(Bias, bg, m0, n0, Mask, offs_m, offs_n, s_bm, s_bn, s_mn, Lq, Lk, HAS_BIAS, HAS_MASK,
                            not IN_RANGE)
     K_ROWS: tl.constexpr = HAS_MASK == 1 or not IN_RANGE
     k = load_rows(K, offs_n, s_kn, tl.arange(0, BLOCK_D), D, k_ok, K_ROWS, not EVEN_D)
     v = load_rows(V, offs_n, s_vn, tl.arange(0, BLOCK_DV), Dv, offs_n < Lk, not IN_RANGE, not EVEN_D)
+    kid = 0
+    if HAS_SEG:
+        kid = seg_ids(KSeg, offs_n, Lk, -2)
     s = logits(q, k, badd, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, logit_scale,
-                    HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N)
+               HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N, qid, kid, HAS_SEG)
     return k, v, s

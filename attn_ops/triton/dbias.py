@@ -18,19 +18,23 @@ broadcast extent is 1.
 import triton
 import triton.language as tl
 
+<<<<<<< HEAD
 from .common import LENGTH_ARGS, batch_offset, key_rows, load_lse2, load_masked, load_tile, mm
+=======
+from .common import batch_offset, ids_meet, key_rows, load_lse2, load_masked, load_tile, mm, seg_ids
+>>>>>>> seg
 
 
 @triton.jit
 def _ds_step(
     Q, K, V, dOut, Lse, Delta, Mask, bias2, q_off, k_off, v_off, do_off, offs_m, offs_n, offs_d, offs_dv,
     Lq, Lk, D, Dv, s_mm, s_mn, qk_scale,
-    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN: tl.constexpr, QSeg, KSeg, HAS_SEG: tl.constexpr,
 ):
     """dS [BM, BN] (fp32) of one tile of one (b, r, h) whose operand rows sit at the given element offsets.
 
     ``bias2`` is the bias tile already times log2(e). EVEN: the tile is inside [Lq, Lk] and D, Dv fill their
-    blocks, so nothing is masked on load.
+    blocks, so nothing is masked on load. HAS_SEG: QSeg / KSeg point at this row's segment ids.
     """
     CHECK: tl.constexpr = not EVEN
     m_ok = offs_m < Lq
@@ -49,6 +53,9 @@ def _ds_step(
         s = tl.where(keep, s, float("-inf"))
     if CAUSAL:
         s = tl.where(offs_n[None, :] <= offs_m[:, None] + (Lk - Lq), s, float("-inf"))
+    if HAS_SEG:
+        s = tl.where(seg_ids(QSeg, offs_m, Lq, -1)[:, None] == seg_ids(KSeg, offs_n, Lk, -2)[None, :], s,
+                     float("-inf"))
     if CHECK:
         s = tl.where(m_ok[:, None] & n_ok[None, :], s, float("-inf"))
     p = tl.exp2(s - lse2[:, None])
@@ -58,7 +65,7 @@ def _ds_step(
 
 @triton.jit(do_not_specialize=LENGTH_ARGS)
 def attn_bwd_dbias_kernel(
-    Q, K, V, Bias, Mask, dOut, Lse, Delta, dBiasPart,
+    Q, K, V, Bias, Mask, dOut, Lse, Delta, dBiasPart, QSeg, KSeg,
     s_qb, s_qr, s_qh, s_qm,
     s_kb, s_kr, s_kh, s_kn,
     s_vb, s_vr, s_vh, s_vn,
@@ -66,14 +73,17 @@ def attn_bwd_dbias_kernel(
     s_mb, s_mr, s_mh, s_mm, s_mn,
     s_db, s_dr, s_dh, s_dm,
     s_ps, s_pb, s_pr, s_ph, s_pm, s_pn,
+    s_sqb, s_sqr, s_skb, s_skr,
     R, H, BR, BH, lr_n, lh_n, total, Lq, Lk, D, Dv, qk_scale, steps_per_split,
-    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, LOOP_M: tl.constexpr, LOOP_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, LOOP_M: tl.constexpr, LOOP_N: tl.constexpr,
     LOOP_B: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Grid (output tiles, BB*BR*BH bias batch indices, splits). The batch loop of a tile runs t over the
     broadcast batch dims (lb, lr, lh), h fastest: ``lr_n = R // BR``, ``lh_n = H // BH`` (an extent of 1 is
-    specialised, so its division folds away), ``total = (B // BB) * lr_n * lh_n``; LOOP_B: B // BB > 1."""
+    specialised, so its division folds away), ``total = (B // BB) * lr_n * lh_n``; LOOP_B: B // BB > 1.
+    HAS_SEG: segment id tables as in the forward kernel; a step whose query and key tiles share no segment id
+    adds nothing and is skipped."""
     pid_t = tl.program_id(0)  # output tile within one bias [BLq, BLk] slice
     pid_g = tl.program_id(1)  # bias batch index over BB*BR*BH
     pid_s = tl.program_id(2)  # split of the batch loop
@@ -121,7 +131,9 @@ def attn_bwd_dbias_kernel(
                                     offs_m[:, None] * s_qm + offs_d[None, :], offs_n[:, None] * s_kn + offs_d[None, :],
                                     offs_n[:, None] * s_vn + offs_dv[None, :],
                                     offs_m[:, None] * s_dm + offs_dv[None, :], offs_m, offs_n, offs_d, offs_dv,
-                                    Lq, Lk, D, Dv, s_mm, s_mn, qk_scale, HAS_MASK, CAUSAL, False)
+                                    Lq, Lk, D, Dv, s_mm, s_mn, qk_scale, HAS_MASK, CAUSAL, False,
+                                    QSeg + b.to(tl.int64) * s_sqb + r.to(tl.int64) * s_sqr,
+                                    KSeg + b.to(tl.int64) * s_skb + r.to(tl.int64) * s_skr, HAS_SEG)
     else:  # the common case (pair bias shared over rows/batch): one fixed tile, flat pipelined loop
         offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -143,13 +155,25 @@ def attn_bwd_dbias_kernel(
                 r = gr + t // lh_n
                 b = gb
             row = ((b * R + r) * H + h).to(tl.int64) * Lq
-            acc += _ds_step(Q + batch_offset(b, r, h, s_qb, s_qr, s_qh),
-                            K + batch_offset(b, r, h, s_kb, s_kr, s_kh),
-                            V + batch_offset(b, r, h, s_vb, s_vr, s_vh),
-                            dOut + batch_offset(b, r, h, s_db, s_dr, s_dh), Lse + row, Delta + row,
-                            Mask + batch_offset(b, r, h, s_mb, s_mr, s_mh), bias2, q_off, k_off, v_off, do_off,
-                            offs_m, offs_n, offs_d, offs_dv, Lq, Lk, D, Dv, s_mm, s_mn, qk_scale, HAS_MASK, CAUSAL,
-                            EVEN_M and EVEN_N and EVEN_D)
+            if HAS_SEG:
+                QSeg_r = QSeg + b.to(tl.int64) * s_sqb + r.to(tl.int64) * s_sqr
+                KSeg_r = KSeg + b.to(tl.int64) * s_skb + r.to(tl.int64) * s_skr
+                if ids_meet(QSeg_r, offs_m, Lq, KSeg_r, offs_n, Lk):
+                    acc += _ds_step(Q + batch_offset(b, r, h, s_qb, s_qr, s_qh),
+                                    K + batch_offset(b, r, h, s_kb, s_kr, s_kh),
+                                    V + batch_offset(b, r, h, s_vb, s_vr, s_vh),
+                                    dOut + batch_offset(b, r, h, s_db, s_dr, s_dh), Lse + row, Delta + row,
+                                    Mask + batch_offset(b, r, h, s_mb, s_mr, s_mh), bias2, q_off, k_off, v_off,
+                                    do_off, offs_m, offs_n, offs_d, offs_dv, Lq, Lk, D, Dv, s_mm, s_mn, qk_scale,
+                                    HAS_MASK, CAUSAL, EVEN_M and EVEN_N and EVEN_D, QSeg_r, KSeg_r, True)
+            else:
+                acc += _ds_step(Q + batch_offset(b, r, h, s_qb, s_qr, s_qh),
+                                K + batch_offset(b, r, h, s_kb, s_kr, s_kh),
+                                V + batch_offset(b, r, h, s_vb, s_vr, s_vh),
+                                dOut + batch_offset(b, r, h, s_db, s_dr, s_dh), Lse + row, Delta + row,
+                                Mask + batch_offset(b, r, h, s_mb, s_mr, s_mh), bias2, q_off, k_off, v_off, do_off,
+                                offs_m, offs_n, offs_d, offs_dv, Lq, Lk, D, Dv, s_mm, s_mn, qk_scale, HAS_MASK, CAUSAL,
+                                EVEN_M and EVEN_N and EVEN_D, QSeg, KSeg, False)
 
     Out = dBiasPart + pid_s.to(tl.int64) * s_ps + batch_offset(gb, gr, gh, s_pb, s_pr, s_ph)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -7,7 +7,11 @@ natural log, -inf for a row with no key).
 import triton
 import triton.language as tl
 
+<<<<<<< HEAD
 from .common import LENGTH_ARGS, batch_offset, kv_scores, load_rows, mm, split_batch
+=======
+from .common import batch_offset, kv_scores, load_rows, mm, seg_ids, seg_span, split_batch
+>>>>>>> seg
 
 
 @triton.jit
@@ -15,12 +19,12 @@ def _fwd_step(
     acc, l_i, m_i, q, K, V, Bias, bg, m0, n0, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm,
     s_mn, logit_scale, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
     CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, IN_RANGE: tl.constexpr, EVEN_D: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, qid, KSeg, HAS_SEG: tl.constexpr,
 ):
     """Fold one key tile into the running (acc [BM, Dv], l_i, m_i) of one query tile of one row."""
     k, v, s = kv_scores(q, K, V, Bias, bg, m0, n0, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn,
                         s_mm, s_mn, logit_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N, IN_RANGE,
-                        EVEN_D, BLOCK_D, BLOCK_DV)  # s: [BM, BN]
+                        EVEN_D, BLOCK_D, BLOCK_DV, qid, KSeg, HAS_SEG)  # s: [BM, BN]
     m_new = tl.maximum(m_i, tl.max(s, 1))  # natural units, as s
     m2 = m_new * 1.4426950408889634  # log2(e) * m, per row
     # No key so far, or a max so negative (< -2.4e38, e.g. a float32-min additive mask) that it overflows in the
@@ -42,14 +46,14 @@ def _fwd_tiles(
     s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
     CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, IN_RANGE: tl.constexpr, EVEN_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, qid, KSeg, HAS_SEG: tl.constexpr,
 ):
     """Fold key tiles [lo, hi) into the running (acc [BM, Dv], l_i, m_i) of one query tile."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, K, V, Bias, bg, m0, start_n, Mask, offs_m, offs_n, Lq, Lk, D, Dv,
                                   s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL,
-                                  CHECK_M, CHECK_N, IN_RANGE, EVEN_D, BLOCK_D, BLOCK_DV)
+                                  CHECK_M, CHECK_N, IN_RANGE, EVEN_D, BLOCK_D, BLOCK_DV, qid, KSeg, HAS_SEG)
     return acc, l_i, m_i
 
 
@@ -68,20 +72,23 @@ def _fwd_store(acc, l_i, m_i, Out, Lse, offs_m, s_om, Lq, Dv, BLOCK_DV: tl.const
 
 @triton.jit(do_not_specialize=LENGTH_ARGS)
 def attn_fwd_kernel(
-    Q, K, V, Bias, Mask, Out, Lse,
+    Q, K, V, Bias, Mask, Out, Lse, QSeg, KSeg,
     s_qb, s_qr, s_qh, s_qm,
     s_kb, s_kr, s_kh, s_kn,
     s_vb, s_vr, s_vh, s_vn,
     s_bb, s_br, s_bh, s_bm, s_bn,
     s_mb, s_mr, s_mh, s_mm, s_mn,
     s_ob, s_or, s_oh, s_om,
+    s_sqb, s_sqr, s_skb, s_skr,
     R, H, Lq, Lk, D, Dv, logit_scale,
-    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """One program per (query tile, b*r*h). EVEN_M / EVEN_N: Lq / Lk are multiples of the tiles; EVEN_D: D and Dv
-    are powers of two (>= 16), i.e. fill BLOCK_D / BLOCK_DV."""
+    are powers of two (>= 16), i.e. fill BLOCK_D / BLOCK_DV. HAS_SEG: QSeg / KSeg are the segment id tables
+    ``[B|1, R|1, 3, L]`` int32 (ids, running max, suffix min; strides s_s*), and only the key tiles whose ids can meet
+    the query tile's are visited (:func:`seg_span`)."""
     pid_m = tl.program_id(0)
     b, r, h = split_batch(tl.program_id(1), R, H)
     Lse_r = Lse + ((b * R + r) * H + h).to(tl.int64) * Lq
@@ -105,19 +112,32 @@ def attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     CHECK_N: tl.constexpr = not EVEN_N
     IN_RANGE: tl.constexpr = EVEN_M and EVEN_N
+    lo = 0
+    end = Lk
+    qid = 0
+    KSeg_r = KSeg
+    if HAS_SEG:  # only the key tiles whose segment ids can meet this query tile's
+        QSeg_r = QSeg + b.to(tl.int64) * s_sqb + r.to(tl.int64) * s_sqr
+        KSeg_r = KSeg + b.to(tl.int64) * s_skb + r.to(tl.int64) * s_skr
+        qid = seg_ids(QSeg_r, offs_m, Lq, -1)
+        lo, end = seg_span(QSeg_r, offs_m, Lq, KSeg_r, Lk, BLOCK_N)
     if CAUSAL:
         # Key tiles fully below the diagonal need no causal test; the rest (up to hi) do.
-        hi = tl.minimum(Lk, m0 + BLOCK_M + (Lk - Lq))
+        hi = tl.minimum(end, m0 + BLOCK_M + (Lk - Lq))
         full_hi = (tl.maximum(m0 + 1 + (Lk - Lq), 0) // BLOCK_N) * BLOCK_N
         full_hi = tl.minimum(full_hi, tl.maximum(hi, 0))
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, bg, m0, Mask_r, offs_m, 0, full_hi,
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, bg, m0, Mask_r, offs_m, lo, full_hi,
                                    Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale, HAS_BIAS,
-                                   HAS_MASK, False, False, CHECK_N, IN_RANGE, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, bg, m0, Mask_r, offs_m, full_hi, hi,
+                                   HAS_MASK, False, False, CHECK_N, IN_RANGE, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV,
+                                   qid, KSeg_r, HAS_SEG)
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, bg, m0, Mask_r, offs_m,
+                                   tl.maximum(full_hi, lo), hi,
                                    Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale, HAS_BIAS,
-                                   HAS_MASK, True, False, CHECK_N, IN_RANGE, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
+                                   HAS_MASK, True, False, CHECK_N, IN_RANGE, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV,
+                                   qid, KSeg_r, HAS_SEG)
     else:
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, bg, m0, Mask_r, offs_m, 0, Lk,
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_r, V_r, Bias, bg, m0, Mask_r, offs_m, lo, end,
                                    Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, logit_scale, HAS_BIAS,
-                                   HAS_MASK, False, False, CHECK_N, IN_RANGE, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV)
+                                   HAS_MASK, False, False, CHECK_N, IN_RANGE, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV,
+                                   qid, KSeg_r, HAS_SEG)
     _fwd_store(acc, l_i, m_i, Out + batch_offset(b, r, h, s_ob, s_or, s_oh), Lse_r, offs_m, s_om, Lq, Dv, BLOCK_DV)

@@ -103,6 +103,29 @@ def _pairs_rows(bias: Optional[Tensor], R: int, causal: bool, atomic_dbias: bool
     return atomic_dbias and bias is not None and bias.shape[1] == 1 and R > 1 and not causal
 
 
+SEG_NONE = 2 ** 31 - 1  # the suffix minimum's value past the last valid id
+
+
+def segment_table(ids: Tensor) -> Tensor:
+    """The kernels' segment id table of canonical ids ``[B|1, R|1, L]`` (any int dtype): int32 ``[B|1, R|1, 3, L]``
+    holding the ids (negatives as -1), their running maximum along L (padding counts as -1) and their suffix
+    minimum (padding counts as SEG_NONE). Both are non-decreasing for contiguous segments: the kernels
+    binary-search them for the span of positions a tile's ids can meet (:func:`common.seg_span`)."""
+    valid = ids >= 0
+    ids = torch.where(valid, ids, torch.full_like(ids, -1)).to(torch.int32)
+    none = torch.full_like(ids, SEG_NONE)
+    suffix_min = torch.cummin(torch.where(valid, ids, none).flip(-1), -1).values.flip(-1)
+    return torch.stack([ids, torch.cummax(ids, -1).values, suffix_min], -2).contiguous()
+
+
+def _seg_args(q_seg: Optional[Tensor], k_seg: Optional[Tensor], dummy: Tensor):
+    """(q table, k table, their (b, r) strides: 0 on broadcast dims) for the kernels; dummies without ids."""
+    if q_seg is None:
+        return dummy, dummy, (0, 0, 0, 0)
+    st = lambda t: (0 if t.shape[0] == 1 else t.stride(0), 0 if t.shape[1] == 1 else t.stride(1))  # noqa: E731
+    return q_seg, k_seg, st(q_seg) + st(k_seg)
+
+
 def _bias_args(bias: Optional[Tensor], dummy: Tensor):
     return (dummy, (0, 0, 0, 0, 0)) if bias is None else (bias, _bstrides(bias))
 
@@ -204,8 +227,11 @@ def _bias_operand(bias: Optional[Tensor], dummy: Tensor, tma, block_m: int, bloc
 
 
 def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
-                 scale: float, causal: bool) -> Tuple[Tensor, Tensor]:
-    """out ``[B, R, H, Lq, Dv]`` (q.dtype, dense in q's dim order) and lse ``[B, R, H, Lq]`` (fp32, natural log)."""
+                 scale: float, causal: bool, q_seg: Optional[Tensor] = None, k_seg: Optional[Tensor] = None
+                 ) -> Tuple[Tensor, Tensor]:
+    """out ``[B, R, H, Lq, Dv]`` (q.dtype, dense in q's dim order) and lse ``[B, R, H, Lq]`` (fp32, natural log).
+
+    ``q_seg``/``k_seg``: None or :func:`segment_table` of the query / key segment ids (both or neither)."""
     B, R, H, Lq, D = q.shape
     Lk, Dv = k.shape[3], v.shape[4]
     out = empty_in_order(q, (B, R, H, Lq, Dv), q.dtype)
@@ -213,6 +239,7 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
     m8 = _mask_u8(mask)
     bias, tma = bias_for_tiles(bias, q, Lq, Lk)
     mask_t, sm = _bias_args(m8, q)
+    qs_t, ks_t, ss = _seg_args(q_seg, k_seg, lse)
     qkv_rows, out_rows = (*_rows(q), *_rows(k), *_rows(v)), _rows(out)  # the same for every config
 
     def launch(c):
@@ -220,14 +247,16 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
         bias_t, sb, has_bias = _bias_operand(bias, q, tma, c.block_m, c.block_n)
         _launch(
             attn_fwd_kernel, grid,
-            (q, k, v, bias_t, mask_t, out, lse, *qkv_rows, *sb, *sm, *out_rows, R, H, Lq, Lk, D, Dv, scale),
+            (q, k, v, bias_t, mask_t, out, lse, qs_t, ks_t, *qkv_rows, *sb, *sm, *out_rows, *ss,
+             R, H, Lq, Lk, D, Dv, scale),
             c.num_warps, c.num_stages,
-            HAS_BIAS=has_bias, HAS_MASK=_mask_kind(mask), CAUSAL=causal,
+            HAS_BIAS=has_bias, HAS_MASK=_mask_kind(mask), CAUSAL=causal, HAS_SEG=q_seg is not None,
             EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
         )
 
-    cfg = pick("fwd", _key(q, v, bias, mask, causal), _width(q, D, Dv), Lq, Lk, launch, device=q.device.index)
+    cfg = pick("fwd", _key(q, v, bias, mask, causal, q_seg is not None), _width(q, D, Dv), Lq, Lk, launch,
+               device=q.device.index)
     launch(cfg)
     return out, lse
 
@@ -250,14 +279,16 @@ def _even_splits(n_steps: int, splits: int) -> Tuple[int, int]:
 
 def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                   bias: Optional[Tensor], mask: Optional[Tensor], scale: float, causal: bool, fused: bool,
-                  need_dbias: bool, atomic_dbias: bool = False) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+                  need_dbias: bool, atomic_dbias: bool = False, q_seg: Optional[Tensor] = None,
+                  k_seg: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """dq, dk, dv (same shapes/strides as q, k, v) and dbias (bias's own shape and dtype, or None).
 
     ``fused``: one pass over key tiles with dQ by fp32 atomics (not bitwise deterministic). Otherwise a dK/dV
     kernel over key tiles and a dQ kernel over query tiles, no atomics. dBias is written by the dQ kernel
     (dK/dV kernel when fused) when the bias has every dim full. A bias broadcast over batch dims gets its
     gradient from the deterministic reduction kernel in ``dbias.py`` or, with ``atomic_dbias`` (and the bias
-    full over Lq and Lk), from fp32 atomics in the dK/dV kernel (not bitwise deterministic).
+    full over Lq and Lk), from fp32 atomics in the dK/dV kernel (not bitwise deterministic). ``q_seg``/``k_seg``:
+    segment id tables as in :func:`attn_forward`.
     """
     B, R, H, Lq, D = q.shape
     Lk, Dv = k.shape[3], v.shape[4]
@@ -266,6 +297,8 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     m8 = _mask_u8(mask)
     bias, tma = bias_for_tiles(bias, q, Lq, Lk)  # any copy has the bias's shape and dtype (so has dbias)
     mask_t, sm = _bias_args(m8, q)
+    seg = q_seg is not None
+    qs_t, ks_t, ss = _seg_args(q_seg, k_seg, lse)
     dims = (B, R, H, Lq, Lk)
     direct_dbias = need_dbias and tuple(bias.shape) == dims
     atomic = need_dbias and not direct_dbias and atomic_dbias and tuple(bias.shape[3:]) == (Lq, Lk)
@@ -282,8 +315,8 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     dk = torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=dev)
     dv = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=dev)
     dbias = None
-    if direct_dbias:  # causal: tiles above the diagonal are never visited, so they must start at zero
-        dbias = (torch.zeros if causal else torch.empty)(bias.shape, dtype=bias.dtype, device=dev)
+    if direct_dbias:  # causal / segments: tiles that are never visited must start at zero
+        dbias = (torch.zeros if causal or seg else torch.empty)(bias.shape, dtype=bias.dtype, device=dev)
     elif atomic:  # fp32 accumulator, zeroed per launch; in dq's memory (written only after it) when it fits
         dbias = _f32_buffer(bias.numel(), dev, None if fused else dq).view(bias.shape)
     gs = (0,) * 5 if dbias is None else _bstrides(dbias)
@@ -299,7 +332,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     if fused:
         dq_acc = (torch.empty(q.shape, dtype=torch.float32, device=dev) if tma_dq
                   else torch.empty_strided(q.shape, q.stride(), dtype=torch.float32, device=dev))
-    flags = dict(HAS_MASK=_mask_kind(mask), CAUSAL=causal)
+    flags = dict(HAS_MASK=_mask_kind(mask), CAUSAL=causal, HAS_SEG=seg)
     qkv_rows, do_rows = (*_rows(q), *_rows(k), *_rows(v)), _rows(do)  # the same for every config
 
     def operands(c):
@@ -307,7 +340,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
         order) of a launch with c's tiles (only a bias descriptor's block shape depends on them)."""
         bias_t, sb, has_bias = _bias_operand(bias, q, tma, c.block_m, c.block_n)
         return bias_t, (*qkv_rows, *sb, *sm, *do_rows), dict(HAS_BIAS=has_bias, **flags)
-    key = _key(q, v, bias, mask, causal, fused, direct_dbias, atomic)
+    key = _key(q, v, bias, mask, causal, fused, direct_dbias, atomic, seg)
 
     # 2. dK, dV (+ dQ by atomics when fused, + dBias when it is unbroadcast or accumulated by atomics)
     def launch_dkdv(c):
@@ -321,7 +354,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
             q if dbias is None else dbias)
         _launch(
             attn_bwd_dkdv_kernel, (_cdiv(Lk, c.block_n), B * _cdiv(R, c.rows) * H),
-            (q, k, v, bias_t, mask_t, do, lse, delta, dq_arg, dk, dv, dbias_arg, *strides, *gs,
+            (q, k, v, bias_t, mask_t, do, lse, delta, dq_arg, dk, dv, dbias_arg, qs_t, ks_t, *strides, *gs, *ss,
              R, H, Lq, Lk, D, Dv, scale),
             c.num_warps, c.num_stages, **kflags,
             FUSED_DQ=(2 if tma_dq else 1) if fused else 0, DIRECT_DBIAS=direct_dbias and fused,
@@ -331,7 +364,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
         )
 
     launch_dkdv(pick("dkdv", key, _width(q, D, Dv), Lq, Lk, launch_dkdv,
-                     pair=_pairs_rows(bias, R, causal, atomic and not fused), device=dev.index))
+                     pair=_pairs_rows(bias, R, causal, atomic and not fused) and not seg, device=dev.index))
     if atomic:
         dbias = dbias.to(bias.dtype, copy=True)  # a copy: the accumulator may live in dq's memory
 
@@ -339,7 +372,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     #    fp32 split partials can live in dq's memory (no extra peak memory).
     if want_dbias:
         dbias = _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, _mask_kind(mask), key,
-                              scratch=dq)
+                              scratch=dq, seg=(qs_t, ks_t, ss) if seg else None)
 
     # 4. dQ over query tiles (split variant)
     if fused:
@@ -349,8 +382,8 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
             bias_t, strides, kflags = operands(c)
             _launch(
                 attn_bwd_dq_kernel, (_cdiv(Lq, c.block_m), B * R * H),
-                (q, k, v, bias_t, mask_t, do, lse, delta, dq, q if dbias is None else dbias, *strides, *gs,
-                 R, H, Lq, Lk, D, Dv, scale),
+                (q, k, v, bias_t, mask_t, do, lse, delta, dq, q if dbias is None else dbias, qs_t, ks_t, *strides,
+                 *gs, *ss, R, H, Lq, Lk, D, Dv, scale),
                 c.num_warps, c.num_stages, **kflags, DIRECT_DBIAS=direct_dbias,
                 EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
                 BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
@@ -367,12 +400,14 @@ def _f32_buffer(n: int, device: torch.device, scratch: Optional[Tensor] = None) 
     return torch.empty(n, dtype=torch.float32, device=device)
 
 
-def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, mask_kind, key, scratch) -> Tensor:
+def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, mask_kind, key, scratch,
+                  seg=None) -> Tensor:
     B, R, H, Lq, D = q.shape
     Lk, Dv = k.shape[3], v.shape[4]
     BB, BR, BH, BLq, BLk = bias.shape
     loop_m, loop_n = BLq == 1 and Lq > 1, BLk == 1 and Lk > 1
     n_groups = BB * BR * BH
+    qs_t, ks_t, ss = seg if seg is not None else (lse, lse, (0, 0, 0, 0))
     state = {}
 
     def launch(c):
@@ -389,11 +424,11 @@ def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, mask
         part = dbias if splits == 1 else _f32_buffer(splits * numel, q.device, scratch)
         _launch(
             attn_bwd_dbias_kernel, (tiles, n_groups, splits),
-            (q, k, v, bias, mask_t, do, lse, delta, part,
-             *_rows(q), *_rows(k), *_rows(v), *_bstrides(bias), *sm, *_rows(do), numel, *_bstrides(dbias),
+            (q, k, v, bias, mask_t, do, lse, delta, part, qs_t, ks_t,
+             *_rows(q), *_rows(k), *_rows(v), *_bstrides(bias), *sm, *_rows(do), numel, *_bstrides(dbias), *ss,
              R, H, BR, BH, lr_n, lh_n, total, Lq, Lk, D, Dv, scale * LOG2E, per),
             c.num_warps, c.num_stages,
-            HAS_MASK=mask_kind, CAUSAL=causal, LOOP_M=loop_m, LOOP_N=loop_n, LOOP_B=B // BB > 1,
+            HAS_MASK=mask_kind, CAUSAL=causal, HAS_SEG=seg is not None, LOOP_M=loop_m, LOOP_N=loop_n, LOOP_B=B // BB > 1,
             EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
         )

@@ -23,18 +23,20 @@ Tensor = torch.Tensor
 
 @torch.library.custom_op("attn_zoo::triton_attn_fwd", mutates_args=())
 def triton_attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
-                    scale: float, causal: bool, fused_bwd: bool, atomic_dbias: bool) -> Tuple[Tensor, Tensor]:
+                    scale: float, causal: bool, fused_bwd: bool, atomic_dbias: bool, q_seg: Optional[Tensor] = None,
+                    k_seg: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """out ``[B, R, H, Lq, Dv]`` (q.dtype, in q's dim order) and lse ``[B, R, H, Lq]`` (fp32, natural log, -inf on
     empty rows).
 
     ``fused_bwd`` and ``atomic_dbias`` only select the backward's variant (one pass with dQ by atomics vs split
-    kernels; a broadcast bias's gradient by atomics vs the deterministic reduction kernel).
+    kernels; a broadcast bias's gradient by atomics vs the deterministic reduction kernel). ``q_seg``/``k_seg``:
+    segment id tables ``[B|1, R|1, 3, L]`` int32 (``launch.segment_table``) or None.
     """
-    return attn_forward(q, k, v, bias, mask, scale, causal)
+    return attn_forward(q, k, v, bias, mask, scale, causal, q_seg, k_seg)
 
 
 @triton_attn_fwd.register_fake
-def _(q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias):
+def _(q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias, q_seg=None, k_seg=None):
     out = empty_in_order(q, q.shape[:-1] + v.shape[-1:], q.dtype)
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
     return out, lse
@@ -43,46 +45,51 @@ def _(q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias):
 @torch.library.custom_op("attn_zoo::triton_attn_bwd", mutates_args=())
 def triton_attn_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                     lse: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], scale: float, causal: bool,
-                    fused: bool, need_dbias: bool, atomic_dbias: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                    fused: bool, need_dbias: bool, atomic_dbias: bool, q_seg: Optional[Tensor] = None,
+                    k_seg: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv (q, k, v's shapes and strides) and dbias (bias's own shape and dtype; empty when not needed)."""
     dq, dk, dv, dbias = _backward_impl(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbias,
-                                       atomic_dbias)
+                                       atomic_dbias, q_seg, k_seg)
     return dq, dk, dv, (q.new_empty((0,)) if dbias is None else dbias)
 
 
-def _backward_impl(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbias, atomic_dbias):
+def _backward_impl(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbias, atomic_dbias,
+                   q_seg=None, k_seg=None):
     """The backward launches; dbias None when not needed."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     if dlse is not None:
         dlse = dlse.contiguous()  # the kernels index it as [B, R, H, Lq]; autograd may hand an expanded view
     return attn_backward(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused,
-                         need_dbias and bias is not None, atomic_dbias)
+                         need_dbias and bias is not None, atomic_dbias, q_seg, k_seg)
 
 
 @triton_attn_bwd.register_fake
-def _(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbias, atomic_dbias):
+def _(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbias, atomic_dbias, q_seg=None,
+      k_seg=None):
     dbias = bias.new_empty(bias.shape) if (need_dbias and bias is not None) else q.new_empty((0,))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias = inputs
+    q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias = inputs[:9]
+    q_seg, k_seg = (tuple(inputs[9:]) + (None, None))[:2]
     out, lse = output
-    ctx.save_for_backward(q, k, v, bias, mask, out, lse)
+    ctx.save_for_backward(q, k, v, bias, mask, out, lse, q_seg, k_seg)
     ctx.scale, ctx.causal, ctx.fused, ctx.atomic_dbias = scale, causal, fused_bwd, atomic_dbias
     ctx.set_materialize_grads(False)  # an unused lse sends None, not a zeros buffer
 
 
 def _grads(ctx, dout, dlse, run_backward):
     """The autograd backward of both paths; ``run_backward`` is the custom op (compiled) or its body (eager)."""
-    q, k, v, bias, mask, out, lse = ctx.saved_tensors
+    q, k, v, bias, mask, out, lse, q_seg, k_seg = ctx.saved_tensors
     need_dbias = bias is not None and ctx.needs_input_grad[3]
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
     dq, dk, dv, dbias = run_backward(
-        dout, dlse, q, k, v, out, lse, bias, mask, ctx.scale, ctx.causal, ctx.fused, need_dbias, ctx.atomic_dbias)
-    return dq, dk, dv, (dbias if need_dbias else None), None, None, None, None, None
+        dout, dlse, q, k, v, out, lse, bias, mask, ctx.scale, ctx.causal, ctx.fused, need_dbias, ctx.atomic_dbias,
+        q_seg, k_seg)
+    return (dq, dk, dv, (dbias if need_dbias else None)) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 
 def _backward(ctx, dout, dlse):
@@ -96,8 +103,8 @@ class _EagerAttention(torch.autograd.Function):
     """The eager path: the custom op's forward, setup and backward without its dispatch."""
 
     @staticmethod
-    def forward(q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias):
-        return attn_forward(q, k, v, bias, mask, scale, causal)
+    def forward(q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias, q_seg=None, k_seg=None):
+        return attn_forward(q, k, v, bias, mask, scale, causal, q_seg, k_seg)
 
     setup_context = staticmethod(_setup_context)
 
@@ -113,18 +120,23 @@ def _through_custom_op(q: Tensor) -> bool:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], scale: float,
-           causal: bool, fused_bwd: bool, atomic_dbias: bool) -> Tuple[Tensor, Tensor]:
+           causal: bool, fused_bwd: bool, atomic_dbias: bool, q_seg: Optional[Tensor] = None,
+           k_seg: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out, lse) of canonical 5-D inputs: the custom op (see :func:`_through_custom_op`) or the eager Function."""
+    seg = () if q_seg is None else (q_seg, k_seg)  # without ids, the calls are exactly the ones before them
     if _through_custom_op(q):
-        return torch.ops.attn_zoo.triton_attn_fwd(q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias)
-    return _EagerAttention.apply(q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias)
+        return torch.ops.attn_zoo.triton_attn_fwd(q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias, *seg)
+    return _EagerAttention.apply(q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias, *seg)
 
 
-def backward(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbias, atomic_dbias):
+def backward(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbias, atomic_dbias, q_seg=None,
+             k_seg=None):
     """dq, dk, dv, dbias (None when not needed) from a saved (out, lse): the custom op (see
     :func:`_through_custom_op`) or its body."""
+    seg = () if q_seg is None else (q_seg, k_seg)
     if _through_custom_op(q):
         dq, dk, dv, dbias = torch.ops.attn_zoo.triton_attn_bwd(
-            dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbias, atomic_dbias)
+            dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbias, atomic_dbias, *seg)
         return dq, dk, dv, (dbias if need_dbias and bias is not None else None)
-    return _backward_impl(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbias, atomic_dbias)
+    return _backward_impl(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbias, atomic_dbias,
+                          q_seg, k_seg)
