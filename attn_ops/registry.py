@@ -123,7 +123,8 @@ def _registry() -> Dict[str, Backend]:
         "triton": Backend(
             name="triton", entry="triton:triton_attention",
             description="this project's fused Triton kernels",
-            devices=_triton_devices(), dtypes=LOW_AND_FP32, min_head_dim=16, max_head_dim=256,
+            # any head dim in range: the kernels pad D, Dv to blocks of a power of two >= 16 (masked columns)
+            devices=_triton_devices(), dtypes=LOW_AND_FP32, min_head_dim=8, max_head_dim=256,
             options=frozenset({"bwd"}), requires="attn_ops.triton", lse_backward="triton:triton_lse_backward",
             segment_ids=True,
         ),
@@ -139,6 +140,7 @@ def _registry() -> Dict[str, Backend]:
             description="flex_attention with a score_mod reading bias and mask; on CUDA compiled once per "
                         "length bucket (inputs padded)",
             devices=frozenset({"cpu", "cuda"}), grad_devices=frozenset({"cuda"}), dtypes=LOW_AND_FP32,
+            # its compiled CUDA kernels refuse head dims < 16 (tl.dot's minimum; only the unfused path takes less)
             min_head_dim=16, deterministic_bias_grad=False, requires="torch.nn.attention.flex_attention",
             segment_ids=True,
         ),

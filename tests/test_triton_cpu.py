@@ -20,7 +20,7 @@ from attn_ops.triton import triton_attention  # noqa: E402
 from attn_ops.triton.attention import triton_lse_backward  # noqa: E402
 from helpers import (  # noqa: E402
     GARBAGE_IDS, GARBAGE_RUNS, check_against_reference, check_garbage_at_masked_keys,
-    check_row_under_huge_additive_bias, make_inputs,
+    check_row_under_huge_additive_bias, empty_some_rows, make_inputs,
 )
 
 L = 37  # odd: partial query and key tiles
@@ -74,6 +74,55 @@ def test_matches_reference(case, dtype, variant):
     opts = {"split": dict(bwd="split"), "fused": dict(bwd="fused", deterministic=False),
             "atomic": dict(bwd="split", deterministic=False)}[variant]
     check_against_reference("triton", q, k, v, bias, mask, causal=causal, **opts)
+
+
+# Head widths below tl.dot's 16 and between powers of two, D != Dv, at lengths 1, 15, 17, 33, 129 (ragged against
+# the interpreter's 32 x 16 tiles), each with a key mask whose first slice is fully masked (rows with no key).
+# The kernels pad D, Dv to blocks of a power of two >= 16: every masked column load and store is on these paths.
+# (name, batch, H, Lq, Lk, D, Dv, bias_shape, mask_shape, causal)
+WIDTH_CASES = [
+    ("d8_pair_bias_over_rows", (1, 3), 2, 17, 17, 8, 8, (1, 1, 2, 17, 17), (1, 3, 1, 1, 17), False),
+    ("d12_dv8_full_bias", (2,), 2, 15, 33, 12, 8, (2, 2, 15, 33), (2, 1, 1, 33), False),
+    ("d24_dv40_lq1_bias_over_batch", (2,), 2, 1, 33, 24, 40, (1, 2, 1, 33), (2, 1, 1, 33), False),
+    ("d40_key_bias_over_rows", (), 3, 33, 15, 40, 40, (3, 1, 15), (3, 1, 15), False),
+    ("d48_dv12_lq129_bias_over_heads", (), 2, 129, 17, 48, 12, (1, 129, 17), (2, 1, 17), False),
+    ("d8_dv24_causal_lk129", (1, 2), 1, 33, 129, 8, 24, (1, 1, 1, 33, 129), (1, 2, 1, 1, 129), True),
+    # every tile in range: rows load unmasked, the padded columns stay masked
+    ("d8_even_tiles_shared_bias", (1, 2), 2, 32, 32, 8, 8, (1, 1, 2, 32, 32), (1, 2, 1, 1, 32), False),
+]
+WIDTH_RUNS = [(c, dt, "split") for c in WIDTH_CASES for dt in (torch.float32, torch.float16)]
+WIDTH_RUNS += [(c, torch.float32, "fused") for c in WIDTH_CASES
+               if c[0] in ("d8_pair_bias_over_rows", "d12_dv8_full_bias", "d8_dv24_causal_lk129")]
+WIDTH_RUNS += [(c, torch.float16, "fused") for c in WIDTH_CASES if c[0] == "d48_dv12_lq129_bias_over_heads"]
+WIDTH_RUNS += [(c, dt, "atomic") for c in WIDTH_CASES if c[0] == "d8_pair_bias_over_rows"
+               for dt in (torch.float32, torch.float16)]
+
+
+@pytest.mark.parametrize("case,dtype,variant", WIDTH_RUNS,
+                         ids=[f"{c[0]}-{str(d)[6:]}-{v}" for c, d, v in WIDTH_RUNS])
+def test_head_widths_match_reference(case, dtype, variant):
+    _, batch, h, lq, lk, d, dv, bshape, mshape, causal = case
+    q, k, v, bias, mask = make_inputs(batch, h, lq, lk, d, dv, dtype=dtype, bias_shape=bshape, mask_shape=mshape,
+                                      seed=zlib.crc32(case[0].encode()) % 1000)
+    empty_some_rows(mask)
+    opts = {"split": dict(bwd="split"), "fused": dict(bwd="fused", deterministic=False),
+            "atomic": dict(bwd="split", deterministic=False)}[variant]
+    check_against_reference("triton", q, k, v, bias, mask, causal=causal, **opts)
+
+
+def test_registry_takes_head_dims_8_to_256():
+    """triton serves every head width in [8, 256] (tl.dot's 16 is padded inside the kernels) and names the rest."""
+    from attn_ops import registry
+    from attn_ops.inputs import describe
+
+    def reasons(d, dv):
+        q, k, v, _, _ = make_inputs((1,), 1, 2, 3, d, dv)
+        return registry.not_supported_reasons("triton", describe(q, k, v, None, None, False, True, True))
+
+    for d, dv in ((8, 8), (8, 256), (12, 24), (256, 8)):
+        assert reasons(d, dv) == [], (d, dv)
+    assert reasons(7, 8) == ["q/k head dim 7 outside [8, 256]"]
+    assert reasons(8, 257) == ["v head dim 257 outside [8, 256]"]
 
 
 def test_fully_masked_row_gives_zero_output_and_finite_zero_grads():
@@ -484,6 +533,7 @@ READS_IN_RANGE = {
     "even_tiles": (1, 3, 2, 32, 32, 16, 16, (1, 1, 2, 32, 32), (1, 3, 1, 1, 32), False),
     "even_tiles_bias_over_batch": (2, 3, 2, 32, 32, 16, 16, (1, 1, 2, 32, 32), (2, 3, 1, 1, 32), False),
     "even_tiles_d24": (1, 3, 2, 32, 32, 24, 16, (1, 1, 2, 32, 32), (1, 3, 1, 1, 32), False),
+    "even_tiles_d8_dv12": (1, 3, 2, 32, 32, 8, 12, (1, 1, 2, 32, 32), (1, 3, 1, 1, 32), False),
     "even_tiles_dv24_causal": (1, 3, 2, 32, 32, 16, 24, (1, 1, 2, 32, 32), (1, 3, 1, 1, 32), True),
     "even_lq_odd_lk": (1, 3, 2, 32, 37, 16, 16, (1, 1, 2, 32, 37), (1, 3, 1, 1, 37), False),
     "odd_lq_even_lk_causal": (1, 3, 2, 37, 32, 16, 16, (1, 1, 2, 37, 32), None, True),

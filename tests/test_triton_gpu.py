@@ -12,7 +12,7 @@ import torch
 from attn_ops.settings import kernel_settings
 from helpers import (
     GARBAGE_IDS, GARBAGE_RUNS, check_against_reference, check_garbage_at_masked_keys,
-    check_row_under_huge_additive_bias, make_inputs,
+    check_row_under_huge_additive_bias, empty_some_rows, make_inputs,
 )
 
 pytestmark = pytest.mark.gpu
@@ -61,6 +61,32 @@ def test_matches_reference_gpu(case, dtype, variant):
     _, batch, h, lq, lk, d, dv, bshape, mshape, causal = case
     q, k, v, bias, mask = make_inputs(batch, h, lq, lk, d, dv, dtype=dtype, bias_shape=bshape, mask_shape=mshape,
                                       seed=len(case[0]), device="cuda")
+    opts = {"split": dict(bwd="split"), "fused": dict(bwd="fused", deterministic=False),
+            "atomic": dict(bwd="split", deterministic=False)}[variant]
+    check_against_reference("triton", q, k, v, bias, mask, causal=causal, **opts)
+
+
+# Head widths below tl.dot's 16 and between powers of two (AF2's extra-MSA c_hidden 8), D != Dv, ragged crop lengths
+# with key padding whose first slice is fully masked. The fused runs take the TMA dq reduction on Hopper with a
+# [*, 16]-column box over an 8-column accumulator.
+WIDTH_CASES = [
+    ("d8_pair_bias_over_rows", (1, 8), 8, 203, 203, 8, 8, (1, 1, 8, 203, 203), (1, 8, 1, 1, 203), False),
+    ("d24_pair_bias_over_rows_crop", (1, 12), 4, 300, 300, 24, 24, (1, 1, 4, 300, 300), (1, 12, 1, 1, 300), False),
+    ("d48_dv24_full_bias", (2,), 4, 257, 200, 48, 24, (2, 4, 257, 200), (2, 1, 1, 200), False),
+    ("d8_dv48_causal_lq1", (3,), 2, 1, 129, 8, 48, (1, 2, 1, 129), (3, 1, 1, 129), True),
+    ("d24_dv8_key_bias_over_rows", (2,), 4, 190, 333, 24, 8, (4, 1, 333), (2, 4, 1, 333), False),
+]
+WIDTH_RUNS = [(c, torch.bfloat16, v) for c in WIDTH_CASES for v in ("split", "fused")]
+WIDTH_RUNS += [(c, torch.bfloat16, "atomic") for c in WIDTH_CASES if "over_rows" in c[0]]
+WIDTH_RUNS += [(c, torch.float32, v) for c in WIDTH_CASES[:1] for v in ("split", "fused")]
+
+
+@pytest.mark.parametrize("case,dtype,variant", WIDTH_RUNS, ids=[f"{c[0]}-{str(d)[6:]}-{v}" for c, d, v in WIDTH_RUNS])
+def test_head_widths_match_reference_gpu(case, dtype, variant):
+    _, batch, h, lq, lk, d, dv, bshape, mshape, causal = case
+    q, k, v, bias, mask = make_inputs(batch, h, lq, lk, d, dv, dtype=dtype, bias_shape=bshape, mask_shape=mshape,
+                                      seed=len(case[0]), device="cuda")
+    empty_some_rows(mask)
     opts = {"split": dict(bwd="split"), "fused": dict(bwd="fused", deterministic=False),
             "atomic": dict(bwd="split", deterministic=False)}[variant]
     check_against_reference("triton", q, k, v, bias, mask, causal=causal, **opts)

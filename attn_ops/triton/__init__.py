@@ -13,7 +13,7 @@ import torch
 
 from .attention import BWD_VARIANTS, triton_attention, triton_lse_backward
 
-SUPPORTED_HEAD_DIMS = (16, 256)  # (min, max) for both D and Dv; any value in between (padded blocks)
+SUPPORTED_HEAD_DIMS = (8, 256)  # (min, max) for D and Dv; any value in between (blocks padded to >= 16, a power of 2)
 SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 BIAS_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 DETERMINISTIC_BWD = ("split",)  # with deterministic=True only: "fused" uses atomics for dq, and

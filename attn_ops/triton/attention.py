@@ -162,7 +162,8 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], ma
 
     Args (already validated by ``attn_ops.attention``):
         q ``[*batch, H, Lq, D]``, k ``[*batch, H, Lk, D]``, v ``[*batch, H, Lk, Dv]``: fp16/bf16/fp32, one device,
-            16 <= D, Dv <= 256. fp32 inputs use full fp32 products (no TF32).
+            8 <= D, Dv <= 256, any value (the kernels pad to blocks of a power of two >= 16, tl.dot's minimum).
+            fp32 inputs use full fp32 products (no TF32).
         bias: None or float (any float dtype) broadcastable to ``[*batch, H, Lq, Lk]``: every dim 1 (broadcast, read
             with stride 0) or full; fewer dims than q are left-padded with 1s;
             its gradient comes back in its own shape and dtype, summed over broadcast dims.
