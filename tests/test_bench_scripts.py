@@ -61,3 +61,89 @@ def test_attention_bench_heads_last_step_fills_leaf_grads(monkeypatch):
         out = run()
         out.float().sum().backward()
         assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves), be
+
+
+# ------------------------------------------------------------------------------------------ crop set
+def test_crop_set_arguments_and_shapes():
+    """``--set crop`` picks its own peers and a time limit; its shapes are the issue's N and D sweeps, each once,
+    with the last ~10% of keys padded."""
+    import bench_attention as ba
+
+    args = ba.parse_args(["--set", "crop"])
+    assert args.backends == list(ba.CROP_BACKENDS) and args.time_limit == ba.CROP_TIME_LIMIT
+    assert "triton-nondet" in args.backends and "flex" in args.backends
+    args = ba.parse_args(["--set", "crop", "--backends", "triton", "flex", "--time-limit", "60"])
+    assert args.backends == ["triton", "flex"] and args.time_limit == 60
+    args = ba.parse_args([])
+    assert args.set == "all" and args.backends == ba.DEFAULT_BACKENDS and args.time_limit == float("inf")
+    with pytest.raises(SystemExit):
+        ba.parse_args(["--set", "crops"])
+    shapes = ba.crop_shapes()
+    assert len(shapes) == len(set(shapes)) == 16
+    assert {n for n, d in shapes if d == 32} == {128, 200, 256, 300, 384, 512}
+    assert {d for n, d in shapes if n == 300} == {d for n, d in shapes if n == 384} == {8, 16, 24, 32, 48, 64}
+    assert [ba.crop_pad(n) for n in (128, 200, 300, 512)] == [13, 20, 30, 51]
+
+
+def test_crop_case_runs_on_cpu(monkeypatch):
+    """A crop case's ``make`` for attn_ops backends on a tiny shape on the CPU: the triangle layout, a padded key
+    mask, and gradients into q, k, v and the shared bias; the torch and chunked results agree."""
+    import functools
+
+    import bench_attention as ba
+
+    monkeypatch.setattr(ba, "bias_inputs", functools.partial(ba.bias_inputs, device="cpu"))
+    outs = {}
+    cases = list(ba.crop_cases([(10, 8)], ["torch", "chunked", "cuequivariance", "sdpa cudnn"]))
+    assert [c[4] for c in cases] == ["torch", "chunked", "cuequivariance", "sdpa cudnn"]
+    assert cases[3][6] is not None and all(c[6] is None for c in cases[:3])
+    for shape, n, d, pad, be, make, skip in cases[:2]:
+        assert (shape, n, d, pad) == ("N=10 D=8", 10, 8, 1)
+        run, leaves = make()
+        out = run()
+        assert out.shape == (1, 10, ba.CROP_H, 10, 8)
+        out.float().sum().backward()
+        assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves), be
+        assert leaves[3].shape == (1, 1, ba.CROP_H, 10, 10)
+        assert leaves[3].grad[..., -1].abs().max().item() == 0  # the padded key gets no bias gradient
+        outs[be] = out.float()
+    assert (outs["torch"] - outs["chunked"]).abs().max().item() < 0.05
+
+
+def _crop_rows():
+    def row(n, d, be, ms, note=""):
+        return dict(shape=f"N={n} D={d}", n=str(n), d=str(d), pad="1", backend=be, fwdbwd_ms=ms,
+                    host_ms=("0.2" if ms else ""), first_s=("3.5" if ms else ""), note=note)
+    return [row(256, 32, "triton", "0.6"), row(256, 32, "flex", "1.2"), row(256, 32, "cuequivariance", "0.5"),
+            row(300, 8, "triton", "", "error: ValueError: head dim 8 outside [16, 256] | x"),
+            row(300, 8, "flex", "2.0"), row(300, 8, "cuequivariance", "1.0"),
+            row(384, 32, "triton", "0.9"), row(384, 32, "flex", "1.0")]
+
+
+def test_crop_tables_one_value_per_cell(tmp_path):
+    """The markdown pivot: a row per shape, a column per peer, one value (or the peer's reason) per cell; ratios
+    and the target column from triton's time against flex and cuEquivariance (N=256 D=32 also against 0.7 ms)."""
+    import bench_attention as ba
+
+    rows = _crop_rows()
+    lines = ba.crop_table(rows, "fwdbwd_ms")
+    assert lines[0] == ("| shape | triton | flex | cuequivariance | triton / flex | triton / cuequivariance | "
+                        "target met |")
+    body = {ln.split(" | ")[0][2:]: [c.strip() for c in ln.strip("|").split(" | ")] for ln in lines[2:]}
+    assert all(len(c) == 7 for c in body.values())
+    assert body["N=256 D=32"][1:] == ["0.600", "1.200", "0.500", "0.50x", "1.20x", "**no**"]
+    assert body["N=300 D=8"][1].startswith("error: ValueError: head dim 8") and "\\|" in body["N=300 D=8"][1]
+    assert body["N=300 D=8"][4:] == ["", "", ""]
+    assert body["N=384 D=32"][1:] == ["0.900", "1.000", "", "0.90x", "", "yes"]
+    host = ba.crop_table(rows, "host_ms")
+    assert host[0] == "| shape | triton | flex | cuequivariance |"
+    assert host[3] == "| N=300 D=8 | - | 0.200 | 0.200 |"
+    rows[0]["fwdbwd_ms"] = "0.8"  # faster than flex, but over the 0.7 ms target
+    rows[2]["fwdbwd_ms"] = "0.9"
+    assert ba.crop_table(rows, "fwdbwd_ms")[2].endswith("| **no** |")
+    rows[0]["fwdbwd_ms"] = "0.65"
+    assert ba.crop_table(rows, "fwdbwd_ms")[2].endswith("| yes |")
+    path = tmp_path / "crop.md"
+    ba.write_crop_md(rows, str(path), "env line")
+    text = path.read_text()
+    assert text.count("| shape | triton |") == 3 and "env line" in text and "perf_counter" in text
