@@ -147,3 +147,67 @@ def test_crop_tables_one_value_per_cell(tmp_path):
     ba.write_crop_md(rows, str(path), "env line")
     text = path.read_text()
     assert text.count("| shape | triton |") == 3 and "env line" in text and "perf_counter" in text
+
+
+# ------------------------------------------------------------------------------------------ varlen run
+def test_varlen_arguments_and_lengths():
+    """``--varlen``: triton, flex and Boltz-2 + cuEquivariance by default, a time limit of its own, 40 distinct lengths
+    in [180, 520] fixed by the seed."""
+    args = bench_blocks.parse_args(["--varlen"])
+    assert args.varlen and args.varlen_backends == ["triton", "flex", "boltz-cueq"]
+    assert args.time_limit == bench_blocks.VARLEN_TIME_LIMIT and args.varlen_count == 40
+    assert bench_blocks.parse_args([]).time_limit == 400.0 and not bench_blocks.parse_args([]).varlen
+    args = bench_blocks.parse_args(["--varlen", "--varlen-backends", "triton", "--time-limit", "30",
+                                    "--varlen-count", "5", "--varlen-seed", "3"])
+    assert args.varlen_backends == ["triton"] and args.time_limit == 30 and args.varlen_count == 5
+    for bad in (["--varlen", "--varlen-backends", "triton+compile"], ["--varlen", "--varlen-count", "0"],
+                ["--varlen", "--varlen-count", "400"]):
+        with pytest.raises(SystemExit):
+            bench_blocks.parse_args(bad)
+    lengths = bench_blocks.varlen_lengths(40, 0)
+    assert len(set(lengths)) == 40 and all(180 <= n <= 520 for n in lengths)
+    assert lengths == bench_blocks.varlen_lengths(40, 0) != bench_blocks.varlen_lengths(40, 1)
+    for b in bench_blocks.VARLEN_CHOICES:
+        if not b.startswith("boltz"):
+            assert bench_blocks.attention_config(b)["backend"] in registry.valid_names(), b
+
+
+def test_varlen_run_on_cpu_and_tables(tmp_path):
+    """The varlen rows of the torch-backend block at tiny sizes on the CPU: three steps per length, first and steady
+    times, their ratio and the compile + tune share; the time limit skips lengths; the tables have one value per
+    cell."""
+    import torch
+
+    lengths = [15, 20, 17, 22]
+    rows = bench_blocks.varlen_run("torch", lengths, torch.device("cpu"), 1e9, c_s=32, c_z=16, log=lambda *a: None)
+    assert [r["n"] for r in rows] == lengths and [r["step"] for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        assert r["note"] == "" and r["steady_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["first_ms"] / r["steady_ms"])
+        assert r["overhead_s"] == pytest.approx((r["first_ms"] - r["steady_ms"]) / 1e3)
+    skipped = bench_blocks.varlen_run("torch", lengths, torch.device("cpu"), -1.0, c_s=32, c_z=16,
+                                      log=lambda *a: None)
+    assert [r["note"] for r in skipped] == ["skipped: time limit"] * 4
+    with pytest.raises(ValueError, match="repeats"):
+        bench_blocks.varlen_run("torch", lengths, torch.device("cpu"), 1e9, repeats=1)
+
+    def row(be, i, first, steady, note=""):
+        return dict(backend=be, step=i, n=lengths[i], first_ms=first, steady_ms=steady,
+                    ratio=first / steady if steady else "", overhead_s=(first - steady) / 1e3 if steady else "",
+                    note=note)
+    fake = [row("triton", 0, 40000.0, 20.0), row("triton", 1, 30.0, 20.0), row("triton", 2, 25.0, 20.0),
+            row("triton", 3, 32.0, 20.0),
+            row("flex", 0, 9000.0, 30.0), row("flex", 1, 40.0, 30.0), row("flex", 2, 30.0, 30.0),
+            dict(row("flex", 3, 0, 0), first_ms="", note="skipped: time limit")]
+    summary = {s["backend"]: s for s in bench_blocks.varlen_summary(fake)}
+    assert summary["triton"]["lengths"] == "4 / 4" and summary["triton"]["max_ratio"] == pytest.approx(1.6)
+    assert summary["triton"]["over_target"] == 1
+    assert summary["triton"]["compile_tune_s"] == pytest.approx((39980 + 10 + 5 + 12) / 1e3)
+    assert summary["flex"]["lengths"] == "3 / 4" and summary["flex"]["max_ratio"] == ""
+    path = tmp_path / "varlen.md"
+    bench_blocks.write_varlen_markdown(str(path), fake, ["- env"], lengths)
+    lines = path.read_text().splitlines()
+    table = [ln for ln in lines if ln.startswith("| triton |")]
+    assert table == ["| triton | 4 / 4 | 20.0 | 1.60 | 1 | 40.0 | **no** |"]
+    steps = [ln for ln in lines if ln.startswith("| 3 | 22 |")]
+    assert steps == ["| 3 | 22 | 32.0 | 20.0 | 1.60 | skipped: time limit | - | - |"]
