@@ -17,7 +17,8 @@ fwd+bwd step beyond the inputs (gradients included). Writes ``attention.csv``, `
 The crop set (``--set crop``; not part of ``all``): triangle layout q/k/v ``[1, N, 4, N, D]``, trainable bias
 ``[1, 1, 4, N, N]``, key padding mask ``[1, N, 1, 1, N]`` with the last ~10% of keys masked; N in {128, 200, 256, 300,
 384, 512} at D=32 and D in {8, 16, 24, 32, 48, 64} at N=300 and 384. Per shape and peer: fwd+bwd median ms, host ms
-per eager call and the first call's seconds; writes ``crop.csv`` and ``crop.md``.
+per eager call and the first call's seconds; writes ``crop.csv`` and ``crop.md``. For cold first calls point
+``ATTN_ZOO_CACHE_DIR`` at an empty folder (the on-disk tuning cache would otherwise start warm).
 
 trifast and cuequivariance are optional imports (see ../shared/anchor-wheels/README.md).
 """
@@ -478,7 +479,7 @@ def write_crop_md(rows, path, env):
     lines += crop_table(rows, "host_ms")
     lines += ["", "## First call at the shape, s (compile + tune + one fwd+bwd, synchronised)\n",
               "Every shape is new to the process; Dynamo is reset before each case (flex compiles afresh), while "
-              "in-process and on-disk tuning caches stay as they are.\n"]
+              "in-process and on-disk tuning caches stay as they are (cold: ATTN_ZOO_CACHE_DIR set to an empty folder).\n"]
     lines += crop_table(rows, "first_s")
     notes = [r for r in rows if r["note"] and _num(r["fwdbwd_ms"]) is not None]
     if notes:

@@ -15,6 +15,7 @@ triton-backend block (where the block's time goes).
 ``--varlen``: one PairformerBlock (c_s 384, c_z 128) per backend, eager, stepping through ``--varlen-count``
 distinct random lengths in [180, 520] (``--varlen-seed``); each length runs 3 fwd+bwd steps: the first includes any
 compile / tuning at that length, steady = the faster of the other two. Writes ``varlen.csv`` and ``varlen.md``.
+A fresh process with ``ATTN_ZOO_CACHE_DIR`` at an empty folder measures cold tuning; run it again for a warm cache.
 
 Boltz-2 (``boltz.model.layers.pairformer.PairformerLayer``) and cuequivariance are optional imports
 (see ../shared/anchor-wheels/README.md); rows for them are skipped with the reason if they do not import.
