@@ -479,7 +479,8 @@ def write_crop_md(rows, path, env):
     lines += crop_table(rows, "host_ms")
     lines += ["", "## First call at the shape, s (compile + tune + one fwd+bwd, synchronised)\n",
               "Every shape is new to the process; Dynamo is reset before each case (flex compiles afresh), while "
-              "in-process and on-disk tuning caches stay as they are (cold: ATTN_ZOO_CACHE_DIR set to an empty folder).\n"]
+              "in-process and on-disk tuning caches stay as they are "
+              "(cold: ATTN_ZOO_CACHE_DIR set to an empty folder).\n"]
     lines += crop_table(rows, "first_s")
     notes = [r for r in rows if r["note"] and _num(r["fwdbwd_ms"]) is not None]
     if notes:
