@@ -11,7 +11,14 @@ fwd+bwd step beyond the inputs (gradients included). Writes ``attention.csv``, `
     python scripts/bench_attention.py --set long            # the no-bias long-context table
     python scripts/bench_attention.py --set bias --backends triton --profile   # per-kernel times of triton
     python scripts/bench_attention.py --set bias --backends triton --layout heads-last   # as the blocks call it
+    python scripts/bench_attention.py --set crop            # triangle attention at real crop sizes (~5 min)
     python scripts/bench_attention.py --render DIR ...      # re-render md + png from CSV files
+
+The crop set (``--set crop``; not part of ``all``): triangle layout q/k/v ``[1, N, 4, N, D]``, trainable bias
+``[1, 1, 4, N, N]``, key padding mask ``[1, N, 1, 1, N]`` with the last ~10% of keys masked; N in {128, 200, 256, 300,
+384, 512} at D=32 and D in {8, 16, 24, 32, 48, 64} at N=300 and 384. Per shape and peer: fwd+bwd median ms, host ms
+per eager call and the first call's seconds; writes ``crop.csv`` and ``crop.md``. For cold first calls point
+``ATTN_ZOO_CACHE_DIR`` at an empty folder (the on-disk tuning cache would otherwise start warm).
 
 trifast and cuequivariance are optional imports (see ../shared/anchor-wheels/README.md).
 """
@@ -22,6 +29,7 @@ import csv
 import datetime
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -54,6 +62,19 @@ TARGETS_MS = {  # issue 4, fwd+bwd
     "dense full bias 1,1,16,4096,64": 2.5,
     "1,16,16384,128 causal": 8.0,
 }
+# crop set: triangle attention [1, N, CROP_H, N, D] at real crop lengths and head widths, ~10% of keys padded
+CROP_N = (128, 200, 256, 300, 384, 512)
+CROP_D = (8, 16, 24, 32, 48, 64)
+CROP_D_AT = (300, 384)  # the head-width sweep runs at these N
+CROP_H = 4
+CROP_BACKENDS = ("triton", "triton-nondet", "flex", "sdpa", "cuequivariance", "trifast")
+CROP_TARGET_MS = {(256, 32): 0.7}  # issue 20; and at every shape: triton <= flex and <= cuequivariance
+CROP_FIELDS = ["shape", "n", "d", "pad", "backend", "fwdbwd_ms", "host_ms", "first_s", "note"]
+CROP_TIME_LIMIT = 300.0
+HOST_CALLS = 20
+HOST_SLEEP_CYCLES = int(4e8)  # ~0.2 s of GPU time at H100 clocks: the GPU stays busy while the calls are enqueued
+DEFAULT_BACKENDS = ["triton", "flex", "cuequivariance", "trifast", "sdpa", "sdpa cudnn", "sdpa flash", "chunked",
+                    "torch"]
 FIELDS = ["set", "shape", "backend", "fwd_ms", "fwdbwd_ms", "tflops", "peak_mib", "note"]
 
 
@@ -215,7 +236,22 @@ def profile_triton(make):
 
 
 # ---------------------------------------------------------------------------------------------------- sets
-ATTN_OPS_BIAS_BACKENDS = ("triton", "torch", "chunked", "sdpa", "triton-fused", "triton-atomic")
+ATTN_OPS_BIAS_BACKENDS = ("triton", "torch", "chunked", "sdpa", "triton-fused", "triton-atomic", "triton-nondet")
+ATTN_OPS_OPTIONS = {"sdpa": dict(deterministic=False),  # its CUDA backward uses atomics: allowed explicitly
+                    # dq and the shared bias's gradient by atomics: one backward pass
+                    "triton-fused": dict(bwd="fused", deterministic=False),
+                    # split dq kernel; the shared bias's gradient by atomics
+                    "triton-atomic": dict(bwd="split", deterministic=False),
+                    # the backend's own choice of backward once determinism is not required
+                    "triton-nondet": dict(deterministic=False)}
+
+
+def bias_run(be, q, k, v, bias, mask, leaves):
+    """(run, leaves) of bench backend ``be`` on pair-bias inputs."""
+    if be in ATTN_OPS_BIAS_BACKENDS:
+        run, _ = attn_ops_fn(be.split("-")[0], q, k, v, bias, mask, False, **ATTN_OPS_OPTIONS.get(be, {}))
+        return run, leaves
+    return {"flex": flex_bias_fn, "trifast": trifast_fn, "cuequivariance": cueq_fn}[be](q, k, v, bias, mask, False)
 
 
 def bias_cases(names, backends, heads_last=False):
@@ -225,16 +261,7 @@ def bias_cases(names, backends, heads_last=False):
         for be in backends:
             def make(be=be, B=B, R=R, H=H, L=L, D=D, pad=pad):
                 q, k, v, bias, mask, leaves = bias_inputs(B, R, H, L, D, pad, heads_last)
-                opts = {"sdpa": dict(deterministic=False),  # its CUDA backward uses atomics: allowed explicitly
-                        # dq and the shared bias's gradient by atomics: one backward pass
-                        "triton-fused": dict(bwd="fused", deterministic=False),
-                        # split dq kernel; the shared bias's gradient by atomics
-                        "triton-atomic": dict(bwd="split", deterministic=False)}
-                if be in ATTN_OPS_BIAS_BACKENDS:
-                    run, _ = attn_ops_fn(be.split("-")[0], q, k, v, bias, mask, False, **opts.get(be, {}))
-                    return run, leaves
-                return {"flex": flex_bias_fn, "trifast": trifast_fn, "cuequivariance": cueq_fn}[be](
-                    q, k, v, bias, mask, False)
+                return bias_run(be, q, k, v, bias, mask, leaves)
             skip = None
             if heads_last and be not in ATTN_OPS_BIAS_BACKENDS:
                 skip = "skipped: --layout heads-last is measured for attn_ops backends only"
@@ -243,6 +270,77 @@ def bias_cases(names, backends, heads_last=False):
             if be == "torch" and B * R * H * L * L * 4 * 3 > 40 * 2 ** 30:
                 skip = "skipped: materialised scores > 40 GiB"
             yield "bias", shape, be, make, flops, skip
+
+
+def crop_shapes():
+    """(N, D) of the crop set, without repeats: the N sweep at D=32, then the head-width sweeps."""
+    return list(dict.fromkeys([(n, 32) for n in CROP_N] + [(n, d) for n in CROP_D_AT for d in CROP_D]))
+
+
+def crop_pad(n):
+    """Padded keys of a crop of length ``n``: the last ~10%."""
+    return max(1, round(0.1 * n))
+
+
+def crop_name(n, d):
+    return f"N={n} D={d}"
+
+
+def crop_cases(shapes, backends):
+    """(shape name, n, d, pad, backend, make, skip) per (N, D) in ``shapes`` and backend, shape by shape."""
+    for n, d in shapes:
+        pad = crop_pad(n)
+        for be in backends:
+            def make(be=be, n=n, d=d, pad=pad):
+                q, k, v, bias, mask, leaves = bias_inputs(1, n, CROP_H, n, d, pad)
+                return bias_run(be, q, k, v, bias, mask, leaves)
+            skip = None
+            if be not in ATTN_OPS_BIAS_BACKENDS + ("flex", "trifast", "cuequivariance"):
+                skip = f"skipped: {be} has no pair-bias path"
+            yield crop_name(n, d), n, d, pad, be, make, skip
+
+
+def host_time_ms(step, leaves, calls=HOST_CALLS):
+    """(host ms per call, GPU stayed busy): ``calls`` steps enqueued behind a GPU sleep kernel, timed with
+    time.perf_counter without a sync, divided by ``calls``. An implicit sync shows up as a long host time."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(HOST_SLEEP_CYCLES)
+    slept = torch.cuda.Event()
+    slept.record()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        for t in leaves:
+            t.grad = None
+        step()
+    host = (time.perf_counter() - t0) / calls * 1e3
+    busy = not slept.query()
+    torch.cuda.synchronize()
+    for t in leaves:
+        t.grad = None
+    return host, busy
+
+
+def measure_crop(make):
+    """(first-call s, fwd+bwd median ms, host ms per call, note) of the callable built by ``make()``."""
+    from triton.testing import do_bench
+
+    run, leaves = make()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = run()  # the first call at this shape: compiles and tunes
+    g = torch.randn_like(out)
+    out.backward(g)
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    del out
+
+    def step():
+        run().backward(g)
+
+    step_ms = do_bench(step, grad_to_none=leaves, return_mode="median")
+    host_ms, busy = host_time_ms(step, leaves)
+    note = "" if busy else "GPU went idle while enqueuing: host time may include waits"
+    return first_s, step_ms, host_ms, note
 
 
 def long_cases(names, backends):
@@ -328,6 +426,97 @@ def write_md(rows, path, env):
         fh.write("\n".join(lines) + "\n")
 
 
+def _cell(text):
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def crop_table(rows, field, backends=None):
+    """Markdown lines of a pivot table: a row per shape, a column per backend, ``field`` in each cell (the
+    note where the value is missing)."""
+    backends = backends or list(dict.fromkeys(r["backend"] for r in rows))
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    cells = {(r["shape"], r["backend"]): r for r in rows}
+    extra = field == "fwdbwd_ms"
+    head = ["shape"] + backends + (["triton / flex", "triton / cuequivariance", "target met"] if extra else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for shape in shapes:
+        line = [shape]
+        for be in backends:
+            r = cells.get((shape, be))
+            if r is None:
+                line.append("")
+            elif _num(r[field]) is not None:
+                line.append(_fmt(r[field]))
+            else:
+                line.append(_cell(r["note"]) if field == "fwdbwd_ms" else "-")
+        if extra:
+            t = _num(cells.get((shape, "triton"), {}).get("fwdbwd_ms"))
+            peers = {be: _num(cells.get((shape, be), {}).get("fwdbwd_ms")) for be in ("flex", "cuequivariance")}
+            line += [f"{t / p:.2f}x" if t is not None and p else "" for p in peers.values()]
+            r0 = cells.get((shape, "triton"), {})
+            target = CROP_TARGET_MS.get((int(r0["n"]), int(r0["d"]))) if r0 else None
+            if t is None:
+                line.append("")
+            else:
+                ok = all(p is None or t <= p for p in peers.values()) and (target is None or t <= target)
+                line.append("yes" if ok else "**no**")
+        lines.append("| " + " | ".join(line) + " |")
+    return lines
+
+
+def write_crop_md(rows, path, env):
+    lines = ["# Attention op benchmark: crop set\n", f"{env}\n",
+             f"bf16 triangle attention: q/k/v `[1, N, {CROP_H}, N, D]`, trainable pair bias `[1, 1, {CROP_H}, N, N]` "
+             "(gradient summed over rows), key padding mask `[1, N, 1, 1, N]` with the last ~10% of keys masked; "
+             "gradients into q, k, v and bias.\n",
+             "## fwd+bwd median ms (`triton.testing.do_bench`)\n",
+             "Target (issue 20): triton at most compiled flex's and cuEquivariance's time at every shape; "
+             "N=256 D=32 at most 0.7 ms.\n"]
+    lines += crop_table(rows, "fwdbwd_ms")
+    lines += ["", "## Host ms per eager fwd+bwd call\n",
+              f"time.perf_counter over {HOST_CALLS} calls enqueued behind a GPU sleep kernel (GPU kept busy, no sync), "
+              f"divided by {HOST_CALLS}.\n"]
+    lines += crop_table(rows, "host_ms")
+    lines += ["", "## First call at the shape, s (compile + tune + one fwd+bwd, synchronised)\n",
+              "Every shape is new to the process; Dynamo is reset before each case (flex compiles afresh), while "
+              "in-process and on-disk tuning caches stay as they are "
+              "(cold: ATTN_ZOO_CACHE_DIR set to an empty folder).\n"]
+    lines += crop_table(rows, "first_s")
+    notes = [r for r in rows if r["note"] and _num(r["fwdbwd_ms"]) is not None]
+    if notes:
+        lines += ["", "Notes:"] + [f"- {r['shape']} {r['backend']}: {r['note']}" for r in notes]
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+def run_crop(cases, csv_path, time_limit):
+    """Measure every crop case, writing CSV rows as they come; returns the rows."""
+    rows, t0 = [], time.time()
+    with open(csv_path, "w", newline="") as fh:
+        wr = csv.DictWriter(fh, CROP_FIELDS)
+        wr.writeheader()
+        for shape, n, d, pad, be, make, skip in cases:
+            row = dict(shape=shape, n=n, d=d, pad=pad, backend=be, fwdbwd_ms="", host_ms="", first_s="",
+                       note=skip or "")
+            if not skip and time.time() - t0 > time_limit:
+                row["note"] = "skipped: time limit"
+            elif not skip:
+                try:
+                    torch._dynamo.reset()  # a fresh compile per shape, and no recompile limit across shapes
+                    first_s, step_ms, host_ms, note = measure_crop(make)
+                    row.update(fwdbwd_ms=f"{step_ms:.4f}", host_ms=f"{host_ms:.4f}", first_s=f"{first_s:.3f}",
+                               note=note)
+                except Exception as exc:  # a peer that cannot run a shape: its reason goes in the cell
+                    row["note"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+                    traceback.print_exc(limit=2)
+                torch.cuda.empty_cache()
+            print(row, f"[{time.time() - t0:.0f} s]", flush=True)
+            rows.append(row)
+            wr.writerow(row)
+            fh.flush()
+    return rows
+
+
 def _num(x):
     try:
         return float(x)
@@ -377,32 +566,62 @@ def write_png(rows, path):
     fig.savefig(path, dpi=120)
 
 
-def main():
+def build_parser():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--set", choices=["bias", "long", "all"], default="all")
-    ap.add_argument("--shapes", nargs="*", help="subset of shape names (substring match)")
-    ap.add_argument("--backends", nargs="*",
-                    default=["triton", "flex", "cuequivariance", "trifast", "sdpa", "sdpa cudnn", "sdpa flash",
-                             "chunked", "torch"])
+    ap.add_argument("--set", choices=["bias", "long", "crop", "all"], default="all",
+                    help="all = bias + long; the crop set runs on its own")
+    ap.add_argument("--shapes", nargs="*", help="subset of shape names (substring match; crop: e.g. 'N=300 ')")
+    ap.add_argument("--backends", nargs="*", default=None,
+                    help=f"default: {' '.join(DEFAULT_BACKENDS)}; crop set: {' '.join(CROP_BACKENDS)}")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help=f"crop set: start no new case after this many s (default {CROP_TIME_LIMIT:.0f})")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--profile", action="store_true", help="print per-kernel times of triton per shape")
     ap.add_argument("--layout", choices=["contiguous", "heads-last"], default="contiguous",
                     help="bias set: q, k, v as contiguous [B, R, H, L, D], or as views of [B, R, L, H, D] memory "
                          "(heads split out of a fused projection, as the blocks pass them)")
     ap.add_argument("--render", nargs="*", help="re-render md + png from these CSV files, no measuring")
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.backends is None:
+        args.backends = list(CROP_BACKENDS if args.set == "crop" else DEFAULT_BACKENDS)
+    if args.time_limit is None:
+        args.time_limit = CROP_TIME_LIMIT if args.set == "crop" else float("inf")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     csv_path, md_path, png_path = (os.path.join(args.out, f"attention.{e}") for e in ("csv", "md", "png"))
     if args.render:
         rows = [r for p in args.render for r in csv.DictReader(open(p))]
         env = open(args.render[0].replace(".csv", ".env")).read().strip() if os.path.exists(
             args.render[0].replace(".csv", ".env")) else "environment: see CSV source"
+        if rows and "host_ms" in rows[0]:
+            write_crop_md(rows, os.path.join(args.out, "crop.md"), env)
+            return
         write_md(rows, md_path, env)
         write_png(rows, png_path)
         return
 
     def pick(names):
         return [n for n in names if not args.shapes or any(s in n for s in args.shapes)]
+
+    if args.set == "crop":
+        env = environment()
+        crop_csv = os.path.join(args.out, "crop.csv")
+        with open(crop_csv.replace(".csv", ".env"), "w") as fh:
+            fh.write(env + "\n")
+        print(env, flush=True)
+        shapes = [s for s in crop_shapes() if not args.shapes or any(x in crop_name(*s) + " " for x in args.shapes)]
+        rows = run_crop(crop_cases(shapes, args.backends), crop_csv, args.time_limit)
+        write_crop_md(rows, os.path.join(args.out, "crop.md"), env)
+        print(open(os.path.join(args.out, "crop.md")).read(), flush=True)
+        return
 
     cases = []
     if args.set in ("bias", "all"):

@@ -10,6 +10,12 @@ triton-backend block (where the block's time goes).
     python scripts/bench_blocks.py                      # the issue's table (H100: ~5-7 min)
     python scripts/bench_blocks.py --cases pair384 --backends triton torch --breakdown pair384
     python scripts/bench_blocks.py --cases pair384 --backends triton+compile --compile-mode reduce-overhead
+    python scripts/bench_blocks.py --varlen             # 40 new lengths in a row: per-step times, compile + tune
+
+``--varlen``: one PairformerBlock (c_s 384, c_z 128) per backend, eager, stepping through ``--varlen-count``
+distinct random lengths in [180, 520] (``--varlen-seed``); each length runs 3 fwd+bwd steps: the first includes any
+compile / tuning at that length, steady = the faster of the other two. Writes ``varlen.csv`` and ``varlen.md``.
+A fresh process with ``ATTN_ZOO_CACHE_DIR`` at an empty folder measures cold tuning; run it again for a warm cache.
 
 Boltz-2 (``boltz.model.layers.pairformer.PairformerLayer``) and cuequivariance are optional imports
 (see ../shared/anchor-wheels/README.md); rows for them are skipped with the reason if they do not import.
@@ -29,6 +35,7 @@ import csv
 import datetime
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -255,6 +262,195 @@ def kernel_profile(case: str, dev, path: str, backend: str = "triton", steps: in
 
 
 # ------------------------------------------------------------------------------------------------
+# varlen: a new protein length every step
+# ------------------------------------------------------------------------------------------------
+VARLEN_BACKENDS = ("triton", "flex", "boltz-cueq")
+VARLEN_CHOICES = ("triton", "triton-atomic", "flex", "sdpa", "torch", "boltz", "boltz-cueq")
+VARLEN_RANGE = (180, 520)
+VARLEN_WARM = 3  # the ratio target applies after this many lengths
+VARLEN_RATIO_TARGET = 1.5
+VARLEN_TIME_LIMIT = 280.0
+VARLEN_FIELDS = ["backend", "step", "n", "first_ms", "steady_ms", "ratio", "overhead_s", "note"]
+
+
+def varlen_lengths(count: int = 40, seed: int = 0, lo: int = VARLEN_RANGE[0], hi: int = VARLEN_RANGE[1]):
+    """``count`` distinct random lengths in [lo, hi], fixed by ``seed``."""
+    if not 1 <= count <= hi - lo + 1:
+        raise ValueError(f"varlen count must be in [1, {hi - lo + 1}], got {count}")
+    return random.Random(seed).sample(range(lo, hi + 1), count)
+
+
+def build_varlen(backend: str, dev, c_s: int = 384, c_z: int = 128):
+    """(module, make) for the varlen run; ``make(n)`` -> (float inputs requiring grad, forward callable)."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    if backend.startswith("boltz"):
+        from boltz.model.layers.pairformer import PairformerLayer
+
+        mod = PairformerLayer(c_s, c_z, num_heads=16, dropout=0.25, pairwise_head_width=32, pairwise_num_heads=4,
+                              v2=True).to(dev)
+    else:
+        mod = PairformerBlock(c_s=c_s, c_z=c_z, attention=attention_config(backend)).to(dev)
+
+    def make(n):
+        single, pair = _masks(n, dev)
+        s = torch.randn(1, n, c_s, device=dev, generator=g, requires_grad=True)
+        z = torch.randn(1, n, n, c_z, device=dev, generator=g, requires_grad=True)
+        if backend.startswith("boltz"):
+            use = backend == "boltz-cueq"
+            return [s, z], lambda: mod(s, z, single.float(), pair.float(), use_kernels=use)
+        return [s, z], lambda: mod(s, z, single, pair)
+    return mod, make
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z: int = 128, repeats: int = 3,
+               log=print):
+    """Rows (VARLEN_FIELDS) of one backend stepping through ``lengths``: per length ``repeats`` fwd+bwd steps
+    (bf16 autocast, train mode), wall time with a sync after each; first = the first step, steady = the fastest of
+    the others. Lengths not started within ``budget_s`` get a "skipped: time limit" row."""
+    if repeats < 2:
+        raise ValueError(f"varlen repeats must be >= 2 (a first and a steady step), got {repeats}")
+    t0 = time.perf_counter()
+    mod, make = build_varlen(backend, dev, c_s, c_z)
+    _randomize(mod)
+    mod.train()
+    rows = []
+    for i, n in enumerate(lengths):
+        row = dict(backend=backend, step=i, n=n, first_ms="", steady_ms="", ratio="", overhead_s="", note="")
+        if time.perf_counter() - t0 > budget_s:
+            row["note"] = "skipped: time limit"
+            rows.append(row)
+            continue
+        try:
+            inputs, fwd = make(n)
+            grads = None
+            times = []
+            for _ in range(repeats):
+                mod.zero_grad(set_to_none=True)
+                for t in inputs:
+                    t.grad = None
+                _sync(dev)
+                a = time.perf_counter()
+                with torch.autocast(dev.type, dtype=torch.bfloat16):
+                    outs = fwd()
+                if grads is None:
+                    grads = [torch.randn_like(o) for o in outs]
+                torch.autograd.backward(outs, grads)
+                _sync(dev)
+                times.append((time.perf_counter() - a) * 1e3)
+            first, steady = times[0], min(times[1:])
+            row.update(first_ms=first, steady_ms=steady, ratio=first / steady, overhead_s=(first - steady) / 1e3)
+        except Exception as exc:  # OOM, unsupported shape: record and go on
+            row["note"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            traceback.print_exc(limit=3)
+        finally:
+            inputs = fwd = outs = grads = None
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        log({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in row.items()},
+            f"[{time.perf_counter() - t0:.0f} s]")
+        rows.append(row)
+    return rows
+
+
+def varlen_summary(rows, warm: int = VARLEN_WARM):
+    """Per backend: dict(backend, lengths (run / asked), steady_median_ms, max_ratio and over_target (lengths after
+    the first ``warm`` whose first step took more than VARLEN_RATIO_TARGET x steady), compile_tune_s (sum over
+    lengths of first - steady))."""
+    out = []
+    for be in dict.fromkeys(r["backend"] for r in rows):
+        rs = [r for r in rows if r["backend"] == be]
+        done = [r for r in rs if r["ratio"] != ""]
+        later = [r["ratio"] for r in done if int(r["step"]) >= warm]
+        out.append(dict(
+            backend=be, lengths=f"{len(done)} / {len(rs)}",
+            steady_median_ms=statistics.median(r["steady_ms"] for r in done) if done else "",
+            max_ratio=max(later) if later else "",
+            over_target=sum(x > VARLEN_RATIO_TARGET for x in later) if later else "",
+            compile_tune_s=sum(r["overhead_s"] for r in done) if done else "",
+        ))
+    return out
+
+
+def _f(x, spec):
+    return format(x, spec) if x != "" else "-"
+
+
+def write_varlen_markdown(path, rows, env, lengths):
+    """Summary per backend, then a row per length with first ms, steady ms and first/steady per backend."""
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    lines = ["# Varlen block benchmark (scripts/bench_blocks.py --varlen)", "", *env,
+             f"- lengths: {len(lengths)} distinct in [{VARLEN_RANGE[0]}, {VARLEN_RANGE[1]}], in this order: "
+             + ", ".join(map(str, lengths)),
+             f"- per length 3 fwd+bwd steps (eager PairformerBlock c_s 384, c_z 128, {PADDED} padded residues; "
+             "Boltz-2's PairformerLayer for boltz rows), wall time with a sync; first includes compile/tune;",
+             "  steady = the faster of the other two;",
+             f"  target (issue 20): first/steady <= {VARLEN_RATIO_TARGET}x after the first {VARLEN_WARM} lengths, "
+             "compile + tune (sum of first - steady) <= 20 s fresh, <= 2 s with a warm on-disk cache.", "",
+             "| backend | lengths run | steady median ms | max first/steady after 3 lengths | lengths over 1.5x | "
+             "compile + tune s | target met |", "|---|---|---|---|---|---|---|"]
+    for s in varlen_summary(rows):
+        met = ""
+        if s["max_ratio"] != "":
+            ok = s["over_target"] == 0 and s["compile_tune_s"] <= 20 and s["lengths"].split(" / ")[0] == \
+                s["lengths"].split(" / ")[1]
+            met = "yes" if ok else "**no**"
+        lines.append(f"| {s['backend']} | {s['lengths']} | {_f(s['steady_median_ms'], '.1f')} | "
+                     f"{_f(s['max_ratio'], '.2f')} | {_f(s['over_target'], 'd')} | {_f(s['compile_tune_s'], '.1f')} | "
+                     f"{met} |")
+    head = ["step", "N"] + [f"{b} {c}" for b in backends for c in ("first ms", "steady ms", "first/steady")]
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by = {(r["backend"], int(r["step"])): r for r in rows}
+    for i, n in enumerate(lengths):
+        cells = [str(i), str(n)]
+        for b in backends:
+            r = by.get((b, i))
+            if r is None or r["ratio"] == "":
+                why = (r["note"].replace("|", "\\|") if r else "") or "-"
+                cells += [why, "-", "-"]
+            else:
+                cells += [f"{r['first_ms']:.1f}", f"{r['steady_ms']:.1f}", f"{r['ratio']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def run_varlen(args, dev, env):
+    lengths = varlen_lengths(args.varlen_count, args.varlen_seed)
+    # CUDA context, cuBLAS handles and the glue kernels' first use are charged to no backend: one torch-backend step
+    try:
+        varlen_run("torch", [32], dev, float("inf"), log=lambda *a: None)
+    except Exception:
+        traceback.print_exc(limit=2)
+    rows, t0 = [], time.perf_counter()
+    path_csv, path_md = (os.path.join(args.out, f"varlen.{e}") for e in ("csv", "md"))
+    with open(path_csv, "w", newline="") as fcsv:
+        w = csv.DictWriter(fcsv, fieldnames=VARLEN_FIELDS)
+        w.writeheader()
+        for i, backend in enumerate(args.varlen_backends):
+            # what the backends before did not use goes to the ones after
+            budget = (args.time_limit - (time.perf_counter() - t0)) / (len(args.varlen_backends) - i)
+            try:
+                got = varlen_run(backend, lengths, dev, budget)
+            except Exception as exc:  # a peer that does not import or build: one row with the reason
+                traceback.print_exc(limit=3)
+                got = [dict(backend=backend, step=0, n=lengths[0], first_ms="", steady_ms="", ratio="",
+                            overhead_s="", note=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")]
+            torch._dynamo.reset()
+            rows += got
+            for r in got:
+                w.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in r.items()})
+            fcsv.flush()
+            write_varlen_markdown(path_md, rows, env, lengths)
+    print(open(path_md).read())
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------------------------
 def env_lines():
@@ -321,7 +517,7 @@ def _run_item(case, backend, dev, args, t0):
     return row
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
@@ -338,14 +534,34 @@ def main(argv=None):
                    choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                    help="torch.compile mode of the +compile backends (default: torch's default)")
     p.add_argument("--profile-rows", type=int, default=40, help="kernels listed per --profile table")
-    p.add_argument("--time-limit", type=float, default=400.0, help="start nothing new after this many s")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help=f"start nothing new after this many s (default 400; --varlen: {VARLEN_TIME_LIMIT:.0f}, "
+                        "shared out among the backends)")
+    p.add_argument("--varlen", action="store_true", help="the varlen run instead of the table (see above)")
+    p.add_argument("--varlen-backends", nargs="+", default=list(VARLEN_BACKENDS), choices=list(VARLEN_CHOICES))
+    p.add_argument("--varlen-count", type=int, default=40, help="distinct lengths of the varlen run")
+    p.add_argument("--varlen-seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.time_limit is None:
+        args.time_limit = VARLEN_TIME_LIMIT if args.varlen else 400.0
+    try:
+        varlen_lengths(args.varlen_count, args.varlen_seed)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_blocks.py needs a CUDA device")
     dev = torch.device("cuda")
     os.makedirs(args.out, exist_ok=True)
     env = env_lines()
     print("\n".join(env), flush=True)
+    if args.varlen:
+        run_varlen(args, dev, env[:4])
+        return
     t0 = time.time()
     rows, brk, notes = [], [], []
     md_path = os.path.join(args.out, "blocks.md")

@@ -71,3 +71,153 @@ def test_packed_bench_draws_rows_within_the_budget():
     assert all(sum(r) <= 4096 and all(16 <= n <= 1024 for n in r) for r in rows) and sum(map(len, rows)) >= 8
     ids = bench_packed.ids_of(rows[0], 4096, "cpu")
     assert ids[0] == 0 and ids[-1] == -1 and int(ids.max()) == len(rows[0]) - 1
+
+
+# ------------------------------------------------------------------------------------------ crop set
+def test_crop_set_arguments_and_shapes():
+    """``--set crop`` picks its own peers and a time limit; its shapes are the issue's N and D sweeps, each once,
+    with the last ~10% of keys padded."""
+    import bench_attention as ba
+
+    args = ba.parse_args(["--set", "crop"])
+    assert args.backends == list(ba.CROP_BACKENDS) and args.time_limit == ba.CROP_TIME_LIMIT
+    assert "triton-nondet" in args.backends and "flex" in args.backends
+    args = ba.parse_args(["--set", "crop", "--backends", "triton", "flex", "--time-limit", "60"])
+    assert args.backends == ["triton", "flex"] and args.time_limit == 60
+    args = ba.parse_args([])
+    assert args.set == "all" and args.backends == ba.DEFAULT_BACKENDS and args.time_limit == float("inf")
+    with pytest.raises(SystemExit):
+        ba.parse_args(["--set", "crops"])
+    shapes = ba.crop_shapes()
+    assert len(shapes) == len(set(shapes)) == 16
+    assert {n for n, d in shapes if d == 32} == {128, 200, 256, 300, 384, 512}
+    assert {d for n, d in shapes if n == 300} == {d for n, d in shapes if n == 384} == {8, 16, 24, 32, 48, 64}
+    assert [ba.crop_pad(n) for n in (128, 200, 300, 512)] == [13, 20, 30, 51]
+
+
+def test_crop_case_runs_on_cpu(monkeypatch):
+    """A crop case's ``make`` for attn_ops backends on a tiny shape on the CPU: the triangle layout, a padded key
+    mask, and gradients into q, k, v and the shared bias; the torch and chunked results agree."""
+    import functools
+
+    import bench_attention as ba
+
+    monkeypatch.setattr(ba, "bias_inputs", functools.partial(ba.bias_inputs, device="cpu"))
+    outs = {}
+    cases = list(ba.crop_cases([(10, 8)], ["torch", "chunked", "cuequivariance", "sdpa cudnn"]))
+    assert [c[4] for c in cases] == ["torch", "chunked", "cuequivariance", "sdpa cudnn"]
+    assert cases[3][6] is not None and all(c[6] is None for c in cases[:3])
+    for shape, n, d, pad, be, make, skip in cases[:2]:
+        assert (shape, n, d, pad) == ("N=10 D=8", 10, 8, 1)
+        run, leaves = make()
+        out = run()
+        assert out.shape == (1, 10, ba.CROP_H, 10, 8)
+        out.float().sum().backward()
+        assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves), be
+        assert leaves[3].shape == (1, 1, ba.CROP_H, 10, 10)
+        assert leaves[3].grad[..., -1].abs().max().item() == 0  # the padded key gets no bias gradient
+        outs[be] = out.float()
+    assert (outs["torch"] - outs["chunked"]).abs().max().item() < 0.05
+
+
+def _crop_rows():
+    def row(n, d, be, ms, note=""):
+        return dict(shape=f"N={n} D={d}", n=str(n), d=str(d), pad="1", backend=be, fwdbwd_ms=ms,
+                    host_ms=("0.2" if ms else ""), first_s=("3.5" if ms else ""), note=note)
+    return [row(256, 32, "triton", "0.6"), row(256, 32, "flex", "1.2"), row(256, 32, "cuequivariance", "0.5"),
+            row(300, 8, "triton", "", "error: ValueError: head dim 8 outside [16, 256] | x"),
+            row(300, 8, "flex", "2.0"), row(300, 8, "cuequivariance", "1.0"),
+            row(384, 32, "triton", "0.9"), row(384, 32, "flex", "1.0")]
+
+
+def test_crop_tables_one_value_per_cell(tmp_path):
+    """The markdown pivot: a row per shape, a column per peer, one value (or the peer's reason) per cell; ratios
+    and the target column from triton's time against flex and cuEquivariance (N=256 D=32 also against 0.7 ms)."""
+    import bench_attention as ba
+
+    rows = _crop_rows()
+    lines = ba.crop_table(rows, "fwdbwd_ms")
+    assert lines[0] == ("| shape | triton | flex | cuequivariance | triton / flex | triton / cuequivariance | "
+                        "target met |")
+    body = {ln.split(" | ")[0][2:]: [c.strip() for c in ln.strip("|").split(" | ")] for ln in lines[2:]}
+    assert all(len(c) == 7 for c in body.values())
+    assert body["N=256 D=32"][1:] == ["0.600", "1.200", "0.500", "0.50x", "1.20x", "**no**"]
+    assert body["N=300 D=8"][1].startswith("error: ValueError: head dim 8") and "\\|" in body["N=300 D=8"][1]
+    assert body["N=300 D=8"][4:] == ["", "", ""]
+    assert body["N=384 D=32"][1:] == ["0.900", "1.000", "", "0.90x", "", "yes"]
+    host = ba.crop_table(rows, "host_ms")
+    assert host[0] == "| shape | triton | flex | cuequivariance |"
+    assert host[3] == "| N=300 D=8 | - | 0.200 | 0.200 |"
+    rows[0]["fwdbwd_ms"] = "0.8"  # faster than flex, but over the 0.7 ms target
+    rows[2]["fwdbwd_ms"] = "0.9"
+    assert ba.crop_table(rows, "fwdbwd_ms")[2].endswith("| **no** |")
+    rows[0]["fwdbwd_ms"] = "0.65"
+    assert ba.crop_table(rows, "fwdbwd_ms")[2].endswith("| yes |")
+    path = tmp_path / "crop.md"
+    ba.write_crop_md(rows, str(path), "env line")
+    text = path.read_text()
+    assert text.count("| shape | triton |") == 3 and "env line" in text and "perf_counter" in text
+
+
+# ------------------------------------------------------------------------------------------ varlen run
+def test_varlen_arguments_and_lengths():
+    """``--varlen``: triton, flex and Boltz-2 + cuEquivariance by default, a time limit of its own, 40 distinct lengths
+    in [180, 520] fixed by the seed."""
+    args = bench_blocks.parse_args(["--varlen"])
+    assert args.varlen and args.varlen_backends == ["triton", "flex", "boltz-cueq"]
+    assert args.time_limit == bench_blocks.VARLEN_TIME_LIMIT and args.varlen_count == 40
+    assert bench_blocks.parse_args([]).time_limit == 400.0 and not bench_blocks.parse_args([]).varlen
+    args = bench_blocks.parse_args(["--varlen", "--varlen-backends", "triton", "--time-limit", "30",
+                                    "--varlen-count", "5", "--varlen-seed", "3"])
+    assert args.varlen_backends == ["triton"] and args.time_limit == 30 and args.varlen_count == 5
+    for bad in (["--varlen", "--varlen-backends", "triton+compile"], ["--varlen", "--varlen-count", "0"],
+                ["--varlen", "--varlen-count", "400"]):
+        with pytest.raises(SystemExit):
+            bench_blocks.parse_args(bad)
+    lengths = bench_blocks.varlen_lengths(40, 0)
+    assert len(set(lengths)) == 40 and all(180 <= n <= 520 for n in lengths)
+    assert lengths == bench_blocks.varlen_lengths(40, 0) != bench_blocks.varlen_lengths(40, 1)
+    for b in bench_blocks.VARLEN_CHOICES:
+        if not b.startswith("boltz"):
+            assert bench_blocks.attention_config(b)["backend"] in registry.valid_names(), b
+
+
+def test_varlen_run_on_cpu_and_tables(tmp_path):
+    """The varlen rows of the torch-backend block at tiny sizes on the CPU: three steps per length, first and steady
+    times, their ratio and the compile + tune share; the time limit skips lengths; the tables have one value per
+    cell."""
+    import torch
+
+    lengths = [15, 20, 17, 22]
+    rows = bench_blocks.varlen_run("torch", lengths, torch.device("cpu"), 1e9, c_s=32, c_z=16, log=lambda *a: None)
+    assert [r["n"] for r in rows] == lengths and [r["step"] for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        assert r["note"] == "" and r["steady_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["first_ms"] / r["steady_ms"])
+        assert r["overhead_s"] == pytest.approx((r["first_ms"] - r["steady_ms"]) / 1e3)
+    skipped = bench_blocks.varlen_run("torch", lengths, torch.device("cpu"), -1.0, c_s=32, c_z=16,
+                                      log=lambda *a: None)
+    assert [r["note"] for r in skipped] == ["skipped: time limit"] * 4
+    with pytest.raises(ValueError, match="repeats"):
+        bench_blocks.varlen_run("torch", lengths, torch.device("cpu"), 1e9, repeats=1)
+
+    def row(be, i, first, steady, note=""):
+        return dict(backend=be, step=i, n=lengths[i], first_ms=first, steady_ms=steady,
+                    ratio=first / steady if steady else "", overhead_s=(first - steady) / 1e3 if steady else "",
+                    note=note)
+    fake = [row("triton", 0, 40000.0, 20.0), row("triton", 1, 30.0, 20.0), row("triton", 2, 25.0, 20.0),
+            row("triton", 3, 32.0, 20.0),
+            row("flex", 0, 9000.0, 30.0), row("flex", 1, 40.0, 30.0), row("flex", 2, 30.0, 30.0),
+            dict(row("flex", 3, 0, 0), first_ms="", note="skipped: time limit")]
+    summary = {s["backend"]: s for s in bench_blocks.varlen_summary(fake)}
+    assert summary["triton"]["lengths"] == "4 / 4" and summary["triton"]["max_ratio"] == pytest.approx(1.6)
+    assert summary["triton"]["over_target"] == 1
+    assert summary["triton"]["compile_tune_s"] == pytest.approx((39980 + 10 + 5 + 12) / 1e3)
+    assert summary["flex"]["lengths"] == "3 / 4" and summary["flex"]["max_ratio"] == ""
+    path = tmp_path / "varlen.md"
+    bench_blocks.write_varlen_markdown(str(path), fake, ["- env"], lengths)
+    lines = path.read_text().splitlines()
+    table = [ln for ln in lines if ln.startswith("| triton |")]
+    assert table == ["| triton | 4 / 4 | 20.0 | 1.60 | 1 | 40.0 | **no** |"]
+    steps = [ln for ln in lines if ln.startswith("| 3 | 22 |")]
+    assert steps == ["| 3 | 22 | 32.0 | 20.0 | 1.60 | skipped: time limit | - | - |"]
