@@ -298,8 +298,13 @@ def _fused(*args):
         return _eager(*args)
 
 
-def flex_attention(q, k, v, bias, mask, scale, causal, deterministic=True) -> tuple[Tensor, Tensor]:
-    """The ``flex`` backend (canonical inputs: bias/mask have q.ndim dims). Returns (out, lse float32)."""
+def flex_attention(q, k, v, bias, mask, scale, causal, deterministic=True, segment_ids=None) -> tuple[Tensor, Tensor]:
+    """The ``flex`` backend (canonical inputs: bias/mask have q.ndim dims). Returns (out, lse float32).
+    ``segment_ids`` are folded into the mask (equal ids attend), which the padded path reads like any mask."""
+    if segment_ids is not None:
+        from .inputs import fold_segments
+
+        mask = fold_segments(mask, segment_ids)
     if torch.compiler.is_compiling():
         return _run_unpadded(q, k, v, bias, mask, scale, causal, _flex_call)  # the caller's compile fuses it
     if q.device.type != "cuda":

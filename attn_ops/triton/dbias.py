@@ -18,11 +18,7 @@ broadcast extent is 1.
 import triton
 import triton.language as tl
 
-<<<<<<< HEAD
-from .common import LENGTH_ARGS, batch_offset, key_rows, load_lse2, load_masked, load_tile, mm
-=======
-from .common import batch_offset, ids_meet, key_rows, load_lse2, load_masked, load_tile, mm, seg_ids
->>>>>>> seg
+from .common import LENGTH_ARGS, batch_offset, ids_meet, key_rows, load_lse2, load_masked, load_tile, mm, seg_ids
 
 
 @triton.jit

@@ -7,11 +7,7 @@ natural log, -inf for a row with no key).
 import triton
 import triton.language as tl
 
-<<<<<<< HEAD
-from .common import LENGTH_ARGS, batch_offset, kv_scores, load_rows, mm, split_batch
-=======
-from .common import batch_offset, kv_scores, load_rows, mm, seg_ids, seg_span, split_batch
->>>>>>> seg
+from .common import LENGTH_ARGS, batch_offset, kv_scores, load_rows, mm, seg_ids, seg_span, split_batch
 
 
 @triton.jit
