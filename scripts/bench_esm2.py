@@ -12,7 +12,9 @@ the GPU, so peak memory is the whole step's (parameters, gradients and activatio
 2. Throughput (tokens/s) and peak memory at 8 x 512, 4 x 1024, 1 x 4096 (OOM recorded, not fatal).
 3. Longest length that fits (batch 1), a doubling search from 1024 with OOM caught and a time cap per model.
 
-``attn-zoo+ckpt`` is the same attn-zoo module with ``activation_checkpointing=True``.
+``attn-zoo+ckpt`` is the same attn-zoo module with ``activation_checkpointing=True``; ``attn-zoo+compile`` the same
+module with each transformer layer compiled (``torch.compile``, one graph shared by all layers; the first step of
+each shape includes its compile time, outside the timed steps).
 Writes ``esm2.csv`` and ``esm2.md`` to ``--out`` (default ``$OUT`` or ``bench_out``), rewritten after every
 row. Imports: torch, triton, attn_zoo, ``esm`` (fair-esm) and ``transformers`` (with its dependencies
 huggingface-hub, tokenizers, safetensors, regex, pyyaml, tqdm, typer, packaging).
@@ -41,7 +43,7 @@ from attn_zoo.models.esm2 import ALPHABET, esm2_config  # noqa: E402
 from attn_zoo.models.zoo import from_fair_esm, to_hf_esm  # noqa: E402
 
 GIB = 2.0 ** 30
-MODELS = ("attn-zoo", "attn-zoo+ckpt", "fair-esm", "hf-sdpa", "hf-eager")
+MODELS = ("attn-zoo", "attn-zoo+ckpt", "attn-zoo+compile", "fair-esm", "hf-sdpa", "hf-eager")
 SHAPES = ((8, 512), (4, 1024), (1, 4096))  # (batch, length incl. <cls>/<eos>)
 RESIDUES = [ALPHABET.get_idx(c) for c in "LAGVSERTIDPKQNFYMHWC"]
 
@@ -301,6 +303,11 @@ def main(argv=None):
         model = models["attn-zoo" if name.startswith("attn-zoo") else name]
         if name.startswith("attn-zoo"):
             model.activation_checkpointing = name.endswith("+ckpt")
+            for layer in model.layers:
+                if name.endswith("+compile"):
+                    layer.compile()
+                else:
+                    layer._compiled_call_impl = None  # back to eager (nn.Module.compile's own attribute)
         model.cuda()
         for batch, length in SHAPES:
             row = dict(model=name, batch=batch, length=length, ms="", tokens_per_s="", peak_gib="", note="")

@@ -364,3 +364,17 @@ def test_lengths_differing_mod_16_reuse_compiled_kernels_gpu(variant):
         step(L)
         assert _compiled_counts() == compiled, L
         assert len(fastlaunch._COMPILED) == direct, L
+
+
+def test_small_steps_read_the_bias_without_tma_gpu():
+    """Below ``TMA_MIN_SCORES`` attention scores per launch the bias goes by pointer loads (the host's descriptor
+    encoding costs more than TMA saves there); at and above it, through a descriptor on a Hopper GPU."""
+    from attn_ops.triton import launch
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs a Hopper GPU")
+    for n, want_tma in ((256, False), (512, True)):
+        q = torch.empty(1, n, 4, n, 32, device="cuda", dtype=torch.bfloat16)
+        bias = torch.empty(1, 1, 4, n, n, device="cuda", dtype=torch.bfloat16)
+        _, tma = launch.bias_for_tiles(bias, q, n, n)
+        assert (tma is not None) == want_tma, n

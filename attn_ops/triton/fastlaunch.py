@@ -97,7 +97,7 @@ def launch(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_st
         kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
         return
     head = (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()))
-    exact = (head, tuple([a if type(a) is int else _arg_key(a) for a in args]))
+    exact = (head, _exact_key(args))
     compiled = _EXACT.get(exact)
     key = None
     if compiled is None:
@@ -115,6 +115,22 @@ def launch(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_st
             result, "__getitem__"):
         _COMPILED[key] = result
         _remember_exact(exact, result)
+
+
+def _exact_key(args: Sequence) -> Tuple:
+    """The exact-argument key: ints and floats by value, a plain tensor by (dtype, 16-byte alignment), anything else
+    by :func:`_arg_key`. A kernel's param keeps one type from call to call, so equal values of different types
+    (True, 1, 1.0) never meet at one position."""
+    key = []
+    for a in args:
+        t = type(a)
+        if t is int or t is float:
+            key.append(a)
+        elif t is torch.Tensor:
+            key.append((a.dtype, not a.data_ptr() & 15))
+        else:
+            key.append(_arg_key(a))
+    return tuple(key)
 
 
 def _remember_exact(exact: Tuple, compiled) -> None:

@@ -196,6 +196,19 @@ def bias_tma(bias: Optional[Tensor], Lq: int, Lk: int) -> Optional[Tuple[int, in
     return slice_stride, last // slice_stride + 1, tuple(s // slice_stride for s in batch)
 
 
+# Below this many attention scores per launch (B*R*H*Lq*Lk; 2**29 is the triangle [1,512,4,512,*]) the bias is read
+# by pointer loads, not TMA: Triton encodes a descriptor on the host at every launch (~0.5 ms per fwd + bwd of the
+# triangle [1,256,4,256,32] on an H100 host), more than the kernels of such a step save (docs/bench/crop_h100.md).
+TMA_MIN_SCORES = 2 ** 29
+
+
+def _host_bound(q: Tensor, Lq: int, Lk: int) -> bool:
+    """Whether a step is small enough that the host's descriptor work outweighs TMA's gain (the CPU interpreter
+    always takes TMA, so the CPU tests cover that path at their small shapes)."""
+    B, R, H = q.shape[:3]
+    return B * R * H * Lq * Lk < TMA_MIN_SCORES and not interpreting()
+
+
 def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
     """(the bias the kernels read, :func:`bias_tma` of it).
 
@@ -204,6 +217,8 @@ def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
     several programs re-read it, i.e. it is broadcast over a batch dim of q (a pair bias shared over R): one copy
     of the bias per pass against one read per row. Its gradient keeps the bias's shape and dtype either way.
     """
+    if bias is None or _host_bound(q, Lq, Lk):
+        return bias, None
     tma = bias_tma(bias, Lq, Lk)
     if tma is not None or not _tma_tiles(bias, Lq, Lk) or tuple(bias.shape[:3]) == tuple(q.shape[:3]):
         return bias, tma
@@ -255,7 +270,7 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
         )
 
-    cfg = pick("fwd", _key(q, v, bias, mask, causal, q_seg is not None), _width(q, D, Dv), Lq, Lk, launch,
+    cfg = pick("fwd", _key(q, v, bias, mask, causal, q_seg is not None, tma is None), _width(q, D, Dv), Lq, Lk, launch,
                device=q.device.index)
     launch(cfg)
     return out, lse
@@ -323,7 +338,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     # The atomic accumulators take bulk TMA reductions (one per tile, H100: see attention_h100.md) where the
     # copy engine can address them: dense, 16-byte rows. The dense dbias accumulator's batch strides then count
     # [Lq, Lk] slices; the fused dQ accumulator is allocated dense ([B*R*H] slices of [Lq, D]).
-    reduce = _tma_reduce(dev)
+    reduce = _tma_reduce(dev) and not _host_bound(q, Lq, Lk)
     tma_dbias = atomic and reduce and Lk % 4 == 0
     tma_dq = fused and reduce and D % 4 == 0
     if tma_dbias:
@@ -340,7 +355,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
         order) of a launch with c's tiles (only a bias descriptor's block shape depends on them)."""
         bias_t, sb, has_bias = _bias_operand(bias, q, tma, c.block_m, c.block_n)
         return bias_t, (*qkv_rows, *sb, *sm, *do_rows), dict(HAS_BIAS=has_bias, **flags)
-    key = _key(q, v, bias, mask, causal, fused, direct_dbias, atomic, seg)
+    key = _key(q, v, bias, mask, causal, fused, direct_dbias, atomic, seg, tma is None)
 
     # 2. dK, dV (+ dQ by atomics when fused, + dBias when it is unbroadcast or accumulated by atomics)
     def launch_dkdv(c):

@@ -47,7 +47,14 @@ _DBIAS_SPLITS = (2, 1, 4, 0)
 _INTERPRETER = Cfg(32, 16, 4, 1)
 
 
+_ENV_DATA = getattr(os.environ, "_data", None)  # POSIX: the bytes dict behind os.environ (kept in sync by it)
+
+
 def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), read on every call (tests flip
+    it); asked a dozen times per forward + backward, so a plain dict lookup where the platform allows."""
+    if type(_ENV_DATA) is dict:
+        return _ENV_DATA.get(b"TRITON_INTERPRET") == b"1"
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
