@@ -184,11 +184,13 @@ class RotaryEmbedding(nn.Module):
     def tables(self, n: int, device: torch.device) -> Tuple[Tensor, Tensor]:
         """float32 ``cos, sin`` ``[n, D]`` for positions 0..n-1."""
         c = self._cache
-        if c is None or c[0] != n or c[1] != device:
+        if c is None or c[0] != n or c[1] != device or torch.compiler.is_compiling():
             t = torch.arange(n, device=device, dtype=torch.float32)
             freqs = torch.outer(t, self.inv_freq.to(device=device, dtype=torch.float32))  # [n, D/2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
-            c = self._cache = (n, device, emb.cos(), emb.sin())
+            c = (n, device, emb.cos(), emb.sin())
+            if not torch.compiler.is_compiling():  # a compiled graph computes them inside (a cached tensor would
+                self._cache = c                    # be a CUDA graph's output, overwritten by its next replay)
         return c[2], c[3]
 
     def forward(self, q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
@@ -374,7 +376,8 @@ class ESM2(nn.Module):
         if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"tokens must be an int64/int32 tensor [B, L], got "
                              f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.alphabet_size):
+        # the range check reads the tokens on the host (a device sync); compiled graphs skip it (no graph break)
+        if tokens.numel() and not torch.compiler.is_compiling() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.alphabet_size):
             raise ValueError(f"tokens must lie in [0, {self.alphabet_size}), got "
                              f"[{int(tokens.min())}, {int(tokens.max())}]")
         layers = set(repr_layers)

@@ -12,9 +12,10 @@ the GPU, so peak memory is the whole step's (parameters, gradients and activatio
 2. Throughput (tokens/s) and peak memory at 8 x 512, 4 x 1024, 1 x 4096 (OOM recorded, not fatal).
 3. Longest length that fits (batch 1), a doubling search from 1024 with OOM caught and a time cap per model.
 
-``attn-zoo+ckpt`` is the same attn-zoo module with ``activation_checkpointing=True``; ``attn-zoo+compile`` the same
-module with each transformer layer compiled (``torch.compile``, one graph shared by all layers; the first step of
-each shape includes its compile time, outside the timed steps).
+``attn-zoo+ckpt`` is the same attn-zoo module with ``activation_checkpointing=True``. ``+compile``: the whole model
+under ``torch.compile`` (default mode); ``+graphs``: ``mode="reduce-overhead"`` (CUDA graphs: no host time per
+kernel). Compiling happens in the warm-up steps, outside the timed ones; compiled rows skip the longest-length
+search (every length would compile afresh).
 Writes ``esm2.csv`` and ``esm2.md`` to ``--out`` (default ``$OUT`` or ``bench_out``), rewritten after every
 row. Imports: torch, triton, attn_zoo, ``esm`` (fair-esm) and ``transformers`` (with its dependencies
 huggingface-hub, tokenizers, safetensors, regex, pyyaml, tqdm, typer, packaging).
@@ -43,7 +44,9 @@ from attn_zoo.models.esm2 import ALPHABET, esm2_config  # noqa: E402
 from attn_zoo.models.zoo import from_fair_esm, to_hf_esm  # noqa: E402
 
 GIB = 2.0 ** 30
-MODELS = ("attn-zoo", "attn-zoo+ckpt", "attn-zoo+compile", "fair-esm", "hf-sdpa", "hf-eager")
+MODELS = ("attn-zoo", "attn-zoo+ckpt", "attn-zoo+compile", "attn-zoo+graphs", "fair-esm", "fair-esm+compile",
+          "hf-sdpa", "hf-eager")
+COMPILE_MODES = {"+compile": "default", "+graphs": "reduce-overhead"}  # name suffix -> torch.compile mode
 SHAPES = ((8, 512), (4, 1024), (1, 4096))  # (batch, length incl. <cls>/<eos>)
 RESIDUES = [ALPHABET.get_idx(c) for c in "LAGVSERTIDPKQNFYMHWC"]
 
@@ -76,6 +79,11 @@ def build_models(size: str, models):
 
 def forward_fn(name: str, model):
     """tokens -> logits for each kind of model (no padding in these batches: HF gets no attention mask)."""
+    mode = next((m for suffix, m in COMPILE_MODES.items() if name.endswith(suffix)), None)
+    if mode is not None:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, mode=mode)
+        return lambda tokens: compiled(tokens)["logits"]
     if name.startswith("hf-"):
         return lambda tokens: model(input_ids=tokens).logits
     return lambda tokens: model(tokens)["logits"]
@@ -114,7 +122,8 @@ def measure(name, model, batch, length, iters, warmup):
     model.train()
     fwd = forward_fn(name, model)
     tokens, target, masked = mlm_batch(batch, length, "cuda")
-    for _ in range(warmup):
+    compiled = any(name.endswith(suffix) for suffix in COMPILE_MODES)
+    for _ in range(max(warmup, 3) if compiled else warmup):  # CUDA graphs: a warm-up run, a recording, a replay
         train_step(fwd, model, tokens, target, masked)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -276,6 +285,8 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--size", default="650M")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--shapes", nargs="+", default=[f"{b}x{n}" for b, n in SHAPES],
+                   help="batch x length pairs, e.g. 4x1024 (default: %(default)s)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--parity-len", type=int, default=256)
@@ -283,6 +294,10 @@ def main(argv=None):
     p.add_argument("--search-time", type=float, default=60.0, help="seconds of doubling search per model")
     p.add_argument("--time-limit", type=float, default=450.0, help="start nothing new after this many s")
     args = p.parse_args(argv)
+    try:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
+    except ValueError:
+        p.error(f"--shapes takes BATCHxLENGTH pairs such as 4x1024, got {args.shapes}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_esm2.py needs a CUDA device")
     os.makedirs(args.out, exist_ok=True)
@@ -300,16 +315,11 @@ def main(argv=None):
     write(args.out, env, parity_rows, rows, search_rows, notes)
 
     for name in args.models:
-        model = models["attn-zoo" if name.startswith("attn-zoo") else name]
+        model = models[name.split("+")[0]]
         if name.startswith("attn-zoo"):
             model.activation_checkpointing = name.endswith("+ckpt")
-            for layer in model.layers:
-                if name.endswith("+compile"):
-                    layer.compile()
-                else:
-                    layer._compiled_call_impl = None  # back to eager (nn.Module.compile's own attribute)
         model.cuda()
-        for batch, length in SHAPES:
+        for batch, length in shapes:
             row = dict(model=name, batch=batch, length=length, ms="", tokens_per_s="", peak_gib="", note="")
             if time.time() > deadline:
                 row["note"] = "skipped: time limit"
@@ -326,7 +336,7 @@ def main(argv=None):
             rows.append(row)
             print(row, flush=True)
             write(args.out, env, parity_rows, rows, search_rows, notes + targets(rows, search_rows))
-        if time.time() < deadline:
+        if time.time() < deadline and "+compile" not in name and "+graphs" not in name:
             best, why = longest(name, model, args.max_len, args.search_time, deadline)
             search_rows.append(dict(model=name, length=best, note=why))
             print(search_rows[-1], flush=True)
