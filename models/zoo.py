@@ -888,3 +888,25 @@ def load_pretrained(
         f"{source} is none of what the zoo loads (a checkpoint trained here, Boltz-2, fair-esm .pt, Hugging Face "
         f"folder, a state_dict of the network): {keys}"
     )
+
+
+def load_esm2(path: PathLike, attention: Any = None, *, map_location: Any = "cpu") -> ESM2:
+    """An ESM-2 from any file the zoo reads, for inference (``scripts/embed.py``): a fair-esm ``.pt``, a
+    Hugging Face folder, a checkpoint trained here (its network must hold exactly one ESM-2) or a bare ESM-2
+    state_dict (fair-esm's or this project's names). ``attention`` sets the model's attention config.
+    ZooCheckpointError for anything else."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return from_hf_esm(str(p), attention=attention)
+    if not p.is_file():
+        raise ZooCheckpointError(f"{str(p)!r}: no such file or folder")
+    obj = _torch_load(p, map_location=map_location)
+    if _is_ours(obj):
+        net = load_checkpoint(p, map_location=map_location, attention=attention)
+        return _only_module_of(net, ESM2, f"the ESM-2 of {str(p)!r}")
+    if isinstance(obj, Mapping) and (isinstance(obj.get("model"), Mapping) or obj and all(
+            isinstance(v, Tensor) for v in obj.values())):
+        return from_fair_esm(obj, attention=attention)
+    keys = _summarise([str(k) for k in obj], 5) if isinstance(obj, Mapping) else type(obj).__name__
+    raise ZooCheckpointError(f"{str(p)!r} is not an ESM-2 the zoo reads (fair-esm .pt, Hugging Face folder, a "
+                             f"checkpoint trained here, an ESM-2 state_dict): {keys}")

@@ -1,0 +1,226 @@
+"""Embed a FASTA file with an ESM-2 the zoo loads (``attn-zoo-embed`` installed, ``python scripts/embed.py``).
+
+    attn-zoo-embed --model esm2_t33_650M_UR50D.pt --fasta proteins.fasta --out emb/ --include mean per_tok
+    attn-zoo-embed --model hf_esm2_folder/ --fasta x.fa --out emb/ --repr-layers -1 20 --include contacts \\
+        --device cuda --dtype bf16 --attention triton
+
+``--model``: a fair-esm ``.pt``, a Hugging Face ESM-2 folder, a checkpoint trained here or an ESM-2 state_dict
+(:func:`attn_zoo.models.zoo.load_esm2`). Writes one file per protein, ``OUT/<name>.pt``, holding a dict (as
+fair-esm's ``extract.py``): ``label``, ``sequence``, ``representations {layer: [L, C]}`` (``per_tok``),
+``mean_representations {layer: [C]}`` (``mean``: over the residues, ``<cls>``/``<eos>`` left out) and
+``contacts [L, L]`` (``contacts``), float32 on the CPU.
+
+File names: the label (the FASTA header's first word) with every character outside ``A-Za-z0-9._-`` replaced by
+``_`` (a leading ``.`` too); when that changed the label, ``-`` and 8 hex digits of its SHA-1 are appended, so different labels never
+share a file; the exact label is stored inside. Duplicate labels are an error before any work.
+
+Proteins are sorted by length and batched up to ``--toks-per-batch`` tokens (padded length x proteins; a longer
+protein runs alone). A protein's embedding does not depend on its batch (padding is masked). Files are written
+atomically (a temporary file renamed), so an interrupted run never leaves a partial file, and a rerun skips the
+proteins whose file exists (``--overwrite`` recomputes them). There is no length limit (rotary positions): a
+sequence longer than the model's training crops runs as it is unless ``--truncate N`` cuts it.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+INCLUDE = ("mean", "per_tok", "contacts")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+@dataclass
+class EmbedSummary:
+    """What a run did: proteins written, skipped (file already there) and the output folder."""
+
+    out: Path
+    written: List[str] = field(default_factory=list)
+    skipped: List[str] = field(default_factory=list)
+
+
+def file_name(label: str) -> str:
+    """The output file name of ``label`` (see the module docstring)."""
+    safe = _UNSAFE.sub("_", label)
+    if safe.startswith("."):  # no hidden files, no '.' / '..'
+        safe = "_" + safe[1:]
+    if safe != label:
+        safe = f"{safe}-{hashlib.sha1(label.encode()).hexdigest()[:8]}"
+    return safe + ".pt"
+
+
+def read_proteins(fasta: str | os.PathLike, truncate: Optional[int] = None) -> List[Tuple[str, str]]:
+    """``[(label, sequence)]`` of a FASTA file; every error names ``file:line`` (bad characters, a sequence before
+    the first header, an empty record, a residue ESM-2 has no token for, a duplicate label)."""
+    from .models.data.parsers import read_fasta
+    from .models.esm2 import ALPHABET
+
+    path = Path(fasta)
+    if not path.is_file():
+        raise FileNotFoundError(f"--fasta {str(path)!r}: no such file")
+    out, seen, names = [], {}, {}
+    for rec in read_fasta(path):
+        label = rec.header.split()[0] if rec.header.split() else ""
+        if not label:
+            raise ValueError(f"{path}:{rec.line}: a record without a label (nothing after '>')")
+        try:
+            ALPHABET.encode(rec.sequence)
+        except ValueError as exc:
+            raise ValueError(f"{path}:{rec.line}: record {label!r}: {exc}") from None
+        if label in seen:
+            raise ValueError(f"{path}:{rec.line}: duplicate label {label!r} (first at line {seen[label]})")
+        seen[label] = rec.line
+        name = file_name(label).lower()  # case-insensitive file systems (macOS, Windows) fold names
+        if name in names:
+            raise ValueError(f"{path}:{rec.line}: label {label!r} and {names[name]!r} differ only in letter case: "
+                             "their files would collide on a case-insensitive file system")
+        names[name] = label
+        out.append((label, rec.sequence[:truncate] if truncate else rec.sequence))
+    return out
+
+
+def batches(proteins: Sequence[Tuple[str, str]], toks_per_batch: int) -> Iterator[List[Tuple[str, str]]]:
+    """Length-sorted batches (longest first) of at most ``toks_per_batch`` padded tokens (``<cls>``/``<eos>``
+    counted); a protein longer than the budget forms a batch alone."""
+    if toks_per_batch < 1:
+        raise ValueError(f"toks_per_batch must be >= 1, got {toks_per_batch}")
+    batch: List[Tuple[str, str]] = []
+    width = 0
+    for item in sorted(proteins, key=lambda p: -len(p[1])):
+        n = len(item[1]) + 2
+        if batch and max(width, n) * (len(batch) + 1) > toks_per_batch:
+            yield batch
+            batch, width = [], 0
+        batch.append(item)
+        width = max(width, n)
+    if batch:
+        yield batch
+
+
+def _layers(repr_layers: Iterable[int], num_layers: int) -> List[int]:
+    """fair-esm's rule: negative layers count from the end (-1 = the last); 0 is the embedding."""
+    out = []
+    for i in repr_layers:
+        if not -(num_layers + 1) <= i <= num_layers:
+            raise ValueError(f"--repr-layers {i} outside [-{num_layers + 1}, {num_layers}] for a {num_layers}-layer "
+                             "model")
+        out.append((i + num_layers + 1) % (num_layers + 1))
+    return sorted(set(out))
+
+
+def _save_atomic(obj, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".partial-", suffix=".pt")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - lightning brings tqdm
+        return None
+    return tqdm(total=total, unit="protein", file=sys.stderr)
+
+
+def embed(model, proteins: Sequence[Tuple[str, str]], out: str | os.PathLike, *, repr_layers: Sequence[int] = (-1,),
+          include: Sequence[str] = ("mean",), toks_per_batch: int = 4096, device: str | torch.device = "cpu",
+          dtype: torch.dtype = torch.float32, overwrite: bool = False, progress: bool = True) -> EmbedSummary:
+    """Embed ``proteins`` ``[(label, sequence)]`` with an ESM-2 ``model`` into ``out`` (one file per protein)."""
+    from .models.esm2 import ALPHABET
+
+    unknown = sorted(set(include) - set(INCLUDE))
+    if unknown or not include:
+        raise ValueError(f"include must be a non-empty subset of {INCLUDE}, got {list(include)}")
+    device = torch.device(device)
+    layers = _layers(repr_layers, model.num_layers)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = EmbedSummary(out)
+    todo = []
+    for label, seq in proteins:
+        if not overwrite and (out / file_name(label)).exists():
+            summary.skipped.append(label)
+        else:
+            todo.append((label, seq))
+    model = model.to(device).eval()
+    converter = ALPHABET.get_batch_converter()
+    bar = _progress(len(todo), progress)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    with torch.no_grad():
+        for batch in batches(todo, toks_per_batch):
+            labels, seqs, tokens = converter(batch)
+            with autocast:
+                result = model(tokens.to(device), repr_layers=layers, return_contacts="contacts" in include)
+            for i, (label, seq) in enumerate(zip(labels, seqs)):
+                n = len(ALPHABET.encode(seq))
+                item = {"label": label, "sequence": seq}
+                if "per_tok" in include:
+                    item["representations"] = {
+                        k: result["representations"][k][i, 1:n + 1].float().cpu().clone() for k in layers}
+                if "mean" in include:
+                    item["mean_representations"] = {
+                        k: result["representations"][k][i, 1:n + 1].float().mean(0).cpu() for k in layers}
+                if "contacts" in include:
+                    item["contacts"] = result["contacts"][i, :n, :n].float().cpu().clone()
+                _save_atomic(item, out / file_name(label))
+                summary.written.append(label)
+            if bar is not None:
+                bar.update(len(batch))
+    if bar is not None:
+        bar.close()
+    return summary
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="attn-zoo-embed", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="fair-esm .pt, Hugging Face folder, checkpoint trained here")
+    p.add_argument("--fasta", required=True)
+    p.add_argument("--out", required=True, help="output folder (one .pt per protein)")
+    p.add_argument("--repr-layers", type=int, nargs="+", default=[-1], help="layers to keep (-1: last; 0: embedding)")
+    p.add_argument("--include", nargs="+", choices=INCLUDE, default=["mean"])
+    p.add_argument("--toks-per-batch", type=int, default=4096)
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, or auto (cuda when there is one)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="autocast dtype of the forward")
+    p.add_argument("--attention", default="auto", help="attention backend: auto, triton, torch, chunked, sdpa, flex")
+    p.add_argument("--truncate", type=int, default=None, help="cut sequences to this many residues (default: none)")
+    p.add_argument("--overwrite", action="store_true", help="recompute proteins whose file exists")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> EmbedSummary:
+    from .models.zoo import load_esm2
+
+    args = parser().parse_args(argv)
+    if args.truncate is not None and args.truncate < 1:
+        raise SystemExit(f"--truncate must be >= 1, got {args.truncate}")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    proteins = read_proteins(args.fasta, args.truncate)  # every FASTA error before the model loads
+    model = load_esm2(args.model, attention=args.attention)
+    summary = embed(model, proteins, args.out, repr_layers=args.repr_layers, include=args.include,
+                    toks_per_batch=args.toks_per_batch, device=device, dtype=DTYPES[args.dtype],
+                    overwrite=args.overwrite, progress=not args.no_progress)
+    print(f"{len(summary.written)} written, {len(summary.skipped)} skipped (already in {summary.out})",
+          file=sys.stderr)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""scripts/embed.py (attn_zoo.embed): FASTA -> per-residue / mean embeddings and contacts, against fair-esm's own
+model with the same random weights; batching, resume, atomic files, FASTA errors, long sequences, the CLI."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+esm = pytest.importorskip("esm")
+from esm.model.esm2 import ESM2 as FairESM2  # noqa: E402
+
+from attn_zoo import embed as E  # noqa: E402
+from attn_zoo.models.zoo import ZooCheckpointError, from_fair_esm, load_esm2, to_fair_esm  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTEINS = [("p1", "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ"), ("sp|Q9|odd:name", "GGAKACLLWWVD"), ("p3", "M"),
+            ("p4", "ACDEFGHIKLMNPQRSTVWYXBZUO"), ("p5", "LLLLKKKKEEEEDDDDRRRR")]
+
+
+def rel(ours, peer):
+    return ((ours.double() - peer.double()).abs().max() / peer.double().abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def fair():
+    torch.manual_seed(0)
+    m = FairESM2(num_layers=2, embed_dim=64, attention_heads=4,
+                 alphabet=esm.data.Alphabet.from_architecture("ESM-1b"))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def ckpt(fair, tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "esm2_t2_tiny.pt"
+    torch.save(to_fair_esm(from_fair_esm(fair.state_dict()), layout="checkpoint"), path)
+    return path
+
+
+def write_fasta(path, proteins, width=10):
+    with open(path, "w") as f:
+        for label, seq in proteins:
+            f.write(f">{label} some description\n")
+            for i in range(0, len(seq), width):  # wrapped lines, as FASTA files are
+                f.write(seq[i:i + width] + "\n")
+    return path
+
+
+@pytest.fixture
+def fasta(tmp_path):
+    return write_fasta(tmp_path / "in.fasta", PROTEINS)
+
+
+def run(ckpt, fasta, out, *extra):
+    return E.main(["--model", str(ckpt), "--fasta", str(fasta), "--out", str(out), "--attention", "torch",
+                   "--no-progress", *extra])
+
+
+def test_embeddings_and_contacts_match_fair_esm(fair, ckpt, fasta, tmp_path):
+    run(ckpt, fasta, tmp_path / "out", "--include", "mean", "per_tok", "contacts", "--repr-layers", "0", "-1",
+        "--toks-per-batch", "70")  # several batches, padded rows
+    conv = esm.data.Alphabet.from_architecture("ESM-1b").get_batch_converter()
+    for label, seq in PROTEINS:
+        got = torch.load(tmp_path / "out" / E.file_name(label))
+        assert got["label"] == label and got["sequence"] == seq
+        with torch.no_grad():
+            ref = fair(conv([(label, seq)])[2], repr_layers=[0, 2], return_contacts=True)
+        n = len(seq)
+        for layer in (0, 2):
+            want = ref["representations"][layer][0, 1:n + 1]
+            assert got["representations"][layer].shape == (n, 64)
+            assert rel(got["representations"][layer], want) < 1e-5, (label, layer)
+            assert rel(got["mean_representations"][layer], want.mean(0)) < 1e-5, (label, layer)
+        assert got["contacts"].shape == (n, n) and rel(got["contacts"], ref["contacts"][0]) < 1e-5, label
+
+
+def test_batching_does_not_change_a_protein(ckpt, fasta, tmp_path):
+    run(ckpt, fasta, tmp_path / "one", "--toks-per-batch", "100000")  # everything in one padded batch
+    run(ckpt, fasta, tmp_path / "alone", "--toks-per-batch", "1")  # every protein alone
+    for label, _ in PROTEINS:
+        a = torch.load(tmp_path / "one" / E.file_name(label))["mean_representations"][2]
+        b = torch.load(tmp_path / "alone" / E.file_name(label))["mean_representations"][2]
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_batches_respect_the_token_budget():
+    proteins = [(str(i), "A" * n) for i, n in enumerate([5, 50, 7, 300, 31, 8, 8, 120])]
+    got = list(E.batches(proteins, 128))
+    assert sorted(p for b in got for p in b) == sorted(proteins)
+    for b in got:
+        width = max(len(s) for _, s in b) + 2
+        assert width * len(b) <= 128 or len(b) == 1
+    assert got[0] == [("3", "A" * 300)]  # longer than the budget: alone, first (longest first)
+    assert len(got) < len(proteins)  # the short ones share batches
+
+
+def test_resume_skips_written_proteins(ckpt, fasta, tmp_path):
+    out = tmp_path / "out"
+    first = run(ckpt, fasta, out)
+    assert sorted(first.written) == sorted(label for label, _ in PROTEINS) and not first.skipped
+    gone = out / E.file_name("p3")
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    kept = torch.load(gone)
+    gone.unlink()
+    again = run(ckpt, fasta, out)
+    assert again.written == ["p3"] and len(again.skipped) == len(PROTEINS) - 1
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p != gone} == {
+        k: v for k, v in before.items() if k != gone.name}
+    torch.testing.assert_close(torch.load(gone)["mean_representations"], kept["mean_representations"])
+    assert run(ckpt, fasta, out, "--overwrite").written  # --overwrite recomputes all
+
+
+def test_an_interrupted_run_leaves_no_partial_file(ckpt, fasta, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    real_save, calls = torch.save, []
+
+    def failing_save(obj, f):
+        calls.append(1)
+        if len(calls) == 3:
+            f.write(b"half a file")
+            raise KeyboardInterrupt
+        real_save(obj, f)
+
+    monkeypatch.setattr(E.torch, "save", failing_save)
+    with pytest.raises(KeyboardInterrupt):
+        run(ckpt, fasta, out)
+    monkeypatch.setattr(E.torch, "save", real_save)
+    files = sorted(out.iterdir())
+    assert len(files) == 2 and all(not p.name.startswith(".partial") for p in files)
+    for p in files:
+        assert "mean_representations" in torch.load(p)  # complete files only
+    assert len(run(ckpt, fasta, out).written) == len(PROTEINS) - 2
+
+
+@pytest.mark.parametrize("text, line, what", [
+    ("MKT\n>a\nMK\n", 1, "before the first '>' header"),
+    (">a\nMKT\n>b\n\n>c\nGG\n", 3, "empty sequence"),
+    (">a\nMKT\n>b\nMK1T\n", 4, "invalid character '1'"),
+    (">a\nMKT\n>b\nMKJT\n", 3, "'J'"),
+    (">a\nMKT\n>a other\nGG\n", 3, "duplicate label 'a'"),
+    (">x\nMKT\n>X\nGG\n", 3, "differ only in letter case"),
+    ("", 1, "no '>' records"),
+])
+def test_bad_fasta_names_file_and_line(tmp_path, text, line, what):
+    path = tmp_path / "bad.fasta"
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        E.read_proteins(path)
+    assert f"{path}:{line}:" in str(err.value) and what in str(err.value)
+
+
+def test_long_sequences_run_and_truncate(ckpt, tmp_path):
+    seq = ("MKTAYIAKQRQISFVKSHFSRQ" * 60)[:1100]
+    fasta = write_fasta(tmp_path / "long.fasta", [("long", seq)], width=60)
+    run(ckpt, fasta, tmp_path / "out", "--include", "per_tok")
+    assert torch.load(tmp_path / "out" / "long.pt")["representations"][2].shape == (1100, 64)
+    run(ckpt, fasta, tmp_path / "cut", "--include", "per_tok", "--truncate", "300")
+    assert torch.load(tmp_path / "cut" / "long.pt")["representations"][2].shape == (300, 64)
+
+
+def test_file_names_are_safe_and_distinct():
+    names = {E.file_name(x) for x in ["a/b", "a_b", "a b", "..", "ok.1-x"]}
+    assert len(names) == 5 and "ok.1-x.pt" in names and "a_b.pt" in names
+    assert all("/" not in n and " " not in n and not n.startswith("..") for n in names)
+
+
+def test_load_esm2_reads_state_dicts_and_refuses_other_files(fair, tmp_path):
+    sd_path = tmp_path / "sd.pt"
+    torch.save(fair.state_dict(), sd_path)
+    assert load_esm2(sd_path, attention="torch").num_layers == 2
+    torch.save({"weights": [1, 2]}, tmp_path / "other.pt")
+    with pytest.raises(ZooCheckpointError, match="not an ESM-2"):
+        load_esm2(tmp_path / "other.pt")
+    with pytest.raises(ZooCheckpointError, match="no such file"):
+        load_esm2(tmp_path / "missing.pt")
+
+
+def test_bad_arguments(ckpt, fasta, tmp_path):
+    with pytest.raises(ValueError, match="--repr-layers 5"):
+        run(ckpt, fasta, tmp_path / "o", "--repr-layers", "5")
+    with pytest.raises(FileNotFoundError, match="--fasta"):
+        run(ckpt, tmp_path / "none.fasta", tmp_path / "o")
+
+
+def test_command_line(ckpt, fasta, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "embed.py"), "--model", str(ckpt), "--fasta",
+                        str(fasta), "--out", str(tmp_path / "cli"), "--device", "cpu", "--attention", "chunked",
+                        "--no-progress"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "5 written, 0 skipped" in r.stderr
+    assert len(list((tmp_path / "cli").iterdir())) == len(PROTEINS)
