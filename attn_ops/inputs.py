@@ -205,8 +205,9 @@ def _check_order(name: str, ids: Tensor) -> None:
     eager mode; skipped under torch.compile / CUDA graph capture and inside :func:`segments_checked`)."""
     if _TRUSTED[0] or _needs_sync_free() or type(ids) is not torch.Tensor:
         return
+    inference = ids.is_inference()  # inference tensors have no version counter: checked on every call
     for ref, version in _CHECKED:
-        if ref() is ids and version == ids._version:
+        if not inference and ref() is ids and version == ids._version:
             return
     bad = segment_order_violation(ids)
     top = ids.max()
@@ -220,8 +221,9 @@ def _check_order(name: str, ids: Tensor) -> None:
             f"{name} must be contiguous within each row (non-negative ids non-decreasing: a segment never "
             f"returns after another started); row {where} of {name} {_shape(ids)} is {shown}"
         )
-    _CHECKED.append((weakref.ref(ids), ids._version))
-    del _CHECKED[:-8]
+    if not inference:
+        _CHECKED.append((weakref.ref(ids), ids._version))
+        del _CHECKED[:-8]
 
 
 def _check_one_ids(name: str, t, q: Tensor, length: int, what: str) -> Tensor:

@@ -20,7 +20,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import attn_ops
-from .primitives import AttentionConfig, LayerNorm, fused_linear
+from .primitives import AttentionConfig, LayerNorm, fused_linear, segment_positions
 
 Tensor = torch.Tensor
 
@@ -193,9 +193,12 @@ class RotaryEmbedding(nn.Module):
                 self._cache = c                    # be a CUDA graph's output, overwritten by its next replay)
         return c[2], c[3]
 
-    def forward(self, q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
-        """q, k ``[..., L, D]`` -> rotated q, k (same dtype)."""
+    def forward(self, q: Tensor, k: Tensor, positions: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """q, k ``[..., L, D]`` -> rotated q, k (same dtype). ``positions`` ``[B, L]`` (packed rows, restarting at
+        each sequence) for q, k ``[B, H, L, D]``; default 0..L-1."""
         cos, sin = self.tables(k.shape[-2], k.device)
+        if positions is not None:
+            cos, sin = cos[positions][:, None], sin[positions][:, None]  # [B, 1, L, D]
 
         def rot(x):
             xf = x.float()
@@ -230,9 +233,13 @@ class MultiheadAttention(nn.Module):
         self.out_proj = nn.Linear(embed_dim, embed_dim)
         self.rot_emb = RotaryEmbedding(self.head_dim)
 
-    def forward(self, x: Tensor, mask: Optional[Tensor], need_weights: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    def forward(self, x: Tensor, mask: Optional[Tensor], need_weights: bool, segment_ids: Optional[Tensor] = None,
+                positions: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
         """x ``[B, L, C]``, mask ``[B, 1, 1, L]`` (True = real key) -> ``[B, L, C]`` and, with ``need_weights``,
-        the probabilities ``[B, H, L, L]``."""
+        the probabilities ``[B, H, L, L]``. Packed rows: ``segment_ids`` / ``positions`` ``[B, L]``."""
+        if need_weights and segment_ids is not None:
+            raise ValueError("attention probabilities (need_head_weights / return_contacts) are not available for "
+                             "packed rows (segment_ids): run those proteins padded")
         q, k, v = fused_linear(x, [self.q_proj, self.k_proj, self.v_proj])  # [B, L, C] each
         q = q * self.scaling
 
@@ -240,13 +247,14 @@ class MultiheadAttention(nn.Module):
             return t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
 
         q, k, v = heads(q), heads(k), heads(v)
-        q, k = self.rot_emb(q, k)
+        q, k = self.rot_emb(q, k, positions)
         probs = None
         if need_weights:
             o, probs = _attention_with_probs(q, k, v, mask)
         else:
+            seg = {} if segment_ids is None else {"segment_ids": segment_ids}  # [B, L]: ids have no head dim
             o = attn_ops.attention(q, k, v, mask=mask, scale=1.0, backend=self.attention.backend,
-                                   **self.attention.options)  # [B, H, L, D]
+                                   **self.attention.options, **seg)  # [B, H, L, D]
         o = o.transpose(1, 2).flatten(2)  # [B, L, C]
         return self.out_proj(o), probs
 
@@ -263,8 +271,9 @@ class TransformerLayer(nn.Module):
         self.fc2 = nn.Linear(ffn_embed_dim, embed_dim)
         self.final_layer_norm = LayerNorm(embed_dim, eps=layer_norm_eps)
 
-    def forward(self, x: Tensor, mask: Optional[Tensor] = None, need_weights: bool = False):
-        h, probs = self.self_attn(self.self_attn_layer_norm(x), mask, need_weights)
+    def forward(self, x: Tensor, mask: Optional[Tensor] = None, need_weights: bool = False,
+                segment_ids: Optional[Tensor] = None, positions: Optional[Tensor] = None):
+        h, probs = self.self_attn(self.self_attn_layer_norm(x), mask, need_weights, segment_ids, positions)
         x = x + h
         x = x + self.fc2(gelu(self.fc1(self.final_layer_norm(x))))
         return x, probs
@@ -387,33 +396,55 @@ class ESM2(nn.Module):
         return layers
 
     def forward(self, tokens: Tensor, repr_layers: Sequence[int] = (), need_head_weights: bool = False,
-                return_contacts: bool = False) -> Dict[str, Any]:
-        """tokens ``[B, L]`` (``<cls>`` seq ``<eos>``, right-padded with ``<pad>``) -> fair-esm's output dict."""
+                return_contacts: bool = False, segment_ids: Optional[Tensor] = None) -> Dict[str, Any]:
+        """tokens ``[B, L]`` (``<cls>`` seq ``<eos>``, right-padded with ``<pad>``) -> fair-esm's output dict.
+
+        Packed rows: ``segment_ids`` int ``[B, L]``, one contiguous id per sequence (each with its own ``<cls>`` ...
+        ``<eos>``), -1 on padding. Rotary positions restart at each sequence and token dropout's rescaling is
+        per sequence, so every sequence gets exactly what it gets alone (no probabilities / contacts)."""
         repr_layers = self._check(tokens, repr_layers)
         need_head_weights = need_head_weights or return_contacts
         padding_mask = tokens.eq(self.padding_idx)  # [B, L], True = padding
+        positions = None
+        if segment_ids is not None:
+            if segment_ids.shape != tokens.shape or segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool:
+                raise ValueError(f"segment_ids must be an integer tensor {tuple(tokens.shape)} like tokens, got "
+                                 f"{segment_ids.dtype} {tuple(segment_ids.shape)}")
+            padding_mask = padding_mask | (segment_ids < 0)
+            positions = segment_positions(segment_ids)
 
         x = self.embed_tokens(tokens)  # [B, L, C]
         if self.token_dropout:
             is_mask = tokens.eq(self.mask_idx)
             x = x.masked_fill(is_mask.unsqueeze(-1), 0.0)
             mask_ratio_train = 0.15 * 0.8  # the masking rate of every ESM-2 training run
-            src_lengths = (~padding_mask).sum(-1)
-            mask_ratio_observed = is_mask.sum(-1).to(x.dtype) / src_lengths
-            x = x * (1 - mask_ratio_train) / (1 - mask_ratio_observed)[:, None, None]
+            if segment_ids is None:
+                src_lengths = (~padding_mask).sum(-1)
+                mask_ratio_observed = (is_mask.sum(-1).to(x.dtype) / src_lengths)[:, None, None]
+            else:  # per sequence of a packed row: counts per id, read back at each token
+                ids = segment_ids.clamp(min=0).long()
+                real = (~padding_mask).to(x.dtype)
+                counts = torch.zeros(ids.shape[0], ids.shape[1] + 1, dtype=x.dtype, device=x.device)
+                n_real = counts.scatter_add(1, ids, real).gather(1, ids)
+                n_mask = counts.scatter_add(1, ids, (is_mask & ~padding_mask).to(x.dtype)).gather(1, ids)
+                mask_ratio_observed = (n_mask / n_real.clamp(min=1))[..., None]
+            x = x * (1 - mask_ratio_train) / (1 - mask_ratio_observed)
         x = x * (1 - padding_mask.unsqueeze(-1).type_as(x))
 
         reps: Dict[int, Tensor] = {}
         if 0 in repr_layers:
             reps[0] = x
-        key_mask = (~padding_mask)[:, None, None, :] if padding_mask.any() else None  # [B, 1, 1, L]
+        key_mask = None
+        if segment_ids is None and padding_mask.any():
+            key_mask = (~padding_mask)[:, None, None, :]  # [B, 1, 1, L]
         checkpoint = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         attn_weights = []
         for i, layer in enumerate(self.layers):
             if checkpoint and not need_head_weights:
-                x, probs = torch.utils.checkpoint.checkpoint(layer, x, key_mask, False, use_reentrant=False)
+                x, probs = torch.utils.checkpoint.checkpoint(layer, x, key_mask, False, segment_ids, positions,
+                                                             use_reentrant=False)
             else:
-                x, probs = layer(x, key_mask, need_head_weights)
+                x, probs = layer(x, key_mask, need_head_weights, segment_ids, positions)
             if i + 1 in repr_layers:
                 reps[i + 1] = x
             if need_head_weights:

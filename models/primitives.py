@@ -488,3 +488,14 @@ def run_blocks(
         stop = min(n, start + checkpoint_every)
         x, y = torch.utils.checkpoint.checkpoint(segment(start, stop), x, y, *masks, use_reentrant=False)
     return x, y
+
+
+def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Long positions restarting at 0 where the id changes along the last dim (contiguous segments); 0 on
+    padding (negative ids)."""
+    n = segment_ids.shape[-1]
+    idx = torch.arange(n, device=segment_ids.device).expand_as(segment_ids)
+    start = torch.ones_like(segment_ids, dtype=torch.bool)
+    start[..., 1:] = segment_ids[..., 1:] != segment_ids[..., :-1]
+    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(-1).values  # index of each segment's start
+    return torch.where(segment_ids >= 0, idx - first, torch.zeros_like(idx))

@@ -24,7 +24,7 @@ from torch import nn
 
 import attn_ops
 from attn_ops.ring import ring_attention, ring_positions, shard_sequence, unshard_sequence
-from .primitives import AttentionConfig, LayerNorm, Linear
+from .primitives import AttentionConfig, LayerNorm, Linear, segment_positions
 
 Tensor = torch.Tensor
 
@@ -43,10 +43,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [Dh/2]
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x ``[..., n, Dh]``, positions Long ``[n]`` (global) -> rotated x, same shape and dtype."""
-        if positions.shape != x.shape[-2:-1]:
-            raise ValueError(f"positions {tuple(positions.shape)} must be [n] for x {tuple(x.shape)}")
-        ang = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [n, Dh/2]
+        """x ``[..., n, Dh]``, positions Long ``[n]`` (global) or ``[B, n]`` per row (packed rows: positions restart
+        at each sequence) for x ``[B, H, n, Dh]`` -> rotated x, same shape and dtype."""
+        if positions.ndim == 2 and x.ndim == 4 and positions.shape == (x.shape[0], x.shape[2]):
+            positions = positions[:, None]  # [B, 1, n]: the same for every head
+        elif positions.shape != x.shape[-2:-1]:
+            raise ValueError(f"positions {tuple(positions.shape)} must be [n] (or [B, n] for x [B, H, n, Dh]) for x "
+                             f"{tuple(x.shape)}")
+        ang = positions.to(torch.float32)[..., None] * self.inv_freq  # [..., n, Dh/2]
         cos, sin = ang.cos(), ang.sin()
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
@@ -150,20 +154,28 @@ class TransformerBlock(nn.Module):
         self.ffn = SwiGLU(d_model, hidden)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, pad_mask: Optional[Tensor] = None, positions: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, pad_mask: Optional[Tensor] = None, positions: Optional[Tensor] = None,
+                segment_ids: Optional[Tensor] = None) -> Tensor:
         """x ``[B, n, d]``; pad_mask bool ``[B, L]`` over the *full* sequence in natural order (True = real),
-        or None; positions Long ``[n]`` global positions of x's rows (default: this rank's positions)."""
+        or None; positions Long ``[n]`` global positions of x's rows (default: this rank's positions).
+
+        Packed rows: ``segment_ids`` Long ``[B, n]`` (one id per sequence, -1 on padding; pad_mask is then not
+        needed) and ``positions`` ``[B, n]`` restarting at each sequence (RoPE); the relative bias, a function of
+        position differences, is the same within a sequence either way."""
         B, n, d = x.shape
         if positions is None:
             positions = local_positions(n, self.process_group, self.layout, x.device)
         h = self.norm_attn(x)
         qkv = self.qkv(h).view(B, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # [3, B, H, n, Dh]
         q, k, v = self.rope(qkv[0], positions), self.rope(qkv[1], positions), qkv[2]
-        mask = None if pad_mask is None else pad_mask[:, None, None, :]  # [B, 1, 1, L] key padding
+        mask = None if pad_mask is None or segment_ids is not None else pad_mask[:, None, None, :]  # [B, 1, 1, L]
         opts = dict(backend=self.attention.backend, **self.attention.options)
         group = resolve_group(self.process_group)
         if group is None:
-            bias = None if self.rel_bias is None else self.rel_bias(positions, positions)  # [H, n, n]
+            rel_pos = positions if positions.ndim == 1 else torch.arange(n, device=x.device)
+            bias = None if self.rel_bias is None else self.rel_bias(rel_pos, rel_pos)  # [H, n, n]
+            if segment_ids is not None:
+                opts["segment_ids"] = segment_ids  # [B, n]: ids have no head dim
             o = attn_ops.attention(q, k, v, bias, mask, causal=self.causal, **opts)
         else:
             o = ring_attention(q, k, v, self.rel_bias, mask, group=group, causal=self.causal,
@@ -222,8 +234,13 @@ class TransformerLM(nn.Module):
         self.norm = LayerNorm(d_model)
         self.head = Linear(d_model, vocab_size, bias=False, init="default")
 
-    def forward(self, tokens: Tensor, pad_mask: Optional[Tensor] = None) -> Tensor:
-        """tokens Long ``[B, n]``, pad_mask bool ``[B, n]`` (True = real) or None -> logits ``[B, n, vocab]``."""
+    def forward(self, tokens: Tensor, pad_mask: Optional[Tensor] = None, segment_ids: Optional[Tensor] = None,
+                positions: Optional[Tensor] = None) -> Tensor:
+        """tokens Long ``[B, n]``, pad_mask bool ``[B, n]`` (True = real) or None -> logits ``[B, n, vocab]``.
+
+        Packed rows (several sequences per row): ``segment_ids`` int ``[B, n]``, contiguous ids per sequence, -1 on
+        padding; ``positions`` ``[B, n]`` (default: restarting at each sequence). Each sequence then gets exactly
+        what it gets alone in a row."""
         if tokens.dtype != torch.long or tokens.ndim != 2:
             raise TypeError(f"tokens must be a Long tensor [B, L], got {tokens.dtype} {tuple(tokens.shape)}")
         if pad_mask is not None and (pad_mask.dtype != torch.bool or pad_mask.shape != tokens.shape):
@@ -234,14 +251,28 @@ class TransformerLM(nn.Module):
         world = 1 if group is None else dist.get_world_size(group)
         if self.max_len is not None and n * world > self.max_len:
             raise ValueError(f"sequence length {n * world} (local {n} x {world} ranks) exceeds max_len {self.max_len}")
-        positions = local_positions(n, group, self.layout, tokens.device)
+        if segment_ids is not None:
+            if group is not None:
+                raise ValueError("segment_ids (packed rows) with a process_group is not supported by TransformerLM; "
+                                 "attn_ops.ring_attention takes segment_ids directly")
+            if segment_ids.shape != tokens.shape or segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool:
+                raise ValueError(f"segment_ids must be an integer tensor {tuple(tokens.shape)} like tokens, got "
+                                 f"{segment_ids.dtype} {tuple(segment_ids.shape)}")
+            if positions is None:
+                positions = segment_positions(segment_ids)
+            elif positions.shape != tokens.shape:
+                raise ValueError(f"positions must be {tuple(tokens.shape)} like tokens, got {tuple(positions.shape)}")
+        elif positions is not None:
+            raise ValueError("positions are taken with segment_ids (packed rows) only")
+        else:
+            positions = local_positions(n, group, self.layout, tokens.device)
         full_mask = None if pad_mask is None else gather_sequence(pad_mask, group, self.layout)
         x = self.embed(tokens)  # [B, n, d]
         for block in self.blocks:
             if self.checkpoint and self.training and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, full_mask, positions, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, full_mask, positions, segment_ids, use_reentrant=False)
             else:
-                x = block(x, full_mask, positions)
+                x = block(x, full_mask, positions, segment_ids)
         return self.head(self.norm(x))
 
 

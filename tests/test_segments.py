@@ -362,3 +362,16 @@ def test_triton_gpu_packed_matches_sequences(dtype, causal):
         a, p = a.cpu(), p.cpu()
         err, base = max_err(a, r), max_err(p, r)
         assert err <= bound(dtype, r, base, "triton"), f"{name} {dtype}: {err:.3g} vs torch {base:.3g}"
+
+
+def test_segment_ids_made_under_inference_mode():
+    """Ids created under ``torch.inference_mode`` (validation loops) have no version counter: still checked."""
+    from attn_ops import attention
+
+    q = torch.randn(1, 2, 6, 8)
+    with torch.inference_mode():
+        ids = torch.tensor([[0, 0, 0, 1, 1, -1]])
+        out = attention(q, q, q, segment_ids=ids, backend="torch")
+        assert out.shape == q.shape
+        with pytest.raises(ValueError, match="contiguous"):
+            attention(q, q, q, segment_ids=torch.tensor([[0, 1, 0, 1, 1, 1]]), backend="torch")

@@ -137,3 +137,29 @@ def test_contact_precision_counts_separation_in_residue_numbers():
     assert k_plain == k_gap == 1
     assert p_plain == 0  # |0 - 10| < 24 in crop positions: not a long-range pair
     assert p_gap > 0  # 30 residues apart in the chain: long-range, and the top-scored pair
+
+
+@pytest.mark.parametrize("experiment", ["esm2_mlm", "longctx_clm"])
+def test_packing_flag_trains(experiment, tmp_path):
+    """``data.packing=true``: batches carry segment ids through the task into the network, one step runs."""
+    cfg = make_cfg([f"experiment={experiment}", "attention=chunked", "debug=fdr", "logger=csv", "data.packing=true"]
+                   + EXPERIMENTS[experiment], tmp_path)
+    seen = []
+    net_forward = None
+
+    metrics, objs = None, None
+    from attn_zoo.models.transformer import TransformerLM
+
+    net_forward = TransformerLM.forward
+
+    def spy(self, tokens, pad_mask=None, segment_ids=None, positions=None):
+        seen.append(segment_ids is not None and positions is not None)
+        return net_forward(self, tokens, pad_mask, segment_ids, positions)
+
+    TransformerLM.forward = spy
+    try:
+        metrics, objs = train.train(cfg)
+    finally:
+        TransformerLM.forward = net_forward
+    assert objs["trainer"].global_step == 1 and seen and all(seen)
+    assert math.isfinite(metrics["val/loss"])

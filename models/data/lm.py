@@ -6,12 +6,15 @@ family) so validation proteins are unseen.
 """
 from __future__ import annotations
 
+import functools
+
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .alphabet import GAP, encode
 from .batching import collate_lm
+from .packing import TokenBudgetSampler, collate_packed, collate_with_segments
 from .parsers import read_a3m, read_fasta
 from .sources import DataReport, gather_sources, protein_name, read_clusters, split_proteins
 from .transforms import bert_mask
@@ -82,6 +85,10 @@ class MaskedLMDataset(Dataset):
     def __len__(self):
         return self.num_samples
 
+    def lengths(self) -> list[int]:
+        """Each example's token count (crops are at most ``max_len``), for packing."""
+        return [min(len(self.tokens[i % len(self.tokens)]), self.max_len) for i in range(self.num_samples)]
+
     def __getitem__(self, i):
         g = None if self.seed is None else torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         t = self.tokens[i % len(self.tokens)]
@@ -98,14 +105,14 @@ class CausalLMDataset(Dataset):
     Example: tokens = window[:-1], target = window[1:] ``[seq_len]``, loss_mask all True.
     """
 
-    def __init__(self, seqs: list[str], seq_len=256, num_samples=None, seed=None):
+    def __init__(self, seqs: list[str], seq_len=256, num_samples=None, seed=None, segments: bool = False):
         parts = []
         for s in seqs:
             parts += [encode(s), torch.tensor([GAP])]
         self.stream = torch.cat(parts)  # [T]
         if len(self.stream) < seq_len + 1:
             raise ValueError(f"CausalLMDataset: {len(self.stream)} tokens, fewer than seq_len + 1 = {seq_len + 1}")
-        self.seq_len, self.seed = seq_len, seed
+        self.seq_len, self.seed, self.segments = seq_len, seed, segments
         self.num_samples = num_samples or max(1, len(self.stream) // (seq_len + 1))
 
     def __len__(self):
@@ -115,7 +122,13 @@ class CausalLMDataset(Dataset):
         g = None if self.seed is None else torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         s0 = int(torch.randint(0, len(self.stream) - self.seq_len, (1,), generator=g))
         w = self.stream[s0 : s0 + self.seq_len + 1]
-        return {"tokens": w[:-1], "target": w[1:], "loss_mask": torch.ones(self.seq_len, dtype=torch.bool)}
+        tokens = w[:-1]
+        example = {"tokens": tokens, "target": w[1:], "loss_mask": torch.ones(self.seq_len, dtype=torch.bool)}
+        if self.segments:  # packed: each protein attends to itself (a new segment after every separator)
+            sep = tokens == GAP
+            example["segment_ids"] = torch.cat([torch.zeros(1, dtype=torch.long), sep[:-1].long().cumsum(0)])
+            example["loss_mask"] = ~sep  # a separator's next token starts another protein: not predictable
+        return example
 
 
 class _LMDataModule(L.LightningDataModule):
@@ -156,8 +169,14 @@ class _LMDataModule(L.LightningDataModule):
     def _loader(self, ds, shuffle):
         if ds is None:
             return []
-        return DataLoader(ds, batch_size=self.hparams.batch_size, shuffle=shuffle, collate_fn=collate_lm,
-                          num_workers=self.hparams.num_workers, persistent_workers=self.hparams.num_workers > 0)
+        h = self.hparams
+        workers = dict(num_workers=h.num_workers, persistent_workers=h.num_workers > 0)
+        if h.get("packing") and isinstance(ds, MaskedLMDataset):
+            # batch_size rows of max_len tokens, filled with as many crops as fit (the padded batch's memory)
+            sampler = TokenBudgetSampler(ds.lengths(), h.batch_size, h.max_len, shuffle=shuffle, seed=h.split_seed)
+            return DataLoader(ds, batch_sampler=sampler, collate_fn=functools.partial(
+                collate_packed, rows=h.batch_size, width=h.max_len), **workers)
+        return DataLoader(ds, batch_size=h.batch_size, shuffle=shuffle, collate_fn=collate_with_segments, **workers)
 
     def train_dataloader(self):
         return self._loader(self.train_set, True)
@@ -177,11 +196,16 @@ class _LMDataModule(L.LightningDataModule):
 
 
 class MaskedLMDataModule(_LMDataModule):
-    """ESM-2-style masked LM on FASTA + MSA query sequences ('sample' = bundled)."""
+    """ESM-2-style masked LM on FASTA + MSA query sequences ('sample' = bundled).
+
+    ``packing=True``: each batch is ``batch_size`` rows of ``max_len`` tokens holding as many crops as fit
+    (``models/data/packing.py``; the padded batch's memory, more proteins), with ``segment_ids`` and
+    per-protein ``positions``; the loss counts real masked tokens either way."""
 
     def __init__(self, fasta="sample", msa_dir="sample", msa_rows="query", max_len=128, mask_prob=0.15,
                  batch_size=8, train_samples=512, val_samples=64, test_samples=None, val_fraction=0.2,
-                 test_fraction=0.1, val_names=None, test_names=None, cluster_file=None, split_seed=0, num_workers=0):
+                 test_fraction=0.1, val_names=None, test_names=None, cluster_file=None, split_seed=0, num_workers=0,
+                 packing=False):
         super().__init__()
         self.save_hyperparameters(logger=False)
         self.train_set = self.val_set = self.test_set = None
@@ -193,11 +217,14 @@ class MaskedLMDataModule(_LMDataModule):
 
 
 class CausalLMDataModule(_LMDataModule):
-    """Causal LM on proteins concatenated into one stream (default: every MSA row + FASTA)."""
+    """Causal LM on proteins concatenated into one stream (default: every MSA row + FASTA).
+
+    ``packing=True``: the windows carry ``segment_ids`` (a new protein after each separator), so a protein
+    attends only to itself and its positions restart; the separator's next-token prediction is not scored."""
 
     def __init__(self, fasta="sample", msa_dir="sample", msa_rows="all", seq_len=256, batch_size=8,
                  train_samples=512, val_samples=64, test_samples=None, val_fraction=0.2, test_fraction=0.1,
-                 val_names=None, test_names=None, cluster_file=None, split_seed=0, num_workers=0):
+                 val_names=None, test_names=None, cluster_file=None, split_seed=0, num_workers=0, packing=False):
         super().__init__()
         self.save_hyperparameters(logger=False)
         self.train_set = self.val_set = self.test_set = None
@@ -205,4 +232,4 @@ class CausalLMDataModule(_LMDataModule):
 
     def _datasets(self, seqs, kind):
         h = self.hparams
-        return CausalLMDataset(seqs, h.seq_len, self._samples(kind), self._seed(kind))
+        return CausalLMDataset(seqs, h.seq_len, self._samples(kind), self._seed(kind), segments=bool(h.packing))

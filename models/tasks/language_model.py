@@ -22,7 +22,8 @@ class LanguageModelTask(Task):
         # sequence shard; Lightning's DDP gradient averaging then gives the full-sequence mean loss
         if hasattr(self.net, "shard_batch"):
             batch = self.net.shard_batch(batch)
-        logits = self.net(batch["tokens"], batch["pad_mask"])
+        packed = {k: batch[k] for k in ("segment_ids", "positions") if batch.get(k) is not None}
+        logits = self.net(batch["tokens"], batch["pad_mask"], **packed)  # packed rows: see data/packing.py
         mask = batch["loss_mask"] & batch["pad_mask"]
         loss, n = masked_cross_entropy(logits, batch["target"], mask)
         logs = {"perplexity": loss.detach().exp(), "accuracy": masked_accuracy(logits.detach(), batch["target"], mask)}
