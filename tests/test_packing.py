@@ -1,6 +1,8 @@
 """Packed batches (issue 22, data and blocks): a packed row gives every sequence exactly what it gets alone (ESM-2
 with token dropout, TransformerLM causal and bidirectional with RoPE and a relative bias), outputs and gradients;
 the packer, the data modules' ``packing`` flag, the loss over real tokens, bad input."""
+import math
+
 import pytest
 import torch
 
@@ -176,3 +178,17 @@ def test_packing_flag_in_the_data_module(tmp_path):
     assert all(b["tokens"].shape == (2, 64) and "segment_ids" in b for b in batches)
     assert sum(int(b["segment_ids"].max(-1).values.add(1).sum()) for b in batches) == 24  # every crop once
     assert len(batches) < 12  # more crops per batch than the padded loader's 2
+
+
+def test_bench_packing_smoke(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import bench_packing
+
+    rows, curves = bench_packing.main(["--smoke", "--out", str(tmp_path)])
+    assert [r["run"] for r in rows] == ["padded", "packed"] and all(r["tokens_per_s"] > 0 for r in rows)
+    assert rows[1]["proteins_per_batch"] >= rows[0]["proteins_per_batch"]
+    assert all(math.isfinite(v) for c in curves.values() for v in c[0])
+    assert (tmp_path / "packing.md").is_file()
