@@ -52,6 +52,7 @@ def test_transformer_lm_packed_row_equals_sequences_alone(causal, rel):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter test (CPU); test_esm2_packed_triton_gpu on a GPU")
 def test_transformer_lm_packed_rows_under_the_triton_interpreter():
     torch.manual_seed(1)
     net = TransformerLM(24, 32, 1, 2, causal=True, attention="triton")
@@ -219,3 +220,28 @@ def test_esm2_training_on_the_same_proteins_packed_or_padded_gives_the_same_loss
     # the step's cross-entropy is taken in float32 (as in training): equal to float32 rounding
     torch.testing.assert_close(torch.tensor(curves[1]), torch.tensor(curves[0]), rtol=1e-6, atol=1e-6)
     assert curves[0][-1] < curves[0][0]
+
+
+@pytest.mark.gpu
+def test_esm2_packed_triton_gpu():
+    """The triton kernels on a GPU (fp32): a packed row of ESM-2 equals its sequences alone, outputs and gradients."""
+    torch.manual_seed(0)
+    net = ESM2(2, 64, 4, attention="triton").cuda()
+    texts = ["MKT<mask>YIAKQQ" * 3, "GA", "LL<mask><mask>KKAEWV" * 5, "ACDWW"]
+    seqs = [torch.tensor([ALPHABET.cls_idx, *ALPHABET.encode(t), ALPHABET.eos_idx]) for t in texts]
+    row, ids, pad = pack(seqs, 200)
+    tokens = torch.cat([row, torch.full((pad,), ALPHABET.padding_idx)])[None].cuda()
+    params = [p for name, p in net.named_parameters() if not name.startswith("contact_head")]
+    out = net(tokens, segment_ids=ids[None].cuda())["logits"]
+    g = torch.randn_like(out)
+    g[:, len(row):] = 0
+    grads = torch.autograd.grad((out * g).sum(), params)
+    at, want = 0, None
+    for s in seqs:
+        alone = net(s[None].cuda())["logits"]
+        torch.testing.assert_close(out[0, at:at + len(s)], alone[0], rtol=1e-4, atol=1e-4)
+        gs = torch.autograd.grad((alone * g[:, at:at + len(s)]).sum(), params)
+        want = gs if want is None else [a + b for a, b in zip(want, gs)]
+        at += len(s)
+    for a, b in zip(grads, want):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
