@@ -154,6 +154,7 @@ DATA: dict[str, Opt] = {
     "seq_len": Int(1),
     "length": Int(1),
     "msa_rows": Choice("query", "all"),
+    "packing": Bool(),
 }
 
 ATTENTION_OPTIONS: dict[str, Opt] = {
