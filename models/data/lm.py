@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import functools
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .alphabet import GAP, encode
-from .batching import collate_lm
+from .base import SplitDataModule
+
 from .packing import TokenBudgetSampler, collate_packed, collate_with_segments
 from .parsers import read_a3m, read_fasta
 from .sources import DataReport, gather_sources, protein_name, read_clusters, split_proteins
@@ -131,7 +131,7 @@ class CausalLMDataset(Dataset):
         return example
 
 
-class _LMDataModule(L.LightningDataModule):
+class _LMDataModule(SplitDataModule):
     """Shared LM data plumbing. Splits are by group (a FASTA record or an A3M file), see ``MSADataModule``
     for ``val_fraction`` / ``test_fraction`` / ``val_names`` / ``test_names`` / ``cluster_file``; group
     names are ``fasta:<file>:<record id>`` and ``msa:<file>``."""
@@ -157,15 +157,6 @@ class _LMDataModule(L.LightningDataModule):
         self.val_set = self._datasets(by_split["val"], "val") if by_split["val"] else None
         self.test_set = self._datasets(by_split["test"], "test") if by_split["test"] else None
 
-    def prepare_report(self, folder=None):
-        self.setup("fit")
-        if folder is not None:
-            self.report.write(folder)
-
-    def has_test_set(self) -> bool:
-        self.setup("test")
-        return self.test_set is not None
-
     def _loader(self, ds, shuffle):
         if ds is None:
             return []
@@ -177,15 +168,6 @@ class _LMDataModule(L.LightningDataModule):
             return DataLoader(ds, batch_sampler=sampler, collate_fn=functools.partial(
                 collate_packed, rows=h.batch_size, width=h.max_len), **workers)
         return DataLoader(ds, batch_size=h.batch_size, shuffle=shuffle, collate_fn=collate_with_segments, **workers)
-
-    def train_dataloader(self):
-        return self._loader(self.train_set, True)
-
-    def val_dataloader(self):
-        return self._loader(self.val_set, False)
-
-    def test_dataloader(self):
-        return self._loader(self.test_set, False)
 
     def _samples(self, kind):
         h = self.hparams

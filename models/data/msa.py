@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .alphabet import encode, encode_msa
+from .base import SplitDataModule
 from .batching import collate_msa
 from .parsers import read_a3m
 from .sources import DataReport, check_disjoint, gather_sources, protein_name, read_clusters, split_proteins
@@ -127,7 +127,7 @@ class MSADataset(Dataset):
         }
 
 
-class MSADataModule(L.LightningDataModule):
+class MSADataModule(SplitDataModule):
     """Masked-MSA + distogram data from A3M and mmCIF folders.
 
     ``msa_dir`` / ``mmcif_dir``: a folder (searched with its subfolders; ``.gz`` read) or one file,
@@ -189,17 +189,6 @@ class MSADataModule(L.LightningDataModule):
         self.test_set = (MSADataset(test, num_samples=h.test_samples or max(len(test), h.val_samples),
                                     seed=h.split_seed + 2, **common) if test else None)
 
-    def prepare_report(self, folder=None):
-        """Read and split the data now (a data error stops a run before the model is built) and write
-        ``data.json`` (files, proteins kept/dropped, splits) into ``folder``."""
-        self.setup("fit")
-        if folder is not None:
-            self.report.write(folder)
-
-    def has_test_set(self) -> bool:
-        self.setup("test")
-        return self.test_set is not None
-
     def _loader(self, ds, shuffle):
         if ds is None:
             return []
@@ -208,14 +197,6 @@ class MSADataModule(L.LightningDataModule):
             num_workers=self.hparams.num_workers, persistent_workers=self.hparams.num_workers > 0,
         )
 
-    def train_dataloader(self):
-        return self._loader(self.train_set, shuffle=True)
-
-    def val_dataloader(self):
-        return self._loader(self.val_set, shuffle=False)
-
-    def test_dataloader(self):
-        return self._loader(self.test_set, shuffle=False)
 
 
 def _names(x):
