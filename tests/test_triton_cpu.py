@@ -334,10 +334,12 @@ def test_compiles_with_dynamic_shapes():
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
     frames = []
+    rows = 3  # the pair-bias layout [1, R, H, n, C] with few rows: the interpreter's time grows with the programs
     for n in (17, 21):
-        _, _, _, bias, mask = make_inputs((1, n), 2, n, n, 16, bias_shape=(1, 1, 2, n, n), mask_shape=(1, n, 1, 1, n))
-        views = [t[None] for t in _head_split_views(n, n, 2, 16, seed=n)]  # [1, n, H, n, C] over [1, n, n, 3HC+5]
-        for q, k, v in (make_inputs((1, n), 2, n, n, 16, seed=n)[:3], views):
+        _, _, _, bias, mask = make_inputs((1, rows), 2, n, n, 16, bias_shape=(1, 1, 2, n, n),
+                                          mask_shape=(1, rows, 1, 1, n))
+        views = [t[None] for t in _head_split_views(rows, n, 2, 16, seed=n)]  # [1, R, H, n, C] over [1, R, n, 3HC+5]
+        for q, k, v in (make_inputs((1, rows), 2, n, n, 16, seed=n)[:3], views):
             leaves = (q, k, v, bias)
             got = torch.autograd.grad(compiled(q, k, v, bias, mask), leaves)
             want = torch.autograd.grad(f(q, k, v, bias, mask), leaves)
