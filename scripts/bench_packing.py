@@ -10,10 +10,10 @@ Lengths: log-normal with median 300 residues, capped at 1022 (+ <cls>/<eos> = 10
 - packed: rows of ``--width`` tokens (default 1024) filled first-fit with as many proteins as fit, ``segment_ids``
   telling them apart; the number of rows is chosen so the packed step's peak memory matches the padded one's
   (measured: both peaks are reported).
-Throughput counts real tokens (no padding) per second over timed steps after warm-up. Loss curves: both runs
-start from the same weights and see the same proteins in the same order (the packed run's batches hold more
-of them per step, so the comparison is per protein seen: ``--steps`` padded steps' worth of proteins); windowed
-means of the masked-LM loss are printed side by side.
+Throughput counts real tokens (no padding) per second over timed steps after warm-up. Loss curves, from the
+same weights, per optimizer step (windowed means side by side): padded; packed with the same proteins per step
+(packed into as few rows as hold them: packing must not change training); packed at equal memory (more
+proteins per step).
 """
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def main(argv=None):
         args.size, args.batch, args.width, args.steps, args.time_steps, args.warmup = None, 4, 128, 6, 3, 1
         args.attention = "torch"
     rows = args.rows or args.batch  # the padded batch's rows: equal memory when its longest protein fills width
-    n_prot = (args.steps + args.time_steps + args.warmup) * args.batch
+    n_prot = (3 * args.steps + args.time_steps + args.warmup) * args.batch  # packed steps hold ~2-3x the proteins
     lengths = lengths_fasta(args.fasta) if args.fasta else lengths_lognormal(n_prot, cap=args.width - 2)
     lengths = (lengths * (n_prot // len(lengths) + 1))[:n_prot]
     g = torch.Generator().manual_seed(1)
@@ -185,31 +185,36 @@ def main(argv=None):
                              for b in batches)})
         print(json.dumps(rows_out[-1]), flush=True)
 
-    # loss curves over the same proteins in the same order
-    seen = args.steps * args.batch
-    curves = {}
-    for name, batches in (("padded", padded[:args.steps]),
-                          ("packed", [packed_batch(proteins[a:b], rows, args.width)
-                                      for a, b in pack_stream(proteins[:seen], rows, args.width)])):
+    # Loss curves, two ways. "same": each step's proteins identical in both runs (the padded batch's 8), packed into
+    # as few rows as hold them: packing must not change training (equal up to bf16 rounding). "memory": the
+    # equal-memory batches above (packed steps hold more proteins), per optimizer step.
+    def run_curve(batches):
         model = fresh()
         torch.manual_seed(0)
         opt = torch.optim.AdamW(model.parameters(), lr=4e-4)
-        losses, count = [], []
-        for b in batches:
-            losses.append(float(step(model, b, device, opt, amp)))
-            count.append(int(b["loss_mask"].sum()))
-        curves[name] = (losses, count)
+        return [float(step(model, b, device, opt, amp)) for b in batches]
+
+    def rows_for(group):
+        need = 1
+        while first_fit([len(p[0]) for p in group], need, args.width) is None:
+            need += 1
+        return need
+
+    same_groups = [proteins[i:i + args.batch] for i in range(0, args.steps * args.batch, args.batch)]
+    curves = {
+        "padded": run_curve(padded[:args.steps]),
+        "packed, same proteins": run_curve([packed_batch(g, rows_for(g), args.width) for g in same_groups]),
+        "packed, equal memory": run_curve(packed[:args.steps]),
+    }
     windows = 5
-    lines = ["| proteins seen | padded loss | packed loss |", "|---|---|---|"]
+    names = list(curves)
+    lines = ["| steps | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for w in range(windows):
-        lo, hi = seen * w // windows, seen * (w + 1) // windows
-        vals = []
-        for name in ("padded", "packed"):
-            losses, _ = curves[name]
-            per = seen / len(losses)
-            sel = [v for i, v in enumerate(losses) if lo <= i * per < hi]
-            vals.append(statistics.mean(sel) if sel else float("nan"))
-        lines.append(f"| {lo}-{hi} | {vals[0]:.3f} | {vals[1]:.3f} |")
+        lo, hi = args.steps * w // windows, args.steps * (w + 1) // windows
+        vals = [statistics.mean(c[lo:hi]) if c[lo:hi] else float("nan") for c in curves.values()]
+        lines.append(f"| {lo}-{hi} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+    diff = max(abs(a - b) / abs(b) for a, b in zip(curves["packed, same proteins"], curves["padded"]))
+    lines += ["", f"same proteins per step: largest relative loss difference over {args.steps} steps {diff:.2e}"]
     pad, pk = rows_out
     table = [f"# Packed vs padded ESM-2 {args.size or 'tiny'} MLM ({device}, {args.attention})", "",
              "| run | real tokens/s | peak GiB | proteins per batch |", "|---|---|---|---|"]
@@ -222,7 +227,7 @@ def main(argv=None):
         with open(os.path.join(args.out, "packing.md"), "w") as f:
             f.write("\n".join(table) + "\n")
         with open(os.path.join(args.out, "packing.json"), "w") as f:
-            json.dump({"throughput": rows_out, "curves": {k: v[0] for k, v in curves.items()}}, f)
+            json.dump({"throughput": rows_out, "curves": curves}, f)
     return rows_out, curves
 
 
