@@ -300,6 +300,13 @@ def check_config(cfg: DictConfig) -> None:
     check_trainer(trainer)
     if cfg.get("data") is not None:
         check_data(_plain(cfg.data))
+        strategy = trainer.get("strategy")
+        strategy = strategy.get("_target_", "") if isinstance(strategy, Mapping) else str(strategy or "")
+        if _plain(cfg.data).get("packing") and ("ddp" in strategy.lower() or "fsdp" in strategy.lower()):
+            raise ConfigError(
+                "data.packing=true runs in one process for now: its token-budget batch sampler is not sharded "
+                f"over ranks (trainer.strategy={trainer.get('strategy')!r}); use one device or data.packing=false"
+            )
     model = cfg.get("model")
     if model is not None and model.get("attention") is not None:
         check_attention(_plain(model.attention), trainer, training=bool(cfg.get("train", True)))

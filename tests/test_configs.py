@@ -112,3 +112,13 @@ def test_valid_names_come_from_the_registry():
         registry.validate_backend_name("nope")
     for name in ("triton", "torch", "chunked", "sdpa", "flex"):
         assert name in str(e.value)
+
+
+def test_packing_with_ddp_is_refused_at_config_time(tmp_path):
+    from attn_zoo.checks import ConfigError, check_config
+
+    cfg = make_cfg(["experiment=esm2_mlm", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+                    "trainer.precision=32-true", "attention=chunked", "data.packing=true"], tmp_path)
+    with pytest.raises(ConfigError, match="data.packing=true runs in one process"):
+        check_config(cfg)
+    check_config(make_cfg(["experiment=esm2_mlm", "data.packing=true"], tmp_path))  # one process: fine
