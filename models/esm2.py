@@ -20,7 +20,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import attn_ops
-from .primitives import AttentionConfig, LayerNorm, fused_linear, segment_positions
+from .primitives import AttentionConfig, LayerNorm, check_token_segments, fused_linear, segment_positions
 
 Tensor = torch.Tensor
 
@@ -407,9 +407,7 @@ class ESM2(nn.Module):
         padding_mask = tokens.eq(self.padding_idx)  # [B, L], True = padding
         positions = None
         if segment_ids is not None:
-            if segment_ids.shape != tokens.shape or segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool:
-                raise ValueError(f"segment_ids must be an integer tensor {tuple(tokens.shape)} like tokens, got "
-                                 f"{segment_ids.dtype} {tuple(segment_ids.shape)}")
+            check_token_segments(segment_ids, tokens)
             padding_mask = padding_mask | (segment_ids < 0)
             positions = segment_positions(segment_ids)
 

@@ -490,6 +490,13 @@ def run_blocks(
     return x, y
 
 
+def check_token_segments(segment_ids: torch.Tensor, tokens: torch.Tensor) -> None:
+    """A model's ``segment_ids`` argument: an integer tensor shaped like ``tokens`` (else ValueError naming it)."""
+    if segment_ids.shape != tokens.shape or segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool:
+        raise ValueError(f"segment_ids must be an integer tensor {tuple(tokens.shape)} like tokens, got "
+                         f"{segment_ids.dtype} {tuple(segment_ids.shape)}")
+
+
 def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     """Long positions restarting at 0 where the id changes along the last dim (contiguous segments); 0 on
     padding (negative ids)."""

@@ -24,7 +24,7 @@ from torch import nn
 
 import attn_ops
 from attn_ops.ring import ring_attention, ring_positions, shard_sequence, unshard_sequence
-from .primitives import AttentionConfig, LayerNorm, Linear, segment_positions
+from .primitives import AttentionConfig, LayerNorm, Linear, check_token_segments, segment_positions
 
 Tensor = torch.Tensor
 
@@ -178,6 +178,9 @@ class TransformerBlock(nn.Module):
                 opts["segment_ids"] = segment_ids  # [B, n]: ids have no head dim
             o = attn_ops.attention(q, k, v, bias, mask, causal=self.causal, **opts)
         else:
+            if segment_ids is not None:
+                raise ValueError("segment_ids (packed rows) with a process_group is not supported by TransformerBlock; "
+                                 "attn_ops.ring_attention takes segment_ids directly")
             o = ring_attention(q, k, v, self.rel_bias, mask, group=group, causal=self.causal,
                                layout=self.layout, **self.ring_options, **opts)
         o = o.transpose(1, 2).reshape(B, n, d)  # [B, H, n, Dh] -> [B, n, d]
@@ -255,9 +258,7 @@ class TransformerLM(nn.Module):
             if group is not None:
                 raise ValueError("segment_ids (packed rows) with a process_group is not supported by TransformerLM; "
                                  "attn_ops.ring_attention takes segment_ids directly")
-            if segment_ids.shape != tokens.shape or segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool:
-                raise ValueError(f"segment_ids must be an integer tensor {tuple(tokens.shape)} like tokens, got "
-                                 f"{segment_ids.dtype} {tuple(segment_ids.shape)}")
+            check_token_segments(segment_ids, tokens)
             if positions is None:
                 positions = segment_positions(segment_ids)
             elif positions.shape != tokens.shape:

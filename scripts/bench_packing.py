@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from attn_zoo.models.data.packing import first_fit  # noqa: E402
+from attn_zoo.models.data.packing import collate_packed, first_fit  # noqa: E402
 from attn_zoo.models.esm2 import ALPHABET, esm2  # noqa: E402
 
 RESIDUES = torch.tensor([ALPHABET.get_idx(c) for c in "LAGVSERTIDPKQNFYMHWC"])
@@ -73,19 +73,9 @@ def padded_batch(proteins):
 
 
 def packed_batch(proteins, rows: int, width: int):
-    placed = first_fit([len(p[0]) for p in proteins], rows, width)
-    tokens = torch.full((rows, width), ALPHABET.padding_idx)
-    target = torch.full((rows, width), ALPHABET.padding_idx)
-    loss = torch.zeros(rows, width, dtype=torch.bool)
-    ids = torch.full((rows, width), -1)
-    for r, members in enumerate(placed):
-        at = 0
-        for s, i in enumerate(sorted(members)):
-            t, y, m = proteins[i]
-            n = len(t)
-            tokens[r, at:at + n], target[r, at:at + n], loss[r, at:at + n], ids[r, at:at + n] = t, y, m, s
-            at += n
-    return {"tokens": tokens, "target": target, "loss_mask": loss, "segment_ids": ids}
+    """(tokens, target, masked) proteins -> ``rows`` x ``width`` packed rows (``models/data/packing.py``)."""
+    examples = [{"tokens": t, "target": y, "loss_mask": m} for t, y, m in proteins]
+    return collate_packed(examples, rows, width, pad=ALPHABET.padding_idx)
 
 
 def pack_stream(proteins, rows: int, width: int):

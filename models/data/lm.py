@@ -13,7 +13,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from .alphabet import GAP, encode
 from .base import SplitDataModule
-
 from .packing import TokenBudgetSampler, collate_packed, collate_with_segments
 from .parsers import read_a3m, read_fasta
 from .sources import DataReport, gather_sources, protein_name, read_clusters, split_proteins

@@ -34,16 +34,17 @@ def first_fit(lengths: Sequence[int], rows: int, width: int) -> Optional[List[Li
     return placed
 
 
-def collate_packed(examples: List[dict], rows: int, width: int) -> dict:
+def collate_packed(examples: List[dict], rows: int, width: int, pad: int = PAD) -> dict:
     """LM examples (tokens, target, loss_mask ``[L]``) -> a packed batch of exactly ``rows`` x ``width`` tokens
-    (the padded batch's memory whatever the lengths). Raises if they do not fit."""
+    (the padded batch's memory whatever the lengths), ``pad`` in tokens and target past the sequences. Raises if
+    they do not fit."""
     placed = first_fit([len(e["tokens"]) for e in examples], rows, width)
     if placed is None:
         raise ValueError(f"{len(examples)} sequences ({sum(len(e['tokens']) for e in examples)} tokens) do not fit "
                          f"{rows} rows of {width}")
     batch = {
-        "tokens": torch.full((rows, width), PAD, dtype=torch.long),
-        "target": torch.full((rows, width), PAD, dtype=torch.long),
+        "tokens": torch.full((rows, width), pad, dtype=torch.long),
+        "target": torch.full((rows, width), pad, dtype=torch.long),
         "loss_mask": torch.zeros(rows, width, dtype=torch.bool),
         "pad_mask": torch.zeros(rows, width, dtype=torch.bool),
         "segment_ids": torch.full((rows, width), -1, dtype=torch.long),
