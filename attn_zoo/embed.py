@@ -168,7 +168,7 @@ def embed(model, proteins: Sequence[Tuple[str, str]], out: str | os.PathLike, *,
             with autocast:
                 result = model(tokens.to(device), repr_layers=layers, return_contacts="contacts" in include)
             for i, (label, seq) in enumerate(zip(labels, seqs)):
-                n = len(ALPHABET.encode(seq))
+                n = int(tokens[i].ne(ALPHABET.padding_idx).sum()) - 2  # residues: <cls>, <eos> left out
                 item = {"label": label, "sequence": seq}
                 if "per_tok" in include:
                     item["representations"] = {

@@ -14,7 +14,7 @@ from torch.utils.data import Sampler
 
 from .alphabet import PAD
 from ..primitives import segment_positions
-from .batching import collate_lm
+from .batching import collate_lm, pad_stack
 
 
 def first_fit(lengths: Sequence[int], rows: int, width: int) -> Optional[List[List[int]]]:
@@ -66,8 +66,6 @@ def collate_with_segments(examples: List[dict]) -> dict:
     """``collate_lm`` that also stacks the examples' ``segment_ids`` (padding -1) and their positions."""
     batch = collate_lm(examples)
     if "segment_ids" in examples[0]:
-        from .batching import pad_stack
-
         batch["segment_ids"] = pad_stack([e["segment_ids"] for e in examples], -1)
         batch["positions"] = segment_positions(batch["segment_ids"])
     return batch
