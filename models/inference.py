@@ -22,7 +22,7 @@ Dropout is not applied (inference); the stacks' training path is untouched.
 from __future__ import annotations
 
 import contextlib
-
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .kernels import layer_norm_rows
 from .primitives import at_least_fp32, chunk_rows
 
 Tensor = torch.Tensor
@@ -367,7 +368,7 @@ def rows_update_(x: Tensor, dim: int, chunk: int, fn: Callable[[Tensor], Tensor]
     return x
 
 
-def _gated_projection(mod: nn.Module, which: int) -> Tuple[Tensor, Tensor]:
+def _gated_projection(mod: nn.Module, which: int) -> Tuple[Tensor, Optional[Tensor]]:
     """Weight ``[2C, c_z]`` and bias of triangle multiplication's ``[gate | projection]`` for a (0) or b (1)."""
     sl = slice(which * mod.c_hidden, (which + 1) * mod.c_hidden)
     w = torch.cat([mod.linear_ab_g.weight[sl], mod.linear_ab_p.weight[sl]])  # [2C, c_z]
@@ -377,50 +378,62 @@ def _gated_projection(mod: nn.Module, which: int) -> Tuple[Tensor, Tensor]:
     return w, b
 
 
-def _gated(zn: Tensor, wb: Tuple[Tensor, Tensor], mask: Tensor, c: int) -> Tensor:
-    """``sigmoid(Linear_g(zn)) * Linear_p(zn)`` zeroed where ``mask`` is False: ``[*, R, N, C]``."""
-    y = nn.functional.linear(zn, *wb)  # [*, R, N, 2C]
-    out = torch.sigmoid(y[..., :c])
-    out.mul_(y[..., c:])
-    del y
-    return out.mul_(mask.unsqueeze(-1).to(out.dtype))
+def _gated_channels_first(zn: Tensor, wb: Tuple[Tensor, Optional[Tensor]], mask: Tensor, c: int,
+                          out: Optional[Tensor] = None) -> Tensor:
+    """``sigmoid(Linear_g(zn)) * Linear_p(zn)`` zeroed where ``mask`` is False, channels-first ``[C, M]`` for the
+    ``M`` rows of ``zn [..., c_z]`` (``out``: written there, any view of that shape).
+
+    The GEMM ``W @ zn^T`` writes channels-first directly, so the gate, the product and the mask are contiguous
+    elementwise passes (a channels-last GEMM would need strided halves and a transposing copy)."""
+    w, b = wb
+    znt = zn.reshape(-1, zn.shape[-1]).t()
+    y = torch.mm(w, znt) if b is None else torch.addmm(b[:, None], w, znt)  # [2C, M]: bias in the GEMM's rounding
+    gate = y[:c].sigmoid_()
+    out = torch.mul(gate, y[c:], out=gate if out is None else out)
+    del y, gate
+    return out.mul_(mask.reshape(1, -1).to(out.dtype))
 
 
 def triangle_multiplication_(mod: nn.Module, z: Tensor, pair_mask: Tensor, chunk: int) -> Tensor:
-    """``z += mod(z, pair_mask)`` in place (AF2 Alg. 11/12), holding one projection ``[*, C, N, N]``."""
+    """``z += mod(z, pair_mask)`` in place (AF2 Alg. 11/12), holding one projection ``[C, N, N]`` per batch entry."""
+    lead, n = z.shape[:-3], z.shape[-2]
+    pair_mask = pair_mask.expand(*lead, n, n)
+    for index in itertools.product(*(range(s) for s in lead)):
+        _triangle_multiplication_one_(mod, z[index], pair_mask[index], chunk)
+    return z
+
+
+def _triangle_multiplication_one_(mod: nn.Module, z: Tensor, pair_mask: Tensor, chunk: int) -> None:
+    """:func:`triangle_multiplication_` of one pair tensor ``z [N, N, c_z]`` (a view), ``pair_mask [N, N]``."""
     c = mod.c_hidden
     n = z.shape[-2]
     w_a, w_b = _gated_projection(mod, 0), _gated_projection(mod, 1)
     # outgoing: store b[c, j, k] from rows j; output rows i from a of rows i.
     # incoming: store a[c, k, i] from rows k; output columns j from b of columns j.
     stored_wb, chunk_wb = (w_b, w_a) if mod.outgoing else (w_a, w_b)
-    stored = None
+    dev = z.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else z.dtype  # the GEMMs' output
+    stored = z.new_empty(c, n, n, dtype=dtype)  # [C, N, N]
     for idx in _spans(n, chunk):
-        zr = z[..., idx, :, :]  # [*, R, N, c_z]
-        p = _gated(mod.layer_norm_in(zr), stored_wb, pair_mask[..., idx, :], c)  # [*, R, N, C]
-        if stored is None:
-            stored = torch.empty(*z.shape[:-3], c, n, n, dtype=p.dtype, device=z.device)  # [*, C, N, N]
-        stored[..., :, idx, :] = p.movedim(-1, -3)
-        del p
-    dim = -3 if mod.outgoing else -2  # output rows i (outgoing) or columns j (incoming)
+        rows = z[idx]  # [R, N, c_z]
+        _gated_channels_first(layer_norm_rows(rows, mod.layer_norm_in), stored_wb, pair_mask[idx], c,
+                              out=stored[:, idx].view(c, -1))
+    dim = 0 if mod.outgoing else 1  # output rows i (outgoing) or columns j (incoming)
     for idx in _spans(n, chunk):
-        zc = _rows(z, dim, idx)  # [*, R, N, c_z] or [*, N, R, c_z]
-        zn = mod.layer_norm_in(zc)
-        g = mod.linear_g(zn)  # [*, R, N, c_z] / [*, N, R, c_z]
-        p = _gated(zn, chunk_wb, _rows(pair_mask, dim + 1, idx), c).movedim(-1, -3)  # [*, C, R, N] / [*, C, N, R]
+        zc = _rows(z, dim, idx)  # [R, N, c_z] or [N, R, c_z]
+        zn = layer_norm_rows(zc, mod.layer_norm_in)
+        g = mod.linear_g(zn).sigmoid_()  # [R, N, c_z] / [N, R, c_z]
+        p = _gated_channels_first(zn, chunk_wb, _rows(pair_mask, dim, idx), c).view(c, *zc.shape[:2])
         del zn
         if mod.outgoing:
-            x = torch.matmul(p, stored.transpose(-1, -2))  # [*, C, R(i), N(j)]: sum_k a[i, k] b[j, k]
+            x = torch.matmul(p, stored.transpose(-1, -2))  # [C, R(i), N(j)]: sum_k a[i, k] b[j, k]
         else:
-            x = torch.matmul(stored.transpose(-1, -2), p)  # [*, C, N(i), R(j)]: sum_k a[k, i] b[k, j]
+            x = torch.matmul(stored.transpose(-1, -2), p)  # [C, N(i), R(j)]: sum_k a[k, i] b[k, j]
         del p
-        upd = mod.linear_z(mod.layer_norm_out(x.movedim(-3, -1)))  # [*, R, N, c_z] / [*, N, R, c_z]
+        upd = mod.linear_z(layer_norm_rows(x, mod.layer_norm_out, channels_first=True))  # [R, N, c_z] / [N, R, c_z]
         del x
-        upd.mul_(torch.sigmoid_(g))
-        del g
-        zc += upd
-        del upd
-    return z
+        zc.addcmul_(upd, g)
+        del upd, g
 
 
 def pair_bias(z: Tensor, layer_norm: nn.Module, linear: nn.Module, chunk: int, fp32: bool = False) -> Tensor:
@@ -429,7 +442,7 @@ def pair_bias(z: Tensor, layer_norm: nn.Module, linear: nn.Module, chunk: int, f
     out = None
     for idx in _spans(z.shape[-3], chunk):
         zc = z[..., idx, :, :]
-        b = linear(layer_norm(at_least_fp32(zc) if fp32 else zc))  # [*, R, N, H]
+        b = linear(layer_norm_rows(zc, layer_norm, out_dtype=torch.promote_types(zc.dtype, torch.float32) if fp32 else None))  # [*, R, N, H]
         if out is None:
             out = torch.empty(*z.shape[:-3], b.shape[-1], z.shape[-3], z.shape[-2], dtype=b.dtype, device=z.device)
         out[..., :, idx, :] = b.movedim(-1, -3)
@@ -443,7 +456,7 @@ def triangle_attention_(mod: nn.Module, z: Tensor, pair_mask: Tensor, chunk: int
     bias = pair_bias(zt, mod.layer_norm, mod.linear_bias, chunk).unsqueeze(-4)  # [*, 1, H, J, K]
     for idx in _spans(zt.shape[-3], chunk):
         zr = zt[..., idx, :, :]  # [*, R, J, c_z] view into z
-        zn = mod.layer_norm(zr)
+        zn = layer_norm_rows(zr, mod.layer_norm)
         q, k, v, g = mod.mha.project(zn, zn)  # [*, R, J, H*C]
         del zn
         mask = mt[..., idx, None, None, :]  # [*, R, 1, 1, K]

@@ -68,10 +68,10 @@ def test_pairformer_stack_inplace_equals_plain(chunk, monkeypatch):
         got = stack.configure_inference(mode="auto", chunk_size=chunk)(s, z, res, pair)
     assert rel_err(got[0], want[0]) < 1e-12 and rel_err(got[1], want[1]) < 1e-12
     assert torch.equal(s, s0) and torch.equal(z, z0)  # the inputs are untouched
-    # every pair loop ran over the 7 rows in chunks of `chunk`: 2 blocks x (2 x 2 triangle multiplication loops,
-    # 2 x 2 triangle attention loops (bias, rows), transition, attention-pair-bias bias)
+    # every pair loop ran over the 7 rows in chunks of `chunk`: 2 blocks x (2 x 2 triangle multiplication loops
+    # per batch entry (B=2), 2 x 2 triangle attention loops (bias, rows), transition, attention-pair-bias bias)
     assert calls and all(c == (7, chunk) for c in calls), calls
-    assert len(calls) == 2 * 10, len(calls)
+    assert len(calls) == 2 * (2 * 4 + 6), len(calls)
 
 
 def test_boltz2_variant_inplace_equals_plain():
@@ -413,3 +413,72 @@ def test_bench_memory_script_runs_on_cpu(tmp_path):
             ("stack", "stack 2 blocks"), ("evoformer", "EvoformerStack AF2 widths")} <= impls, impls
     assert (tmp_path / "memory.csv").read_text().count("\n") == len(rows) + 1
     assert "| block | bounded | 12 |" in (tmp_path / "memory.md").read_text()
+
+
+# --------------------------------------------------------------------------------------------------
+# The inference path's Triton layer norm (interpreter on the CPU)
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["rows", "columns", "channels_first", "one_row"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_layer_norm_rows_equals_layer_norm(layout, dtype):
+    """Every layout the inference path feeds it, against nn.LayerNorm in float64 (odd channel count: padded lanes)."""
+    from attn_zoo.models import kernels
+
+    g = torch.Generator().manual_seed(3)
+    C = 24
+    norm = torch.nn.LayerNorm(C)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(C, generator=g))
+        norm.bias.copy_(torch.randn(C, generator=g))
+    z = (torch.randn(7, 9, C, generator=g) * 3 + 2).to(dtype)
+    cf = layout == "channels_first"
+    # channels-first: [C, 35] with contiguous rows, a matmul output's layout
+    x = {"rows": z[2:5], "columns": z[:, 3:6], "channels_first": z.reshape(-1, C)[5:40].t().contiguous(),
+         "one_row": z[1, 2]}[layout]
+    view = kernels._as_3d(x, cf)
+    assert view is not None
+    rows_shape = x.shape[1:] if cf else x.shape[:-1]
+    got = kernels._launch(x, norm, view, rows_shape, dtype)
+    want = norm.double()(x.double().movedim(0, -1) if cf else x.double())
+    norm.float()
+    assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert rel_err(got, want) < tol, rel_err(got, want)
+
+
+def test_triton_layer_norm_rows_refuses_unmergeable_views():
+    from attn_zoo.models import kernels
+
+    x = torch.randn(4, 5, 6, 8)[::2, ::2, ::2]  # three strided row dims: no 3-d view
+    assert kernels._as_3d(x, False) is None
+    assert kernels._as_3d(torch.randn(8, 4, 6)[:, :, :3], True) is None  # channels-first rows not contiguous
+    # the public function falls back to the module (no CUDA here) and still returns a contiguous result
+    norm = torch.nn.LayerNorm(8)
+    y = kernels.layer_norm_rows(x, norm)
+    assert y.is_contiguous() and torch.allclose(y, norm(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_layer_norm_rows_matches_the_module(dtype):
+    """The compiled kernel on every layout of the inference path: within the dtype's rounding of nn.LayerNorm
+    in float64 (bf16 output: one rounding, as the module's)."""
+    from attn_zoo.models import kernels
+
+    g = torch.Generator().manual_seed(5)
+    norm = torch.nn.LayerNorm(128).cuda()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(128, generator=g))
+        norm.bias.copy_(torch.randn(128, generator=g))
+    z = (torch.randn(300, 301, 128, generator=g) + 1.5).cuda().to(dtype)
+    cases = [(z[17:80], False), (z[:, 17:80], False), (z.reshape(-1, 128)[:5000].t().contiguous(), True),
+             (z.transpose(0, 1)[3:40], False)]
+    for x, cf in cases:
+        assert kernels._as_3d(x, cf) is not None
+        got = kernels.layer_norm_rows(x, norm, channels_first=cf)
+        want = norm.double()(x.double().movedim(0, -1) if cf else x.double())
+        norm.float()
+        ref = norm(x.float().movedim(0, -1) if cf else x.float()).to(dtype)  # the module's own rounding
+        assert got.is_contiguous() and got.dtype == dtype
+        assert rel_err(got, want) <= 1.5 * rel_err(ref, want) + 1e-6, (rel_err(got, want), rel_err(ref, want))
