@@ -14,6 +14,8 @@ seen; call :func:`reload_from_env` to read it again):
 - ``ATTN_ZOO_PLAIN_LAUNCH=1`` -> ``fast_launch=False``: Triton's own launch path on every call
 - ``ATTN_ZOO_NO_TMA=1`` -> ``tma=False``: pointer loads and per-element atomics, no TMA descriptors
 - ``ATTN_ZOO_CACHE_DIR=DIR`` -> ``cache_dir``: the on-disk tuning cache (default ``~/.cache/attn_zoo``; empty: none)
+- ``ATTN_ZOO_COMPILE_THREADS=N`` -> ``compile_threads``: threads compiling a tuning key's candidates at once
+  (default 8; 1: one after another)
 
 Every field that changes which kernel or tile config runs is part of the cache keys it affects: ``tune`` of the
 tuner's (untuned picks are cached apart), ``tma`` of the launchers' tuning key and, through the kernels' arguments
@@ -36,7 +38,8 @@ class KernelSettings:
     tune: time the candidate tile configs of a length bucket not yet in the cache (False: the heuristic choice).
     tune_log: print each timed candidate. fast_launch: call Triton's compiled kernels directly once a launch
     signature was seen. tma: TMA tensor descriptors on Hopper GPUs. cache_dir: the on-disk tuning cache's folder
-    (None: no disk cache).
+    (None: no disk cache). compile_threads: on a tuning miss, the candidates compile on this many threads at once
+    before they are timed (Triton's asynchronous compile mode; 1: one by one as they are timed).
     """
 
     tune: bool = True
@@ -44,11 +47,15 @@ class KernelSettings:
     fast_launch: bool = True
     tma: bool = True
     cache_dir: Optional[str] = None
+    compile_threads: int = 8
 
     def __post_init__(self):
         for f in ("tune", "tune_log", "fast_launch", "tma"):
             if not isinstance(getattr(self, f), bool):
                 raise TypeError(f"KernelSettings.{f} must be a bool, got {getattr(self, f)!r}")
+        if isinstance(self.compile_threads, bool) or not isinstance(self.compile_threads, int) or \
+                self.compile_threads < 1:
+            raise TypeError(f"KernelSettings.compile_threads must be an int >= 1, got {self.compile_threads!r}")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise TypeError(f"KernelSettings.cache_dir must be a path or None, got {self.cache_dir!r}")
 
@@ -69,7 +76,21 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> KernelSettings:
         fast_launch=env.get("ATTN_ZOO_PLAIN_LAUNCH") != "1",
         tma=env.get("ATTN_ZOO_NO_TMA") != "1",
         cache_dir=cache_dir or None,
+        compile_threads=_positive_int(env, "ATTN_ZOO_COMPILE_THREADS", 8),
     )
+
+
+def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}")
+    return value
 
 
 _current = from_env()

@@ -25,6 +25,15 @@ def test_environment_gives_the_initial_values():
     assert settings.from_env(env) == KernelSettings(tune=False, tune_log=True, fast_launch=False, tma=False,
                                                     cache_dir="/tmp/somewhere")
     assert settings.from_env({"ATTN_ZOO_NO_TUNE": "0", "ATTN_ZOO_CACHE_DIR": ""}) == KernelSettings(cache_dir=None)
+    assert settings.from_env({"ATTN_ZOO_COMPILE_THREADS": "3"}).compile_threads == 3
+
+
+@pytest.mark.parametrize("raw", ["0", "-2", "many"])
+def test_bad_compile_threads_names_the_variable(raw):
+    with pytest.raises(ValueError, match="ATTN_ZOO_COMPILE_THREADS must be a positive integer"):
+        settings.from_env({"ATTN_ZOO_COMPILE_THREADS": raw})
+    with pytest.raises(TypeError, match="compile_threads must be an int >= 1"):
+        KernelSettings(compile_threads=0)
 
 
 def test_environment_is_read_once_at_import():
@@ -94,6 +103,7 @@ def test_settings_are_in_the_cache_keys_they_affect(monkeypatch):
 
     import triton.testing
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or 1.0)
+    monkeypatch.setattr(settings, "_current", KernelSettings(cache_dir=None, compile_threads=1))
     with kernel_settings(tune=False):
         untuned = tuning.pick("fwd", ("k",), 64, 256, 256, fake_launch)
     tuned = tuning.pick("fwd", ("k",), 64, 256, 256, fake_launch)

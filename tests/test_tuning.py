@@ -101,7 +101,7 @@ def tuner(monkeypatch):
     timer."""
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
     monkeypatch.setattr(tuning, "_CACHE", {})
-    monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None))
+    monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, compile_threads=1))
     bench = FakeBench()
     monkeypatch.setattr(triton.testing, "do_bench", bench.do_bench)
     return bench
@@ -519,3 +519,46 @@ def test_lengths_differing_mod_16_compile_nothing_new(monkeypatch):
     for R, Lq in ((3, 20), (16, 29)):
         monkeypatch.undo()
         assert _launch_keys(monkeypatch, R, Lq) == first, (R, Lq)
+
+
+def test_a_miss_compiles_every_candidate_at_once_before_timing(tuner, monkeypatch):
+    """compile_threads > 1: each candidate goes through the launcher once in compile-only mode (inside Triton's
+    asynchronous compile mode), a failing compile is left to the timing loop, and the timing launches for real."""
+    from attn_ops.triton import fastlaunch
+    from triton.runtime import _async_compile
+
+    monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, compile_threads=4))
+    modes = []
+    real = tuner.launch
+
+    def launch(cfg):
+        modes.append((cfg, fastlaunch._WARMUP_ONLY, _async_compile.active_mode.get() is not None))
+        return real(cfg)
+
+    cands = candidates("fwd", **ARGS)
+    tuner.ms = {c: 1.0 + i for i, c in enumerate(cands)}
+    tuner.fail = {cands[0]}
+    assert pick("fwd", ("par",), launch=launch, **ARGS) == cands[1]
+    n = len(cands)
+    assert modes[:n] == [(c, True, True) for c in cands]  # all compiles submitted first
+    assert [m[0] for m in modes[n:]] == cands and not any(m[1] or m[2] for m in modes[n:])  # then timed for real
+    assert tuner.timed == cands[1:]
+    assert fastlaunch._WARMUP_ONLY is False and _async_compile.active_mode.get() is None
+
+
+def test_compile_only_launch_warms_up_and_runs_nothing(monkeypatch):
+    from attn_ops.triton import fastlaunch
+
+    calls = []
+
+    class Kernel:
+        def warmup(self, *args, grid, **kw):
+            calls.append(("warmup", args, grid, kw))
+
+        def __getitem__(self, grid):
+            raise AssertionError("launched in compile-only mode")
+
+    with fastlaunch.compile_only():
+        fastlaunch.launch(Kernel(), (3,), (1, 2), 4, 2, BLOCK=16)
+    assert calls == [("warmup", (1, 2), (3,), {"num_warps": 4, "num_stages": 2, "BLOCK": 16})]
+    assert fastlaunch._WARMUP_ONLY is False

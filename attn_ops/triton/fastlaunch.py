@@ -18,7 +18,8 @@ The direct call passes the arguments in the kernel's parameter order, constexprs
 """
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
+import contextlib
+from typing import Dict, Iterator, Sequence, Tuple
 
 import torch
 
@@ -89,10 +90,28 @@ def _device() -> int:
     return torch.cuda.current_device()
 
 
+_WARMUP_ONLY = False
+
+
+@contextlib.contextmanager
+def compile_only() -> Iterator[None]:
+    """Inside the block :func:`launch` compiles (``kernel.warmup``) and launches nothing: under Triton's
+    asynchronous compile mode the tuner submits every candidate's compile at once this way."""
+    global _WARMUP_ONLY
+    previous, _WARMUP_ONLY = _WARMUP_ONLY, True
+    try:
+        yield
+    finally:
+        _WARMUP_ONLY = previous
+
+
 def launch(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int, **constexprs) -> None:
     """``kernel[grid](*args, num_warps=.., num_stages=.., **constexprs)``, directly on a remembered compiled kernel
     when this launch signature was seen before. ``args`` are the runtime params in order; ``constexprs`` must be
     exactly the kernel's trailing constexpr params, in order."""
+    if _WARMUP_ONLY:
+        kernel.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **constexprs)
+        return
     if interpreting() or not _settings.get().fast_launch:
         kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
         return

@@ -122,11 +122,35 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
         if len(cands) == 1 or not s.tune:
             cfg = _first_that_launches(cands, launch)
         else:
+            _compile_all(cands, launch, s.compile_threads)
             cfg = _time(kernel, key, cands, launch, s.tune_log)
             if disk is not None:
                 disk.put((kernel, pair) + key, cfg)
     _CACHE[full_key] = cfg
     return cfg
+
+
+def _compile_all(cands: List[Cfg], launch: Callable[[Cfg], None], threads: int) -> None:
+    """Compile every candidate at once on ``threads`` threads (Triton's asynchronous compile mode; its compiles
+    spend most of their time outside the GIL), so a tuning miss waits for about one compile, not one per candidate.
+    Nothing runs; a candidate that fails here fails again when timed and is skipped there."""
+    if threads <= 1 or len(cands) <= 1:
+        return
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # pragma: no cover - Triton before the asynchronous compile mode: compiled when timed
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .fastlaunch import compile_only
+
+    with ThreadPoolExecutor(min(threads, len(cands))) as pool:
+        with AsyncCompileMode(pool, ignore_errors=True), compile_only():
+            for c in cands:
+                try:
+                    launch(c)
+                except Exception:  # noqa: BLE001 - reported when the candidate is timed
+                    pass
 
 
 def _time(kernel: str, key: Tuple, cands: List[Cfg], launch: Callable[[Cfg], None], log: bool) -> Cfg:
