@@ -14,7 +14,8 @@ triton-backend block (where the block's time goes).
 
 ``--varlen``: one PairformerBlock (c_s 384, c_z 128) per backend, eager, stepping through ``--varlen-count``
 distinct random lengths in [180, 520] (``--varlen-seed``); each length runs 3 fwd+bwd steps: the first includes any
-compile / tuning at that length, steady = the faster of the other two. Writes ``varlen.csv`` and ``varlen.md``.
+compile / tuning at that length, steady = the faster of the other two. Each backend runs in a fresh process of its
+own (no backend inherits another's compiled kernels or cuBLAS's per-shape heuristics). Writes ``varlen.csv`` and ``varlen.md``.
 A fresh process with ``ATTN_ZOO_CACHE_DIR`` at an empty folder measures cold tuning; run it again for a warm cache.
 
 Boltz-2 (``boltz.model.layers.pairformer.PairformerLayer``) and cuequivariance are optional imports
@@ -33,10 +34,12 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import json
 import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -419,13 +422,37 @@ def write_varlen_markdown(path, rows, env, lengths):
         f.write("\n".join(lines) + "\n")
 
 
-def run_varlen(args, dev, env):
-    lengths = varlen_lengths(args.varlen_count, args.varlen_seed)
+_WORKER_TAG = "VARLEN_ROWS_JSON "
+
+
+def _varlen_worker(backend: str, lengths, budget: float) -> None:
+    """One backend's varlen run in this (fresh) process; rows printed as one tagged JSON line."""
+    dev = torch.device("cuda")
     # CUDA context, cuBLAS handles and the glue kernels' first use are charged to no backend: one torch-backend step
     try:
         varlen_run("torch", [32], dev, float("inf"), log=lambda *a: None)
     except Exception:
         traceback.print_exc(limit=2)
+    rows = varlen_run(backend, lengths, dev, budget)
+    print(_WORKER_TAG + json.dumps(rows), flush=True)
+
+
+def _varlen_in_subprocess(backend: str, args, lengths, budget: float):
+    """Rows of one backend, run in a fresh Python process: no backend inherits another's compiled kernels, cuBLAS
+    heuristics (a new GEMM shape costs ~0.2-1 ms of host time on its first call) or allocator segments."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--varlen-worker", backend, "--varlen-count",
+           str(args.varlen_count), "--varlen-seed", str(args.varlen_seed), "--time-limit", str(budget)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          timeout=budget + 300)
+    for line in proc.stdout.splitlines():
+        if line.startswith(_WORKER_TAG):
+            return json.loads(line[len(_WORKER_TAG):])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    raise RuntimeError(f"worker exited with {proc.returncode}: {tail[:200]}")
+
+
+def run_varlen(args, dev, env):
+    lengths = varlen_lengths(args.varlen_count, args.varlen_seed)
     rows, t0 = [], time.perf_counter()
     path_csv, path_md = (os.path.join(args.out, f"varlen.{e}") for e in ("csv", "md"))
     with open(path_csv, "w", newline="") as fcsv:
@@ -435,12 +462,10 @@ def run_varlen(args, dev, env):
             # what the backends before did not use goes to the ones after
             budget = (args.time_limit - (time.perf_counter() - t0)) / (len(args.varlen_backends) - i)
             try:
-                got = varlen_run(backend, lengths, dev, budget)
+                got = _varlen_in_subprocess(backend, args, lengths, budget)
             except Exception as exc:  # a peer that does not import or build: one row with the reason
-                traceback.print_exc(limit=3)
                 got = [dict(backend=backend, step=0, n=lengths[0], first_ms="", steady_ms="", ratio="",
                             overhead_s="", note=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")]
-            torch._dynamo.reset()
             rows += got
             for r in got:
                 w.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in r.items()})
@@ -541,9 +566,10 @@ def parse_args(argv=None):
     p.add_argument("--varlen-backends", nargs="+", default=list(VARLEN_BACKENDS), choices=list(VARLEN_CHOICES))
     p.add_argument("--varlen-count", type=int, default=40, help="distinct lengths of the varlen run")
     p.add_argument("--varlen-seed", type=int, default=0)
+    p.add_argument("--varlen-worker", default=None, choices=list(VARLEN_CHOICES), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.time_limit is None:
-        args.time_limit = VARLEN_TIME_LIMIT if args.varlen else 400.0
+        args.time_limit = VARLEN_TIME_LIMIT if args.varlen or args.varlen_worker else 400.0
     try:
         varlen_lengths(args.varlen_count, args.varlen_seed)
     except ValueError as exc:
@@ -555,6 +581,9 @@ def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_blocks.py needs a CUDA device")
+    if args.varlen_worker:
+        _varlen_worker(args.varlen_worker, varlen_lengths(args.varlen_count, args.varlen_seed), args.time_limit)
+        return
     dev = torch.device("cuda")
     os.makedirs(args.out, exist_ok=True)
     env = env_lines()

@@ -221,3 +221,26 @@ def test_varlen_run_on_cpu_and_tables(tmp_path):
     assert table == ["| triton | 4 / 4 | 20.0 | 1.60 | 1 | 40.0 | **no** |"]
     steps = [ln for ln in lines if ln.startswith("| 3 | 22 |")]
     assert steps == ["| 3 | 22 | 32.0 | 20.0 | 1.60 | skipped: time limit | - | - |"]
+
+
+def test_varlen_backends_run_in_fresh_processes(monkeypatch):
+    """Each backend's varlen rows come from a worker process of its own (tagged JSON on stdout); a worker that
+    fails (here: no CUDA device) becomes an error naming its last stderr line."""
+    import subprocess
+    import types
+
+    args = bench_blocks.parse_args(["--varlen", "--varlen-count", "3"])
+    if not __import__("torch").cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs a CUDA device"):
+            bench_blocks._varlen_in_subprocess("triton", args, [200, 300, 400], 5.0)
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        rows = [{"backend": cmd[cmd.index("--varlen-worker") + 1], "step": 0, "n": 200}]
+        return types.SimpleNamespace(stdout="noise\n" + bench_blocks._WORKER_TAG + bench_blocks.json.dumps(rows),
+                                     stderr="", returncode=0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert bench_blocks._varlen_in_subprocess("flex", args, [200], 7.0) == [{"backend": "flex", "step": 0, "n": 200}]
+    assert seen[0][2:4] == ["--varlen-worker", "flex"] and "--time-limit" in seen[0]
