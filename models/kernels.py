@@ -40,7 +40,9 @@ if triton is not None:
         ok = row_ok[:, None] & col_ok[None, :]
         a = offs_m // B
         b = offs_m - a * B
-        x = tl.load(X + (a * sa + b * sb)[:, None] + offs_c[None, :] * sc, mask=ok, other=0.0).to(tl.float32)
+        # 64-bit offsets: a column chunk of a large pair tensor spans more than 2**31 elements
+        row = a.to(tl.int64) * sa + b.to(tl.int64) * sb
+        x = tl.load(X + row[:, None] + offs_c[None, :].to(tl.int64) * sc, mask=ok, other=0.0).to(tl.float32)
         mean = tl.sum(x, axis=1) / C
         d = tl.where(ok, x - mean[:, None], 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / C + eps)
@@ -49,7 +51,7 @@ if triton is not None:
             y = y * tl.load(W + offs_c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_B:
             y = y + tl.load(Bias + offs_c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + offs_m[:, None] * C + offs_c[None, :], y.to(Y.dtype.element_ty), mask=ok)
+        tl.store(Y + offs_m.to(tl.int64)[:, None] * C + offs_c[None, :], y.to(Y.dtype.element_ty), mask=ok)
 
 
 def _as_3d(x: Tensor, channels_first: bool):

@@ -482,3 +482,21 @@ def test_gpu_layer_norm_rows_matches_the_module(dtype):
         ref = norm(x.float().movedim(0, -1) if cf else x.float()).to(dtype)  # the module's own rounding
         assert got.is_contiguous() and got.dtype == dtype
         assert rel_err(got, want) <= 1.5 * rel_err(ref, want) + 1e-6, (rel_err(got, want), rel_err(ref, want))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_layer_norm_rows_past_int32_offsets():
+    """A column chunk and a transposed row chunk of a pair tensor of more than 2**31 elements (offsets in int64)."""
+    from attn_zoo.models import kernels
+
+    n, c = 4200, 128  # 2.26e9 elements, 4.2 GiB in bf16
+    z = torch.empty(n, n, c, device="cuda", dtype=torch.bfloat16)
+    z[-3:].normal_()
+    z[:, -3:].normal_()
+    norm = torch.nn.LayerNorm(c).cuda()
+    for x in (z[:, -3:], z.transpose(0, 1)[-3:]):
+        got = kernels.layer_norm_rows(x, norm)
+        want = norm(x.float()).to(torch.bfloat16)
+        assert (got.float() - want.float()).abs().max() < 0.05
+    del z
