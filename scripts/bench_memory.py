@@ -305,6 +305,10 @@ class Bench:
         # a probe block first: its time decides whether the whole stack can run within the cap
         n = self.args.stack_n
         if self.left() > 0:
+            try:  # compile and tuning at this N happen here, not in the timed probe the decision rests on
+                self.stack_forward(stack, n, False, 1)
+            except (torch.cuda.OutOfMemoryError, ValueError, RuntimeError):
+                self.free()  # the probe below reports it
             ok, per_block[n] = self.stack_row(stack, n, False, self.args.probe_blocks, "stack probe")
             if ok and per_block[n] * self.args.stack_blocks / 1e3 < self.left() - self.args.reserve_s:
                 self.stack_row(stack, n, False, self.args.stack_blocks, f"stack {self.args.stack_blocks} blocks")
