@@ -17,6 +17,11 @@ Why the in-place updates are exact (each chunk reads only what no earlier chunk 
 
 Chunk sizes come from an estimate of the transient bytes (``estimate_inference_memory``) against a budget:
 given by the user or, on CUDA, the free device memory. ``plan_inference`` picks the largest chunk that fits.
+With ``offload`` the stack keeps one host copy of z (the result; none when the caller's z on the host is updated
+in place) and one device copy per block; the estimate counts its host bytes (``MemoryEstimate.host``: a pinned
+copy is page-locked by torch's caching host allocator in a power-of-two block) and the plan checks them against
+the available host memory (``available_host_memory``: MemAvailable), falling back to a pageable copy (slower,
+synchronous transfers) when the pinned block does not fit.
 Dropout is not applied (inference); the stacks' training path is untouched.
 """
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
 
@@ -58,13 +64,13 @@ def _check_chunk(name: str, value: Any) -> Optional[int]:
     return value
 
 
-def _check_budget(value: Any) -> Optional[int]:
+def _check_budget(value: Any, name: str = "memory_budget") -> Optional[int]:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"memory_budget must be a number of bytes or None, got {type(value).__name__}: {value!r}")
+        raise TypeError(f"{name} must be a number of bytes or None, got {type(value).__name__}: {value!r}")
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"memory_budget must be a positive number of bytes, got {value}")
+        raise ValueError(f"{name} must be a positive number of bytes, got {value}")
     return int(value)
 
 
@@ -79,8 +85,10 @@ class InferenceSettings:
         ``memory_budget``. A stack's own ``chunk_size`` is used for the pair chunk when this one is None.
     memory_budget: bytes the block may allocate beyond the parameters and the inputs (None: on CUDA the free
         device memory, on the CPU a chunk whose temporaries are a fraction of z).
-    offload: keep the pair tensor in pinned host memory between blocks (each block copies it in and out). Saves
-        device memory when ``z`` is passed on the host; the result then stays on the host.
+    offload: keep the pair tensor in host memory between blocks (each block copies it in and out; pinned when
+        the power-of-two pinned block fits the available host memory, else pageable). Saves device memory when
+        ``z`` is passed on the host; the result then stays on the host. The host holds the caller's z and one
+        copy (the result), or only the caller's z with ``inplace``.
     """
 
     mode: str = "auto"
@@ -151,7 +159,8 @@ class MemoryEstimate:
     ``inputs``: the inputs that live on the device (z unless offloaded, s or m, masks); ``working``: the
     copies the path makes of z and m (none with ``inplace``); ``transient``: the largest module's temporaries
     (stored projection, pair bias, one chunk); ``extra = working + transient`` is what the budget bounds;
-    ``peak = inputs + extra``. ``modules`` lists each module's transient.
+    ``peak = inputs + extra``. ``modules`` lists each module's transient. ``host``: host bytes the path
+    allocates (offload: its host copy of z, as page-locked when pinned; 0 without offload).
     """
 
     n: int
@@ -162,6 +171,7 @@ class MemoryEstimate:
     working: int
     transient: int
     modules: Tuple[Tuple[str, int], ...] = field(default=())
+    host: int = 0
 
     @property
     def extra(self) -> int:
@@ -175,35 +185,79 @@ class MemoryEstimate:
         mods = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.modules)
         return (f"N={self.n} chunk={self.chunk_size} msa_chunk={self.msa_chunk_size}: z {self.z_bytes / GIB:.2f} GiB, "
                 f"extra {self.extra / GIB:.2f} GiB (working {self.working / GIB:.2f}, transient "
-                f"{self.transient / GIB:.2f}: {mods}), peak {self.peak / GIB:.2f} GiB")
+                f"{self.transient / GIB:.2f}: {mods}), peak {self.peak / GIB:.2f} GiB"
+                + (f", host {self.host / GIB:.2f} GiB" if self.host else ""))
 
 
 @dataclass(frozen=True)
 class InferencePlan:
-    """Chunk sizes for one run of the memory-bounded path, with the estimate they were chosen by."""
+    """Chunk sizes for one run of the memory-bounded path, with the estimate they were chosen by; with offload
+    whether the host copy of z is pinned (``pinned``) and the host budget it was checked against."""
 
     chunk_size: int
     msa_chunk_size: Optional[int]
     offload: bool
     estimate: MemoryEstimate
     budget: Optional[int] = None
+    pinned: bool = False
+    host_budget: Optional[int] = None
 
     @property
     def fits(self) -> bool:
-        return self.budget is None or self.estimate.extra <= self.budget
+        return ((self.budget is None or self.estimate.extra <= self.budget)
+                and (self.host_budget is None or self.estimate.host <= self.host_budget))
+
+
+def pinned_host_bytes(nbytes: int) -> int:
+    """Host bytes torch's caching host allocator page-locks for a pinned tensor of ``nbytes``: the request rounded
+    up to a power of two (its default; ``pinned_max_round_threshold`` unset), e.g. 64 GiB for a 36 GiB z."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 1 else nbytes
+
+
+def available_host_memory() -> Optional[int]:
+    """Bytes of host memory new allocations can get: Linux's MemAvailable (``/proc/meminfo``), capped by a cgroup
+    v2 memory limit where one is set; else the free physical pages (``os.sysconf``); None when unknown."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        avail = None
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):
+            avail = None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                left = max(0, int(limit) - int(f.read().strip()))
+            avail = left if avail is None else min(avail, left)
+    except (OSError, ValueError):
+        pass
+    return avail
 
 
 def estimate_inference_memory(
     dims: Dims, n: int, chunk_size: int, *, n_seq: int = 0, msa_chunk_size: Optional[int] = None,
     batch: int = 1, dtype: torch.dtype = torch.bfloat16, inplace: bool = False, offload: bool = False,
+    z_on_host: bool = True, pin: bool = True,
 ) -> MemoryEstimate:
-    """Upper estimate of the device bytes of one block of the memory-bounded path.
+    """Upper estimate of the device bytes of one block of the memory-bounded path, and of the host bytes of the
+    stack's offload (``host``).
 
     ``dims``: the block's widths (``Dims.of(block)``); ``n``: residues; ``chunk_size``: pair rows per chunk;
     ``n_seq`` / ``msa_chunk_size``: MSA sequences and MSA rows (columns) per chunk (Evoformer only);
     ``dtype``: the activations' dtype; ``inplace``: the block writes into the caller's z (and m), no working
-    copy; ``offload``: z (and the result) live on the host between blocks. Assumes a fused attention backend
-    (triton, flex, cuequivariance) that holds no ``[..., L, L]`` scores.
+    copy; ``offload``: z (and the result) live on the host between blocks: one device copy per block, and one
+    host copy of z (none when ``inplace`` and the caller's z is on the host, ``z_on_host``), page-locked in a
+    power-of-two block when ``pin`` (``pinned_host_bytes``). Assumes a fused attention backend (triton, flex,
+    cuequivariance) that holds no ``[..., L, L]`` scores.
     """
     n = _check_chunk("n", n)
     chunk = _check_chunk("chunk_size", chunk_size)
@@ -258,7 +312,10 @@ def estimate_inference_memory(
     inputs = (0 if offload else z_bytes) + s_bytes + m_bytes + mask_bytes
     working = (0 if inplace and not offload else z_bytes) + (0 if inplace or not msa else m_bytes)
     transient = max(v for _, v in mods) + _RESERVE_BYTES
-    return MemoryEstimate(n, chunk, msa_chunk, z_bytes, inputs, working, transient, tuple(mods))
+    host = 0
+    if offload and not (inplace and z_on_host):
+        host = pinned_host_bytes(z_bytes) if pin else z_bytes
+    return MemoryEstimate(n, chunk, msa_chunk, z_bytes, inputs, working, transient, tuple(mods), host)
 
 
 def _candidates(n: int) -> list:
@@ -275,24 +332,50 @@ def plan_inference(
     dims: Dims, n: int, budget: Optional[int] = None, *, n_seq: int = 0, batch: int = 1,
     dtype: torch.dtype = torch.bfloat16, inplace: bool = False, offload: bool = False,
     chunk_size: Optional[int] = None, msa_chunk_size: Optional[int] = None,
+    host_budget: Optional[int] = None, z_on_host: bool = True, pin: bool = True,
 ) -> InferencePlan:
     """Chunk sizes for ``n`` residues within ``budget`` bytes beyond the parameters and inputs.
 
     The pair chunk is the largest candidate (``n``, then powers of two) whose estimate fits the budget and whose
     chunk temporaries stay under half of z (larger chunks gain no matmul efficiency); then likewise the MSA
     chunk. A ``chunk_size`` / ``msa_chunk_size`` given is kept as is. ``budget`` None: only the size rule.
-    Raises ``ValueError`` when even chunks of 1 do not fit, with the estimate.
+    With ``offload`` the host copy of z (``MemoryEstimate.host``) must fit ``host_budget`` (None: the available
+    host memory, ``available_host_memory``): pinned (``pin``) when its power-of-two block fits, else pageable.
+    Raises ``ValueError`` when even chunks of 1 do not fit the device budget, or the host copy the host budget,
+    naming N, the budget and the bytes needed.
     """
     budget = _check_budget(budget)
+    host_budget = _check_budget(host_budget, "host_budget")
     chunk_size = _check_chunk("chunk_size", chunk_size)
     msa_chunk_size = _check_chunk("msa_chunk_size", msa_chunk_size)
     n = _check_chunk("n", n)
     if n is None:
         raise ValueError("n must be a positive int")
     msa = dims.c_m > 0
-    kw = dict(n_seq=n_seq, batch=batch, dtype=dtype, inplace=inplace, offload=offload)
+    kw = dict(n_seq=n_seq, batch=batch, dtype=dtype, inplace=inplace, offload=offload, z_on_host=z_on_host)
     z_bytes = batch * n * n * dims.c_z * torch.empty((), dtype=dtype).element_size()
     size_cap = max(_CHUNK_FRACTION_OF_Z * z_bytes, _MIN_CHUNK_BYTES)
+
+    # host: the offload's copy of z, pinned if its (power-of-two) block fits, else pageable, else refused
+    pinned = False
+    if offload:
+        host_src = ""
+        if host_budget is None:
+            host_budget, host_src = available_host_memory(), " (the available host memory)"
+        pinned_est, plain_est = (estimate_inference_memory(dims, n, 1, msa_chunk_size=1 if msa else None, **kw,
+                                                           pin=p) for p in (True, False))
+        if pin and (host_budget is None or pinned_est.host <= host_budget):
+            pinned = pinned_est.host > 0
+        elif host_budget is not None and plain_est.host > host_budget:
+            pin_note = (f" (pinned: {pinned_est.host / GIB:.2f} GiB, torch's pinned blocks are powers of two)"
+                        if pin else "")
+            raise ValueError(
+                f"N={n} does not fit in host memory: offload keeps one copy of z on the host, "
+                f"{plain_est.host / GIB:.2f} GiB{pin_note}, but host_budget={host_budget / GIB:.2f} GiB"
+                f"{host_src}; pass z on the host with inplace=True (no copy), keep z on the device "
+                f"(offload=False), or a smaller N"
+            )
+    kw["pin"] = pinned
 
     def est(c, mc):
         return estimate_inference_memory(dims, n, c, msa_chunk_size=mc, **kw)
@@ -308,7 +391,8 @@ def plan_inference(
         raise ValueError(
             f"N={n} does not fit in memory_budget={budget / GIB:.2f} GiB: even chunks of 1 need "
             f"{base.extra / GIB:.2f} GiB beyond the inputs ({base}); "
-            + ("use inplace=True, " if not inplace else "") + "offload z to the host, or a smaller N"
+            + ("use inplace=True, " if not inplace and not offload else "")
+            + ("offload z to the host, " if not offload else "") + "or a smaller N"
         )
     pair_choices = [chunk_size] if chunk_size is not None else _candidates(n)
     chosen = None
@@ -335,7 +419,8 @@ def plan_inference(
                 raise ValueError(f"msa_chunk_size={msa_chunk_size} does not fit in memory_budget="
                                  f"{budget / GIB:.2f} GiB: {est(chosen, msa_chunk_size)}")
             msa_chosen = 1
-    return InferencePlan(chosen, msa_chosen, offload, est(chosen, msa_chosen), budget)
+    return InferencePlan(chosen, msa_chosen, offload, est(chosen, msa_chosen), budget, pinned,
+                         host_budget if offload else None)
 
 
 def free_device_memory(device: torch.device) -> Optional[int]:
@@ -582,16 +667,21 @@ def use_bounded_path(module: nn.Module, settings: InferenceSettings) -> bool:
 
 def make_plan(blk: nn.Module, settings: InferenceSettings, n: int, device: torch.device, dtype: torch.dtype,
               *, n_seq: int = 0, batch: int = 1, inplace: bool = False, offload: bool = False,
-              default_chunk: Optional[int] = None) -> InferencePlan:
+              default_chunk: Optional[int] = None, z_on_host: bool = True) -> InferencePlan:
     """The plan for a run: the user's chunk sizes where given, the rest planned against the settings' budget or
-    the free device memory."""
+    the free device memory; with ``offload`` the host copy of z against the available host memory."""
     budget = settings.memory_budget
     if budget is None and settings.chunk_size is None:
         free = free_device_memory(device)
         budget = None if free is None else int(0.95 * free)
+    host_budget = None
+    if offload:
+        avail = available_host_memory()
+        host_budget = None if avail is None else max(1, int(0.95 * avail))
     chunk = settings.chunk_size if settings.chunk_size is not None else default_chunk
     return plan_inference(Dims.of(blk), n, budget, n_seq=n_seq, batch=batch, dtype=dtype, inplace=inplace,
-                          offload=offload, chunk_size=chunk, msa_chunk_size=settings.msa_chunk_size)
+                          offload=offload, chunk_size=chunk, msa_chunk_size=settings.msa_chunk_size,
+                          host_budget=host_budget, z_on_host=z_on_host, pin=device.type == "cuda")
 
 
 def _check_inference(module: nn.Module) -> None:
@@ -607,8 +697,10 @@ def run_stack(
     """Run every block of ``stack`` by ``block_fn(blk, x, z, *masks, plan)`` without autograd.
 
     ``x`` (s or m) lives on the parameters' device. Without offload z is copied once (not with ``inplace``)
-    and updated in place block after block. With ``settings.offload`` z lives in (pinned) host memory between
-    blocks; the result is returned where the input z was.
+    and updated in place block after block. With ``settings.offload`` z lives in host memory between blocks: one
+    host copy (the result; pinned when the plan says it fits, else pageable), or the caller's z itself when it is
+    on the host and ``inplace``; the first block reads the caller's z directly, and the device holds one copy of
+    z per block. The result is returned where the input z was.
     """
     _check_inference(stack)
     if len(stack.blocks) == 0:
@@ -618,7 +710,8 @@ def run_stack(
     offload = settings.offload
     with torch.no_grad():
         plan = make_plan(stack.blocks[0], settings, z.shape[-2], dev, z.dtype, n_seq=n_seq, batch=z.shape[0],
-                         inplace=inplace or offload, offload=offload, default_chunk=default_chunk)
+                         inplace=inplace, offload=offload, default_chunk=default_chunk,
+                         z_on_host=z.device.type == "cpu")
         x = x if inplace else x.clone()  # the MSA blocks update m in place
         if not offload:
             work = z if inplace else z.clone()
@@ -626,21 +719,27 @@ def run_stack(
             for blk in stack.blocks:
                 x, work = block_fn(blk, x, work, *masks, plan)
             return x, work
-        pin = dev.type == "cuda"
-        if z.device.type == "cpu" and (inplace or z.is_pinned() or not pin):
-            host = z if inplace else z.clone()
+        if inplace and z.device.type == "cpu":
+            host = z  # the caller's z is the host copy: no other one
+        else:  # the one host copy, written by every block: the result
+            host = torch.empty(z.shape, dtype=z.dtype, device="cpu", pin_memory=plan.pinned)
+        if dev.type == "cpu":  # nothing to move: the blocks run on the host copy
+            if host is not z:
+                host.copy_(z)
+            for blk in stack.blocks:
+                x, host = block_fn(blk, x, host, *masks, plan)
         else:
-            host = torch.empty(z.shape, dtype=z.dtype, device="cpu", pin_memory=pin)
-            host.copy_(z)
-        if host.device.type == "cpu" and pin and not host.is_pinned():
-            host = host.pin_memory()
-        for blk in stack.blocks:
-            zd = host.to(dev, non_blocking=True)
-            x, zd = block_fn(blk, x, zd, *masks, plan)
-            host.copy_(zd, non_blocking=True)
-            del zd
-        if pin:
-            torch.cuda.current_stream(dev).synchronize()
+            for i, blk in enumerate(stack.blocks):
+                src = z if i == 0 else host
+                if src.device == dev:  # the caller's z on the device, first block
+                    zd = src if inplace else src.clone()
+                else:
+                    zd = src.to(dev, non_blocking=True)
+                x, zd = block_fn(blk, x, zd, *masks, plan)
+                host.copy_(zd, non_blocking=True)
+                del zd
+            if dev.type == "cuda":  # the last copy into the host
+                torch.cuda.current_stream(dev).synchronize()
         if z.device.type == "cpu":
             return x, host
         return x, (z.copy_(host) if inplace else host.to(z.device))
@@ -694,9 +793,14 @@ class StackInference:
     def plan_inference(self, n: int, budget: Optional[int] = None, **kwargs: Any) -> InferencePlan:
         """Chunk sizes for ``n`` residues within ``budget`` bytes beyond parameters and inputs (None: the free
         memory of the parameters' CUDA device, or only the chunk-size rule elsewhere); raises ``ValueError``
-        when ``n`` does not fit. ``kwargs`` as ``plan_inference`` (n_seq, batch, dtype, inplace, offload, ...)."""
+        when ``n`` does not fit (with offload also the host copy of z against ``host_budget``, None: the
+        available host memory). ``kwargs`` as ``plan_inference`` (n_seq, batch, dtype, inplace, offload,
+        host_budget, z_on_host, pin, ...); ``pin`` defaults to whether the parameters are on a CUDA device."""
         if budget is None:
             p = next(self.parameters(), None)
             budget = None if p is None else free_device_memory(p.device)
         kwargs.setdefault("offload", self.inference_settings.offload)
+        if "pin" not in kwargs:
+            p = next(self.parameters(), None)
+            kwargs["pin"] = p is not None and p.device.type == "cuda"
         return plan_inference(self.inference_dims(), n, budget, **kwargs)

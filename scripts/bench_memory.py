@@ -7,9 +7,12 @@
    the same process. Extra peak = ``max_memory_allocated`` during one forward minus the allocation before it
    (parameters, inputs); the output counts, as it is new memory.
 2. A 48-block PairformerStack (random weights) forward at ``--stack-n`` (8192), then its longest N with z on the
-   device and with ``offload`` (z in pinned host memory): the plan's estimate proposes an N, probes (the 48 blocks'
+   device and with ``offload`` (z passed in pageable host memory; the stack keeps one host copy, pinned when its
+   power-of-two block fits): the plan's estimate (device and host memory) proposes an N, probes (the 48 blocks'
    parameters resident, ``--probe-blocks`` of them run: the in-place path's peak is the same for every block)
-   walk it up or down by ``--step``.
+   walk it up or down by ``--step`` until an N that runs sits below one that does not. A probe the plan refuses
+   ("does not fit", no run) or that runs out of device or host (pinned) memory ("OOM", with the reason) counts as
+   not fitting; refusals cost no probe of ``--max-probes``.
 3. An EvoformerStack (AF2 widths, 512 sequences) at N=4096: ``--evo-blocks`` blocks, time per block (run before
    the stack section, whose probes take what time is left).
 
@@ -79,11 +82,17 @@ class Bench:
             torch.cuda.synchronize(self.dev)
 
     def free(self):
+        """Release cached device memory and cached pinned host blocks (torch keeps freed pinned blocks page-locked:
+        a 64 GiB block from one probe would be reused or stay locked for the next)."""
         import gc
 
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()
+            empty_host = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or getattr(
+                torch._C, "_host_emptyCache", None)
+            if empty_host is not None:
+                empty_host()
 
     def measure(self, fn, iters: int, warmup: int = 1):
         """(median ms, extra peak bytes beyond what is allocated before the call, absolute peak bytes)."""
@@ -125,7 +134,9 @@ class Bench:
         for i in range(0, n, 256):  # by rows: no fp32 [N, N, c_z] temporary
             z[:, i:i + 256].normal_(generator=g)
         if z_device is not None and z_device.type == "cpu":
-            host = torch.empty(z.shape, dtype=dtype, pin_memory=self.cuda)
+            # pageable, exactly z's bytes: a pinned input would take a power-of-two block (64 GiB for a 36 GiB z)
+            # besides the stack's own host copy
+            host = torch.empty(z.shape, dtype=dtype)
             host.copy_(z)
             del z
             z = host
@@ -229,8 +240,18 @@ class Bench:
         self.free()
 
     # -- 2. the 48-block stack ---------------------------------------------------------------------
+    def plan(self, stack, n, offload):
+        """The plan run_stack makes (95% of the free device memory; with offload 95% of the available host memory
+        less the probe's own input z, which waits on the host): raises ValueError when N does not fit."""
+        free = inference.free_device_memory(self.dev)
+        host = inference.available_host_memory() if offload else None
+        host_budget = None if host is None else max(1, int(0.95 * (host - self.z_bytes(n))))
+        return stack.plan_inference(n, None if free is None else int(0.95 * free), offload=offload,
+                                    host_budget=host_budget, z_on_host=True, pin=self.cuda)
+
     def stack_forward(self, stack, n, offload, blocks_run):
         """Run ``blocks_run`` of the stack's blocks (all of them resident) on fresh inputs at ``n``."""
+        plan = self.plan(stack, n, offload)  # before the inputs: a refusal costs nothing
         s, z = self.pair_inputs(n, z_device=torch.device("cpu") if offload else None)
         single, _ = self.masks(n)
         all_blocks = stack.blocks
@@ -250,50 +271,103 @@ class Bench:
             if self.cuda:
                 peak = torch.cuda.max_memory_allocated(self.dev)
                 extra = peak - base
-            plan = stack.plan_inference(n, inference.free_device_memory(self.dev), offload=offload)
             del out
-            return ms, extra, peak, plan.chunk_size
+            return ms, extra, peak, plan
         finally:
             stack.blocks = all_blocks
             del s, z
             self.free()
 
     def stack_row(self, stack, n, offload, blocks_run, impl):
+        """One probe row; returns (status, ms per block): status "ok", "does not fit" (the plan refused, nothing
+        ran), "OOM" (device or host memory ran out) or "error"."""
         row = dict(section="stack", impl=impl, n=n, blocks_run=f"{blocks_run} of {len(stack.blocks)}",
                    z_gib=self.z_bytes(n) / GIB)
         try:
-            ms, extra, peak, chunk = self.stack_forward(stack, n, offload, blocks_run)
-            self.add(**row, ms=ms, ms_per_block=ms / blocks_run, chunk=chunk, status="ok",
+            ms, extra, peak, plan = self.stack_forward(stack, n, offload, blocks_run)
+            note = ""
+            if offload:
+                note = (f"z on the host between blocks: one {'pinned' if plan.pinned else 'pageable'} copy, "
+                        f"{plan.estimate.host / GIB:.1f} GiB")
+            self.add(**row, ms=ms, ms_per_block=ms / blocks_run, chunk=plan.chunk_size, status="ok",
                      extra_gib=None if extra is None else extra / GIB,
                      extra_over_z=None if extra is None else extra / self.z_bytes(n),
-                     peak_gib=None if peak is None else peak / GIB,
-                     note="z on pinned host between blocks" if offload else "")
-            return True, ms / blocks_run
-        except torch.cuda.OutOfMemoryError:
-            self.add(**row, status="OOM")
-        except ValueError as exc:
-            self.add(**row, status="does not fit", note=str(exc)[:200])
-        except RuntimeError as exc:  # pinned host allocation failures
-            self.add(**row, status="error", note=f"{type(exc).__name__}: {str(exc)[:160]}")
-        self.free()
-        return False, None
+                     peak_gib=None if peak is None else peak / GIB, note=note)
+            return "ok", ms / blocks_run
+        except Exception as exc:  # classified below; anything else is re-raised
+            status, note = classify_failure(exc)
+            if status is None:
+                raise
+            self.add(**row, status=status, note=note)
+        finally:
+            self.free()
+        return status, None
 
     def predicted_longest(self, stack, offload):
-        """Largest multiple of --step whose planned device peak fits the device (parameters included)."""
+        """Largest multiple of --step whose planned device peak fits the device (parameters included) and, with
+        offload, whose host copy of z fits the available host memory besides the probe's input z."""
         if not self.cuda:
             return self.args.stack_n
         total = torch.cuda.get_device_properties(self.dev).total_memory
         params = sum(p.numel() * p.element_size() for p in stack.parameters())
         avail = total - params - 2 * GIB  # the CUDA context and allocator slack
+        host = inference.available_host_memory() if offload else None
         n = self.args.step
         while True:
+            m = n + self.args.step
+            host_budget = None if host is None else max(1, int(0.95 * (host - self.z_bytes(m))))
             try:
-                plan = stack.plan_inference(n + self.args.step, avail, offload=offload)
+                plan = stack.plan_inference(m, avail, offload=offload, host_budget=host_budget, pin=True)
             except ValueError:
                 return n
             if plan.estimate.peak > avail:
                 return n
-            n += self.args.step
+            n = m
+
+    def longest(self, stack, offload, name, per_block):
+        """Walk from the predicted N by --step: up while probes run, down while they do not, until an N that ran
+        sits just below one that did not (or the probe limit / time cap stops it: then a bound, said so)."""
+        step = self.args.step
+        n = self.predicted_longest(stack, offload)
+        last_ok = None
+        fail_n, fail_why = None, ""  # the smallest N that failed
+        probes, stop = 0, ""
+        while True:
+            if n <= 0:
+                stop = "reached N=0"
+                break
+            if probes >= self.args.max_probes:
+                stop = f"probe limit ({self.args.max_probes})"
+                break
+            pb = per_block.get(n) or max(per_block.values(), default=0.0) * 2
+            if self.left() < pb * self.args.probe_blocks / 1e3 * 1.5 + 5:
+                self.add(section="stack", impl=name, n=n, status="skipped", note="time cap")
+                stop = "time cap"
+                break
+            status, ms = self.stack_row(stack, n, offload, self.args.probe_blocks, name + " (probe)")
+            if status != "does not fit":  # the plan's refusals run nothing
+                probes += 1
+            if status == "ok":
+                per_block[n] = ms
+                last_ok = n
+                if fail_n is not None and fail_n <= n + step:
+                    break
+                n += step
+            else:
+                row = self.rows[-1]
+                fail_n, fail_why = n, f"{status}: {row['note']}"[:120]
+                if last_ok is not None:
+                    break
+                n -= step
+        if last_ok is not None and fail_n == last_ok + step:
+            status, note = "result", f"longest N that ran; N={fail_n} did not ({fail_why})"
+        elif last_ok is not None:
+            status, note = "result", f"a lower bound: {stop} before a failure above it"
+        else:
+            status, note = "none fits", (f"no probe ran ({stop})" + (f"; last failure N={fail_n} ({fail_why})"
+                                                                      if fail_n else ""))
+        self.add(section="stack", impl=name, n=last_ok or "", status=status,
+                 note=f"{note} (step {step}; all blocks' parameters resident)")
 
     def stack(self):
         w = self.widths
@@ -309,7 +383,10 @@ class Bench:
                 self.stack_forward(stack, n, False, 1)
             except (torch.cuda.OutOfMemoryError, ValueError, RuntimeError):
                 self.free()  # the probe below reports it
-            ok, per_block[n] = self.stack_row(stack, n, False, self.args.probe_blocks, "stack probe")
+            status, ms = self.stack_row(stack, n, False, self.args.probe_blocks, "stack probe")
+            ok = status == "ok"
+            if ok:  # a failed probe leaves no time (None would break the time predictions below)
+                per_block[n] = ms
             if ok and per_block[n] * self.args.stack_blocks / 1e3 < self.left() - self.args.reserve_s:
                 self.stack_row(stack, n, False, self.args.stack_blocks, f"stack {self.args.stack_blocks} blocks")
             elif ok:
@@ -317,29 +394,7 @@ class Bench:
                          note=f"time cap: about {per_block[n] * self.args.stack_blocks / 1e3:.0f} s needed")
         for offload in (False, True):
             name = "longest N, offload" if offload else "longest N, z on device"
-            n = self.predicted_longest(stack, offload)
-            last_ok, failed = None, False
-            for _ in range(self.args.max_probes):
-                pb = per_block.get(n) or max(per_block.values(), default=0.0) * 2
-                if self.left() < pb * self.args.probe_blocks / 1e3 * 1.5 + 5:
-                    self.add(section="stack", impl=name, n=n, status="skipped", note="time cap")
-                    break
-                ok, ms = self.stack_row(stack, n, offload, self.args.probe_blocks, name + " (probe)")
-                if ok:
-                    per_block[n] = ms
-                    last_ok = n
-                    n += self.args.step
-                elif last_ok is not None:
-                    failed = True
-                    break
-                else:
-                    failed = True
-                    n -= self.args.step
-                    if n <= 0:
-                        break
-            self.add(section="stack", impl=name, n=last_ok or "", status="result" if last_ok else "none fits",
-                     note=f"longest N that ran (step {self.args.step}; all blocks' parameters resident)"
-                     + ("" if failed else "; probe limit reached before a failure: a lower bound"))
+            self.longest(stack, offload, name, per_block)
         del stack
         self.free()
 
@@ -395,6 +450,27 @@ class Bench:
                     "chunk | status | note |\n" + "|---" * 13 + "|\n")
             for r in self.rows:
                 f.write("| " + " | ".join(str(r[k]) for k in FIELDS if k != "n_seq") + " |\n")
+
+
+def classify_failure(exc):
+    """(status, note) of a probe's exception: the plan's refusal ("does not fit"), running out of device memory in
+    torch's allocator or of memory outside it, e.g. cudaHostAlloc for pinned host memory ("OOM"), another
+    RuntimeError ("error"); (None, None) for anything else (a bug: re-raised)."""
+    msg = str(exc).splitlines()[0] if str(exc) else ""
+    if isinstance(exc, ValueError):
+        return "does not fit", str(exc)[:200]
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return "OOM", f"device (torch's allocator): {msg[:160]}"
+    if isinstance(exc, RuntimeError):  # torch.AcceleratorError is one
+        if "out of memory" in str(exc).lower() or "cudaErrorMemoryAllocation" in str(exc):
+            frames = traceback.extract_tb(exc.__traceback__)
+            last = frames[-1] if frames else None
+            where = f" at {os.path.basename(last.filename)}:{last.lineno} {last.name}" if last else ""
+            return "OOM", (f"CUDA runtime out of memory outside torch's device allocator (pinned host memory, "
+                           f"cudaHostAlloc, or a library's device allocation){where}: {type(exc).__name__}: "
+                           f"{msg[:80]}")
+        return "error", f"{type(exc).__name__}: {msg[:160]}"
+    return None, None
 
 
 FULL = dict(c_s=384, c_z=128, heads_s=16, heads_z=4, c_pair=32, c_m=256)

@@ -3,6 +3,8 @@ at small N with chunk sizes 1, sizes that do not divide N and N; masks with hole
 triton under the interpreter in fp32 / fp16), really chunks, leaves its inputs alone unless asked, takes over only
 without grad in eval mode; offload; errors; the planning arithmetic. On a GPU: N=1024 blocks against the plain
 path and the chunk-size choice against a budget, measured with the CUDA allocator's peak."""
+import os
+
 import pytest
 import torch
 
@@ -190,6 +192,97 @@ def test_offload_equals_device_path():
         got = stack.configure_inference(mode="auto", chunk_size=3, offload=True)(s, z, res, pair)
     assert rel_err(got[1], want[1]) < 1e-12 and rel_err(got[0], want[0]) < 1e-12
     assert torch.equal(z, z0) and got[1].device == z.device
+
+
+def test_offload_inplace_and_host_memory_check(monkeypatch):
+    """offload with inplace writes the result into the caller's host z (no other host copy, so no host memory is
+    needed); without inplace the one host copy must fit the available host memory, else a clear ValueError."""
+    s, z, res, pair = _pair_inputs(N=7, seed=13)
+    stack = randomize_(PairformerStack(**PW, num_blocks=2, attention="torch"), seed=14).double().eval()
+    seen, real = [], inference.plan_inference
+    monkeypatch.setattr(inference, "plan_inference", lambda *a, **k: seen.append(k) or real(*a, **k))
+    z_bytes = z.numel() * z.element_size()
+    monkeypatch.setattr(inference, "available_host_memory", lambda: z_bytes)  # 95% of it: less than one copy
+    with torch.no_grad():
+        want = stack.configure_inference(mode="plain")(s, z, res, pair)
+        stack.configure_inference(mode="auto", chunk_size=3, offload=True)
+        with pytest.raises(ValueError, match=r"N=7 does not fit in host memory: offload keeps one copy of z on the "
+                                             r"host, 0\.00 GiB.*host_budget=0\.00 GiB"):
+            stack(s, z, res, pair)
+        assert seen[-1]["host_budget"] == int(0.95 * z_bytes) and seen[-1]["z_on_host"] and not seen[-1]["pin"]
+        z_in = z.clone()
+        got = stack.forward_inference(s, z_in, res, pair, inplace=True)
+    assert seen[-1]["inplace"] and seen[-1]["offload"]
+    assert got[1].data_ptr() == z_in.data_ptr() and torch.equal(got[1], z_in)
+    assert rel_err(got[1], want[1]) < 1e-12 and rel_err(got[0], want[0]) < 1e-12
+
+
+def test_offload_msa_stack_counts_its_m_copy(monkeypatch):
+    """Evoformer with offload and without inplace copies m on the device: the plan is made with inplace=False, so
+    the estimate's working memory counts that copy (it used to be planned as inplace)."""
+    m, z, msa, pair = _msa_inputs(S=5, N=7, seed=3)
+    stack = randomize_(EvoformerStack(**EW, num_blocks=2, attention="torch"), seed=4).double().eval()
+    seen, real = [], inference.plan_inference
+    monkeypatch.setattr(inference, "plan_inference", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    m0, z0 = m.clone(), z.clone()
+    with torch.no_grad():
+        want = stack.configure_inference(mode="plain")(m, z, msa, pair)
+        got = stack.configure_inference(mode="bounded", chunk_size=3, msa_chunk_size=2, offload=True)(m, z, msa, pair)
+    assert rel_err(got[0], want[0]) < 1e-12 and rel_err(got[1], want[1]) < 1e-12
+    assert torch.equal(m, m0) and torch.equal(z, z0)
+    est = seen[-1].estimate
+    m_bytes, z_bytes = m.numel() * 8, z.numel() * 8
+    assert est.working == z_bytes + m_bytes and est.host == z_bytes  # a CPU run pins nothing
+
+
+def test_offload_estimate_counts_host_memory():
+    """AF3 widths at N=12288 (z 36 GiB in bf16): the offload path holds one device copy of z per block and one host
+    copy, pinned in torch's power-of-two block (64 GiB), none with inplace and z on the host."""
+    d, n = Dims(c_s=384), 12288
+    z = n * n * 128 * 2
+    assert z == 36 * GIB
+    assert estimate_inference_memory(d, n, 128).host == 0
+    off = estimate_inference_memory(d, n, 128, offload=True)
+    assert off.host == 64 * GIB and "host 64.00 GiB" in str(off)
+    assert off.working == z and off.inputs < GIB  # the device: the block's copy of z, not the caller's
+    assert estimate_inference_memory(d, n, 128, offload=True, pin=False).host == z
+    assert estimate_inference_memory(d, n, 128, offload=True, inplace=True).host == 0
+    assert estimate_inference_memory(d, n, 128, offload=True, inplace=True, z_on_host=False).host == 64 * GIB
+    assert inference.pinned_host_bytes(11776 * 11776 * 256) == 64 * GIB
+    assert inference.pinned_host_bytes(16 * GIB) == 16 * GIB and inference.pinned_host_bytes(1) == 1
+
+
+def test_offload_plan_checks_host_memory(monkeypatch):
+    """The plan pins the host copy when its power-of-two block fits the host budget, falls back to a pageable copy
+    when only z itself fits, and refuses N naming the budget and the bytes when not even that fits."""
+    d, n, dev = Dims(c_s=384), 12288, 77 * GIB
+    plan = plan_inference(d, n, dev, offload=True, host_budget=100 * GIB)
+    assert plan.pinned and plan.estimate.host == 64 * GIB and plan.fits and plan.host_budget == 100 * GIB
+    plan = plan_inference(d, n, dev, offload=True, host_budget=50 * GIB)
+    assert not plan.pinned and plan.estimate.host == 36 * GIB and plan.fits
+    assert not plan_inference(d, n, dev, offload=True, host_budget=100 * GIB, pin=False).pinned
+    with pytest.raises(ValueError, match=r"N=12288 does not fit in host memory: offload keeps one copy of z on the "
+                                         r"host, 36\.00 GiB \(pinned: 64\.00 GiB.*host_budget=30\.00 GiB;"):
+        plan_inference(d, n, dev, offload=True, host_budget=30 * GIB)
+    assert plan_inference(d, n, dev, offload=True, inplace=True, host_budget=1).estimate.host == 0
+    with pytest.raises(ValueError, match="host_budget must be a positive number of bytes"):
+        plan_inference(d, n, dev, offload=True, host_budget=0)
+    # the default host budget: the available host memory; without offload the host is not checked
+    monkeypatch.setattr(inference, "available_host_memory", lambda: 8 * GIB)
+    with pytest.raises(ValueError, match=r"N=12288 does not fit in host memory.*host_budget=8\.00 GiB \(the "
+                                         r"available host memory\)"):
+        plan_inference(d, n, dev, offload=True)
+    stack = PairformerStack(**PW, num_blocks=1, attention="torch")  # c_z=8: z is 16 GiB at N=32768
+    with pytest.raises(ValueError, match="N=32768 does not fit in host memory"):
+        stack.plan_inference(32768, offload=True)
+    assert plan_inference(d, n, dev).estimate.host == 0
+
+
+def test_available_host_memory():
+    avail = inference.available_host_memory()
+    if os.path.exists("/proc/meminfo"):
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        assert isinstance(avail, int) and 0 < avail <= total
 
 
 def test_bad_settings_get_clear_errors():
@@ -413,6 +506,50 @@ def test_bench_memory_script_runs_on_cpu(tmp_path):
             ("stack", "stack 2 blocks"), ("evoformer", "EvoformerStack AF2 widths")} <= impls, impls
     assert (tmp_path / "memory.csv").read_text().count("\n") == len(rows) + 1
     assert "| block | bounded | 12 |" in (tmp_path / "memory.md").read_text()
+
+
+def test_bench_memory_longest_n_walks_down_past_out_of_memory(tmp_path, monkeypatch):
+    """The longest-N probing: plan refusals cost no probe, device or pinned-host OOM counts as not fitting, and the
+    walk goes down (or up) until an N that ran sits just below one that did not; failures are classified."""
+    import argparse
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import bench_memory
+
+    args = argparse.Namespace(out=str(tmp_path), device="cpu", tiny=True, time_limit=1e9, step=4, max_probes=3,
+                              probe_blocks=1, backend="torch")
+    bench = bench_memory.Bench(args)
+
+    def run(start, outcome):
+        def stack_row(stack, n, offload, blocks_run, impl):
+            status = outcome(n)
+            bench.add(section="stack", impl=impl, n=n, status=status, note=f"why {n}")
+            return status, 1.0 if status == "ok" else None
+        monkeypatch.setattr(bench, "stack_row", stack_row)
+        monkeypatch.setattr(bench, "predicted_longest", lambda stack, offload: start)
+        first = len(bench.rows)
+        bench.longest(None, True, "longest N, offload", {})
+        return [r["n"] for r in bench.rows[first:-1]], bench.rows[-1]
+
+    # refused by the plan above 20 (free), out of (pinned host) memory at 16 and 20, runs at 12
+    probed, res = run(28, lambda n: "does not fit" if n > 20 else "OOM" if n > 12 else "ok")
+    assert probed == [28, 24, 20, 16, 12] and res["status"] == "result" and res["n"] == 12, res
+    assert "N=16 did not (OOM: why 16)" in res["note"]
+    probed, res = run(4, lambda n: "ok" if n <= 12 else "OOM")  # up from a low prediction
+    assert probed == [4, 8, 12] and res["status"] == "result" and "lower bound" in res["note"]
+    args.max_probes = 5
+    probed, res = run(4, lambda n: "ok" if n <= 12 else "OOM")
+    assert probed == [4, 8, 12, 16] and res["n"] == 12 and "N=16 did not" in res["note"]
+    probed, res = run(40, lambda n: "OOM")
+    assert probed == [40, 36, 32, 28, 24] and res["status"] == "none fits" and "probe limit (5)" in res["note"]
+
+    classify = bench_memory.classify_failure
+    pinned = RuntimeError("CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation' in ...")
+    assert classify(pinned)[0] == "OOM" and "pinned host memory" in classify(pinned)[1]
+    assert classify(ValueError("N=12288 does not fit in host memory"))[0] == "does not fit"
+    assert classify(RuntimeError("CUDA error: an illegal memory access"))[0] == "error"
+    assert classify(KeyError("bug")) == (None, None)
 
 
 # --------------------------------------------------------------------------------------------------
