@@ -8,9 +8,11 @@ sequence is sharded over W ranks), d model width, H heads, Dh = d / H.
 
 Context parallel (``process_group`` given): every rank of the group holds the same batch but only its
 shard of the sequence (``layout`` order, see :func:`shard_for_context_parallel`); token positions are the
-global ones, so RoPE and the relative-position bias see the full sequence. Parameters are replicated;
-gradients w.r.t. other ranks' keys/values come back through the ring backward, so summing (or, with equal
-token counts, averaging as DDP does) parameter gradients over the group gives the single-process gradient.
+global ones, so RoPE and the relative-position bias see the full sequence (packed rows: RoPE positions restart
+at each sequence, computed from the whole row's ids, see :func:`context_parallel_segment_positions`).
+Parameters are replicated; gradients w.r.t. other ranks' keys/values come back through the ring backward, so
+summing (or, with equal token counts, averaging as DDP does) parameter gradients over the group gives the
+single-process gradient.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import attn_ops
+from attn_ops.inputs import segment_order_violation
 from attn_ops.ring import ring_attention, ring_positions, shard_sequence, unshard_sequence
 from .primitives import AttentionConfig, LayerNorm, Linear, check_token_segments, segment_positions
 
@@ -161,7 +164,9 @@ class TransformerBlock(nn.Module):
 
         Packed rows: ``segment_ids`` Long ``[B, n]`` (one id per sequence, -1 on padding; pad_mask is then not
         needed) and ``positions`` ``[B, n]`` restarting at each sequence (RoPE); the relative bias, a function of
-        position differences, is the same within a sequence either way."""
+        position differences, is the same within a sequence either way. Context parallel: both are this rank's
+        shards (``layout`` order; :func:`context_parallel_segment_positions` gives the positions); default
+        positions are the global ones, as without a group."""
         B, n, d = x.shape
         if positions is None:
             positions = local_positions(n, self.process_group, self.layout, x.device)
@@ -178,11 +183,11 @@ class TransformerBlock(nn.Module):
                 opts["segment_ids"] = segment_ids  # [B, n]: ids have no head dim
             o = attn_ops.attention(q, k, v, bias, mask, causal=self.causal, **opts)
         else:
-            if segment_ids is not None:
-                raise ValueError("segment_ids (packed rows) with a process_group is not supported by TransformerBlock; "
-                                 "attn_ops.ring_attention takes segment_ids directly")
+            # packed rows: this rank's ids (sharded like x); the ring gathers and checks them and skips the calls
+            # whose segments cannot meet. The relative bias sees global row positions: the same differences
+            # within a sequence, and cross-sequence pairs are masked.
             o = ring_attention(q, k, v, self.rel_bias, mask, group=group, causal=self.causal,
-                               layout=self.layout, **self.ring_options, **opts)
+                               layout=self.layout, segment_ids=segment_ids, **self.ring_options, **opts)
         o = o.transpose(1, 2).reshape(B, n, d)  # [B, H, n, Dh] -> [B, n, d]
         x = x + self.drop(self.out(o))
         return x + self.drop(self.ffn(self.norm_ffn(x)))
@@ -198,6 +203,71 @@ def resolve_group(group):
             return None
         return dist.group.WORLD
     return group
+
+
+def context_parallel_segment_positions(segment_ids: Tensor, group, layout: str = "zigzag",
+                                      tokens: Optional[Tensor] = None, positions: Optional[Tensor] = None) -> Tensor:
+    """This rank's shard of ``segment_positions`` of the whole packed row: Long ``[B, n]`` positions restarting at
+    each sequence, 0 on padding (ids < 0).
+
+    ``segment_ids`` int ``[B, n]`` is this rank's shard (``layout`` order, like ``tokens``); a sequence may start on
+    another rank, so the ids of all ranks are gathered (one all_gather of ``n`` ints per row and rank), put in
+    natural order, and their positions sharded back. Every rank first checks its ids (integer, shaped like its
+    ``tokens`` when given; ``positions``, when given, shaped like them too and returned as they are) and the
+    ranks agree, so a bad shard on one rank raises the same ValueError on every rank instead of hanging; ids
+    that return to a sequence after another one started (over the whole row) raise too. Without a group: the
+    positions of ``segment_ids`` itself.
+    """
+    group = resolve_group(group)
+    error = None
+    try:
+        if not isinstance(segment_ids, torch.Tensor):
+            raise ValueError(f"segment_ids must be an integer tensor [B, n], got {type(segment_ids).__name__}")
+        if tokens is not None:
+            check_token_segments(segment_ids, tokens)
+        elif segment_ids.ndim != 2 or segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool:
+            raise ValueError(f"segment_ids must be an integer tensor [B, n], got {segment_ids.dtype} "
+                             f"{tuple(segment_ids.shape)}")
+        if positions is not None and positions.shape != segment_ids.shape:
+            raise ValueError(f"positions must be {tuple(segment_ids.shape)} like segment_ids, got "
+                             f"{tuple(positions.shape)}")
+    except ValueError as exc:
+        if group is None:
+            raise
+        error = str(exc)
+    if group is None:
+        return segment_positions(segment_ids) if positions is None else positions
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if error is None and tokens is not None and segment_ids.device != tokens.device:
+        error = f"segment_ids is on {segment_ids.device} but tokens are on {tokens.device}"
+    # agree before gathering the ids: (failed, B, n, itemsize) of every rank
+    device = tokens.device if tokens is not None else getattr(segment_ids, "device", torch.device("cpu"))
+    head = (1, 0, 0, 0) if error else (0, segment_ids.shape[0], segment_ids.shape[1], segment_ids.element_size())
+    heads = [torch.empty(4, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(heads, torch.tensor(head, dtype=torch.int64, device=device), group=group)
+    heads = [tuple(h.tolist()) for h in heads]
+    if any(h[0] for h in heads) or len(set(heads)) > 1:
+        errors = [None] * world
+        dist.all_gather_object(errors, error, group=group)
+        detail = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e) or "; ".join(
+            f"rank {r}: segment_ids [B, n] = {list(h[1:3])}, {h[3]}-byte ints" for r, h in enumerate(heads))
+        raise ValueError(f"context-parallel packed rows take this rank's shard of segment_ids (and of positions), "
+                         f"sharded like tokens with layout={layout!r}: bad or disagreeing shards over the {world} "
+                         f"ranks: {detail}")
+    parts = [torch.empty_like(segment_ids) for _ in range(world)]
+    dist.all_gather(parts, segment_ids.contiguous(), group=group)
+    full = unshard_sequence(parts, 1, layout)  # [B, L] in natural order
+    bad = segment_order_violation(full)
+    if bool(bad.any()):  # the same on every rank: all hold the whole row
+        row = int(bad.nonzero()[0, 0])
+        shown = full[row].tolist()
+        raise ValueError(f"context-parallel segment_ids must be contiguous within each row of the whole sequence "
+                         f"(a sequence cannot return after another one started; check that ids and tokens are "
+                         f"sharded with layout={layout!r}): row {row} of the gathered [B, L] = "
+                         f"{list(full.shape)} is {shown[:64]}{' ...' if len(shown) > 64 else ''}")
+    if positions is not None:
+        return positions
+    return shard_sequence(segment_positions(full), 1, world, rank, layout)
 
 
 def local_positions(n: int, group, layout: str, device) -> Tensor:
@@ -243,7 +313,9 @@ class TransformerLM(nn.Module):
 
         Packed rows (several sequences per row): ``segment_ids`` int ``[B, n]``, contiguous ids per sequence, -1 on
         padding; ``positions`` ``[B, n]`` (default: restarting at each sequence). Each sequence then gets exactly
-        what it gets alone in a row."""
+        what it gets alone in a row. Context parallel: ``segment_ids`` (and ``positions``) are this rank's shards,
+        sharded like ``tokens`` (:meth:`shard_batch`); default positions restart at each sequence of the whole
+        row (one all_gather of the ids per forward)."""
         if tokens.dtype != torch.long or tokens.ndim != 2:
             raise TypeError(f"tokens must be a Long tensor [B, L], got {tokens.dtype} {tuple(tokens.shape)}")
         if pad_mask is not None and (pad_mask.dtype != torch.bool or pad_mask.shape != tokens.shape):
@@ -254,10 +326,12 @@ class TransformerLM(nn.Module):
         world = 1 if group is None else dist.get_world_size(group)
         if self.max_len is not None and n * world > self.max_len:
             raise ValueError(f"sequence length {n * world} (local {n} x {world} ranks) exceeds max_len {self.max_len}")
-        if segment_ids is not None:
-            if group is not None:
-                raise ValueError("segment_ids (packed rows) with a process_group is not supported by TransformerLM; "
-                                 "attn_ops.ring_attention takes segment_ids directly")
+        if segment_ids is not None and group is not None:
+            # context parallel: ids (and positions) are this rank's shards; RoPE positions restart at each sequence
+            # over the whole row (a sequence may start on another rank). pad_mask is not needed (ids < 0 = padding).
+            positions = context_parallel_segment_positions(segment_ids, group, self.layout, tokens, positions)
+            pad_mask = None
+        elif segment_ids is not None:
             check_token_segments(segment_ids, tokens)
             if positions is None:
                 positions = segment_positions(segment_ids)
@@ -277,7 +351,8 @@ class TransformerLM(nn.Module):
         return self.head(self.norm(x))
 
 
-    def shard_batch(self, batch: dict, keys: Sequence[str] = ("tokens", "pad_mask", "target", "loss_mask")) -> dict:
+    def shard_batch(self, batch: dict, keys: Sequence[str] = ("tokens", "pad_mask", "target", "loss_mask",
+                                                             "segment_ids", "positions")) -> dict:
         """In context-parallel mode, this rank's sequence shard of every ``[B, L, ...]`` entry in ``keys``
         (others pass through); otherwise the batch unchanged. Every rank must hold the same batch."""
         group = resolve_group(self.process_group)

@@ -248,14 +248,3 @@ def test_esm2_packed_triton_gpu():
         at += len(s)
     for a, b in zip(grads, want):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
-
-
-def test_block_refuses_segment_ids_on_the_ring_path():
-    """With a process group the block runs ring attention, which it does not hand the ids: it refuses them rather
-    than attending across sequences."""
-    from attn_zoo.models.transformer import TransformerBlock
-
-    block = TransformerBlock(16, 2, attention="torch", process_group=object())  # any group object takes the ring path
-    x = torch.randn(1, 6, 16)
-    with pytest.raises(ValueError, match="process_group"):
-        block(x, positions=torch.arange(6), segment_ids=torch.tensor([[0, 0, 0, 1, 1, 1]]))
