@@ -4,27 +4,17 @@ One ``torch.multiprocessing.spawn`` per world size runs every case; each rank bu
 inputs from a shared seed, runs the ring on its shard, and compares its shard of the output, lse and of
 every gradient (q, k, v, bias tensor, bias-module parameters) with the float64 single-process result.
 """
-import os
-import socket
-import tempfile
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from gloo_harness import spawn_gloo
 
 from attn_ops import registry
 from attn_ops.reference import attention_reference
 from attn_ops.ring import (block_parts, local_segments, plan_part, ring_attention, ring_positions, shard_sequence,
                            split_rows, unshard_sequence, zigzag_merge, zigzag_split)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RelBias(torch.nn.Module):
@@ -240,43 +230,27 @@ def _check_packed(world, rank, seed, causal, layout, backend, with_bias):
         raise AssertionError("non-contiguous segment ids over the ring did not raise")
 
 
-def _worker(rank, world, port, err_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        for i, case in enumerate(CASES):
-            _check_case(case, world, rank, seed=1000 + i)
-        # K/V streamed in 2 parts per segment (prefetch one part while computing the previous one).
-        for i in (0, 1, 2, 5):
-            _check_case(CASES[i], world, rank, seed=3000 + i, kv_parts=2, q_chunk=3 if i % 2 else None)
-        _check_bad_input(world, rank)
-        # The cases above use chunked, whose registry entry has an lse_backward (one backward call per step
-        # with the merged out/lse). The torch backend has none: the ring recomputes each step's forward.
-        assert registry.get("chunked").lse_backward and registry.get("torch").lse_backward is None
-        for i in (1, 5, 6):
-            _check_case(CASES[i], world, rank, seed=2000 + i, backend="torch")
-        # packed rows (segment ids): chunked has an lse_backward with ids, torch recomputes each call
-        _check_packed(world, rank, 4000, True, "zigzag", "chunked", True)
-        _check_packed(world, rank, 4001, False, "contiguous", "chunked", True)
-        _check_packed(world, rank, 4002, True, "zigzag", "torch", False)
-        dist.barrier()
-    except BaseException:
-        with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+def _ring_checks(rank, world):
+    for i, case in enumerate(CASES):
+        _check_case(case, world, rank, seed=1000 + i)
+    # K/V streamed in 2 parts per segment (prefetch one part while computing the previous one).
+    for i in (0, 1, 2, 5):
+        _check_case(CASES[i], world, rank, seed=3000 + i, kv_parts=2, q_chunk=3 if i % 2 else None)
+    _check_bad_input(world, rank)
+    # The cases above use chunked, whose registry entry has an lse_backward (one backward call per step
+    # with the merged out/lse). The torch backend has none: the ring recomputes each step's forward.
+    assert registry.get("chunked").lse_backward and registry.get("torch").lse_backward is None
+    for i in (1, 5, 6):
+        _check_case(CASES[i], world, rank, seed=2000 + i, backend="torch")
+    # packed rows (segment ids): chunked has an lse_backward with ids, torch recomputes each call
+    _check_packed(world, rank, 4000, True, "zigzag", "chunked", True)
+    _check_packed(world, rank, 4001, False, "contiguous", "chunked", True)
+    _check_packed(world, rank, 4002, True, "zigzag", "torch", False)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_matches_single_process(world):
-    with tempfile.TemporaryDirectory() as err_dir:
-        try:
-            mp.spawn(_worker, args=(world, _free_port(), err_dir), nprocs=world, join=True)
-        except Exception:
-            msgs = [open(os.path.join(err_dir, f)).read() for f in sorted(os.listdir(err_dir))]
-            pytest.fail("\n".join(msgs) or "a worker failed")
+    spawn_gloo(_ring_checks, world)
 
 
 def test_zigzag_split_merge_roundtrip_and_positions():

@@ -1,15 +1,11 @@
 """Long-context transformer blocks: shapes, causality, relative-position bias gradients, backend agreement,
 and the context-parallel block on 2 gloo ranks against the single-process block."""
-import os
-import socket
-import tempfile
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from gloo_harness import spawn_gloo
 
 from attn_zoo.models.transformer import (RotaryEmbedding, SwiGLU, TransformerBlock, TransformerLM,
                                 esm2_like, gather_sequence, relative_position_bucket, shard_for_context_parallel)
@@ -134,12 +130,6 @@ def test_checkpointing_gives_same_gradients():
 # --------------------------------------------------------------------------------------------------
 # Context parallel on 2 gloo ranks
 # --------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cp_case(rank, world, causal, layout):
     kw = dict(vocab_size=11, d_model=32, num_layers=2, num_heads=4, causal=causal, rel_pos_bias=True,
               attention="chunked", layout=layout, ring_options={"kv_parts": 2} if causal else None)
@@ -167,25 +157,10 @@ def _cp_case(rank, world, causal, layout):
         assert torch.allclose(total, q.grad, atol=1e-9), f"{name}: {(total - q.grad).abs().max():.3e}"
 
 
-def _worker(rank, world, port, err_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        _cp_case(rank, world, causal=True, layout="zigzag")
-        _cp_case(rank, world, causal=False, layout="contiguous")
-    except BaseException:
-        with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+def _cp_checks(rank, world):
+    _cp_case(rank, world, causal=True, layout="zigzag")
+    _cp_case(rank, world, causal=False, layout="contiguous")
 
 
 def test_context_parallel_lm_matches_single_process():
-    with tempfile.TemporaryDirectory() as err_dir:
-        try:
-            mp.spawn(_worker, args=(2, _free_port(), err_dir), nprocs=2, join=True)
-        except Exception:
-            msgs = [open(os.path.join(err_dir, f)).read() for f in sorted(os.listdir(err_dir))]
-            pytest.fail("\n".join(msgs) or "a worker failed")
+    spawn_gloo(_cp_checks, 2)

@@ -3,21 +3,18 @@ spawn each) with segment ids sharded like the tokens give the single-process mod
 gradients on the full packed row (causal zigzag and bidirectional contiguous, RoPE restarting at each sequence,
 relative-position bias), which equal the sequences run one by one; bad ids raise the same ValueError on every rank.
 """
-import os
-import tempfile
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from gloo_harness import spawn_gloo
 
 from attn_ops.ring import shard_sequence
 from attn_zoo.models.primitives import segment_positions
 from attn_zoo.models.transformer import TransformerBlock, context_parallel_segment_positions
 from test_packing import LENGTHS, pack
-from test_transformer import _free_port, _lm, _perturb_final_linears
+from test_transformer import _lm, _perturb_final_linears
 
 WIDTH = 40  # sum(LENGTHS) = 34: 6 padding tokens at the end; divisible by 2W for W = 2 and 4 (zigzag)
 ROW_ORDERS = [[0, 1, 2, 3, 4], [4, 2, 1, 0, 3]]  # two rows: sequences of LENGTHS in these orders
@@ -161,29 +158,13 @@ def _check_bad_ids(rank, world):
     net(t_loc, segment_ids=shard(ids))  # and the group still works afterwards
 
 
-def _worker(rank, world, port, err_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        _check_lm(rank, world, causal=True, layout="zigzag")
-        _check_lm(rank, world, causal=False, layout="contiguous", checkpoint=world == 2)
-        _check_block(rank, world)
-        _check_bad_ids(rank, world)
-        dist.barrier()
-    except BaseException:
-        with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+def _packed_checks(rank, world):
+    _check_lm(rank, world, causal=True, layout="zigzag")
+    _check_lm(rank, world, causal=False, layout="contiguous", checkpoint=world == 2)
+    _check_block(rank, world)
+    _check_bad_ids(rank, world)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_packed_lm_matches_single_process(world):
-    with tempfile.TemporaryDirectory() as err_dir:
-        try:
-            mp.spawn(_worker, args=(world, _free_port(), err_dir), nprocs=world, join=True)
-        except Exception:
-            msgs = [open(os.path.join(err_dir, f)).read() for f in sorted(os.listdir(err_dir))]
-            pytest.fail("\n".join(msgs) or "a worker failed")
+    spawn_gloo(_packed_checks, world)
