@@ -245,6 +245,78 @@ def test_triton_skips_tiles_whose_segments_cannot_meet(monkeypatch):
     assert counts["logits"] == dense, (counts, dense)
 
 
+def test_segment_tables_give_each_position_exactly_its_segment_on_the_other_side():
+    """segtable.segment_tables (one Triton launch): per position, [lo, hi) on the other side covers exactly the
+    positions with its id (empty when the id is absent there or the position is padding), for ids shared by q and
+    k, for a pair of different lengths with padding between segments, for ids broadcast over a batch dim, and for
+    rows longer than the kernel's 1024-position chunks (its scans carry across chunks)."""
+    from attn_ops.triton.segtable import segment_tables
+
+    def check(own_table, other_ids):
+        ids, lo, hi = (t.reshape(-1, t.shape[-1]) for t in own_table.unbind(-2))
+        other = other_ids.expand(own_table.shape[:-2] + other_ids.shape[-1:]).reshape(-1, other_ids.shape[-1])
+        for row in range(ids.shape[0]):
+            span = {}
+            for j, x in enumerate(other[row].tolist()):
+                if x >= 0:
+                    span[x] = (span.get(x, (j, j))[0], j + 1)
+            got = list(zip(ids[row].tolist(), lo[row].tolist(), hi[row].tolist()))
+            for i, (x, a, b) in enumerate(got):
+                if x >= 0 and x in span:
+                    assert (a, b) == span[x], (row, i, x, a, b, span[x])
+                else:
+                    assert b <= a, (row, i, x, a, b)
+
+    g = torch.Generator().manual_seed(3)
+    ids = ids_from_lengths([5, 1, 9, 3], 22)[None].repeat(2, 1)
+    ids[1] = torch.where(torch.rand(22, generator=g) < 0.3, -1, ids[1])  # padding inside and between segments
+    rows = ids[:, None]
+    qt, kt = segment_tables(rows, rows)
+    assert qt is kt and qt.dtype == torch.int32 and qt.shape == (2, 1, 3, 22)
+    check(qt, rows)
+    q_ids = torch.tensor([[0, 0, 2, 2, 2, -1, 5, 7]])  # [1, Lq]: broadcast over the key ids' batch
+    k_ids = torch.tensor([[-1, 0, 1, 1, 2, -1, 2, 7, 7, -1], [2, 2, 3, 5, 5, 5, -1, -1, 8, 8]])
+    qt, kt = segment_tables(q_ids[:, None], k_ids[:, None])
+    assert qt.shape == (2, 1, 3, 8) and kt.shape == (2, 1, 3, 10)
+    check(qt, k_ids[:, None])
+    check(kt, q_ids[:, None])
+    # long rows: 2500 and 2200 positions of sequences 1-400 long, padding between some of them
+    long_q = ids_from_lengths(torch.randint(1, 400, (12,), generator=g).tolist(), 2500)
+    long_k = ids_from_lengths(torch.randint(1, 400, (10,), generator=g).tolist(), 2200)
+    long_k = torch.where(torch.rand(2200, generator=g) < 0.05, -1, long_k)
+    long_q[1000:1500] = long_k[1000:1500] = -1  # padding across a chunk boundary: the scans' carries count
+    qt, kt = segment_tables(long_q[None, None], long_k[None, None])
+    check(qt, long_k[None, None])
+    check(kt, long_q[None, None])
+
+
+def test_triton_reuses_segment_tables_of_unchanged_ids(monkeypatch):
+    """The tables are built once per ids tensor (as a model's layers share one), rebuilt after an in-place change
+    of the ids (results follow the new ids) and for another tensor; never reused for a pair of other ids."""
+    from attn_ops.triton import op as triton_op
+
+    built = []
+    real = triton_op.segment_tables_flat
+    monkeypatch.setattr(triton_op, "segment_tables_flat", lambda *a: built.append(1) or real(*a))
+    monkeypatch.setattr(triton_op, "_TABLES", [])
+    q, k, v = _qkv(lq=12, lk=12, b=2)
+    ids = ids_from_lengths([5, 4, 3], 12)[None].repeat(2, 1)
+    run = lambda i: attn_ops.attention(q, k, v, backend="triton", segment_ids=i)  # noqa: E731
+    first = run(ids)
+    assert torch.equal(run(ids), first) and len(built) == 1
+    ids[:, 5:] = 7  # the last two sequences become one
+    changed = run(ids)
+    assert len(built) == 2
+    expected = attention_reference(q, k, v, segment_ids=(ids, ids))[0]
+    assert max_err(changed, expected) < 1e-5 and max_err(changed, first) > 1e-3
+    run(ids.clone())
+    assert len(built) == 3
+    k_ids = ids_from_lengths([9, 3], 12)[None].repeat(2, 1)
+    pair = attn_ops.attention(q, k, v, backend="triton", segment_ids=(ids, k_ids))
+    assert len(built) == 4
+    assert max_err(pair, attention_reference(q, k, v, segment_ids=(ids, k_ids))[0]) < 1e-5
+
+
 def _qkv(lq=6, lk=6, b=2):
     return torch.randn(b, 2, lq, 16), torch.randn(b, 2, lk, 16), torch.randn(b, 2, lk, 16)
 
@@ -296,11 +368,14 @@ def test_backend_without_segment_support_refuses_with_a_reason(monkeypatch):
 
 def test_triton_custom_op_with_ids_under_compile_and_opcheck():
     """The custom op takes the id tables (fake impl included): opcheck, and torch.compile gives the eager bits."""
-    from attn_ops.triton.launch import segment_table
+    from attn_ops.triton.segtable import segment_tables
 
     q, k, v = (t.requires_grad_() for t in _qkv(lq=20, lk=20, b=1))
     ids = ids_from_lengths([7, 1, 9], 20)[None]
-    table = segment_table(ids[:, None])  # [B, R=1, 3, L]
+    table, _ = segment_tables(ids[:, None], ids[:, None])  # [B, R=1, 3, L]
+    for shared in (True, False):
+        torch.library.opcheck(torch.ops.attn_zoo.triton_segment_tables.default, (ids[:, None], ids[:, None], shared),
+                              test_utils=("test_schema", "test_faketensor"))
     q5, k5, v5 = (t[:, None].detach() for t in (q, k, v))
     torch.library.opcheck(torch.ops.attn_zoo.triton_attn_fwd.default,
                           (q5, k5, v5, None, None, 0.25, True, False, False, table, table),

@@ -8,7 +8,6 @@ from typing import List, Optional, Tuple
 import torch
 
 from . import op as _op  # registers attn_zoo::triton_attn_fwd / _bwd; attend() calls them
-from .launch import segment_table
 
 Tensor = torch.Tensor
 BWD_VARIANTS = ("auto", "split", "fused")
@@ -98,8 +97,8 @@ def _seg_tables(seg, pad=()):
     one shared table when both sides are the same tensor."""
     if seg is None:
         return ()
-    qt = segment_table(seg[0].reshape(pad + seg[0].shape))
-    return (qt, qt if seg[1] is seg[0] else segment_table(seg[1].reshape(pad + seg[1].shape)))
+    q_ids = seg[0].reshape(pad + seg[0].shape)
+    return _op.segment_tables(q_ids, q_ids if seg[1] is seg[0] else seg[1].reshape(pad + seg[1].shape))
 
 
 def _canonical_call(q, k, v, bias, mask, scale, causal, mode, tables=()) -> Tuple[Tensor, Tensor]:

@@ -206,7 +206,7 @@ def attn_bwd_dkdv_kernel(
         QSeg_r = QSeg + b.to(tl.int64) * s_sqb + r.to(tl.int64) * s_sqr
         KSeg_r = KSeg + b.to(tl.int64) * s_skb + r.to(tl.int64) * s_skr
         kid = seg_ids(KSeg_r, offs_n, Lk, -2)
-        lo_m, end_m = seg_span(KSeg_r, offs_n, Lk, QSeg_r, Lq, BLOCK_M)
+        lo_m, end_m = seg_span(KSeg_r, offs_n, Lk, Lq, BLOCK_M)
 
     if ROWS == 2:
         tl.static_assert(not FUSED_DQ, "two rows per program only with the split dQ kernel")
@@ -363,7 +363,7 @@ def attn_bwd_dq_kernel(
         QSeg_r = QSeg + b.to(tl.int64) * s_sqb + r.to(tl.int64) * s_sqr
         KSeg_r = KSeg + b.to(tl.int64) * s_skb + r.to(tl.int64) * s_skr
         qid = seg_ids(QSeg_r, offs_m, Lq, -1)
-        lo, end = seg_span(QSeg_r, offs_m, Lq, KSeg_r, Lk, BLOCK_N)
+        lo, end = seg_span(QSeg_r, offs_m, Lq, Lk, BLOCK_N)
     if CAUSAL:
         hi = tl.minimum(end, m0 + BLOCK_M + (Lk - Lq))
         full_hi = (tl.maximum(m0 + 1 + (Lk - Lq), 0) // BLOCK_N) * BLOCK_N

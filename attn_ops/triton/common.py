@@ -147,33 +147,17 @@ def seg_ids(Seg, offs, L, FILL: tl.constexpr):
 
 
 @triton.jit
-def _first_at_least(Sorted, n, target):
-    """The first i in [0, n) with Sorted[i] >= target (n if none), by binary search; Sorted non-decreasing."""
-    lo = tl.full([], 0, tl.int32)
-    hi = tl.full([], 0, tl.int32) + n
-    while lo < hi:
-        mid = (lo + hi) // 2
-        go_right = tl.load(Sorted + mid) < target
-        lo = tl.where(go_right, mid + 1, lo)
-        hi = tl.where(go_right, hi, mid)
-    return lo
-
-
-@triton.jit
-def seg_span(Own, offs, L_own, Other, L_other, BLOCK: tl.constexpr):
-    """For a tile of positions ``offs`` of one row (ids at ``Own``), the positions [lo, hi) of the other side's
-    row (``Other``) whose ids can equal one of the tile's non-negative ids, ``lo`` rounded down to a multiple of
-    BLOCK (the other side's tile). Each side's table holds its ids, their running maximum and their suffix
-    minimum (``launch.segment_table``), both non-decreasing, so the span is two binary searches: from the first
-    running max >= the tile's smallest id to the first suffix min > its largest (padding between or after the
-    sequences is left out). A tile of padding only gives an empty span."""
-    ids = tl.load(Own + offs, mask=offs < L_own, other=-1)
-    valid = ids >= 0
-    lo_id = tl.min(tl.where(valid, ids, 2147483647), 0)
-    hi_id = tl.max(tl.where(valid, ids, -1), 0)
-    lo = _first_at_least(Other + L_other, L_other, lo_id)
-    hi = _first_at_least(Other + 2 * L_other, L_other, hi_id + 1)
-    return (lo // BLOCK) * BLOCK, tl.maximum(hi, lo)
+def seg_span(Own, offs, L_own, L_other, BLOCK: tl.constexpr):
+    """For a tile of positions ``offs`` of one row (``Own`` points at the row's table,
+    ``segtable.segment_tables``), the positions [lo, hi) of the other side's row whose ids can equal one of the
+    tile's non-negative ids, ``lo`` rounded down to a multiple of BLOCK (the other side's tile): the smallest of
+    the tile's per-position lower bounds and the largest of their ends. A tile of padding only gives an empty
+    span."""
+    in_row = offs < L_own
+    lo = tl.min(tl.load(Own + L_own + offs, mask=in_row, other=L_other), 0)
+    hi = tl.max(tl.load(Own + 2 * L_own + offs, mask=in_row, other=0), 0)
+    lo_tile = (lo // BLOCK) * BLOCK
+    return lo_tile, tl.where(hi > lo, hi, lo_tile)
 
 
 @triton.jit

@@ -116,7 +116,7 @@ def attn_fwd_kernel(
         QSeg_r = QSeg + b.to(tl.int64) * s_sqb + r.to(tl.int64) * s_sqr
         KSeg_r = KSeg + b.to(tl.int64) * s_skb + r.to(tl.int64) * s_skr
         qid = seg_ids(QSeg_r, offs_m, Lq, -1)
-        lo, end = seg_span(QSeg_r, offs_m, Lq, KSeg_r, Lk, BLOCK_N)
+        lo, end = seg_span(QSeg_r, offs_m, Lq, Lk, BLOCK_N)
     if CAUSAL:
         # Key tiles fully below the diagonal need no causal test; the rest (up to hi) do.
         hi = tl.minimum(end, m0 + BLOCK_M + (Lk - Lq))

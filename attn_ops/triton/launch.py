@@ -103,21 +103,6 @@ def _pairs_rows(bias: Optional[Tensor], R: int, causal: bool, atomic_dbias: bool
     return atomic_dbias and bias is not None and bias.shape[1] == 1 and R > 1 and not causal
 
 
-SEG_NONE = 2 ** 31 - 1  # the suffix minimum's value past the last valid id
-
-
-def segment_table(ids: Tensor) -> Tensor:
-    """The kernels' segment id table of canonical ids ``[B|1, R|1, L]`` (any int dtype): int32 ``[B|1, R|1, 3, L]``
-    holding the ids (negatives as -1), their running maximum along L (padding counts as -1) and their suffix
-    minimum (padding counts as SEG_NONE). Both are non-decreasing for contiguous segments: the kernels
-    binary-search them for the span of positions a tile's ids can meet (:func:`common.seg_span`)."""
-    valid = ids >= 0
-    ids = torch.where(valid, ids, torch.full_like(ids, -1)).to(torch.int32)
-    none = torch.full_like(ids, SEG_NONE)
-    suffix_min = torch.cummin(torch.where(valid, ids, none).flip(-1), -1).values.flip(-1)
-    return torch.stack([ids, torch.cummax(ids, -1).values, suffix_min], -2).contiguous()
-
-
 def _seg_args(q_seg: Optional[Tensor], k_seg: Optional[Tensor], dummy: Tensor):
     """(q table, k table, their (b, r) strides: 0 on broadcast dims) for the kernels; dummies without ids."""
     if q_seg is None:
@@ -246,7 +231,7 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
                  ) -> Tuple[Tensor, Tensor]:
     """out ``[B, R, H, Lq, Dv]`` (q.dtype, dense in q's dim order) and lse ``[B, R, H, Lq]`` (fp32, natural log).
 
-    ``q_seg``/``k_seg``: None or :func:`segment_table` of the query / key segment ids (both or neither)."""
+    ``q_seg``/``k_seg``: None or the ``segtable.segment_tables`` of the query / key ids (both or neither)."""
     B, R, H, Lq, D = q.shape
     Lk, Dv = k.shape[3], v.shape[4]
     out = empty_in_order(q, (B, R, H, Lq, Dv), q.dtype)

@@ -12,11 +12,13 @@ which is what a small shape is bound by. Both paths run the same launches, so th
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import weakref
+from typing import List, Optional, Tuple
 
 import torch
 
 from .launch import attn_backward, attn_forward, empty_in_order
+from .segtable import segment_tables_flat, split_tables
 
 Tensor = torch.Tensor
 
@@ -30,7 +32,7 @@ def triton_attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mas
 
     ``fused_bwd`` and ``atomic_dbias`` only select the backward's variant (one pass with dQ by atomics vs split
     kernels; a broadcast bias's gradient by atomics vs the deterministic reduction kernel). ``q_seg``/``k_seg``:
-    segment id tables ``[B|1, R|1, 3, L]`` int32 (``launch.segment_table``) or None.
+    segment id tables ``[B|1, R|1, 3, L]`` int32 (``segtable.segment_tables``) or None.
     """
     return attn_forward(q, k, v, bias, mask, scale, causal, q_seg, k_seg)
 
@@ -69,6 +71,62 @@ def _(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbia
       k_seg=None):
     dbias = bias.new_empty(bias.shape) if (need_dbias and bias is not None) else q.new_empty((0,))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+
+
+@torch.library.custom_op("attn_zoo::triton_segment_tables", mutates_args=())
+def triton_segment_tables(q_ids: Tensor, k_ids: Tensor, shared: bool) -> Tensor:
+    """The query and key segment tables in one int32 tensor ``[B', R', 3 * (Lq + Lk)]`` (``3 * Lq`` when
+    ``shared``), see ``segtable.segment_tables_flat``."""
+    return segment_tables_flat(q_ids, k_ids, shared)
+
+
+@triton_segment_tables.register_fake
+def _(q_ids, k_ids, shared):
+    batch = torch.broadcast_shapes(q_ids.shape[:-1], k_ids.shape[:-1])
+    width = 3 * q_ids.shape[-1] if shared else 3 * (q_ids.shape[-1] + k_ids.shape[-1])
+    return q_ids.new_empty(tuple(batch) + (width,), dtype=torch.int32)
+
+
+def segment_tables(q_ids: Tensor, k_ids: Tensor) -> Tuple[Tensor, Tensor]:
+    """The kernels' (query, key) segment tables of canonical ids ``[B|1, R|1, L]``, one table when ``k_ids is
+    q_ids``: the custom op under torch.compile (see :func:`_through_custom_op`), else its body.
+
+    Eager calls reuse the tables of the same ids (the same tensor, or the same view of it, unchanged since: its
+    version counter): a model passes one ids tensor to every layer, so the tables are built once per batch, as a
+    flex BlockMask is, instead of once per attention call."""
+    shared = k_ids is q_ids
+    Lq, Lk = q_ids.shape[-1], k_ids.shape[-1]
+    if _through_custom_op(q_ids):
+        return split_tables(torch.ops.attn_zoo.triton_segment_tables(q_ids, k_ids, shared), Lq, Lk, shared)
+    key = _tables_key(q_ids, k_ids, shared)
+    if key is not None:
+        for entry_key, refs, flat in _TABLES:
+            if entry_key == key and refs[0]() is _root(q_ids) and refs[1]() is _root(k_ids):
+                return split_tables(flat, Lq, Lk, shared)
+    flat = segment_tables_flat(q_ids, k_ids, shared)
+    if key is not None:
+        _TABLES.insert(0, (key, (weakref.ref(_root(q_ids)), weakref.ref(_root(k_ids))), flat))
+        del _TABLES[_TABLES_MAX:]
+    return split_tables(flat, Lq, Lk, shared)
+
+
+_TABLES: List = []  # (key, weak refs to the ids' base tensors, flat tables), newest first
+_TABLES_MAX = 4
+
+
+def _root(t: Tensor) -> Tensor:
+    return t if t._base is None else t._base
+
+
+def _tables_key(q_ids: Tensor, k_ids: Tensor, shared: bool):
+    """What identifies the tables of these ids: each side's base tensor, its version and the view's geometry;
+    None where nothing may be cached (inference tensors have no version counter; tables made during CUDA graph
+    capture live in the graph's memory pool)."""
+    if q_ids.is_inference() or k_ids.is_inference() or (
+            q_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    side = lambda t: (id(_root(t)), t._version, t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)  # noqa
+    return (shared, side(q_ids), side(k_ids))
 
 
 def _setup_context(ctx, inputs, output):
