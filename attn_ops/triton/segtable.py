@@ -41,7 +41,8 @@ def _min2(a, b):
 def _ids_and_bounds(Ids, T, RunMax, SufMin, L, BLOCK: tl.constexpr):
     """Row 0 of the table (canonical ids), the running maximum and the suffix minimum of one side's row."""
     carry = tl.full([], -1, tl.int32)
-    for start in range(0, L, BLOCK):
+    start = 0
+    while start < L:
         offs = start + tl.arange(0, BLOCK)
         ok = offs < L
         x = tl.load(Ids + offs, mask=ok, other=-1)
@@ -50,16 +51,18 @@ def _ids_and_bounds(Ids, T, RunMax, SufMin, L, BLOCK: tl.constexpr):
         m = tl.maximum(tl.associative_scan(x, 0, _max2), carry)
         tl.store(RunMax + offs, m, mask=ok)
         carry = tl.max(m, 0)
+        start += BLOCK
     carry = tl.full([], 2147483647, tl.int32)
-    last = ((L - 1) // BLOCK) * BLOCK
-    for i in range(0, L, BLOCK):  # the chunks from the last one back
-        offs = (last - i) + tl.arange(0, BLOCK)
+    start = ((L - 1) // BLOCK) * BLOCK
+    while start >= 0:  # the chunks from the last one back
+        offs = start + tl.arange(0, BLOCK)
         ok = offs < L
         x = tl.load(Ids + offs, mask=ok, other=-1)
         x = tl.where(x >= 0, x, 2147483647).to(tl.int32)
         m = tl.minimum(tl.associative_scan(x, 0, _min2, reverse=True), carry)
         tl.store(SufMin + offs, m, mask=ok)
         carry = tl.min(m, 0)
+        start -= BLOCK
 
 
 @triton.jit
@@ -75,7 +78,8 @@ def _spans(T, L_own, RunMax, SufMin, L_other, STEPS, BLOCK: tl.constexpr):
     """Rows 1 and 2 of one side's table from its ids (row 0) and the other side's bounds: per position the first
     running maximum >= its id and the first suffix minimum > it, two binary searches on every lane at once
     (STEPS >= the bit length of L_other), interleaved so their loads overlap."""
-    for start in range(0, L_own, BLOCK):
+    start = 0
+    while start < L_own:
         offs = start + tl.arange(0, BLOCK)
         ok = offs < L_own
         x = tl.load(T + offs, mask=ok, other=-1)
@@ -83,12 +87,15 @@ def _spans(T, L_own, RunMax, SufMin, L_other, STEPS, BLOCK: tl.constexpr):
         hi_a = lo_a + L_other
         lo_b = lo_a
         hi_b = hi_a
-        for _ in range(STEPS):
+        step = 0
+        while step < STEPS:
             lo_a, hi_a = _search_step(RunMax, lo_a, hi_a, x)
             lo_b, hi_b = _search_step(SufMin, lo_b, hi_b, x + 1)
+            step += 1
         valid = x >= 0
         tl.store(T + L_own + offs, tl.where(valid, lo_a, L_other), mask=ok)
         tl.store(T + 2 * L_own + offs, tl.where(valid, lo_b, 0), mask=ok)
+        start += BLOCK
 
 
 @triton.jit
