@@ -101,8 +101,7 @@ def test_settings_are_in_the_cache_keys_they_affect(monkeypatch):
     def fake_launch(cfg):
         launched.append(cfg)
 
-    import triton.testing
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or 1.0)
+    monkeypatch.setattr(tuning, "measure", lambda fn, **kw: fn() or 1.0)
     monkeypatch.setattr(settings, "_current", KernelSettings(cache_dir=None, compile_threads=1))
     with kernel_settings(tune=False):
         untuned = tuning.pick("fwd", ("k",), 64, 256, 256, fake_launch)

@@ -380,3 +380,15 @@ def test_small_steps_read_the_bias_without_tma_gpu():
         bias = torch.empty(1, 1, 4, n, n, device="cuda", dtype=torch.bfloat16)
         _, tma = launch.bias_for_tiles(bias, q, n, n)
         assert (tma is not None) == want_tma, n
+
+
+def test_tuning_measure_orders_work_by_gpu_time_gpu():
+    """tuning.measure (the tuner's timer): a GEMM with 8x the work measures several times longer, and the median
+    of a sub-microsecond launch stays far below a millisecond (the buffer clear before each run is not timed)."""
+    from attn_ops.triton.tuning import measure
+
+    a, b = torch.randn(2048, 2048, device="cuda"), torch.randn(4096, 4096, device="cuda")
+    small, big = measure(lambda: a @ a), measure(lambda: b @ b)
+    assert 0 < small < big and big / small > 4, (small, big)
+    tiny = torch.zeros(16, device="cuda")
+    assert measure(lambda: tiny.add_(1)) < 0.1

@@ -1,5 +1,5 @@
 """The block-size tuner (attn_ops/triton/tuning.py) on the CPU: candidate pruning, and pick()'s timing, cache and
-switches with the interpreter shortcut turned off. A fake ``launch`` and a fake ``triton.testing.do_bench`` stand
+switches with the interpreter shortcut turned off. A fake ``launch`` and a fake ``tuning.measure`` stand
 in for the GPU; the last test times real interpreter launches of the op's launchers."""
 import os
 
@@ -8,7 +8,6 @@ import torch
 
 pytest.importorskip("triton")
 
-import triton.testing  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from attn_ops import settings  # noqa: E402
@@ -76,9 +75,8 @@ def test_pair_and_dbias_candidate_expansion():
 
 
 class FakeBench:
-    """Stands in for ``triton.testing.do_bench`` and a launch callable: ``launch`` records each config it gets
-    (raising for those in ``fail``); ``do_bench`` runs the function once and returns the time set for the config
-    it launched."""
+    """Stands in for ``tuning.measure`` and a launch callable: ``launch`` records each config it gets (raising for
+    those in ``fail``); ``do_bench`` runs the function once and returns the time set for the config it launched."""
 
     def __init__(self):
         self.ms, self.fail, self.error = {}, set(), OutOfResources(1 << 20, 1 << 17, "shared memory")
@@ -89,7 +87,7 @@ class FakeBench:
         if cfg in self.fail:
             raise self.error
 
-    def do_bench(self, fn, warmup=25, rep=100, **kw):
+    def do_bench(self, fn, **kw):
         fn()
         self.timed.append(self.launched[-1])
         return self.ms.get(self.launched[-1], 10.0)
@@ -103,7 +101,7 @@ def tuner(monkeypatch):
     monkeypatch.setattr(tuning, "_CACHE", {})
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, compile_threads=1))
     bench = FakeBench()
-    monkeypatch.setattr(triton.testing, "do_bench", bench.do_bench)
+    monkeypatch.setattr(tuning, "measure", bench.do_bench)
     return bench
 
 
@@ -206,12 +204,12 @@ def test_timed_launchers_are_repeatable(monkeypatch, opts):
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None))
     timed = []
 
-    def do_bench(fn, warmup=25, rep=100, **kw):
+    def do_bench(fn, **kw):
         fn()
         timed.append(fn)
         return float(len(timed) % 3)  # not the first candidate every time
 
-    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(tuning, "measure", do_bench)
     monkeypatch.setattr(tuning, "candidates", _small_candidates)
     q, k, v, bias, mask = make_inputs((1, 3), 2, 20, 20, 16, bias_shape=(1, 1, 2, 20, 20),
                                       mask_shape=(1, 3, 1, 1, 20), seed=7)
@@ -241,7 +239,7 @@ def _fake_timer(monkeypatch, ms):
     """do_bench -> ms(cfg, L) for the config being launched (the launch closure's cfg) and the current length."""
     state = {}
 
-    def do_bench(fn, warmup=25, rep=100, **kw):
+    def do_bench(fn, **kw):
         fn()
         return ms(state["cfg"], state["L"])
 
@@ -255,7 +253,7 @@ def _fake_timer(monkeypatch, ms):
         state["L"] = lk
         return real_pick(kernel, key, head_dim, lq, lk, tracked, pair, device)
 
-    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(tuning, "measure", do_bench)
     monkeypatch.setattr(launch_mod, "pick", pick)
     return state
 
@@ -464,7 +462,7 @@ def test_pretune_fills_the_disk_cache_for_a_later_process(monkeypatch, tmp_path)
     monkeypatch.setattr(tuning, "candidates", _small_candidates)
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(tune=False, cache_dir=str(tmp_path)))
     timed = []
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: timed.append(fn()) or float(len(timed) % 3))
+    monkeypatch.setattr(tuning, "measure", lambda fn, **kw: timed.append(fn()) or float(len(timed) % 3))
     with pytest.raises(ValueError, match="bias must be one of"):
         attn_ops.pretune([(1, 2, 2, 20, 16)], bias="shared")
     chosen = attn_ops.pretune([(1, 2, 2, 20, 16)], dtype=torch.float32)
@@ -562,3 +560,4 @@ def test_compile_only_launch_warms_up_and_runs_nothing(monkeypatch):
         fastlaunch.launch(Kernel(), (3,), (1, 2), 4, 2, BLOCK=16)
     assert calls == [("warmup", (1, 2), (3,), {"num_warps": 4, "num_stages": 2, "BLOCK": 16})]
     assert fastlaunch._WARMUP_ONLY is False
+
