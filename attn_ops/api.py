@@ -48,7 +48,8 @@ def attention(
             the non-negative ids must be non-decreasing (a segment never returns after another started); this
             is checked in eager mode (one host sync per new ids tensor) and not under torch.compile or CUDA
             graph capture. Composes with bias, mask and causal; the triton kernels skip tiles whose id ranges
-            cannot meet, so a packed row costs what its sequences cost alone.
+            cannot meet, so a packed row costs what its sequences cost alone. Pass one ids tensor to every layer:
+            triton builds its per-position tables once per ids tensor (rebuilt if it changes in place).
         **options: backend options (``chunk_size`` for ``chunked``, ``bwd`` for ``triton``).
 
     Returns:

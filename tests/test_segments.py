@@ -7,10 +7,15 @@ a small multiple of plain PyTorch's own error in the same dtype on the same pack
 """
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest does the same)
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest does the same)
+# The triton tests on CPU tensors need the interpreter; on a GPU machine setting it here would switch every GPU test
+# collected with this file to the interpreter's launch path, so they skip there unless TRITON_INTERPRET=1 was set.
+interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="triton on CPU tensors: run with TRITON_INTERPRET=1")
 
 import attn_ops  # noqa: E402
 from attn_ops import registry  # noqa: E402
@@ -193,6 +198,7 @@ def test_torch_backends_match_sequences(backend, case):
 TRITON_RUNS = [(c, torch.float32) for c in TRITON_CASES] + [(c, torch.float16) for c in TRITON_CASES[1:3]]
 
 
+@interpreter
 @pytest.mark.parametrize("case,dtype", TRITON_RUNS, ids=[f"{c[0]}-{str(d)[6:]}" for c, d in TRITON_RUNS])
 def test_triton_matches_sequences(case, dtype):
     check_packed("triton", case, dtype)
@@ -211,6 +217,7 @@ def _tiles_meeting(qids, kids, bm, bn):
     return n
 
 
+@interpreter
 def test_triton_skips_tiles_whose_segments_cannot_meet(monkeypatch):
     """Count the score tiles each kernel computes (forward, dQ, dK/dV and the dBias reduction of a bias shared by
     the batch rows): with segment ids exactly the tile pairs whose id ranges meet, far fewer than the dense ones,
@@ -245,6 +252,7 @@ def test_triton_skips_tiles_whose_segments_cannot_meet(monkeypatch):
     assert counts["logits"] == dense, (counts, dense)
 
 
+@interpreter
 def test_segment_tables_give_each_position_exactly_its_segment_on_the_other_side():
     """segtable.segment_tables (one Triton launch): per position, [lo, hi) on the other side covers exactly the
     positions with its id (empty when the id is absent there or the position is padding), for ids shared by q and
@@ -290,6 +298,7 @@ def test_segment_tables_give_each_position_exactly_its_segment_on_the_other_side
     check(kt, long_q[None, None])
 
 
+@interpreter
 def test_triton_reuses_segment_tables_of_unchanged_ids(monkeypatch):
     """The tables are built once per ids tensor (as a model's layers share one), rebuilt after an in-place change
     of the ids (results follow the new ids) and for another tensor; never reused for a pair of other ids."""
@@ -366,6 +375,7 @@ def test_backend_without_segment_support_refuses_with_a_reason(monkeypatch):
     assert not registry.get("sdpa").segment_ids and all(registry.get(n).segment_ids for n in ("torch", "chunked", "triton", "flex"))
 
 
+@interpreter
 def test_triton_custom_op_with_ids_under_compile_and_opcheck():
     """The custom op takes the id tables (fake impl included): opcheck, and torch.compile gives the eager bits."""
     from attn_ops.triton.segtable import segment_tables

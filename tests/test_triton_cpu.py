@@ -6,10 +6,15 @@ the same dtype (tests/helpers.py). fp32 and fp16 only (bf16 is broken in the int
 import os
 import zlib
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (conftest does the same)
+# On a GPU machine this file runs only with TRITON_INTERPRET=1 set for the whole run: setting it here would switch
+# the launch path of every GPU test collected with it to the interpreter's.
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="Triton interpreter tests (CPU): run with TRITON_INTERPRET=1")
 
 pytest.importorskip("triton")
 
