@@ -324,6 +324,19 @@ def test_triton_reuses_segment_tables_of_unchanged_ids(monkeypatch):
     pair = attn_ops.attention(q, k, v, backend="triton", segment_ids=(ids, k_ids))
     assert len(built) == 4
     assert max_err(pair, attention_reference(q, k, v, segment_ids=(ids, k_ids))[0]) < 1e-5
+    ids.data = ids_from_lengths([2, 10], 12)[None].repeat(2, 1)  # new memory behind the same tensor: rebuilt
+    assert max_err(run(ids), attention_reference(q, k, v, segment_ids=(ids, ids))[0]) < 1e-5 and len(built) == 5
+    ids.data[:, 6:] = 9  # unseen by the version counter: clear_segment_tables() is the documented remedy
+    triton_op.clear_segment_tables()
+    assert max_err(run(ids), attention_reference(q, k, v, segment_ids=(ids, ids))[0]) < 1e-5 and len(built) == 6
+    k2 = ids_from_lengths([3, 9], 12)[None].repeat(2, 1)
+    attn_ops.attention(q, k, v, backend="triton", segment_ids=(ids, k2))
+    assert len(triton_op._TABLES) == 2
+    del k2  # its entry goes at the next insert
+    other = ids.clone()
+    run(other)
+    assert len(triton_op._TABLES) == 2 and all(e[1][0]() is not None and e[1][1]() is not None
+                                               for e in triton_op._TABLES)
 
 
 def _qkv(lq=6, lk=6, b=2):

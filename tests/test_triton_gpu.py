@@ -392,3 +392,54 @@ def test_tuning_measure_orders_work_by_gpu_time_gpu():
     assert 0 < small < big and big / small > 4, (small, big)
     tiny = torch.zeros(16, device="cuda")
     assert measure(lambda: tiny.add_(1)) < 0.1
+
+
+def _spans_brute_force(own, other):
+    """Per position of ``own`` [n, Lo] the (first, last + 1) positions of ``other`` [n, Lt] with its id; (-1, -1)
+    where it has none or is padding."""
+    match = (own[:, :, None] == other[:, None, :]) & (own >= 0)[:, :, None]
+    pos = torch.arange(other.shape[-1], device=own.device)
+    first = torch.where(match, pos, other.shape[-1]).amin(-1)
+    last = torch.where(match, pos, -1).amax(-1)
+    found = match.any(-1)
+    return torch.where(found, first, -1), torch.where(found, last + 1, -1), found
+
+
+def _ids(lengths, total, pad_every=0, g=None):
+    ids = torch.full((total,), -1, dtype=torch.long)
+    pos = 0
+    for i, n in enumerate(lengths):
+        ids[pos:pos + n] = i
+        pos += n
+    if pad_every:
+        ids[torch.rand(total, generator=g) < 1 / pad_every] = -1
+    return ids
+
+
+def test_segment_tables_compiled_match_brute_force_gpu():
+    """The compiled segment-table kernel (chunk carries, reverse scans, the barrier between its phases): per
+    position the exact span of its id on the other side, for shared int64 ids over several 1024-position chunks
+    with padding across a chunk boundary, a pair of int32 ids broadcast over different batch dims (q [1, R, Lq],
+    k [B, 1, Lk]), Lq = 1 against Lk = 1025, and ids with a last-dim stride of 2."""
+    from attn_ops.triton.segtable import segment_tables
+
+    g = torch.Generator().manual_seed(0)
+    long_ids = _ids(torch.randint(1, 500, (12,), generator=g).tolist(), 3000, pad_every=20, g=g)
+    long_ids[1000:1500] = -1
+    shared = long_ids.view(1, 1, -1).cuda()
+    q3 = torch.stack([_ids([300, 200, 200], 700), _ids([50, 600], 700), _ids([700], 700)]).int()
+    k2 = torch.stack([_ids([900, 1000, 600], 2500, pad_every=9, g=g), _ids([2, 2400], 2500)]).int()
+    strided = _ids([5, 900, 100, 20], 1030).repeat_interleave(2).view(1, 1, -1).cuda()[..., ::2]
+    cases = [(shared, shared), (q3[None].cuda(), k2[:, None].cuda()),
+             (torch.tensor([[[0]]], device="cuda"), _ids([1025], 1025).view(1, 1, -1).cuda()), (strided, strided)]
+    for q_ids, k_ids in cases:
+        qt, kt = segment_tables(q_ids, k_ids)
+        batch = torch.broadcast_shapes(q_ids.shape[:-1], k_ids.shape[:-1])
+        for table, own, other in ((qt, q_ids, k_ids), (kt, k_ids, q_ids)):
+            own_b = own.expand(batch + own.shape[-1:]).reshape(-1, own.shape[-1]).long()
+            other_b = other.expand(batch + other.shape[-1:]).reshape(-1, other.shape[-1]).long()
+            ids, lo, hi = (t.reshape(-1, t.shape[-1]).long() for t in table.unbind(-2))
+            first, end, found = _spans_brute_force(own_b, other_b)
+            assert torch.equal(ids, torch.where(own_b >= 0, own_b, -1))
+            assert torch.equal(torch.where(found, lo, -1), first) and torch.equal(torch.where(found, hi, -1), end)
+            assert bool((hi[~found] <= lo[~found]).all())

@@ -76,7 +76,8 @@ def test_pair_and_dbias_candidate_expansion():
 
 class FakeBench:
     """Stands in for ``tuning.measure`` and a launch callable: ``launch`` records each config it gets (raising for
-    those in ``fail``); ``do_bench`` runs the function once and returns the time set for the config it launched."""
+    those in ``fail``); its ``do_bench`` (patched in as ``measure``) runs the function once and returns the time set
+    for the config it launched."""
 
     def __init__(self):
         self.ms, self.fail, self.error = {}, set(), OutOfResources(1 << 20, 1 << 17, "shared memory")

@@ -8,10 +8,12 @@ Layers (each one screen): ``common.py``/``forward.py``/``backward.py``/``dbias.p
 (direct calls of Triton's compiled kernels) -> ``op.py`` (``torch.library`` custom ops
 ``attn_zoo::triton_attn_fwd``/``_bwd`` with fake impls and autograd for ``torch.compile``; a plain
 ``autograd.Function`` over the same bodies for eager calls) -> ``attention.py`` (leading-dim canonicalisation).
+``segtable.py``: the segment-id tables of packed rows (one launch; cached per ids tensor by ``op.py``).
 """
 import torch
 
 from .attention import BWD_VARIANTS, triton_attention, triton_lse_backward
+from .op import clear_segment_tables
 
 SUPPORTED_HEAD_DIMS = (8, 256)  # (min, max) for D and Dv; any value in between (blocks padded to >= 16, a power of 2)
 SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -19,5 +21,5 @@ BIAS_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.flo
 DETERMINISTIC_BWD = ("split",)  # with deterministic=True only: "fused" uses atomics for dq, and
 # deterministic=False also sums a broadcast bias's gradient with atomics
 
-__all__ = ["triton_attention", "triton_lse_backward", "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "BIAS_DTYPES",
+__all__ = ["triton_attention", "triton_lse_backward", "clear_segment_tables", "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "BIAS_DTYPES",
            "BWD_VARIANTS", "DETERMINISTIC_BWD"]

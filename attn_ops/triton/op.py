@@ -91,9 +91,11 @@ def segment_tables(q_ids: Tensor, k_ids: Tensor) -> Tuple[Tensor, Tensor]:
     """The kernels' (query, key) segment tables of canonical ids ``[B|1, R|1, L]``, one table when ``k_ids is
     q_ids``: the custom op under torch.compile (see :func:`_through_custom_op`), else its body.
 
-    Eager calls reuse the tables of the same ids (the same tensor, or the same view of it, unchanged since: its
-    version counter): a model passes one ids tensor to every layer, so the tables are built once per batch, as a
-    flex BlockMask is, instead of once per attention call."""
+    Eager calls reuse the tables of the same ids (the same tensor, or the same view of it, on the same memory and
+    unchanged since by PyTorch ops: its version counter): a model passes one ids tensor to every layer, so the
+    tables are built once per batch, as a flex BlockMask is, instead of once per attention call. Writes that bypass
+    the version counter (``ids.data[...] = ``, through numpy or DLPack) are not seen: call
+    :func:`clear_segment_tables` after them. Entries of freed ids are dropped at the next insert."""
     shared = k_ids is q_ids
     Lq, Lk = q_ids.shape[-1], k_ids.shape[-1]
     if _through_custom_op(q_ids):
@@ -105,13 +107,18 @@ def segment_tables(q_ids: Tensor, k_ids: Tensor) -> Tuple[Tensor, Tensor]:
                 return split_tables(flat, Lq, Lk, shared)
     flat = segment_tables_flat(q_ids, k_ids, shared)
     if key is not None:
+        _TABLES[:] = [e for e in _TABLES if e[1][0]() is not None and e[1][1]() is not None][:_TABLES_MAX - 1]
         _TABLES.insert(0, (key, (weakref.ref(_root(q_ids)), weakref.ref(_root(k_ids))), flat))
-        del _TABLES[_TABLES_MAX:]
     return split_tables(flat, Lq, Lk, shared)
 
 
 _TABLES: List = []  # (key, weak refs to the ids' base tensors, flat tables), newest first
 _TABLES_MAX = 4
+
+
+def clear_segment_tables() -> None:
+    """Forget every cached segment table (after writing ids in a way PyTorch's version counter does not see)."""
+    _TABLES.clear()
 
 
 def _root(t: Tensor) -> Tensor:
@@ -125,7 +132,8 @@ def _tables_key(q_ids: Tensor, k_ids: Tensor, shared: bool):
     if q_ids.is_inference() or k_ids.is_inference() or (
             q_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
-    side = lambda t: (id(_root(t)), t._version, t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)  # noqa
+    side = lambda t: (id(_root(t)), t._version, t.untyped_storage().data_ptr(), t.shape, t.stride(),  # noqa
+                      t.storage_offset(), t.dtype, t.device)
     return (shared, side(q_ids), side(k_ids))
 
 

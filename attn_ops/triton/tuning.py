@@ -172,8 +172,8 @@ _FLUSH: Dict[int, object] = {}  # CUDA device index -> a buffer larger than L2, 
 
 def measure(fn: Callable[[], None], budget_ms: float = 2.0, min_runs: int = 5, max_runs: int = 40) -> float:
     """Median GPU time (ms) of ``fn``: one untimed run, then enough runs for about ``budget_ms`` of GPU time, each
-    between CUDA events after clearing a 64 MB buffer (cold L2, as in training, and the clear hides the host's
-    launch latency from the events). ``triton.testing.do_bench`` spends 30-40 ms per candidate (its fixed warm-up
+    between CUDA events after clearing a buffer of twice the L2 size, at least 64 MB (cold L2, as in training; the
+    clear also hides most of the host's launch latency from the events). ``triton.testing.do_bench`` spends 30-40 ms per candidate (its fixed warm-up
     and repetition windows) where these kernels take microseconds, which made timing the larger part of a tuning
     stall; the choice between candidates only needs their order."""
     import torch
@@ -181,7 +181,8 @@ def measure(fn: Callable[[], None], budget_ms: float = 2.0, min_runs: int = 5, m
     device = torch.cuda.current_device()
     flush = _FLUSH.get(device)
     if flush is None:
-        flush = _FLUSH[device] = torch.empty(64 << 20, dtype=torch.int8, device="cuda")
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
+        flush = _FLUSH[device] = torch.empty(max(64 << 20, 2 * l2), dtype=torch.int8, device="cuda")
     fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(max_runs)]
     flush.zero_()
