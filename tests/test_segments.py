@@ -254,11 +254,11 @@ def test_triton_skips_tiles_whose_segments_cannot_meet(monkeypatch):
 
 @interpreter
 def test_segment_tables_give_each_position_exactly_its_segment_on_the_other_side():
-    """segtable.segment_tables (one Triton launch): per position, [lo, hi) on the other side covers exactly the
+    """op.segment_tables (one Triton launch, segtable.py): per position, [lo, hi) on the other side covers exactly the
     positions with its id (empty when the id is absent there or the position is padding), for ids shared by q and
     k, for a pair of different lengths with padding between segments, for ids broadcast over a batch dim, and for
     rows longer than the kernel's 1024-position chunks (its scans carry across chunks)."""
-    from attn_ops.triton.segtable import segment_tables
+    from attn_ops.triton.op import segment_tables
 
     def check(own_table, other_ids):
         ids, lo, hi = (t.reshape(-1, t.shape[-1]) for t in own_table.unbind(-2))
@@ -391,7 +391,7 @@ def test_backend_without_segment_support_refuses_with_a_reason(monkeypatch):
 @interpreter
 def test_triton_custom_op_with_ids_under_compile_and_opcheck():
     """The custom op takes the id tables (fake impl included): opcheck, and torch.compile gives the eager bits."""
-    from attn_ops.triton.segtable import segment_tables
+    from attn_ops.triton.op import segment_tables
 
     q, k, v = (t.requires_grad_() for t in _qkv(lq=20, lk=20, b=1))
     ids = ids_from_lengths([7, 1, 9], 20)[None]

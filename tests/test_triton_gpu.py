@@ -421,7 +421,7 @@ def test_segment_tables_compiled_match_brute_force_gpu():
     position the exact span of its id on the other side, for shared int64 ids over several 1024-position chunks
     with padding across a chunk boundary, a pair of int32 ids broadcast over different batch dims (q [1, R, Lq],
     k [B, 1, Lk]), Lq = 1 against Lk = 1025, and ids with a last-dim stride of 2."""
-    from attn_ops.triton.segtable import segment_tables
+    from attn_ops.triton.op import segment_tables
 
     g = torch.Generator().manual_seed(0)
     long_ids = _ids(torch.randint(1, 500, (12,), generator=g).tolist(), 3000, pad_every=20, g=g)

@@ -149,7 +149,7 @@ def seg_ids(Seg, offs, L, FILL: tl.constexpr):
 @triton.jit
 def seg_span(Own, offs, L_own, L_other, BLOCK: tl.constexpr):
     """For a tile of positions ``offs`` of one row (``Own`` points at the row's table,
-    ``segtable.segment_tables``), the positions [lo, hi) of the other side's row whose ids can equal one of the
+    ``op.segment_tables``), the positions [lo, hi) of the other side's row whose ids can equal one of the
     tile's non-negative ids, ``lo`` rounded down to a multiple of BLOCK (the other side's tile): the smallest of
     the tile's per-position lower bounds and the largest of their ends. A tile of padding only gives an empty
     span."""

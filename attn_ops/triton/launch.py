@@ -231,7 +231,7 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
                  ) -> Tuple[Tensor, Tensor]:
     """out ``[B, R, H, Lq, Dv]`` (q.dtype, dense in q's dim order) and lse ``[B, R, H, Lq]`` (fp32, natural log).
 
-    ``q_seg``/``k_seg``: None or the ``segtable.segment_tables`` of the query / key ids (both or neither)."""
+    ``q_seg``/``k_seg``: None or the ``op.segment_tables`` of the query / key ids (both or neither)."""
     B, R, H, Lq, D = q.shape
     Lk, Dv = k.shape[3], v.shape[4]
     out = empty_in_order(q, (B, R, H, Lq, Dv), q.dtype)

@@ -32,7 +32,7 @@ def triton_attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mas
 
     ``fused_bwd`` and ``atomic_dbias`` only select the backward's variant (one pass with dQ by atomics vs split
     kernels; a broadcast bias's gradient by atomics vs the deterministic reduction kernel). ``q_seg``/``k_seg``:
-    segment id tables ``[B|1, R|1, 3, L]`` int32 (``segtable.segment_tables``) or None.
+    segment id tables ``[B|1, R|1, 3, L]`` int32 (``op.segment_tables``) or None.
     """
     return attn_forward(q, k, v, bias, mask, scale, causal, q_seg, k_seg)
 

@@ -7,7 +7,7 @@ other length, hi = 0, an empty span). A kernel's tile then finds the other side'
 of its lo and the max of its hi (:func:`common.seg_span`), two vector loads.
 
 The spans come from the other side's running maximum of ids (padding as -1) and its suffix minimum (padding as
-SEG_NONE), both non-decreasing for contiguous segments: lo is the first position whose running maximum reaches the
+2**31 - 1), both non-decreasing for contiguous segments: lo is the first position whose running maximum reaches the
 id, hi the first whose suffix minimum exceeds it, found by a vectorised binary search. One program per batch row
 does the scans and the searches; built with PyTorch ops (scans, searchsorted, flips, stacks) the tables took a
 dozen launches and more GPU time than the packed attention's own kernels (docs/bench/packed_h100.md).
@@ -23,7 +23,6 @@ import triton.language as tl
 from .fastlaunch import launch as _launch
 
 Tensor = torch.Tensor
-SEG_NONE = 2 ** 31 - 1  # the suffix minimum's value past the last valid id
 _BLOCK = 1024
 
 
@@ -129,7 +128,7 @@ def segment_table_kernel(
 
 def segment_tables_flat(q_ids: Tensor, k_ids: Tensor, shared: bool) -> Tensor:
     """int32 ``[B', R', 3 * (Lq + Lk)]`` (``[B', R', 3 * Lq]`` when ``shared``: ``k_ids`` is ``q_ids``) holding the
-    query table then the key table of :func:`segment_tables`."""
+    query table then the key table of ``op.segment_tables``."""
     batch = torch.broadcast_shapes(q_ids.shape[:-1], k_ids.shape[:-1])
     Lq, Lk = q_ids.shape[-1], k_ids.shape[-1]
 
@@ -154,10 +153,3 @@ def split_tables(flat: Tensor, Lq: int, Lk: int, shared: bool) -> Tuple[Tensor, 
     if shared:
         return qt, qt
     return qt, flat[..., 3 * Lq:].unflatten(-1, (3, Lk))
-
-
-def segment_tables(q_ids: Tensor, k_ids: Tensor) -> Tuple[Tensor, Tensor]:
-    """The (query, key) segment tables of canonical ids ``[B|1, R|1, Lq]`` / ``[B|1, R|1, Lk]`` (see the module
-    docstring); one shared table when ``k_ids is q_ids``."""
-    shared = k_ids is q_ids
-    return split_tables(segment_tables_flat(q_ids, k_ids, shared), q_ids.shape[-1], k_ids.shape[-1], shared)
