@@ -213,3 +213,14 @@ def check_row_under_huge_additive_bias(fill, dtype, device, lq=20, lk=37, row=5)
     for name, a, b in zip("q k v bias".split(), grads1, grads0):
         assert torch.isfinite(a).all(), f"non-finite d{name}"
         assert torch.equal(a, b), f"d{name} changed: max diff {(a.double() - b.double()).abs().max().item():.3g}"
+
+
+def ids_from_lengths(lengths, total):
+    """Long [total]: sequence i's tokens get id i, in order; the rest (padding at the end) -1."""
+    ids = torch.full((total,), -1, dtype=torch.long)
+    pos = 0
+    for i, n in enumerate(lengths):
+        ids[pos:pos + n] = i
+        pos += n
+    assert pos <= total
+    return ids

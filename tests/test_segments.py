@@ -21,18 +21,7 @@ import attn_ops  # noqa: E402
 from attn_ops import registry  # noqa: E402
 from attn_ops.inputs import check_segment_ids  # noqa: E402
 from attn_ops.reference import attention_reference  # noqa: E402
-from helpers import bound, max_err  # noqa: E402
-
-
-def ids_from_lengths(lengths, total):
-    """Long [total]: sequence i's tokens get id i, in order; the rest (padding at the end) -1."""
-    ids = torch.full((total,), -1, dtype=torch.long)
-    pos = 0
-    for i, n in enumerate(lengths):
-        ids[pos:pos + n] = i
-        pos += n
-    assert pos <= total
-    return ids
+from helpers import bound, ids_from_lengths, max_err  # noqa: E402
 
 
 def spans(lengths):

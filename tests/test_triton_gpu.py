@@ -12,7 +12,7 @@ import torch
 from attn_ops.settings import kernel_settings
 from helpers import (
     GARBAGE_IDS, GARBAGE_RUNS, check_against_reference, check_garbage_at_masked_keys,
-    check_row_under_huge_additive_bias, empty_some_rows, make_inputs,
+    check_row_under_huge_additive_bias, empty_some_rows, ids_from_lengths, make_inputs,
 )
 
 pytestmark = pytest.mark.gpu
@@ -406,11 +406,8 @@ def _spans_brute_force(own, other):
 
 
 def _ids(lengths, total, pad_every=0, g=None):
-    ids = torch.full((total,), -1, dtype=torch.long)
-    pos = 0
-    for i, n in enumerate(lengths):
-        ids[pos:pos + n] = i
-        pos += n
+    """ids_from_lengths, with about one position in ``pad_every`` turned into padding (ids -1)."""
+    ids = ids_from_lengths(lengths, total)
     if pad_every:
         ids[torch.rand(total, generator=g) < 1 / pad_every] = -1
     return ids
@@ -424,8 +421,8 @@ def test_segment_tables_compiled_match_brute_force_gpu():
     from attn_ops.triton.op import segment_tables
 
     g = torch.Generator().manual_seed(0)
-    long_ids = _ids(torch.randint(1, 500, (12,), generator=g).tolist(), 3000, pad_every=20, g=g)
-    long_ids[1000:1500] = -1
+    long_ids = _ids(torch.randint(150, 250, (12,), generator=g).tolist(), 3000, pad_every=20, g=g)
+    long_ids[900:1100] = -1
     shared = long_ids.view(1, 1, -1).cuda()
     q3 = torch.stack([_ids([300, 200, 200], 700), _ids([50, 600], 700), _ids([700], 700)]).int()
     k2 = torch.stack([_ids([900, 1000, 600], 2500, pad_every=9, g=g), _ids([2, 2400], 2500)]).int()
