@@ -57,7 +57,7 @@ def _check_broadcast(name: str, t: Tensor, target: tuple) -> None:
 
 
 def _pad_dims(t: Tensor, ndim: int) -> Tensor:
-    return t.reshape((1,) * (ndim - t.ndim) + tuple(t.shape))
+    return t if t.ndim == ndim else t.reshape((1,) * (ndim - t.ndim) + tuple(t.shape))
 
 
 def check_inputs(q, k, v, bias, mask, scale):

@@ -145,3 +145,17 @@ def test_integers_key_on_what_triton_specialises_not_their_value():
                                                                                            (True, True, False))
     assert fastlaunch.signature((True,)) != fastlaunch.signature((1,)) != fastlaunch.signature((1.0,))
     assert fastlaunch.signature((0.5,)) == fastlaunch.signature((1.0,))  # fp32, never specialised on its value
+
+
+def test_bound_launches_the_remembered_kernel_with_new_leading_args():
+    """``bound`` after a launch: a call with other tensors in the leading places goes straight to the compiled kernel
+    with the fixed arguments and constexprs after them; None where the launch had to take Triton's plain path."""
+    k, x, y = _kernel(), torch.zeros(64), torch.ones(64)
+    fastlaunch.launch(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)
+    run = fastlaunch.bound(k, (3,), (x, 64, 0.5), 4, 2, 1, BLOCK=16, EVEN=True)
+    run(y)
+    assert k.log[-1][0] == "direct" and k.log[-1][1] == (3, 1, 1)
+    assert k.log[-1][2][0] is y and k.log[-1][2][1:] == (64, 0.5, 16, True)
+    assert fastlaunch.bound(k, (3,), (x, 64, 0.5), 4, 2, 1, BLOCK=32, EVEN=True) is None  # never launched so
+    settings.update(fast_launch=False)
+    assert fastlaunch.bound(k, (3,), (x, 64, 0.5), 4, 2, 1, BLOCK=16, EVEN=True) is None

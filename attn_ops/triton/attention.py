@@ -23,7 +23,7 @@ def _dense(t: Tensor) -> Tensor:
     """
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         return t.contiguous()
-    if _non_overlapping_and_dense(t):
+    if t.is_contiguous() or _non_overlapping_and_dense(t):
         return t
     copy = torch.empty_like(t)  # t's dim order (clone's rule), decided before any data is copied
     # an overlapping input (e.g. unfold windows, another dim of stride 1) may get its last dim ordered outwards by
@@ -115,8 +115,10 @@ def _seg_index(seg, i):
 
 def _attend(q, k, v, bias, mask, scale, causal, mode, seg=None) -> Tuple[Tensor, Tensor]:
     n = q.ndim - 3
+    if n == 2:  # canonical already (bias and mask have q's ndim): no views to make
+        return _canonical_call(q, k, v, bias, mask, scale, causal, mode, _seg_tables(seg))
     lead = q.shape[:n]
-    if n <= 2:
+    if n < 2:
         pad = (1,) * (2 - n)
         # [B, R, H, L, D] with unit dims prepended (views)
         q5, k5, v5 = (t.reshape(pad + t.shape) for t in (q, k, v))

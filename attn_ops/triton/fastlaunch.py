@@ -19,7 +19,7 @@ The direct call passes the arguments in the kernel's parameter order, constexprs
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -134,6 +134,31 @@ def launch(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_st
             result, "__getitem__"):
         _COMPILED[key] = result
         _remember_exact(exact, result)
+
+
+def bound(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int, n_leading: int,
+          **constexprs) -> Optional[Callable[..., None]]:
+    """After a :func:`launch` with exactly these arguments: ``f(*leading)`` launching the same compiled kernel on the
+    same grid with ``leading`` in place of ``args[:n_leading]`` and the other arguments fixed as given here (what a
+    launch plan replays: ``launch.py``). None where that launch took Triton's plain path (the CPU interpreter,
+    ``settings.fast_launch`` False, a kernel whose constexprs are not trailing): the caller keeps calling
+    :func:`launch`. The leading arguments must have the dtypes and 16-byte alignment of those given here, and the
+    current device must stay the same (the plan's key holds both)."""
+    if _WARMUP_ONLY or interpreting() or not _settings.get().fast_launch:
+        return None
+    head = (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()))
+    compiled = _EXACT.get((head, _exact_key(args)))
+    if compiled is None:
+        compiled = _COMPILED.get(head + (signature(args, _specialized(kernel)),))
+    if compiled is None:
+        return None
+    runner = compiled[(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)]
+    rest = tuple(args[n_leading:]) + tuple(constexprs.values())
+
+    def run(*leading):
+        runner(*leading, *rest)
+
+    return run
 
 
 def _exact_key(args: Sequence) -> Tuple:

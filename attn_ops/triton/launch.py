@@ -6,11 +6,13 @@ their own shapes: a size-1 dim is passed with stride 0, so nothing is expanded.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import operator
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from .. import settings as _settings
+from . import tuning
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -20,6 +22,7 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
 from .common import LOG2E
 from .dbias import attn_bwd_dbias_kernel, sum_splits_kernel
+from .fastlaunch import bound as _bound
 from .fastlaunch import launch as _launch
 from .forward import attn_fwd_kernel
 from .tuning import bucket, interpreting, pick
@@ -51,8 +54,7 @@ def empty_in_order(like: Tensor, shape, dtype: torch.dtype) -> Tensor:
     The op's output takes q's dim order, so that a caller who split heads out of ``[*, L, H*C]`` gets ``out``
     back as a view of ``[*, L, H*C]`` memory (no copy to merge the heads). Also used by the fake impl.
     """
-    order = sorted(range(like.ndim), key=lambda d: (-like.stride(d), d))  # outermost first; ties keep dim order
-    return torch.empty_permuted(shape, order, dtype=dtype, device=like.device)
+    return torch.empty_permuted(shape, _order(like), dtype=dtype, device=like.device)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -103,16 +105,16 @@ def _pairs_rows(bias: Optional[Tensor], R: int, causal: bool, atomic_dbias: bool
     return atomic_dbias and bias is not None and bias.shape[1] == 1 and R > 1 and not causal
 
 
-def _seg_args(q_seg: Optional[Tensor], k_seg: Optional[Tensor], dummy: Tensor):
-    """(q table, k table, their (b, r) strides: 0 on broadcast dims) for the kernels; dummies without ids."""
+def _seg_strides(q_seg: Optional[Tensor], k_seg: Optional[Tensor]) -> Tuple[int, int, int, int]:
+    """The (b, r) strides of the query and key segment tables (0 on broadcast dims; all 0 without ids)."""
     if q_seg is None:
-        return dummy, dummy, (0, 0, 0, 0)
+        return 0, 0, 0, 0
     st = lambda t: (0 if t.shape[0] == 1 else t.stride(0), 0 if t.shape[1] == 1 else t.stride(1))  # noqa: E731
-    return q_seg, k_seg, st(q_seg) + st(k_seg)
+    return st(q_seg) + st(k_seg)
 
 
-def _bias_args(bias: Optional[Tensor], dummy: Tensor):
-    return (dummy, (0, 0, 0, 0, 0)) if bias is None else (bias, _bstrides(bias))
+def _mask_strides(m8: Optional[Tensor]) -> Tuple[int, ...]:
+    return (0, 0, 0, 0, 0) if m8 is None else _bstrides(m8)
 
 
 _TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -213,17 +215,164 @@ def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
     return rows, bias_tma(rows, Lq, Lk)
 
 
-def _bias_operand(bias: Optional[Tensor], dummy: Tensor, tma, block_m: int, block_n: int):
-    """(bias argument, its five strides, HAS_BIAS) for a kernel reading [block_m, block_n] bias tiles: a tensor
-    descriptor (HAS_BIAS 2, batch strides in slices) where :func:`bias_tma` allowed it, else the tensor (1) or the
-    dummy (0) as :func:`_bias_args` gives them."""
+# ---------------------------------------------------------------------------------------------------------------
+# Launch plans. A call's host work (strides, grids, tile choice, TMA and buffer decisions, Triton's argument
+# binding) depends only on its tensors' geometry: the first call with a geometry runs the launchers below through a
+# Recorder, which keeps each allocation and launch as a step over ``env`` (the call's tensors: inputs first, then
+# the buffers the steps allocate, in order); later calls with the same key replay those steps with their own
+# tensors, launching the compiled kernels directly (``fastlaunch.bound``). Replaying skips ~0.4 ms of Python per
+# eager forward + backward of a small shape, which such a shape is bound by (docs/bench).
+
+
+class Plan(NamedTuple):
+    steps: Tuple[Callable[[list], None], ...]
+    outputs: Tuple[Optional[int], ...]  # env slots of the results (None: no such result)
+    guard: Tuple  # the settings and tuning cache the plan was made under (compared by identity)
+
+
+_PLANS: Dict[Tuple, Plan] = {}
+_PLANS_MAX = 1024
+
+
+def clear_plans() -> None:
+    """Forget every launch plan (the next call of each geometry runs the launchers again)."""
+    _PLANS.clear()
+
+
+def _guard() -> Tuple:
+    return (_settings.get(), tuning._CACHE)
+
+
+def _geo(t: Optional[Tensor]):
+    """What a plan depends on of one tensor: shape, strides, dtype, device and 16-byte alignment."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15)
+
+
+# the current CUDA device (a plan's compiled kernels are loaded for it): the C call behind torch.cuda.current_device
+_current_device = getattr(torch._C, "_cuda_getDevice", None) if torch.cuda.is_available() else None
+_current_device = _current_device or (lambda: -1)
+
+
+def _replay(key: Tuple, env: list) -> Optional[Plan]:
+    """Run the plan for ``key`` on ``env``; None when there is none (or it was made under other settings)."""
+    plan = _PLANS.get(key)
+    if plan is None:
+        return None
+    guard = plan.guard
+    if guard[0] is not _settings.get() or guard[1] is not tuning._CACHE:
+        return None
+    for step in plan.steps:
+        step(env)
+    return plan
+
+
+def _keep(key: Tuple, rec: "Recorder", outputs: Tuple[Optional[int], ...]) -> None:
+    if len(_PLANS) >= _PLANS_MAX:  # many geometries seen: start over
+        _PLANS.clear()
+    _PLANS[key] = Plan(tuple(rec.steps), outputs, rec.guard)
+
+
+def _getter(leading: Sequence) -> Callable[[list], tuple]:
+    """env -> the leading kernel arguments: env slots (ints) or per-call makers (tensor descriptors)."""
+    if all(type(x) is int for x in leading):
+        get = operator.itemgetter(*leading)
+        return get if len(leading) > 1 else (lambda env: (get(env),))
+    return lambda env: tuple(env[x] if type(x) is int else x(env) for x in leading)
+
+
+class Recorder:
+    """Runs one call's allocations and launches on ``env`` and keeps them as a plan's steps.
+
+    ``new(make)`` appends ``make(env)`` to env (returns its slot); ``do(step)`` runs ``step(env)``; ``launch``
+    launches a kernel whose leading arguments are env slots or makers (the rest are fixed). ``tuned`` picks a
+    config, timing candidates off the record (buffers they allocate are dropped after each one), then runs the chosen
+    one on it."""
+
+    def __init__(self, env: list):
+        self.env, self.steps, self.recording, self.guard = env, [], True, _guard()
+
+    def do(self, step: Callable[[list], None]) -> None:
+        step(self.env)
+        if self.recording:
+            self.steps.append(step)
+
+    def new(self, make: Callable[[list], Tensor]) -> int:
+        slot = len(self.env)
+        self.do(lambda env: env.append(make(env)))
+        return slot
+
+    def launch(self, kernel, grid, leading: Sequence, rest: Sequence, num_warps: int, num_stages: int,
+               **constexprs) -> None:
+        get, rest = _getter(leading), tuple(rest)
+        args = get(self.env) + rest
+        _launch(kernel, grid, args, num_warps, num_stages, **constexprs)
+        if not self.recording:
+            return
+        run = _bound(kernel, grid, args, num_warps, num_stages, len(leading), **constexprs)
+        if run is None:  # the plain path (interpreter, fast_launch off): through _launch every time
+            self.steps.append(lambda env: _launch(kernel, grid, get(env) + rest, num_warps, num_stages, **constexprs))
+        else:
+            self.steps.append(lambda env: run(*get(env)))
+
+    def tuned(self, name: str, key: Tuple, width: int, Lq: int, Lk: int, run: Callable, **kw):
+        """``pick`` with ``run(cfg)`` timing candidates unrecorded, then ``run(chosen)`` recorded; returns what that
+        last call returned."""
+        n = len(self.env)
+
+        def trial(c):
+            try:
+                run(c)
+            finally:
+                del self.env[n:]
+
+        self.recording = False
+        try:
+            cfg = pick(name, key, width, Lq, Lk, trial, **kw)
+        finally:
+            self.recording = True
+        return run(cfg)
+
+
+def _empty(shape, dtype, device, stride=None, order=None) -> Callable[[list], Tensor]:
+    if order is not None:
+        return lambda env: torch.empty_permuted(shape, order, dtype=dtype, device=device)
+    if stride is not None:
+        return lambda env: torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    return lambda env: torch.empty(shape, dtype=dtype, device=device)
+
+
+def _order(like: Tensor) -> List[int]:
+    """``like``'s dims, outermost (largest stride) first; ties keep dim order."""
+    return sorted(range(like.ndim), key=lambda d: (-like.stride(d), d))
+
+
+def _bias_slot(rec: Recorder, b: int, q: Tensor, Lq: int, Lk: int):
+    """(env slot of the bias the kernels read, :func:`bias_tma` of it): :func:`bias_for_tiles` as a step."""
+    bias = rec.env[b]
+    read, tma = bias_for_tiles(bias, q, Lq, Lk)
+    if read is bias:
+        return b, tma
+    shape, pitch = tuple(read.shape), read.stride(3)
+    return rec.new(lambda env: _rows_copy(env[b], shape, pitch)), tma
+
+
+def _rows_copy(bias: Tensor, shape, pitch: int) -> Tensor:
+    rows = torch.empty(shape[:4] + (pitch,), dtype=bias.dtype, device=bias.device)[..., :shape[4]]
+    return rows.copy_(bias)
+
+
+def _bias_operand_slot(b: Optional[int], bias: Optional[Tensor], tma, block_m: int, block_n: int, dummy: int):
+    """(leading argument: env slot ``b`` of ``bias``, a per-call descriptor maker, or the ``dummy`` slot; its five
+    strides; HAS_BIAS) of a kernel reading [block_m, block_n] bias tiles: a tensor descriptor (HAS_BIAS 2, batch
+    strides in slices) where :func:`bias_tma` allowed it, else the tensor (1) or nothing (0)."""
+    if b is None:
+        return dummy, (0, 0, 0, 0, 0), 0
     if tma is None:
-        bias_t, strides = _bias_args(bias, dummy)
-        return bias_t, strides, int(bias is not None)
+        return b, _bstrides(bias), 1
     slice_stride, n_slices, batch = tma
-    Lq, Lk = bias.shape[3], bias.shape[4]
-    desc = TensorDescriptor(bias, [n_slices, Lq, Lk], [slice_stride, bias.stride(3), 1], [1, block_m, block_n])
-    return desc, (*batch, bias.stride(3), 1), 2
+    dims, strides, block = [n_slices, bias.shape[3], bias.shape[4]], [slice_stride, bias.stride(3), 1], [1, block_m,
+                                                                                                       block_n]
+    return (lambda env: TensorDescriptor(env[b], dims, strides, block)), (*batch, bias.stride(3), 1), 2
 
 
 def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
@@ -232,33 +381,47 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
     """out ``[B, R, H, Lq, Dv]`` (q.dtype, dense in q's dim order) and lse ``[B, R, H, Lq]`` (fp32, natural log).
 
     ``q_seg``/``k_seg``: None or the ``op.segment_tables`` of the query / key ids (both or neither)."""
+    m8 = _mask_u8(mask)
+    env = [q, k, v, bias, m8, q_seg, k_seg]
+    key = ("fwd", _geo(q), _geo(k), _geo(v), _geo(bias), _geo(m8), _geo(q_seg), _geo(k_seg), scale, causal,
+           _current_device() if q.is_cuda else -1, interpreting())
+    plan = _replay(key, env)
+    if plan is None:
+        rec = Recorder(env)
+        outputs = _record_forward(rec, scale, causal)
+        _keep(key, rec, outputs)
+    else:
+        outputs = plan.outputs
+    return env[outputs[0]], env[outputs[1]]
+
+
+def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int]:
+    q, k, v, bias, m8, q_seg, k_seg = rec.env
     B, R, H, Lq, D = q.shape
     Lk, Dv = k.shape[3], v.shape[4]
-    out = empty_in_order(q, (B, R, H, Lq, Dv), q.dtype)
-    lse = torch.empty((B, R, H, Lq), dtype=torch.float32, device=q.device)
-    m8 = _mask_u8(mask)
-    bias, tma = bias_for_tiles(bias, q, Lq, Lk)
-    mask_t, sm = _bias_args(m8, q)
-    qs_t, ks_t, ss = _seg_args(q_seg, k_seg, lse)
-    qkv_rows, out_rows = (*_rows(q), *_rows(k), *_rows(v)), _rows(out)  # the same for every config
+    o = rec.new(_empty((B, R, H, Lq, Dv), q.dtype, q.device, order=_order(q)))
+    lse = rec.new(_empty((B, R, H, Lq), torch.float32, q.device))
+    out = rec.env[o]
+    b, tma = (None, None) if bias is None else _bias_slot(rec, 3, q, Lq, Lk)
+    bias_t = None if b is None else rec.env[b]
+    sm = _mask_strides(m8)
+    seg = q_seg is not None
+    ss = _seg_strides(q_seg, k_seg)
+    rows = (*_rows(q), *_rows(k), *_rows(v))  # the same for every config
+    flags = dict(HAS_MASK=_mask_kind(m8), CAUSAL=causal, HAS_SEG=seg)
 
-    def launch(c):
-        grid = (_cdiv(Lq, c.block_m), B * R * H)
-        bias_t, sb, has_bias = _bias_operand(bias, q, tma, c.block_m, c.block_n)
-        _launch(
-            attn_fwd_kernel, grid,
-            (q, k, v, bias_t, mask_t, out, lse, qs_t, ks_t, *qkv_rows, *sb, *sm, *out_rows, *ss,
-             R, H, Lq, Lk, D, Dv, scale),
-            c.num_warps, c.num_stages,
-            HAS_BIAS=has_bias, HAS_MASK=_mask_kind(mask), CAUSAL=causal, HAS_SEG=q_seg is not None,
-            EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
-        )
+    def run(c):
+        arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=0)
+        rec.launch(attn_fwd_kernel, (_cdiv(Lq, c.block_m), B * R * H),
+                   (0, 1, 2, arg, 4 if m8 is not None else 0, o, lse, 5 if seg else lse, 6 if seg else lse),
+                   (*rows, *sb, *sm, *_rows(out), *ss, R, H, Lq, Lk, D, Dv, scale),
+                   c.num_warps, c.num_stages, HAS_BIAS=has_bias, **flags,
+                   EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
+                   BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv))
 
-    cfg = pick("fwd", _key(q, v, bias, mask, causal, q_seg is not None, tma is None), _width(q, D, Dv), Lq, Lk, launch,
-               device=q.device.index)
-    launch(cfg)
-    return out, lse
+    rec.tuned("fwd", _key(q, v, bias_t, m8, causal, seg, tma is None), _width(q, D, Dv), Lq, Lk, run,
+              device=q.device.index)
+    return o, lse
 
 
 def _dbias_splits(n_programs: int, total_steps: int, device: torch.device) -> int:
@@ -277,6 +440,9 @@ def _even_splits(n_steps: int, splits: int) -> Tuple[int, int]:
     return per, _cdiv(n_steps, per)
 
 
+_DO, _DLSE, _Q, _K, _V, _OUT, _LSE, _BIAS, _MASK, _QS, _KS = range(11)  # the backward's input slots in env
+
+
 def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                   bias: Optional[Tensor], mask: Optional[Tensor], scale: float, causal: bool, fused: bool,
                   need_dbias: bool, atomic_dbias: bool = False, q_seg: Optional[Tensor] = None,
@@ -290,36 +456,58 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     full over Lq and Lk), from fp32 atomics in the dK/dV kernel (not bitwise deterministic). ``q_seg``/``k_seg``:
     segment id tables as in :func:`attn_forward`.
     """
+    m8 = _mask_u8(mask)
+    env = [do, dlse, q, k, v, out, lse, bias, m8, q_seg, k_seg]
+    key = ("bwd", _geo(do), _geo(dlse), _geo(q), _geo(k), _geo(v), _geo(out), _geo(lse), _geo(bias), _geo(m8),
+           _geo(q_seg), _geo(k_seg), scale, causal, fused, need_dbias, atomic_dbias,
+           _current_device() if q.is_cuda else -1, interpreting())
+    plan = _replay(key, env)
+    if plan is None:
+        rec = Recorder(env)
+        outputs = _record_backward(rec, scale, causal, fused, need_dbias, atomic_dbias)
+        _keep(key, rec, outputs)
+    else:
+        outputs = plan.outputs
+    dq, dk, dv, db = outputs
+    return env[dq], env[dk], env[dv], (None if db is None else env[db])
+
+
+def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, need_dbias: bool, atomic_dbias: bool):
+    do, dlse, q, k, v, out, lse, bias, m8, q_seg, k_seg = rec.env
     B, R, H, Lq, D = q.shape
     Lk, Dv = k.shape[3], v.shape[4]
     dev = q.device
     BD, BDV = _pow2(D), _pow2(Dv)
-    m8 = _mask_u8(mask)
-    bias, tma = bias_for_tiles(bias, q, Lq, Lk)  # any copy has the bias's shape and dtype (so has dbias)
-    mask_t, sm = _bias_args(m8, q)
+    # any copy of the bias has its shape and dtype (so has dbias)
+    b, tma = (None, None) if bias is None else _bias_slot(rec, _BIAS, q, Lq, Lk)
+    bias_t = None if b is None else rec.env[b]
+    mask_slot, sm = (_Q if m8 is None else _MASK), _mask_strides(m8)
     seg = q_seg is not None
-    qs_t, ks_t, ss = _seg_args(q_seg, k_seg, lse)
+    seg_slots, ss = ((_QS, _KS) if seg else (_LSE, _LSE)), _seg_strides(q_seg, k_seg)
     dims = (B, R, H, Lq, Lk)
     direct_dbias = need_dbias and tuple(bias.shape) == dims
     atomic = need_dbias and not direct_dbias and atomic_dbias and tuple(bias.shape[3:]) == (Lq, Lk)
     want_dbias = need_dbias and not direct_dbias and not atomic
 
     # 1. delta = rowsum(dO * O) - dlse: [B, R, H, Lq] fp32
-    delta = torch.empty((B, R, H, Lq), dtype=torch.float32, device=dev)
+    delta = rec.new(_empty((B, R, H, Lq), torch.float32, dev))
     bm_pre = 16 if interpreting() else 64
-    _launch(bwd_preprocess_kernel, (_cdiv(Lq, bm_pre), B * R * H),
-            (out, do, q if dlse is None else dlse, delta, *_rows(out), *_rows(do), R, H, Lq, Dv), 4, 3,
-            HAS_DLSE=dlse is not None, BLOCK_M=bm_pre, BLOCK_DV=BDV)
+    rec.launch(bwd_preprocess_kernel, (_cdiv(Lq, bm_pre), B * R * H), (_OUT, _DO, _Q if dlse is None else _DLSE, delta),
+               (*_rows(out), *_rows(do), R, H, Lq, Dv), 4, 3, HAS_DLSE=dlse is not None, BLOCK_M=bm_pre,
+               BLOCK_DV=BDV)
 
-    dq = torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=dev)
-    dk = torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=dev)
-    dv = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=dev)
+    dq = rec.new(_empty(q.shape, q.dtype, dev, stride=q.stride()))
+    dk = rec.new(_empty(k.shape, k.dtype, dev, stride=k.stride()))
+    dv = rec.new(_empty(v.shape, v.dtype, dev, stride=v.stride()))
     dbias = None
     if direct_dbias:  # causal / segments: tiles that are never visited must start at zero
-        dbias = (torch.zeros if causal or seg else torch.empty)(bias.shape, dtype=bias.dtype, device=dev)
+        make, shape, dtype = torch.zeros if causal or seg else torch.empty, tuple(bias.shape), bias.dtype
+        dbias = rec.new(lambda env: make(shape, dtype=dtype, device=dev))
     elif atomic:  # fp32 accumulator, zeroed per launch; in dq's memory (written only after it) when it fits
-        dbias = _f32_buffer(bias.numel(), dev, None if fused else dq).view(bias.shape)
-    gs = (0,) * 5 if dbias is None else _bstrides(dbias)
+        n, shape, scratch = bias.numel(), tuple(bias.shape), None if fused else dq
+        dbias = rec.new(lambda env: _f32_buffer(n, dev, None if scratch is None else env[scratch]).view(shape))
+    acc = dbias  # (steps below that name a slot take it from a variable that is never reassigned)
+    gs = (0,) * 5 if dbias is None else _bstrides(rec.env[dbias])
     # The atomic accumulators take bulk TMA reductions (one per tile, H100: see attention_h100.md) where the
     # copy engine can address them: dense, 16-byte rows. The dense dbias accumulator's batch strides then count
     # [Lq, Lk] slices; the fused dQ accumulator is allocated dense ([B*R*H] slices of [Lq, D]).
@@ -330,66 +518,63 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
         gs = tuple(s // (Lq * Lk) for s in gs[:3]) + gs[3:]
     dq_acc = None
     if fused:
-        dq_acc = (torch.empty(q.shape, dtype=torch.float32, device=dev) if tma_dq
-                  else torch.empty_strided(q.shape, q.stride(), dtype=torch.float32, device=dev))
-    flags = dict(HAS_MASK=_mask_kind(mask), CAUSAL=causal, HAS_SEG=seg)
-    qkv_rows, do_rows = (*_rows(q), *_rows(k), *_rows(v)), _rows(do)  # the same for every config
+        dq_acc = rec.new(_empty(q.shape, torch.float32, dev, stride=None if tma_dq else q.stride()))
+    flags = dict(HAS_MASK=_mask_kind(m8), CAUSAL=causal, HAS_SEG=seg)
+    rows = (*_rows(q), *_rows(k), *_rows(v))  # the same for every config
+    do_rows = _rows(do)
+    tail = (*ss, R, H, Lq, Lk, D, Dv, scale)
+    key = _key(q, v, bias_t, m8, causal, fused, direct_dbias, atomic, seg, tma is None)
 
     def operands(c):
         """The bias argument, the stride tuple and the constexpr flags (HAS_BIAS first, the kernels' parameter
         order) of a launch with c's tiles (only a bias descriptor's block shape depends on them)."""
-        bias_t, sb, has_bias = _bias_operand(bias, q, tma, c.block_m, c.block_n)
-        return bias_t, (*qkv_rows, *sb, *sm, *do_rows), dict(HAS_BIAS=has_bias, **flags)
-    key = _key(q, v, bias, mask, causal, fused, direct_dbias, atomic, seg, tma is None)
+        arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=_Q)
+        return arg, (*rows, *sb, *sm, *do_rows), dict(HAS_BIAS=has_bias, **flags)
 
     # 2. dK, dV (+ dQ by atomics when fused, + dBias when it is unbroadcast or accumulated by atomics)
-    def launch_dkdv(c):
+    def run_dkdv(c):
         if fused:
-            dq_acc.zero_()
+            rec.do(lambda env: env[dq_acc].zero_())
         if atomic:
-            dbias.zero_()
-        bias_t, strides, kflags = operands(c)
-        dq_arg = _reduce_desc(dq_acc, Lq, D, c.block_m, BD) if tma_dq else (q if dq_acc is None else dq_acc)
-        dbias_arg = _reduce_desc(dbias, Lq, Lk, c.block_m, c.block_n) if tma_dbias else (
-            q if dbias is None else dbias)
-        _launch(
-            attn_bwd_dkdv_kernel, (_cdiv(Lk, c.block_n), B * _cdiv(R, c.rows) * H),
-            (q, k, v, bias_t, mask_t, do, lse, delta, dq_arg, dk, dv, dbias_arg, qs_t, ks_t, *strides, *gs, *ss,
-             R, H, Lq, Lk, D, Dv, scale),
-            c.num_warps, c.num_stages, **kflags,
-            FUSED_DQ=(2 if tma_dq else 1) if fused else 0, DIRECT_DBIAS=direct_dbias and fused,
-            ATOMIC_DBIAS=(2 if tma_dbias else 1) if atomic else 0,
-            EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv), ROWS=c.rows,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
-        )
+            rec.do(lambda env: env[acc].zero_())
+        arg, strides, kflags = operands(c)
+        bm, bn = c.block_m, c.block_n
+        dq_arg = (lambda env: _reduce_desc(env[dq_acc], Lq, D, bm, BD)) if tma_dq else (
+            _Q if dq_acc is None else dq_acc)
+        dbias_arg = (lambda env: _reduce_desc(env[acc], Lq, Lk, bm, bn)) if tma_dbias else (
+            _Q if dbias is None else dbias)
+        rec.launch(attn_bwd_dkdv_kernel, (_cdiv(Lk, bn), B * _cdiv(R, c.rows) * H),
+                   (_Q, _K, _V, arg, mask_slot, _DO, _LSE, delta, dq_arg, dk, dv, dbias_arg, *seg_slots),
+                   (*strides, *gs, *tail), c.num_warps, c.num_stages, **kflags,
+                   FUSED_DQ=(2 if tma_dq else 1) if fused else 0, DIRECT_DBIAS=direct_dbias and fused,
+                   ATOMIC_DBIAS=(2 if tma_dbias else 1) if atomic else 0,
+                   EVEN_M=Lq % bm == 0, EVEN_N=Lk % bn == 0, EVEN_D=_even_d(D, Dv), ROWS=c.rows,
+                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BD, BLOCK_DV=BDV)
 
-    launch_dkdv(pick("dkdv", key, _width(q, D, Dv), Lq, Lk, launch_dkdv,
-                     pair=_pairs_rows(bias, R, causal, atomic and not fused) and not seg, device=dev.index))
+    rec.tuned("dkdv", key, _width(q, D, Dv), Lq, Lk, run_dkdv,
+              pair=_pairs_rows(bias, R, causal, atomic and not fused) and not seg, device=dev.index)
     if atomic:
-        dbias = dbias.to(bias.dtype, copy=True)  # a copy: the accumulator may live in dq's memory
+        bias_dtype = bias.dtype
+        dbias = rec.new(lambda env: env[acc].to(bias_dtype, copy=True))  # a copy: the accumulator may be in dq's memory
 
     # 3. dBias of a broadcast bias: deterministic tile-owner reduction. It runs before dq is written, so its
     #    fp32 split partials can live in dq's memory (no extra peak memory).
     if want_dbias:
-        dbias = _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, _mask_kind(mask), key,
-                              scratch=dq, seg=(qs_t, ks_t, ss) if seg else None)
+        dbias = _record_dbias_reduce(rec, b, mask_slot, sm, seg_slots, ss, delta, scale, causal, key, scratch=dq)
 
     # 4. dQ over query tiles (split variant)
     if fused:
-        dq.copy_(dq_acc)
+        rec.do(lambda env: env[dq].copy_(env[dq_acc]))
     else:
-        def launch_dq(c):
-            bias_t, strides, kflags = operands(c)
-            _launch(
-                attn_bwd_dq_kernel, (_cdiv(Lq, c.block_m), B * R * H),
-                (q, k, v, bias_t, mask_t, do, lse, delta, dq, q if dbias is None else dbias, qs_t, ks_t, *strides,
-                 *gs, *ss, R, H, Lq, Lk, D, Dv, scale),
-                c.num_warps, c.num_stages, **kflags, DIRECT_DBIAS=direct_dbias,
-                EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
-                BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
-            )
+        def run_dq(c):
+            arg, strides, kflags = operands(c)
+            rec.launch(attn_bwd_dq_kernel, (_cdiv(Lq, c.block_m), B * R * H),
+                       (_Q, _K, _V, arg, mask_slot, _DO, _LSE, delta, dq, _Q if dbias is None else dbias, *seg_slots),
+                       (*strides, *gs, *tail), c.num_warps, c.num_stages, **kflags, DIRECT_DBIAS=direct_dbias,
+                       EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
+                       BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV)
 
-        launch_dq(pick("dq", key, _width(q, D, Dv), Lq, Lk, launch_dq, device=dev.index))
+        rec.tuned("dq", key, _width(q, D, Dv), Lq, Lk, run_dq, device=dev.index)
     return dq, dk, dv, dbias
 
 
@@ -400,48 +585,50 @@ def _f32_buffer(n: int, device: torch.device, scratch: Optional[Tensor] = None) 
     return torch.empty(n, dtype=torch.float32, device=device)
 
 
-def _dbias_reduce(q, k, v, bias, mask_t, sm, do, lse, delta, scale, causal, mask_kind, key, scratch,
-                  seg=None) -> Tensor:
+def _record_dbias_reduce(rec: Recorder, b: int, mask_slot: int, sm, seg_slots, ss, delta: int, scale: float,
+                         causal: bool, key: Tuple, scratch: int) -> int:
+    """The gradient of a bias broadcast over batch dims (env slot ``b``) by the deterministic reduction kernel;
+    returns its env slot. ``scratch``: the slot of a buffer not yet written (dq) that fp32 split partials may use."""
+    q, k, v, bias, do = rec.env[_Q], rec.env[_K], rec.env[_V], rec.env[b], rec.env[_DO]
     B, R, H, Lq, D = q.shape
     Lk, Dv = k.shape[3], v.shape[4]
     BB, BR, BH, BLq, BLk = bias.shape
     loop_m, loop_n = BLq == 1 and Lq > 1, BLk == 1 and Lk > 1
     n_groups = BB * BR * BH
-    qs_t, ks_t, ss = seg if seg is not None else (lse, lse, (0, 0, 0, 0))
-    state = {}
+    numel, shape, dtype, dev = bias.numel(), tuple(bias.shape), bias.dtype, q.device
+    lr_n, lh_n = R // BR, H // BH
+    total = (B // BB) * lr_n * lh_n  # batch steps summed into each tile
+    dense = [1] * 5  # dbias is allocated dense: its strides, 0 on broadcast dims as ever
+    for d in range(3, -1, -1):
+        dense[d] = dense[d + 1] * shape[d + 1]
+    dense = tuple(0 if n == 1 else st for n, st in zip(shape, dense))
+    strides = (*_rows(q), *_rows(k), *_rows(v), *_bstrides(bias), *sm, *_rows(do), numel, *dense)
 
-    def launch(c):
+    def run(c):
         n_mt, n_nt = _cdiv(Lq, c.block_m), _cdiv(Lk, c.block_n)
         tiles = (1 if loop_m else n_mt) * (1 if loop_n else n_nt)
-        lr_n, lh_n = R // BR, H // BH
-        total = (B // BB) * lr_n * lh_n  # batch steps summed into each tile
-        want = c.splits or _dbias_splits(tiles * n_groups, total, q.device)
+        want = c.splits or _dbias_splits(tiles * n_groups, total, dev)
         per, splits = _even_splits(total, min(want, total))
-        numel = bias.numel()
-        dbias = torch.empty(bias.shape, dtype=bias.dtype, device=q.device)  # dense, in the bias's dtype
+        dbias = rec.new(_empty(shape, dtype, dev))  # dense, in the bias's dtype
         # splits > 1: fp32 partials, in the scratch memory (dq's, not yet written) when it is big enough; one
         # split writes dbias directly
-        part = dbias if splits == 1 else _f32_buffer(splits * numel, q.device, scratch)
-        _launch(
-            attn_bwd_dbias_kernel, (tiles, n_groups, splits),
-            (q, k, v, bias, mask_t, do, lse, delta, part, qs_t, ks_t,
-             *_rows(q), *_rows(k), *_rows(v), *_bstrides(bias), *sm, *_rows(do), numel, *_bstrides(dbias), *ss,
-             R, H, BR, BH, lr_n, lh_n, total, Lq, Lk, D, Dv, scale * LOG2E, per),
-            c.num_warps, c.num_stages,
-            HAS_MASK=mask_kind, CAUSAL=causal, HAS_SEG=seg is not None, LOOP_M=loop_m, LOOP_N=loop_n, LOOP_B=B // BB > 1,
-            EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
-        )
+        part = dbias if splits == 1 else rec.new(lambda env: _f32_buffer(splits * numel, dev, env[scratch]))
+        rec.launch(attn_bwd_dbias_kernel, (tiles, n_groups, splits),
+                   (_Q, _K, _V, b, mask_slot, _DO, _LSE, delta, part, *seg_slots),
+                   (*strides, *ss, R, H, BR, BH, lr_n, lh_n, total, Lq, Lk, D, Dv, scale * LOG2E, per),
+                   c.num_warps, c.num_stages,
+                   HAS_MASK=_mask_kind(rec.env[_MASK]), CAUSAL=causal, HAS_SEG=seg_slots[0] == _QS, LOOP_M=loop_m,
+                   LOOP_N=loop_n, LOOP_B=B // BB > 1, EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
+                   EVEN_D=_even_d(D, Dv), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D),
+                   BLOCK_DV=_pow2(Dv))
         # The sum over the splits is part of the launch, so the tuner times a split count with its cost: one
         # small kernel adds each element's partials in split order (no atomics: the bits repeat) and writes the
         # result in the bias's dtype.
         if splits > 1:
             block = 1024
-            _launch(sum_splits_kernel, (_cdiv(numel, block),), (part, dbias, numel, splits), 4, 1, BLOCK=block)
-        state["dbias"] = dbias
+            rec.launch(sum_splits_kernel, (_cdiv(numel, block),), (part, dbias), (numel, splits), 4, 1, BLOCK=block)
+        return dbias
 
     # the bias's broadcast pattern is in the key; R's power of two sets how many batch steps each tile sums
-    cfg = pick("dbias", key + ((B // BB * R // BR * H // BH).bit_length(),), _width(q, D, Dv), Lq, Lk, launch,
-               device=q.device.index)
-    launch(cfg)
-    return state["dbias"]
+    return rec.tuned("dbias", key + ((B // BB * R // BR * H // BH).bit_length(),), _width(q, D, Dv), Lq, Lk, run,
+                     device=dev.index)

@@ -1,0 +1,216 @@
+"""Launch plans (attn_ops/triton/launch.py): a call replayed from its geometry's plan gives the bits of a call that
+runs the launchers afresh, with the new call's tensors; anything a plan depends on gives a new plan.
+
+Two halves: the real kernels under TRITON_INTERPRET=1 (the replay launches through the plain path there), and the
+GPU's direct path (``fastlaunch.bound``) with a stand-in for Triton's compiled kernels that logs every launch, so the
+arguments a replay hands the kernels are checked on the CPU too.
+"""
+import gc
+import os
+import weakref
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (conftest does the same)
+
+pytest.importorskip("triton")
+
+from attn_ops import settings  # noqa: E402
+from attn_ops.settings import kernel_settings  # noqa: E402
+from attn_ops.triton import fastlaunch, launch, triton_attention  # noqa: E402
+from helpers import ids_from_lengths, make_inputs  # noqa: E402
+
+interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="Triton interpreter tests (CPU): run with TRITON_INTERPRET=1")
+
+L = 21
+# (name, batch, H, Lq, Lk, D, bias_shape, mask_shape, causal, options, segments)
+CASES = [
+    ("pair_bias_reduction", (1, 3), 2, L, L, 16, (1, 1, 2, L, L), (1, 3, 1, 1, L), False, {}, False),
+    ("pair_bias_atomic", (1, 3), 2, L, L, 16, (1, 1, 2, L, L), (1, 3, 1, 1, L), False, {"deterministic": False},
+     False),
+    ("fused", (2,), 2, L, 17, 24, (1, 2, L, 17), None, False, {"deterministic": False, "bwd": "fused"}, False),
+    ("full_bias_causal", (2,), 2, L, L, 16, (2, 2, L, L), (2, 1, 1, L), True, {}, False),
+    ("no_bias_segments", (2,), 2, L, L, 16, None, None, True, {}, True),
+    ("key_bias_row_mask", (1, 2), 2, 17, L, 16, (1, 1, 2, 1, L), (1, 2, 1, 17, L), False, {}, False),
+]
+
+
+@pytest.fixture
+def fresh_plans(monkeypatch):
+    monkeypatch.setattr(launch, "_PLANS", {})
+    return launch._PLANS
+
+
+def _inputs(case, seed):
+    _, batch, h, lq, lk, d, bias_shape, mask_shape, causal, options, segments = case
+    q, k, v, bias, mask = make_inputs(batch, h, lq, lk, d, bias_shape=bias_shape, mask_shape=mask_shape, seed=seed)
+    ids = None
+    if segments:
+        ids = ids_from_lengths([7, 9, 3], lq).expand(*batch, lq)
+    return q, k, v, bias, mask, causal, options, ids
+
+
+def _grads(q, k, v, bias, mask, causal, options, ids, seed):
+    seg = None if ids is None else (ids, ids)
+    out, lse = triton_attention(q, k, v, bias, mask, 0.3, causal, segment_ids=seg, **options)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    leaves = [t for t in (q, k, v, bias) if t is not None]
+    grads = torch.autograd.grad((out * g).sum() + torch.where(lse.isfinite(), lse, 0).sum(), leaves)
+    return [out.detach(), lse.detach(), *grads]
+
+
+@interpreter
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_replayed_call_gives_the_bits_of_a_fresh_one(case, fresh_plans):
+    """Record on one set of values; replay on other values of the same geometry: the same bits as running the
+    launchers afresh on those values; the replay adds no plan."""
+    first = _inputs(case, seed=1)
+    _grads(*first, seed=1)
+    n_plans = len(fresh_plans)
+    assert n_plans == 2  # a forward and a backward
+    second = _inputs(case, seed=2)
+    replayed = _grads(*second, seed=2)
+    assert len(fresh_plans) == n_plans
+    fresh_plans.clear()
+    fresh = _grads(*second, seed=2)
+    for a, b in zip(replayed, fresh):
+        assert torch.equal(a, b)
+    assert not torch.equal(replayed[0], _grads(*first, seed=1)[0])  # the replay did not reuse the first call's data
+
+
+@interpreter
+def test_what_a_plan_depends_on_makes_a_new_one(fresh_plans):
+    q, k, v, bias, mask = make_inputs((1, 2), 2, L, L, 16, bias_shape=(1, 1, 2, L, L), mask_shape=(1, 2, 1, 1, L))
+
+    def forward(q, k, v, bias=bias, mask=mask, scale=0.3, causal=False):
+        with torch.no_grad():
+            return triton_attention(q, k, v, bias, mask, scale, causal)
+
+    ref = forward(q, k, v)
+    assert len(fresh_plans) == 1
+    forward(q.clone(), k.clone(), v.clone())
+    assert len(fresh_plans) == 1
+    # strides: q in another dim order (same values)
+    qt = q.detach().transpose(1, 2).contiguous().transpose(1, 2)
+    torch.testing.assert_close(forward(qt, k, v)[0], ref[0], rtol=0, atol=0)
+    assert len(fresh_plans) == 2
+    # 16-byte alignment of a data pointer
+    buf = torch.empty(q.numel() + 1)
+    q_odd = buf[1:].view(q.shape).copy_(q.detach())
+    torch.testing.assert_close(forward(q_odd, k, v)[0], ref[0], rtol=0, atol=0)
+    assert len(fresh_plans) == 3
+    # scale, causal, dtype, mask presence, the bias's broadcast pattern
+    forward(q, k, v, scale=0.25)
+    forward(q, k, v, causal=True)
+    forward(q.half(), k.half(), v.half())
+    forward(q, k, v, mask=None)
+    forward(q, k, v, bias=bias.expand(1, 2, 2, L, L).contiguous())
+    assert len(fresh_plans) == 8
+    # other settings: the plan is made again (under the settings in force)
+    first = next(iter(fresh_plans))
+    before = fresh_plans[first]
+    with kernel_settings(tma=False):
+        out = forward(q, k, v)[0]
+    torch.testing.assert_close(out, ref[0], rtol=0, atol=0)
+    assert fresh_plans[first] is not before and fresh_plans[first].guard[0].tma is False
+    assert len(fresh_plans) == 8
+    launch.clear_plans()
+    assert not launch._PLANS
+
+
+@interpreter
+def test_plans_hold_no_tensors(fresh_plans):
+    """A plan keeps geometry, never the tensors of the call that made it (no memory held after the call)."""
+    q, k, v, bias, mask = make_inputs((1, 3), 2, L, L, 16, bias_shape=(1, 1, 2, L, L), mask_shape=(1, 3, 1, 1, L))
+    refs = [weakref.ref(t) for t in (q, k, v, bias, mask)]
+    out, lse = triton_attention(q, k, v, bias, mask, 0.3, False)
+    grads = torch.autograd.grad(out.sum(), (q, k, v, bias))
+    refs += [weakref.ref(t) for t in (out, lse, *grads)]
+    del q, k, v, bias, mask, out, lse, grads
+    gc.collect()
+    assert fresh_plans and all(r() is None for r in refs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The direct path, with Triton's compiled kernels replaced by a stand-in that logs each launch
+
+
+class _LoggedCompiled:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append((self.name, grid, args, "direct"))
+
+
+@pytest.fixture
+def logged_launches(monkeypatch, fresh_plans):
+    """Every JITFunction launch logs (kernel, grid, args) and returns a logging compiled kernel; nothing runs."""
+    import inspect
+    import types
+
+    log = []
+
+    def run(self, *args, grid, warmup, **kw):
+        name = self.fn.__name__
+        grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        log.append((name, grid3, args + tuple(v for k, v in kw.items() if k not in ("num_warps", "num_stages")),
+                    "plain"))
+        return _LoggedCompiled(log, name)
+
+    kernels = (launch.attn_fwd_kernel, launch.attn_bwd_dkdv_kernel, launch.attn_bwd_dq_kernel,
+               launch.bwd_preprocess_kernel, launch.attn_bwd_dbias_kernel, launch.sum_splits_kernel)
+    for kernel in kernels:
+        monkeypatch.setattr(type(kernel), "run", run)
+        if not hasattr(kernel, "params"):  # the interpreter's kernels: their params as a JITFunction lists them
+            params = [types.SimpleNamespace(name=p.name, is_constexpr="constexpr" in str(p.annotation),
+                                            do_not_specialize=False)
+                      for p in inspect.signature(kernel.fn).parameters.values()]
+            monkeypatch.setattr(kernel, "params", params, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, tune=False))
+    for name in ("_COMPILED", "_EXACT", "_TRAILING", "_SPECIALIZE"):
+        monkeypatch.setattr(fastlaunch, name, {})
+    monkeypatch.setattr(fastlaunch, "_device", lambda: 0)  # no CUDA here
+    monkeypatch.setattr(launch, "_tma_capable", lambda device: False)  # CPU tensors: pointer loads, as on older GPUs
+    return log
+
+
+def _describe(args, named):
+    """A launch's arguments with tensors named by the call's tensor they are (or their geometry if allocated)."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            name = next((n for n, t in named.items() if t is a), None)
+            out.append(name or ("new", tuple(a.shape), a.stride(), a.dtype))
+        else:
+            out.append(a)
+    return tuple(out)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_replay_launches_the_recorded_kernels_with_the_new_tensors(case, logged_launches):
+    """Calls 2 and 3 replay (direct launches only): the same kernels, grids and scalars as the recorded call's final
+    launches, each input position holding that call's own tensor and every buffer a new one."""
+    calls = []
+    for seed in (1, 2, 3):
+        q, k, v, bias, mask, causal, options, ids = _inputs(case, seed)
+        seg = None if ids is None else (ids, ids)
+        del logged_launches[:]
+        out, lse = triton_attention(q, k, v, bias, mask, 0.3, causal, segment_ids=seg, **options)
+        grads = torch.autograd.grad(out.sum(), [t for t in (q, k, v, bias) if t is not None])
+        named = dict(q=q, k=k, v=v, bias=bias)
+        calls.append(([(n, g, _describe(a, named)) for n, g, a, _ in logged_launches], list(logged_launches),
+                      (out, lse, *grads)))
+    (rec, _, _), (rep2, raw2, res2), (rep3, raw3, _) = calls
+    assert rep2 and rep2 == rep3
+    # (the segment tables of each call's new ids tensor are built afresh: not part of a plan)
+    assert all(kind == "direct" for name, *_, kind in raw2 + raw3 if name != "segment_table_kernel")
+    assert all(entry in rec for entry in rep2)  # the recorded call also ran candidate trials before its launches
+    mine2 = {id(t) for _, _, a, _ in raw2 for t in a if isinstance(t, torch.Tensor)}
+    assert not any(id(t) in mine2 for _, _, a, _ in raw3 for t in a if isinstance(t, torch.Tensor) and t.numel() > 1)
+    # the output handed back is (a view of) the buffer the kernel wrote
+    assert any(isinstance(t, torch.Tensor) and t.data_ptr() == res2[0].data_ptr() for _, _, a, _ in raw2 for t in a)
