@@ -19,6 +19,7 @@ The direct call passes the arguments in the kernel's parameter order, constexprs
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
@@ -154,11 +155,17 @@ def bound(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_sta
         return None
     runner = compiled[(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)]
     rest = tuple(args[n_leading:]) + tuple(constexprs.values())
-
-    def run(*leading):
-        runner(*leading, *rest)
-
+    device = _device()
+    if _RAW_STREAM is None or "stream" not in inspect.signature(runner).parameters:
+        def run(*leading):
+            runner(*leading, *rest)
+    else:  # the current stream handed over: the runner would look up the device and its stream on every launch
+        def run(*leading):
+            runner(*leading, *rest, stream=_RAW_STREAM(device))
     return run
+
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None) if torch.cuda.is_available() else None
 
 
 def _exact_key(args: Sequence) -> Tuple:
