@@ -21,5 +21,5 @@ BIAS_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.flo
 DETERMINISTIC_BWD = ("split",)  # with deterministic=True only: "fused" uses atomics for dq, and
 # deterministic=False also sums a broadcast bias's gradient with atomics
 
-__all__ = ["triton_attention", "triton_lse_backward", "clear_segment_tables", "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "BIAS_DTYPES",
-           "BWD_VARIANTS", "DETERMINISTIC_BWD"]
+__all__ = ["triton_attention", "triton_lse_backward", "clear_segment_tables", "SUPPORTED_HEAD_DIMS",
+           "SUPPORTED_DTYPES", "BIAS_DTYPES", "BWD_VARIANTS", "DETERMINISTIC_BWD"]

@@ -73,7 +73,8 @@ def load_rows(base, offs, stride, offs_d, D, ok, MASK_ROWS: tl.constexpr = True,
 
 @triton.jit
 def load_tile(Base, offs_m, offs_n, s_m, s_n, Lm, Ln, CHECK: tl.constexpr = True):
-    """Tile ``[len(offs_m), len(offs_n)]`` of a 2-D slice with strides (s_m, s_n) (0 on a broadcast dim); 0 out of range.
+    """Tile ``[len(offs_m), len(offs_n)]`` of a 2-D slice with strides (s_m, s_n) (0 on a broadcast dim); 0 out of
+    range.
 
     Offsets in int64: a bias slice may span more than 2^31 elements. CHECK False: the tile is known to be in range.
     """
