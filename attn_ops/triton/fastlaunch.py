@@ -1,12 +1,14 @@
 """Kernel launches that skip Triton's per-call argument binding once a launch signature has been seen.
 
-``kernel[grid](*args, **constexprs)`` binds and specializes every argument on each call (Triton 3.6 on an H100
-host: ~31-42 us for the ~45 arguments of these kernels, 41 native specialisation calls each), and a small shape's
-step is bound by such host time (triangle ``[1,256,4,256,32]``: five launches per forward + backward).
-:func:`launch` keeps the compiled kernel Triton returned for a launch signature and calls it directly the next
-time (~11 us). The signature holds everything Triton specialises on: the constexprs, warps and stages, the value
-of every scalar argument and each tensor argument's dtype and 16-byte alignment; and the current device, since a
-compiled kernel's handle is loaded for the device it was launched on. Integer scalars count as Triton sees them:
+``kernel[grid](*args, **constexprs)`` binds and specializes every argument on each call (a native specialisation
+call per argument: a few times the cost of the launch itself for the ~45 arguments of these kernels), and a small
+shape's step is bound by such host time. :func:`launch` keeps the compiled kernel Triton returned for a launch
+signature and calls it directly the next time; :func:`bound` hands a launch plan (``launch.py``) that direct call
+with the fixed arguments already in place.
+
+The signature holds everything Triton specialises on: the constexprs, warps and stages, the value of every scalar
+argument and each tensor argument's dtype and 16-byte alignment; and the current device, since a compiled
+kernel's handle is loaded for the device it was launched on. Integer scalars count as Triton sees them:
 their type (int32/int64) and, unless the kernel marks them ``do_not_specialize``, whether they equal 1 or divide
 by 16, not their value (so a new sequence length reuses the entry). A new signature goes through Triton's own
 path again (which finds its cached binary) and is remembered too.

@@ -220,8 +220,8 @@ def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
 # binding) depends only on its tensors' geometry: the first call with a geometry runs the launchers below through a
 # Recorder, which keeps each allocation and launch as a step over ``env`` (the call's tensors: inputs first, then
 # the buffers the steps allocate, in order); later calls with the same key replay those steps with their own
-# tensors, launching the compiled kernels directly (``fastlaunch.bound``). Replaying skips ~0.4 ms of Python per
-# eager forward + backward of a small shape, which such a shape is bound by (docs/bench).
+# tensors, launching the compiled kernels directly (``fastlaunch.bound``): an eager call of a small shape is bound by
+# its host time, and replaying skips most of it (docs/bench/crop_h100.md).
 
 
 class Plan(NamedTuple):

@@ -6,9 +6,8 @@
 
 :func:`attend` is the entry point: under ``torch.compile`` it calls the custom op (traceable, no graph break);
 in eager mode a plain ``autograd.Function`` around the same two bodies (``attn_forward``/``_backward_impl``),
-which skips the custom op's dispatch (its autograd wrapper, redispatch, aliasing checks): 0.4-0.5 ms of host time
-per forward + backward on H100 hosts (triangle [1,256,4,256,32]: 1.64 -> 1.14 and 1.23 -> 0.86 ms on two machines),
-which is what a small shape is bound by. Both paths run the same launches, so they give the same bits.
+which skips the custom op's dispatch (its autograd wrapper, redispatch, aliasing checks): host time a small shape
+is bound by (docs/bench/history.md). Both paths run the same launches, so they give the same bits.
 """
 from __future__ import annotations
 
