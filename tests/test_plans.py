@@ -122,6 +122,26 @@ def test_what_a_plan_depends_on_makes_a_new_one(fresh_plans):
 
 
 @interpreter
+@pytest.mark.parametrize("knob", ["interpreter_config", "tma_threshold"])
+def test_module_knobs_a_plan_was_made_under_remake_it(knob, fresh_plans, monkeypatch):
+    """The interpreter's config and the TMA threshold are read while recording: replacing either (as tests and
+    experiments do) makes the next call record again instead of replaying the old choice."""
+    from attn_ops.triton import tuning
+
+    q, k, v, bias, mask = make_inputs((1, 2), 2, L, L, 16, bias_shape=(1, 1, 2, L, L), mask_shape=(1, 2, 1, 1, L))
+    with torch.no_grad():
+        triton_attention(q, k, v, bias, mask, 0.3, False)
+    (key, before), = fresh_plans.items()
+    if knob == "interpreter_config":
+        monkeypatch.setattr(tuning, "_INTERPRETER", tuning.Cfg(16, 16, 4, 1))
+    else:
+        monkeypatch.setattr(launch, "TMA_MIN_SCORES", 0)
+    with torch.no_grad():
+        triton_attention(q, k, v, bias, mask, 0.3, False)
+    assert fresh_plans[key] is not before
+
+
+@interpreter
 def test_plans_hold_no_tensors(fresh_plans):
     """A plan keeps geometry, never the tensors of the call that made it (no memory held after the call)."""
     q, k, v, bias, mask = make_inputs((1, 3), 2, L, L, 16, bias_shape=(1, 1, 2, L, L), mask_shape=(1, 3, 1, 1, L))

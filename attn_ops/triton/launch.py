@@ -240,7 +240,9 @@ def clear_plans() -> None:
 
 
 def _guard() -> Tuple:
-    return (_settings.get(), tuning._CACHE)
+    """What a plan was made under besides its key: the settings, the tuning cache (configs picked from it), the
+    interpreter's config and the TMA threshold (module values that tests and experiments replace)."""
+    return (_settings.get(), tuning._CACHE, tuning._INTERPRETER, TMA_MIN_SCORES)
 
 
 def _geo(t: Optional[Tensor]):
@@ -259,7 +261,8 @@ def _replay(key: Tuple, env: list) -> Optional[Plan]:
     if plan is None:
         return None
     guard = plan.guard
-    if guard[0] is not _settings.get() or guard[1] is not tuning._CACHE:
+    if guard[0] is not _settings.get() or guard[1] is not tuning._CACHE or guard[2] is not tuning._INTERPRETER or \
+            guard[3] != TMA_MIN_SCORES:
         return None
     for step in plan.steps:
         step(env)
