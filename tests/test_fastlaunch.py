@@ -159,3 +159,25 @@ def test_bound_launches_the_remembered_kernel_with_new_leading_args():
     assert fastlaunch.bound(k, (3,), (x, 64, 0.5), 4, 2, 1, BLOCK=32, EVEN=True) is None  # never launched so
     settings.update(fast_launch=False)
     assert fastlaunch.bound(k, (3,), (x, 64, 0.5), 4, 2, 1, BLOCK=16, EVEN=True) is None
+
+
+def test_compile_only_holds_in_its_own_thread_only():
+    """The tuner's compile-only block in one thread leaves another thread's launches running (they must not turn
+    into compile-only warm-ups that launch nothing)."""
+    import threading
+
+    k, x = _kernel(), torch.zeros(64)
+    inside, done = threading.Event(), threading.Event()
+
+    def other():
+        inside.wait(5)
+        fastlaunch.launch(k, (1,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)
+        done.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with fastlaunch.compile_only():
+        inside.set()
+        assert done.wait(5)
+    thread.join()
+    assert [e[0] for e in k.log] == ["plain"]

@@ -531,7 +531,7 @@ def test_a_miss_compiles_every_candidate_at_once_before_timing(tuner, monkeypatc
     real = tuner.launch
 
     def launch(cfg):
-        modes.append((cfg, fastlaunch._WARMUP_ONLY, _async_compile.active_mode.get() is not None))
+        modes.append((cfg, fastlaunch._WARMUP_ONLY.get(), _async_compile.active_mode.get() is not None))
         return real(cfg)
 
     cands = candidates("fwd", **ARGS)
@@ -542,7 +542,7 @@ def test_a_miss_compiles_every_candidate_at_once_before_timing(tuner, monkeypatc
     assert modes[:n] == [(c, True, True) for c in cands]  # all compiles submitted first
     assert [m[0] for m in modes[n:]] == cands and not any(m[1] or m[2] for m in modes[n:])  # then timed for real
     assert tuner.timed == cands[1:]
-    assert fastlaunch._WARMUP_ONLY is False and _async_compile.active_mode.get() is None
+    assert fastlaunch._WARMUP_ONLY.get() is False and _async_compile.active_mode.get() is None
 
 
 def test_compile_only_launch_warms_up_and_runs_nothing(monkeypatch):
@@ -560,5 +560,5 @@ def test_compile_only_launch_warms_up_and_runs_nothing(monkeypatch):
     with fastlaunch.compile_only():
         fastlaunch.launch(Kernel(), (3,), (1, 2), 4, 2, BLOCK=16)
     assert calls == [("warmup", (1, 2), (3,), {"num_warps": 4, "num_stages": 2, "BLOCK": 16})]
-    assert fastlaunch._WARMUP_ONLY is False
+    assert fastlaunch._WARMUP_ONLY.get() is False
 

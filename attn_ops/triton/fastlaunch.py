@@ -21,6 +21,7 @@ The direct call passes the arguments in the kernel's parameter order, constexprs
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
@@ -93,26 +94,27 @@ def _device() -> int:
     return torch.cuda.current_device()
 
 
-_WARMUP_ONLY = False
+# Set by compile_only() in the thread (context) that compiles a tuning key's candidates; other threads launching
+# at the same time are not affected.
+_WARMUP_ONLY: contextvars.ContextVar = contextvars.ContextVar("attn_zoo_warmup_only", default=False)
 
 
 @contextlib.contextmanager
 def compile_only() -> Iterator[None]:
-    """Inside the block :func:`launch` compiles (``kernel.warmup``) and launches nothing: under Triton's
-    asynchronous compile mode the tuner submits every candidate's compile at once this way."""
-    global _WARMUP_ONLY
-    previous, _WARMUP_ONLY = _WARMUP_ONLY, True
+    """Inside the block :func:`launch` compiles (``kernel.warmup``) and launches nothing, in this thread only: under
+    Triton's asynchronous compile mode the tuner submits every candidate's compile at once this way."""
+    token = _WARMUP_ONLY.set(True)
     try:
         yield
     finally:
-        _WARMUP_ONLY = previous
+        _WARMUP_ONLY.reset(token)
 
 
 def launch(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int, **constexprs) -> None:
     """``kernel[grid](*args, num_warps=.., num_stages=.., **constexprs)``, directly on a remembered compiled kernel
     when this launch signature was seen before. ``args`` are the runtime params in order; ``constexprs`` must be
     exactly the kernel's trailing constexpr params, in order."""
-    if _WARMUP_ONLY:
+    if _WARMUP_ONLY.get():
         kernel.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **constexprs)
         return
     if interpreting() or not _settings.get().fast_launch:
@@ -147,7 +149,7 @@ def bound(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_sta
     ``settings.fast_launch`` False, a kernel whose constexprs are not trailing): the caller keeps calling
     :func:`launch`. The leading arguments must have the dtypes and 16-byte alignment of those given here, and the
     current device must stay the same (the plan's key holds both)."""
-    if _WARMUP_ONLY or interpreting() or not _settings.get().fast_launch:
+    if _WARMUP_ONLY.get() or interpreting() or not _settings.get().fast_launch:
         return None
     head = (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()))
     compiled = _EXACT.get((head, _exact_key(args)))
