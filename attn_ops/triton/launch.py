@@ -227,7 +227,7 @@ def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
 class Plan(NamedTuple):
     steps: Tuple[Callable[[list], None], ...]
     outputs: Tuple[Optional[int], ...]  # env slots of the results (None: no such result)
-    guard: Tuple  # the settings and tuning cache the plan was made under (compared by identity)
+    guard: Tuple  # what the plan was made under besides its key (see _guard)
 
 
 _PLANS: Dict[Tuple, Plan] = {}
@@ -373,8 +373,8 @@ def _bias_operand_slot(b: Optional[int], bias: Optional[Tensor], tma, block_m: i
     if tma is None:
         return b, _bstrides(bias), 1
     slice_stride, n_slices, batch = tma
-    dims, strides, block = [n_slices, bias.shape[3], bias.shape[4]], [slice_stride, bias.stride(3), 1], [1, block_m,
-                                                                                                       block_n]
+    dims, strides = [n_slices, bias.shape[3], bias.shape[4]], [slice_stride, bias.stride(3), 1]
+    block = [1, block_m, block_n]
     return (lambda env: TensorDescriptor(env[b], dims, strides, block)), (*batch, bias.stride(3), 1), 2
 
 
