@@ -28,3 +28,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans(monkeypatch):
+    """Each test starts without the triton backend's launch plans (attn_ops/triton/launch.py): its first call of a
+    geometry records, whatever ran before it, so tests that spy on the launchers do not depend on test order."""
+    launch = sys.modules.get("attn_ops.triton.launch")
+    if launch is not None:
+        monkeypatch.setattr(launch, "_PLANS", {})
