@@ -68,7 +68,8 @@ def test_replayed_call_gives_the_bits_of_a_fresh_one(case, fresh_plans):
     """Record on one set of values; replay on other values of the same geometry: the same bits as running the
     launchers afresh on those values; the replay adds no plan."""
     first = _inputs(case, seed=1)
-    _grads(*first, seed=1)
+    recorded = _grads(*first, seed=1)
+    kept = [t.clone() for t in recorded]
     n_plans = len(fresh_plans)
     assert n_plans == 2  # a forward and a backward
     second = _inputs(case, seed=2)
@@ -76,7 +77,9 @@ def test_replayed_call_gives_the_bits_of_a_fresh_one(case, fresh_plans):
     assert len(fresh_plans) == n_plans
     fresh_plans.clear()
     fresh = _grads(*second, seed=2)
-    for a, b in zip(replayed, fresh):  # (a replay on the first call's buffers or inputs would differ)
+    for a, b in zip(replayed, fresh):  # (a replay on the first call's inputs would differ)
+        assert torch.equal(a, b)
+    for a, b in zip(recorded, kept):  # the replay wrote into buffers of its own, not the first call's results
         assert torch.equal(a, b)
 
 
