@@ -152,8 +152,8 @@ def fused_linear(x: Tensor, layers: Sequence[nn.Linear]) -> Tuple[Tensor, ...]:
 
     The concatenated width is padded with zero rows to a multiple of 8 (16 bytes in bf16): a triangle
     attention's q, k, v, gate and 4 bias heads make 516 outputs, and for such a width ``torch.compile`` pads the
-    ``[*, 516]`` gradient of the matmul into a new ``[*, 520]`` tensor, a full copy (H100, Pairformer N=768: two
-    0.4 ms copies per step). The padded outputs are computed and dropped.
+    ``[*, 516]`` gradient of the matmul into a new ``[*, 520]`` tensor, a full copy (docs/bench/history.md,
+    "Design measurements"). The padded outputs are computed and dropped.
     """
     if len(layers) == 1:
         return (layers[0](x),)

@@ -22,7 +22,7 @@ class _ChannelsLast(torch.autograd.Function):
 
     The triangle matmul's backward multiplies the incoming gradient as ``[*, C, I, J]`` matrices; the plain
     ``movedim`` would hand it a channels-last tensor, which the batched matmul copies once per operand with a
-    slow strided kernel (H100, Pairformer N=768: 2.2 ms per copy, four per block step). One explicit copy here,
+    slow strided kernel (docs/bench/history.md, "Design measurements"). One explicit copy here,
     which ``torch.compile`` turns into a tiled transpose, serves both matmuls.
     """
 
@@ -67,12 +67,12 @@ class TriangleMultiplication(nn.Module):
     def _gated_channels_first(self, zn: Tensor, pair_mask: Optional[Tensor]) -> Tensor:
         """``[a | b] = sigmoid(Linear_g(zn)) * Linear_p(zn)``, zeroed at masked pairs: ``[*, 2C, N, N]`` contiguous.
 
-        Two forms of the same function, each the faster one where it runs (H100, Pairformer N=768, bf16):
+        Two forms of the same function, each the faster one where it runs (docs/bench/history.md, "Design
+        measurements"):
         - under ``torch.compile``: one channels-last GEMM with the bias in its epilogue, then gate, mask and
-          the transpose to channels-first as one fused pass (2.1-2.3 ms less per fwd+bwd step than the
-          form below, 2026-11-24);
+          the transpose to channels-first as one fused pass;
         - eager: one channels-first GEMM ``W @ zn^T`` (``baddbmm``, bias fused) and elementwise gating in that
-          layout; the form above would cost eager PyTorch a strided transpose copy each way (~38 ms per step).
+          layout; the form above would cost eager PyTorch a strided transpose copy each way.
         """
         w = torch.cat([self.linear_ab_g.weight, self.linear_ab_p.weight], dim=0)  # [4C, c_z]
         bias = None

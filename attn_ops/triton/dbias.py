@@ -10,8 +10,8 @@ it across processes). Several programs may share one tile's batch loop (contiguo
 fp32 partial sums go to ``dBiasPart[split]`` and are added in a fixed order (one split: written in the bias's
 dtype).
 
-The loop is bound by its per-step instruction count, not by memory (H100, triangle 768: the same time with every
-step reading the same rows from cache), so the common case keeps each step lean: operand offsets are computed
+The loop is bound by its per-step instruction count, not by memory (docs/bench/history.md, "Design
+measurements"), so the common case keeps each step lean: operand offsets are computed
 once, tiles that are fully in range load without masks, and the batch index needs no division where a
 broadcast extent is 1.
 """

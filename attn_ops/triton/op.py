@@ -198,7 +198,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Option
     args = (q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias, q_seg, k_seg)
     if torch._C._are_functorch_transforms_active():
         return _EagerAttention.apply(*args)
-    # Function.apply binds the arguments to forward's signature (inspect.signature, ~0.1 ms per call) before this
+    # Function.apply binds the arguments to forward's signature (inspect.signature, slow per call) before this
     # same C-level apply; every argument is given positionally here, so there is nothing to bind
     return _C_APPLY(*_unwrap_dead(args))
 

@@ -173,9 +173,9 @@ _FLUSH: Dict[int, object] = {}  # CUDA device index -> a buffer larger than L2, 
 def measure(fn: Callable[[], None], budget_ms: float = 2.0, min_runs: int = 5, max_runs: int = 40) -> float:
     """Median GPU time (ms) of ``fn``: one untimed run, then enough runs for about ``budget_ms`` of GPU time, each
     between CUDA events after clearing a buffer of twice the L2 size, at least 64 MB (cold L2, as in training; the
-    clear also hides most of the host's launch latency from the events). ``triton.testing.do_bench`` spends 30-40 ms
-    per candidate (its fixed warm-up and repetition windows) where these kernels take microseconds, which made timing
-    the larger part of a tuning stall; the choice between candidates only needs their order."""
+    clear also hides most of the host's launch latency from the events). Not ``triton.testing.do_bench``: its fixed
+    warm-up and repetition windows made timing the larger part of a tuning stall, where the choice between
+    candidates only needs their order (docs/bench/varlen_h100.md)."""
     import torch
 
     device = torch.cuda.current_device()
