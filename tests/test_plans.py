@@ -66,15 +66,15 @@ def _grads(q, k, v, bias, mask, causal, options, ids, seed):
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_replayed_call_gives_the_bits_of_a_fresh_one(case, fresh_plans):
     """Record on one set of values; replay on other values of the same geometry: the same bits as running the
-    launchers afresh on those values; the replay adds no plan."""
+    launchers afresh on those values; the replay adds no plan and replaces none (it ran the recorded one)."""
     first = _inputs(case, seed=1)
     recorded = _grads(*first, seed=1)
     kept = [t.clone() for t in recorded]
-    n_plans = len(fresh_plans)
-    assert n_plans == 2  # a forward and a backward
+    plans = dict(fresh_plans)
+    assert len(plans) == 2  # a forward and a backward
     second = _inputs(case, seed=2)
     replayed = _grads(*second, seed=2)
-    assert len(fresh_plans) == n_plans
+    assert fresh_plans.keys() == plans.keys() and all(fresh_plans[key] is plans[key] for key in plans)
     fresh_plans.clear()
     fresh = _grads(*second, seed=2)
     for a, b in zip(replayed, fresh):  # (a replay on the first call's inputs would differ)
@@ -111,16 +111,53 @@ def test_what_a_plan_depends_on_makes_a_new_one(fresh_plans):
     forward(q, k, v, mask=None)
     forward(q, k, v, bias=bias.expand(1, 2, 2, L, L).contiguous())
     assert len(fresh_plans) == 8
-    # other settings: the plan is made again (under the settings in force)
+    # other settings: a plan of their own, and the first one stays for when they come back
     first = next(iter(fresh_plans))
     before = fresh_plans[first]
     with kernel_settings(tma=False):
         out = forward(q, k, v)[0]
     torch.testing.assert_close(out, ref[0], rtol=0, atol=0)
-    assert fresh_plans[first] is not before and fresh_plans[first].guard[0].tma is False
-    assert len(fresh_plans) == 8
+    assert len(fresh_plans) == 9 and fresh_plans[first] is before
+    assert [key[-1].tma for key in fresh_plans].count(False) == 1
+    # settings equal by value (a context manager per call makes a new object each time) replay the same plans
+    plans = dict(fresh_plans)
+    for _ in range(2):
+        with kernel_settings():
+            forward(q, k, v)
+        with kernel_settings(tma=False):
+            forward(q, k, v)
+    assert fresh_plans.keys() == plans.keys() and all(fresh_plans[key] is plans[key] for key in plans)
     launch.clear_plans()
     assert not launch._PLANS
+
+
+@interpreter
+def test_what_a_backward_plan_depends_on_makes_a_new_one(fresh_plans):
+    """The backward's key: whether lse has a gradient, whether the bias needs one, and the variant (atomic dBias,
+    fused); each gives its own plan, and each replays the right one (checked against the torch backend)."""
+    from attn_ops import attention
+
+    q, k, v, bias, mask = make_inputs((1, 2), 2, L, L, 16, bias_shape=(1, 1, 2, L, L), mask_shape=(1, 2, 1, 1, L))
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
+    variants = [({}, True, True), ({}, False, True), ({}, True, False), ({"deterministic": False}, True, True),
+                ({"deterministic": False, "bwd": "fused"}, True, True)]
+
+    def grads(backend, options, lse_loss, bias_grad):
+        b = bias.detach().requires_grad_(bias_grad)
+        extra = options if backend == "triton" else {}
+        out, lse = attention(q, k, v, b, mask, scale=0.3, return_lse=True, backend=backend, **extra)
+        loss = (out * g).sum() + (lse.sum() if lse_loss else 0)
+        return torch.autograd.grad(loss, (q, k, v, b) if bias_grad else (q, k, v))
+
+    for rounds in (1, 2):  # the second round replays: every variant must still find its own plan
+        for variant in variants:
+            for got, want in zip(grads("triton", *variant), grads("torch", *variant)):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        if rounds == 1:
+            plans = dict(fresh_plans)
+    backward = [key for key in plans if key[0] == "bwd"]
+    assert len(backward) == len(variants)
+    assert fresh_plans.keys() == plans.keys() and all(fresh_plans[key] is plans[key] for key in plans)
 
 
 @interpreter
@@ -141,6 +178,22 @@ def test_module_knobs_a_plan_was_made_under_remake_it(knob, fresh_plans, monkeyp
     with torch.no_grad():
         triton_attention(q, k, v, bias, mask, 0.3, False)
     assert fresh_plans[key] is not before
+    again = fresh_plans[key]
+    with torch.no_grad():
+        triton_attention(q, k, v, bias, mask, 0.3, False)
+    assert fresh_plans[key] is again  # (and the new plan replays)
+
+
+@interpreter
+def test_past_the_limit_the_oldest_plan_goes(fresh_plans, monkeypatch):
+    monkeypatch.setattr(launch, "_PLANS_MAX", 2)
+    q, k, v, bias, mask = make_inputs((1, 2), 2, L, L, 16, bias_shape=(1, 1, 2, L, L), mask_shape=(1, 2, 1, 1, L))
+    keys = []
+    with torch.no_grad():
+        for scale in (0.1, 0.2, 0.3):
+            triton_attention(q, k, v, bias, mask, scale, False)
+            keys.append(next(reversed(fresh_plans)))
+    assert list(fresh_plans) == keys[1:]
 
 
 @interpreter

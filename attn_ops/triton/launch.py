@@ -98,9 +98,8 @@ def _pairs_rows(bias: Optional[Tensor], R: int, causal: bool, atomic_dbias: bool
     """Whether a dK/dV program may take two rows r, r + 1 that share one bias slice (a bias broadcast over R,
     summed by atomics with the split dQ kernel).
 
-    Measured on an H100 (triangle 768): it pays with ``atomic_dbias`` (one atomic add of both rows' dS: backward
-    5.52 -> 4.74 ms); the deterministic dK/dV kernel and the forward and dQ kernels were as fast or faster with one
-    row per program (forward 1.63 vs 1.48 ms, dQ 1.59 vs 1.44 ms), so only the atomic variant tries it.
+    Only the atomic variant tries it: one atomic add covers both rows' dS; the other kernels measured as fast or
+    faster with one row per program (docs/bench/history.md, "Design measurements").
     """
     return atomic_dbias and bias is not None and bias.shape[1] == 1 and R > 1 and not causal
 
@@ -165,8 +164,8 @@ def bias_tma(bias: Optional[Tensor], Lq: int, Lk: int) -> Optional[Tuple[int, in
     A descriptor sees the bias as ``[slices, Lq, Lk]``: the batch dims (B, R, H; 0 stride where broadcast) must
     step in whole multiples of one slice stride, and TMA needs a 16-byte aligned base, row and slice strides and a
     contiguous last dim (:func:`_tma_tiles` for the rest). Returns (slice stride, number of slices, the batch
-    strides counted in slices). On an H100 this takes the per-element address arithmetic of each bias tile off the
-    inner loops (a forward probe on the triangle [1,768,4,768,32]: 1.43-1.45 -> 1.30 ms).
+    strides counted in slices). This takes the per-element address arithmetic of each bias tile off the inner
+    loops (docs/bench/history.md, "Design measurements").
     """
     if not _tma_tiles(bias, Lq, Lk) or bias.stride(4) != 1:
         return None
@@ -184,8 +183,8 @@ def bias_tma(bias: Optional[Tensor], Lq: int, Lk: int) -> Optional[Tuple[int, in
 
 
 # Below this many attention scores per launch (B*R*H*Lq*Lk; 2**29 is the triangle [1,512,4,512,*]) the bias is read
-# by pointer loads, not TMA: Triton encodes a descriptor on the host at every launch (~0.5 ms per fwd + bwd of the
-# triangle [1,256,4,256,32] on an H100 host), more than the kernels of such a step save (docs/bench/crop_h100.md).
+# by pointer loads, not TMA: Triton encodes a descriptor on the host at every launch, which costs such a step more
+# host time than its kernels save (docs/bench/history.md, "Design measurements").
 TMA_MIN_SCORES = 2 ** 29
 
 
@@ -231,7 +230,7 @@ class Plan(NamedTuple):
 
 
 _PLANS: Dict[Tuple, Plan] = {}
-_PLANS_MAX = 1024
+_PLANS_MAX = 1024  # geometries kept; past it the oldest plan goes
 
 
 def clear_plans() -> None:
@@ -240,9 +239,10 @@ def clear_plans() -> None:
 
 
 def _guard() -> Tuple:
-    """What a plan was made under besides its key: the settings, the tuning cache (configs picked from it), the
-    interpreter's config and the TMA threshold (module values that tests and experiments replace)."""
-    return (_settings.get(), tuning._CACHE, tuning._INTERPRETER, TMA_MIN_SCORES)
+    """What a plan was made under besides its key (which holds the settings, by value): the tuning cache (configs
+    picked from it), the interpreter's config and the TMA threshold (module values that tests and experiments
+    replace)."""
+    return (tuning._CACHE, tuning._INTERPRETER, TMA_MIN_SCORES)
 
 
 def _geo(t: Optional[Tensor]):
@@ -261,8 +261,7 @@ def _replay(key: Tuple, env: list) -> Optional[Plan]:
     if plan is None:
         return None
     guard = plan.guard
-    if guard[0] is not _settings.get() or guard[1] is not tuning._CACHE or guard[2] is not tuning._INTERPRETER or \
-            guard[3] != TMA_MIN_SCORES:
+    if guard[0] is not tuning._CACHE or guard[1] is not tuning._INTERPRETER or guard[2] != TMA_MIN_SCORES:
         return None
     for step in plan.steps:
         step(env)
@@ -270,8 +269,8 @@ def _replay(key: Tuple, env: list) -> Optional[Plan]:
 
 
 def _keep(key: Tuple, rec: "Recorder", outputs: Tuple[Optional[int], ...]) -> None:
-    if len(_PLANS) >= _PLANS_MAX:  # many geometries seen: start over
-        _PLANS.clear()
+    if key not in _PLANS and len(_PLANS) >= _PLANS_MAX:  # many geometries seen: drop the oldest plan
+        del _PLANS[next(iter(_PLANS))]
     _PLANS[key] = Plan(tuple(rec.steps), outputs, rec.guard)
 
 
@@ -387,7 +386,7 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
     m8 = _mask_u8(mask)
     env = [q, k, v, bias, m8, q_seg, k_seg]
     key = ("fwd", _geo(q), _geo(k), _geo(v), _geo(bias), _geo(m8), _geo(q_seg), _geo(k_seg), scale, causal,
-           _current_device() if q.is_cuda else -1, interpreting())
+           _current_device() if q.is_cuda else -1, interpreting(), _settings.get())
     plan = _replay(key, env)
     if plan is None:
         rec = Recorder(env)
@@ -463,7 +462,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     env = [do, dlse, q, k, v, out, lse, bias, m8, q_seg, k_seg]
     key = ("bwd", _geo(do), _geo(dlse), _geo(q), _geo(k), _geo(v), _geo(out), _geo(lse), _geo(bias), _geo(m8),
            _geo(q_seg), _geo(k_seg), scale, causal, fused, need_dbias, atomic_dbias,
-           _current_device() if q.is_cuda else -1, interpreting())
+           _current_device() if q.is_cuda else -1, interpreting(), _settings.get())
     plan = _replay(key, env)
     if plan is None:
         rec = Recorder(env)
@@ -511,7 +510,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
         dbias = rec.new(lambda env: _f32_buffer(n, dev, None if scratch is None else env[scratch]).view(shape))
     acc = dbias  # (steps below that name a slot take it from a variable that is never reassigned)
     gs = (0,) * 5 if dbias is None else _bstrides(rec.env[dbias])
-    # The atomic accumulators take bulk TMA reductions (one per tile, H100: see attention_h100.md) where the
+    # The atomic accumulators take bulk TMA reductions (one per tile; faster: docs/bench/attention_h100.md) where the
     # copy engine can address them: dense, 16-byte rows. The dense dbias accumulator's batch strides then count
     # [Lq, Lk] slices; the fused dQ accumulator is allocated dense ([B*R*H] slices of [Lq, D]).
     reduce = _tma_reduce(dev) and not _host_bound(q, Lq, Lk)
