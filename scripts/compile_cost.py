@@ -1,0 +1,210 @@
+"""Count and time the Triton compiles behind the triton backend's first calls, on any machine (no GPU needed).
+
+    python scripts/compile_cost.py --lengths 300,301,320      # triangle + single attention at these N, in order
+    python scripts/compile_cost.py --varlen 40                # the 40 lengths of `bench_blocks.py --varlen`
+    python scripts/compile_cost.py --varlen 40 --no-tune      # the heuristic pick alone: one config per kernel
+
+Triton's driver is replaced by a stand-in that reports an sm_90 (H100) target, so every kernel compiles for the GPU
+(ptxas included, from the Triton wheel) and nothing runs; the tuner's timing is replaced by a constant (it keeps
+the first candidate that compiles) and launches become compile-only. What it measures is the compile workload of
+the first step at each length: which kernels compile, how many variants, and the wall time on this machine's
+cores with ``--threads`` compile threads, as the tuner runs them (Triton's own cache starts empty unless
+``--triton-cache`` names a folder). A new length compiles when it opens a new tuning key (length bucket) or
+changes a specialisation (the EVEN_M / EVEN_N flags: the length is a multiple of a tile size).
+
+The attention calls are those of a Pairformer block (bf16): triangle attention q ``[1, N, 4, N, 32]`` with a pair
+bias ``[1, 1, 4, N, N]`` and a key mask (starting and ending node have this geometry), and the single track's
+attention with pair bias q ``[1, 16, N, 24]``, bias ``[1, 16, N, N]``; forward + backward with gradients into q, k,
+v and bias. Bias tiles take pointer loads here (TMA descriptors need a real device): on an H100, steps of at
+least ``launch.TMA_MIN_SCORES`` scores compile the descriptor variant instead.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from collections import Counter
+from typing import Iterator, List, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+KINDS = ("triangle", "single")
+VARIANT_FLAGS = ("EVEN_M", "EVEN_N", "EVEN_D", "BLOCK_M", "BLOCK_N")
+
+
+class _CompileOnlyDriver:
+    """Triton's active driver on a machine that compiles for ``target`` and launches nothing."""
+
+    def __init__(self, arch: int, warp_size: int = 32):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, warp_size)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+@contextlib.contextmanager
+def cross_compile(arch: int = 90, triton_cache: str = None) -> Iterator[List[dict]]:
+    """Inside the block the triton backend compiles its kernels for sm_``arch`` and runs none; yields the list
+    that each compile appends a record to (kernel name, the variant's constexprs, warps and stages). Everything
+    patched is restored after the block."""
+    from triton import knobs
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    from attn_ops import settings
+    from attn_ops.triton import fastlaunch, launch, tuning
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("compile_cost measures real compiles: unset TRITON_INTERPRET")
+    log: List[dict] = []
+    real_compile = JITFunction._do_compile
+
+    def counted(self, key, signature, device, constexprs, options, attrs, warmup):
+        out = real_compile(self, key, signature, device, constexprs, options, attrs, warmup)
+        flags = {path[0] if isinstance(path, tuple) and len(path) == 1 else path: value
+                 for path, value in constexprs.items()}
+        names = [p.name for p in self.params]
+        flags = {names[k] if isinstance(k, int) and k < len(names) else k: v for k, v in flags.items()}
+        log.append(dict(kernel=self.fn.__name__, flags=flags, num_warps=options.num_warps,
+                        num_stages=options.num_stages))
+        return out
+
+    saved_cache, saved_driver = knobs.cache.dir, getattr(driver, "_active", None)
+    cache_dir = triton_cache or tempfile.mkdtemp(prefix="attn_zoo_compile_cost_")
+    token = fastlaunch._WARMUP_ONLY.set(True)
+    patches = [(tuning, "measure", lambda fn, **kw: (fn(), 1.0)[1]), (tuning, "_CACHE", {}),
+               (launch, "_bound", lambda *a, **k: None), (launch, "_PLANS", {}), (fastlaunch, "_device", lambda: 0),
+               (JITFunction, "_do_compile", counted)]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    before = settings.get()
+    try:
+        knobs.cache.dir = cache_dir
+        driver.set_active(_CompileOnlyDriver(arch))
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        settings.update(cache_dir=None)  # the on-disk tuning cache would skip candidates: keep this run's own
+        yield log
+    finally:
+        settings._current = before
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+        driver._active = saved_driver  # (reset_active would build the default driver: none without a GPU)
+        knobs.cache.dir = saved_cache
+        fastlaunch._WARMUP_ONLY.reset(token)
+
+
+def attention_inputs(kind: str, n: int):
+    """The leaves and call arguments of one Pairformer attention call at length ``n`` (CPU tensors, bf16)."""
+    import torch
+
+    def leaf(*shape):
+        return torch.empty(shape, dtype=torch.bfloat16).normal_().requires_grad_()
+
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[n - max(1, n // 10):] = False  # key padding
+    if kind == "triangle":
+        q, k, v = leaf(1, n, 4, n, 32), leaf(1, n, 4, n, 32), leaf(1, n, 4, n, 32)
+        bias = leaf(1, 1, 4, n, n)
+        return (q, k, v, bias), mask.view(1, 1, 1, 1, n).expand(1, n, 1, 1, n)
+    if kind == "single":
+        q, k, v = leaf(1, 16, n, 24), leaf(1, 16, n, 24), leaf(1, 16, n, 24)
+        bias = leaf(1, 16, n, n)
+        return (q, k, v, bias), mask.view(1, 1, 1, n)
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+def step(kind: str, n: int) -> None:
+    """One forward + backward of the triton backend at ``kind``, length ``n`` (inside :func:`cross_compile`)."""
+    import torch
+
+    from attn_ops.triton import triton_attention
+
+    (q, k, v, bias), mask = attention_inputs(kind, n)
+    out, lse = triton_attention(q, k, v, bias, mask, q.shape[-1] ** -0.5, False)
+    torch.autograd.grad((out,), (q, k, v, bias), (torch.zeros_like(out),))
+
+
+def run(lengths: Sequence[int], kinds: Sequence[str] = KINDS, tune: bool = True, threads: int = 8,
+        arch: int = 90, triton_cache: str = None) -> List[dict]:
+    """Per length: dict(n, wall_s, compiles, by_kernel (Counter), records); the tuner's settings as given."""
+    from attn_ops import settings
+
+    rows = []
+    with settings.kernel_settings(tune=tune, compile_threads=threads), cross_compile(arch, triton_cache) as log:
+        for n in lengths:
+            start, t0 = len(log), time.perf_counter()
+            for kind in kinds:
+                step(kind, n)
+            records = log[start:]
+            rows.append(dict(n=n, wall_s=time.perf_counter() - t0, compiles=len(records),
+                             by_kernel=Counter(r["kernel"] for r in records), records=records))
+    return rows
+
+
+def table(rows: Sequence[dict]) -> str:
+    lines = ["| N | new compiles | wall s | kernels (variants) | EVEN_M / EVEN_N variants |", "|---|---|---|---|---|"]
+    for r in rows:
+        kernels = ", ".join(f"{_short(k)} {c}" for k, c in sorted(r["by_kernel"].items()))
+        lines.append(f"| {r['n']} | {r['compiles']} | {r['wall_s']:.1f} | {kernels or '-'} | {even_variants(r)} |")
+    lines.append(f"| all | {sum(r['compiles'] for r in rows)} | {sum(r['wall_s'] for r in rows):.1f} | | "
+                 f"{sum(even_variants(r) for r in rows)} |")
+    return "\n".join(lines)
+
+
+def _short(kernel: str) -> str:
+    return kernel.replace("attn_", "").replace("_kernel", "")
+
+
+def even_variants(row: dict) -> int:
+    """Compiles of a length's row that specialise on a tile dividing the length (EVEN_M or EVEN_N set)."""
+    return sum(1 for x in row["records"] if x["flags"].get("EVEN_M") or x["flags"].get("EVEN_N"))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--lengths", help="comma-separated N, run in this order")
+    src.add_argument("--varlen", type=int, metavar="COUNT", help="the first COUNT lengths of bench_blocks --varlen")
+    ap.add_argument("--varlen-seed", type=int, default=0)
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"attention calls per length, from {KINDS}")
+    ap.add_argument("--no-tune", action="store_true", help="settings.tune False: the first candidate, no timing")
+    ap.add_argument("--threads", type=int, default=8, help="settings.compile_threads")
+    ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability to compile for (90: H100/H200)")
+    ap.add_argument("--triton-cache", help="Triton's cache folder (default: a new empty one, i.e. a cold start)")
+    args = ap.parse_args(argv)
+    if args.varlen is not None:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_blocks import varlen_lengths
+
+        lengths = varlen_lengths(args.varlen, args.varlen_seed)
+    else:
+        try:
+            lengths = [int(x) for x in args.lengths.split(",")]
+        except ValueError:
+            ap.error(f"--lengths must be comma-separated integers, got {args.lengths!r}")
+    kinds = args.kinds.split(",")
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        ap.error(f"--kinds: unknown {bad}; known: {list(KINDS)}")
+    rows = run(lengths, kinds, tune=not args.no_tune, threads=args.threads, arch=args.arch,
+               triton_cache=args.triton_cache)
+    import triton
+
+    print(f"compiles for sm_{args.arch} (triton {triton.__version__}, {os.cpu_count()} CPUs, "
+          f"tune={not args.no_tune}, compile_threads={args.threads}, kinds={','.join(kinds)})")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

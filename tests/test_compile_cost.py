@@ -1,0 +1,40 @@
+"""Triton's own compile cache, counted for real (scripts/compile_cost.py cross-compiles for sm_90 on any machine):
+lengths that differ only in their remainder by 16 reuse the kernels compiled for the first of them.
+
+The CPU suite imports the kernels under TRITON_INTERPRET=1 (interpreted functions, nothing to compile), so the run
+goes to a fresh process without it; its Triton cache is a new empty folder.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _have_cuda_compiler() -> bool:
+    try:
+        import triton.backends.nvidia as nvidia
+    except ImportError:
+        return False
+    return os.path.exists(os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas"))
+
+
+@pytest.mark.skipif(not _have_cuda_compiler(), reason="Triton without its CUDA backend (ptxas): nothing to compile")
+def test_lengths_differing_mod_16_compile_nothing_new_for_real():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "compile_cost.py"), "--lengths", "48,50,61", "--no-tune",
+           "--threads", "1", "--kinds", "triangle"]
+    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {int(cells[0]): cells for cells in
+            ([c.strip() for c in line.strip("|").split("|")] for line in res.stdout.splitlines())
+            if cells[0].isdigit()}
+    assert sorted(rows) == [48, 50, 61], res.stdout
+    first = rows[48][3]
+    for kernel in ("fwd 1", "bwd_dkdv 1", "bwd_dq 1", "bwd_dbias 1", "bwd_preprocess 1", "sum_splits 1"):
+        assert kernel in first, res.stdout  # every kernel of a fwd + bwd with a broadcast bias compiled once
+    assert rows[50][1] == "0" and rows[61][1] == "0", res.stdout
