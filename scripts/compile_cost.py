@@ -12,10 +12,10 @@ cores with ``--threads`` compile threads, as the tuner runs them (Triton's own c
 ``--triton-cache`` names a folder). A new length compiles when it opens a new tuning key (length bucket) or
 changes a specialisation (the EVEN_M / EVEN_N flags: the length is a multiple of a tile size).
 
-The attention calls are those of a Pairformer block (bf16): triangle attention q ``[1, N, 4, N, 32]`` with a pair
-bias ``[1, 1, 4, N, N]`` and a key mask (starting and ending node have this geometry), and the single track's
-attention with pair bias q ``[1, 16, N, 24]``, bias ``[1, 16, N, N]``; forward + backward with gradients into q, k,
-v and bias. Bias tiles take pointer loads here (TMA descriptors need a real device): on an H100, steps of at
+The attention calls are those of a Pairformer block (bf16, in the blocks' layout: q, k, v are ``[*, H, L, C]`` views
+of ``[*, L, H, C]`` memory): triangle attention q ``[1, N, 4, N, 32]`` with a pair bias ``[1, 1, 4, N, N]`` and a
+key mask (starting and ending node have this geometry), and the single track's attention with pair bias q
+``[1, 16, N, 24]``, bias ``[1, 16, N, N]``; forward + backward with gradients into q, k, v and bias. Bias tiles take pointer loads here (TMA descriptors need a real device): on an H100, steps of at
 least ``launch.TMA_MIN_SCORES`` scores compile the descriptor variant instead.
 """
 from __future__ import annotations
@@ -113,12 +113,14 @@ def attention_inputs(kind: str, n: int):
 
     mask = torch.ones(n, dtype=torch.bool)
     mask[n - max(1, n // 10):] = False  # key padding
+    # q, k, v in the blocks' layout: heads split out of a projection [*, L, H*C] and made dense by the op, i.e.
+    # [*, H, L, C] views of [*, L, H, C] memory (strides that do not depend on N beyond the batch dims)
     if kind == "triangle":
-        q, k, v = leaf(1, n, 4, n, 32), leaf(1, n, 4, n, 32), leaf(1, n, 4, n, 32)
+        q, k, v = (leaf(1, n, n, 4, 32).transpose(2, 3) for _ in range(3))
         bias = leaf(1, 1, 4, n, n)
         return (q, k, v, bias), mask.view(1, 1, 1, 1, n).expand(1, n, 1, 1, n)
     if kind == "single":
-        q, k, v = leaf(1, 16, n, 24), leaf(1, 16, n, 24), leaf(1, 16, n, 24)
+        q, k, v = (leaf(1, n, 16, 24).transpose(1, 2) for _ in range(3))
         bias = leaf(1, 16, n, n)
         return (q, k, v, bias), mask.view(1, 1, 1, n)
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -132,7 +134,7 @@ def step(kind: str, n: int) -> None:
 
     (q, k, v, bias), mask = attention_inputs(kind, n)
     out, lse = triton_attention(q, k, v, bias, mask, q.shape[-1] ** -0.5, False)
-    torch.autograd.grad((out,), (q, k, v, bias), (torch.zeros_like(out),))
+    torch.autograd.grad((out,), (q, k, v, bias), (torch.zeros_like(out),))  # (q, k, v: views, grads of the leaves)
 
 
 def run(lengths: Sequence[int], kinds: Sequence[str] = KINDS, tune: bool = True, threads: int = 8,
