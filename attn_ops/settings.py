@@ -16,6 +16,8 @@ seen; call :func:`reload_from_env` to read it again):
 - ``ATTN_ZOO_CACHE_DIR=DIR`` -> ``cache_dir``: the on-disk tuning cache (default ``~/.cache/attn_zoo``; empty: none)
 - ``ATTN_ZOO_COMPILE_THREADS=N`` -> ``compile_threads``: threads compiling a tuning key's candidates at once
   (default 8; 1: one after another)
+- ``ATTN_ZOO_COMPILE_PROCESSES=N`` -> ``compile_processes``: worker processes compiling a tuning key's candidates
+  instead of the threads above (default 0: none; not yet measured on a GPU host, see ``triton/precompile.py``)
 
 Every field that changes which kernel or tile config runs is part of the cache keys it affects: ``tune`` of the
 tuner's (untuned picks are cached apart), ``tma`` of the launchers' tuning key and, through the kernels' arguments
@@ -39,7 +41,8 @@ class KernelSettings:
     tune_log: print each timed candidate. fast_launch: call Triton's compiled kernels directly once a launch
     signature was seen. tma: TMA tensor descriptors on Hopper GPUs. cache_dir: the on-disk tuning cache's folder
     (None: no disk cache). compile_threads: on a tuning miss, the candidates compile on this many threads at once
-    before they are timed (Triton's asynchronous compile mode; 1: one by one as they are timed).
+    before they are timed (Triton's asynchronous compile mode; 1: one by one as they are timed). compile_processes:
+    worker processes that compile a tuning miss's candidates instead (``triton/precompile.py``; 0: the threads).
     """
 
     tune: bool = True
@@ -48,6 +51,7 @@ class KernelSettings:
     tma: bool = True
     cache_dir: Optional[str] = None
     compile_threads: int = 8
+    compile_processes: int = 0
 
     def __post_init__(self):
         for f in ("tune", "tune_log", "fast_launch", "tma"):
@@ -56,6 +60,9 @@ class KernelSettings:
         if isinstance(self.compile_threads, bool) or not isinstance(self.compile_threads, int) or \
                 self.compile_threads < 1:
             raise TypeError(f"KernelSettings.compile_threads must be an int >= 1, got {self.compile_threads!r}")
+        if isinstance(self.compile_processes, bool) or not isinstance(self.compile_processes, int) or \
+                self.compile_processes < 0:
+            raise TypeError(f"KernelSettings.compile_processes must be an int >= 0, got {self.compile_processes!r}")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise TypeError(f"KernelSettings.cache_dir must be a path or None, got {self.cache_dir!r}")
 
@@ -76,20 +83,22 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> KernelSettings:
         fast_launch=env.get("ATTN_ZOO_PLAIN_LAUNCH") != "1",
         tma=env.get("ATTN_ZOO_NO_TMA") != "1",
         cache_dir=cache_dir or None,
-        compile_threads=_positive_int(env, "ATTN_ZOO_COMPILE_THREADS", 8),
+        compile_threads=_env_int(env, "ATTN_ZOO_COMPILE_THREADS", 8),
+        compile_processes=_env_int(env, "ATTN_ZOO_COMPILE_PROCESSES", 0, least=0),
     )
 
 
-def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
+def _env_int(env: Mapping[str, str], name: str, default: int, least: int = 1) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:
         value = int(raw)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {raw!r}")
+        value = least - 1
+    if value < least:
+        what = "a positive integer" if least == 1 else f"an integer >= {least}"
+        raise ValueError(f"{name} must be {what}, got {raw!r}")
     return value
 
 

@@ -23,11 +23,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 import time
 from collections import Counter
-from typing import Iterator, List, Sequence
+from typing import Iterator, List, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -70,14 +71,26 @@ def cross_compile(arch: int = 90, triton_cache: str = None) -> Iterator[List[dic
     log: List[dict] = []
     real_compile = JITFunction._do_compile
 
-    def counted(self, key, signature, device, constexprs, options, attrs, warmup):
-        out = real_compile(self, key, signature, device, constexprs, options, attrs, warmup)
-        flags = {path[0] if isinstance(path, tuple) and len(path) == 1 else path: value
-                 for path, value in constexprs.items()}
+    seen = set()
+
+    def counted(self, *args, **kwargs):
+        out = real_compile(self, *args, **kwargs)
+        if out is None:  # skipped here (a jit_cache_hook: captured for a worker process)
+            return out
+        key = (self.fn.__name__, repr(kwargs.get("key", args[0] if args else None)))
+        if key in seen:  # the same variant again (Triton's asynchronous mode hands back its pending compile)
+            return out
+        seen.add(key)
+        # (key, signature, device, constexprs, options, ...) in Triton 3.x's JITFunction._do_compile
+        constexprs = kwargs.get("constexprs", args[3] if len(args) > 3 else {})
+        options = kwargs.get("options", args[4] if len(args) > 4 else None)
         names = [p.name for p in self.params]
-        flags = {names[k] if isinstance(k, int) and k < len(names) else k: v for k, v in flags.items()}
-        log.append(dict(kernel=self.fn.__name__, flags=flags, num_warps=options.num_warps,
-                        num_stages=options.num_stages))
+        flags = {}
+        for path, value in constexprs.items():
+            index = path[0] if isinstance(path, tuple) and len(path) == 1 else path
+            flags[names[index] if isinstance(index, int) and index < len(names) else index] = value
+        log.append(dict(kernel=self.fn.__name__, flags=flags, num_warps=getattr(options, "num_warps", None),
+                        num_stages=getattr(options, "num_stages", None)))
         return out
 
     saved_cache, saved_driver = knobs.cache.dir, getattr(driver, "_active", None)
@@ -102,6 +115,8 @@ def cross_compile(arch: int = 90, triton_cache: str = None) -> Iterator[List[dic
         driver._active = saved_driver  # (reset_active would build the default driver: none without a GPU)
         knobs.cache.dir = saved_cache
         fastlaunch._WARMUP_ONLY.reset(token)
+        if triton_cache is None:
+            shutil.rmtree(cache_dir, ignore_errors=True)
 
 
 def attention_inputs(kind: str, n: int):
@@ -138,12 +153,17 @@ def step(kind: str, n: int) -> None:
 
 
 def run(lengths: Sequence[int], kinds: Sequence[str] = KINDS, tune: bool = True, threads: int = 8,
-        arch: int = 90, triton_cache: str = None) -> List[dict]:
-    """Per length: dict(n, wall_s, compiles, by_kernel (Counter), records); the tuner's settings as given."""
+        processes: int = 0, arch: int = 90, triton_cache: str = None) -> Tuple[List[dict], int]:
+    """(per length: dict(n, wall_s, compiles, by_kernel (Counter), records); the number of binaries in Triton's
+    cache at the end), with the tuner's settings as given. Compiles done in worker processes (``processes``) count
+    where this process loads their binaries."""
+    from triton import knobs
+
     from attn_ops import settings
 
     rows = []
-    with settings.kernel_settings(tune=tune, compile_threads=threads), cross_compile(arch, triton_cache) as log:
+    with settings.kernel_settings(tune=tune, compile_threads=threads, compile_processes=processes), \
+            cross_compile(arch, triton_cache) as log:
         for n in lengths:
             start, t0 = len(log), time.perf_counter()
             for kind in kinds:
@@ -151,7 +171,8 @@ def run(lengths: Sequence[int], kinds: Sequence[str] = KINDS, tune: bool = True,
             records = log[start:]
             rows.append(dict(n=n, wall_s=time.perf_counter() - t0, compiles=len(records),
                              by_kernel=Counter(r["kernel"] for r in records), records=records))
-    return rows
+        binaries = sum(1 for entry in os.scandir(knobs.cache.dir) if entry.is_dir())
+    return rows, binaries
 
 
 def table(rows: Sequence[dict]) -> str:
@@ -182,6 +203,8 @@ def main(argv=None):
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"attention calls per length, from {KINDS}")
     ap.add_argument("--no-tune", action="store_true", help="settings.tune False: the first candidate, no timing")
     ap.add_argument("--threads", type=int, default=8, help="settings.compile_threads")
+    ap.add_argument("--processes", type=int, default=0,
+                    help="settings.compile_processes (worker processes compiling a tuning miss; 0: the threads)")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability to compile for (90: H100/H200)")
     ap.add_argument("--triton-cache", help="Triton's cache folder (default: a new empty one, i.e. a cold start)")
     args = ap.parse_args(argv)
@@ -199,13 +222,18 @@ def main(argv=None):
     bad = [k for k in kinds if k not in KINDS]
     if bad:
         ap.error(f"--kinds: unknown {bad}; known: {list(KINDS)}")
-    rows = run(lengths, kinds, tune=not args.no_tune, threads=args.threads, arch=args.arch,
-               triton_cache=args.triton_cache)
+    rows, binaries = run(lengths, kinds, tune=not args.no_tune, threads=args.threads, processes=args.processes,
+                         arch=args.arch, triton_cache=args.triton_cache)
     import triton
 
     print(f"compiles for sm_{args.arch} (triton {triton.__version__}, {os.cpu_count()} CPUs, "
-          f"tune={not args.no_tune}, compile_threads={args.threads}, kinds={','.join(kinds)})")
+          f"tune={not args.no_tune}, compile_threads={args.threads}, compile_processes={args.processes}, "
+          f"kinds={','.join(kinds)})")
     print(table(rows))
+    from attn_ops.triton import precompile
+
+    print(f"binaries in Triton's cache: {binaries}; compiled in worker processes: {precompile.COUNTS['compiled']}, "
+          f"failed there: {precompile.COUNTS['failed']}")
 
 
 if __name__ == "__main__":

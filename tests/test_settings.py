@@ -26,6 +26,8 @@ def test_environment_gives_the_initial_values():
                                                     cache_dir="/tmp/somewhere")
     assert settings.from_env({"ATTN_ZOO_NO_TUNE": "0", "ATTN_ZOO_CACHE_DIR": ""}) == KernelSettings(cache_dir=None)
     assert settings.from_env({"ATTN_ZOO_COMPILE_THREADS": "3"}).compile_threads == 3
+    assert settings.from_env({"ATTN_ZOO_COMPILE_PROCESSES": "0"}).compile_processes == 0
+    assert settings.from_env({"ATTN_ZOO_COMPILE_PROCESSES": "6"}).compile_processes == 6
 
 
 @pytest.mark.parametrize("raw", ["0", "-2", "many"])
@@ -34,6 +36,14 @@ def test_bad_compile_threads_names_the_variable(raw):
         settings.from_env({"ATTN_ZOO_COMPILE_THREADS": raw})
     with pytest.raises(TypeError, match="compile_threads must be an int >= 1"):
         KernelSettings(compile_threads=0)
+
+
+@pytest.mark.parametrize("raw", ["-1", "some"])
+def test_bad_compile_processes_names_the_variable(raw):
+    with pytest.raises(ValueError, match="ATTN_ZOO_COMPILE_PROCESSES must be an integer >= 0"):
+        settings.from_env({"ATTN_ZOO_COMPILE_PROCESSES": raw})
+    with pytest.raises(TypeError, match="compile_processes must be an int >= 0"):
+        KernelSettings(compile_processes=-1)
 
 
 def test_environment_is_read_once_at_import():
@@ -102,7 +112,7 @@ def test_settings_are_in_the_cache_keys_they_affect(monkeypatch):
         launched.append(cfg)
 
     monkeypatch.setattr(tuning, "measure", lambda fn, **kw: fn() or 1.0)
-    monkeypatch.setattr(settings, "_current", KernelSettings(cache_dir=None, compile_threads=1))
+    monkeypatch.setattr(settings, "_current", KernelSettings(cache_dir=None, compile_threads=1, compile_processes=0))
     with kernel_settings(tune=False):
         untuned = tuning.pick("fwd", ("k",), 64, 256, 256, fake_launch)
     tuned = tuning.pick("fwd", ("k",), 64, 256, 256, fake_launch)

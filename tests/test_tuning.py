@@ -100,7 +100,8 @@ def tuner(monkeypatch):
     timer."""
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
     monkeypatch.setattr(tuning, "_CACHE", {})
-    monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, compile_threads=1))
+    monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, compile_threads=1,
+                                                                      compile_processes=0))
     bench = FakeBench()
     monkeypatch.setattr(tuning, "measure", bench.do_bench)
     return bench
@@ -526,7 +527,8 @@ def test_a_miss_compiles_every_candidate_at_once_before_timing(tuner, monkeypatc
     from attn_ops.triton import fastlaunch
     from triton.runtime import _async_compile
 
-    monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, compile_threads=4))
+    monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, compile_threads=4,
+                                                                      compile_processes=0))
     modes = []
     real = tuner.launch
 
@@ -562,3 +564,22 @@ def test_compile_only_launch_warms_up_and_runs_nothing(monkeypatch):
     assert calls == [("warmup", (1, 2), (3,), {"num_warps": 4, "num_stages": 2, "BLOCK": 16})]
     assert fastlaunch._WARMUP_ONLY.get() is False
 
+
+
+@pytest.mark.parametrize("workers_can", [True, False])
+def test_a_miss_compiles_in_worker_processes_else_in_threads(tuner, monkeypatch, workers_can):
+    """compile_processes > 0: the candidates go to precompile.compile_candidates (the worker processes) before the
+    timing; where it cannot (an older Triton) the threads compile them as before; timing follows either way."""
+    from attn_ops.triton import precompile
+
+    calls = []
+    monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, compile_threads=4,
+                                                                      compile_processes=3))
+    monkeypatch.setattr(precompile, "compile_candidates",
+                        lambda cands, launch, n: calls.append(("workers", list(cands), n)) or workers_can)
+    monkeypatch.setattr(tuning, "_compile_all", lambda cands, launch, n: calls.append(("threads", list(cands), n)))
+    cands = candidates("fwd", **ARGS)
+    tuner.ms = {c: 1.0 + i for i, c in enumerate(cands)}
+    assert pick("fwd", ("procs",), launch=tuner.launch, **ARGS) == cands[0]
+    expected = [("workers", cands, 3)] + ([] if workers_can else [("threads", cands, 4)])
+    assert calls == expected and tuner.timed == cands

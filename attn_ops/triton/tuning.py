@@ -3,7 +3,8 @@ memory and on disk.
 
 Keys hold the length bucket (:func:`bucket`), not the exact length, so a new protein length reuses its bucket's
 choice instead of stalling on compiles and timing. Timed choices persist in a JSON file (:class:`DiskCache`) keyed
-by GPU name, Triton version and a hash of the kernel sources, so a second process starts warm. With
+by GPU name, Triton version and a hash of the kernel sources, so a second process starts warm. A miss's
+candidates compile in worker processes (``precompile.py``; ``settings.compile_processes``) or threads. With
 ``settings.tune`` False nothing is timed: the first candidate that launches (the lists are ordered best-first),
 the same in every process. Under ``TRITON_INTERPRET=1`` (CPU tests) there is no timing: one small config is used.
 """
@@ -122,7 +123,10 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
         if len(cands) == 1 or not s.tune:
             cfg = _first_that_launches(cands, launch)
         else:
-            _compile_all(cands, launch, s.compile_threads)
+            from . import precompile
+
+            if not precompile.compile_candidates(cands, launch, s.compile_processes):
+                _compile_all(cands, launch, s.compile_threads)
             cfg = _time(kernel, key, cands, launch, s.tune_log)
             if disk is not None:
                 disk.put((kernel, pair) + key, cfg)
