@@ -153,26 +153,46 @@ def step(kind: str, n: int) -> None:
 
 
 def run(lengths: Sequence[int], kinds: Sequence[str] = KINDS, tune: bool = True, threads: int = 8,
-        processes: int = 0, arch: int = 90, triton_cache: str = None) -> Tuple[List[dict], int]:
-    """(per length: dict(n, wall_s, compiles, by_kernel (Counter), records); the number of binaries in Triton's
-    cache at the end), with the tuner's settings as given. Compiles done in worker processes (``processes``) count
+        processes: int = 0, arch: int = 90, triton_cache: str = None) -> Tuple[List[dict], dict]:
+    """(per length: dict(n, wall_s, compiles, by_kernel (Counter), records); totals: dict(binaries in Triton's cache
+    at the end, worker_jobs, worker_binaries: what the jobs added to this process's Triton cache before anything
+    here loaded them)), with the tuner's settings as given. Compiles done in worker processes (``processes``) count
     where this process loads their binaries."""
     from triton import knobs
 
     from attn_ops import settings
+    from attn_ops.triton import precompile
+
+    totals = dict(worker_jobs=0, worker_binaries=0)
+
+    def binaries():
+        return sum(1 for entry in os.scandir(knobs.cache.dir) if entry.is_dir())
+
+    real_jobs = precompile.run_jobs
+
+    def counted_jobs(jobs, n):
+        before = binaries()
+        failed = real_jobs(jobs, n)
+        totals["worker_jobs"] += len(jobs)
+        totals["worker_binaries"] += binaries() - before
+        return failed
 
     rows = []
-    with settings.kernel_settings(tune=tune, compile_threads=threads, compile_processes=processes), \
-            cross_compile(arch, triton_cache) as log:
-        for n in lengths:
-            start, t0 = len(log), time.perf_counter()
-            for kind in kinds:
-                step(kind, n)
-            records = log[start:]
-            rows.append(dict(n=n, wall_s=time.perf_counter() - t0, compiles=len(records),
-                             by_kernel=Counter(r["kernel"] for r in records), records=records))
-        binaries = sum(1 for entry in os.scandir(knobs.cache.dir) if entry.is_dir())
-    return rows, binaries
+    precompile.run_jobs = counted_jobs
+    try:
+        with settings.kernel_settings(tune=tune, compile_threads=threads, compile_processes=processes), \
+                cross_compile(arch, triton_cache) as log:
+            for n in lengths:
+                start, t0 = len(log), time.perf_counter()
+                for kind in kinds:
+                    step(kind, n)
+                records = log[start:]
+                rows.append(dict(n=n, wall_s=time.perf_counter() - t0, compiles=len(records),
+                                 by_kernel=Counter(r["kernel"] for r in records), records=records))
+            totals["binaries"] = binaries()
+    finally:
+        precompile.run_jobs = real_jobs
+    return rows, totals
 
 
 def table(rows: Sequence[dict]) -> str:
@@ -222,8 +242,8 @@ def main(argv=None):
     bad = [k for k in kinds if k not in KINDS]
     if bad:
         ap.error(f"--kinds: unknown {bad}; known: {list(KINDS)}")
-    rows, binaries = run(lengths, kinds, tune=not args.no_tune, threads=args.threads, processes=args.processes,
-                         arch=args.arch, triton_cache=args.triton_cache)
+    rows, totals = run(lengths, kinds, tune=not args.no_tune, threads=args.threads, processes=args.processes,
+                       arch=args.arch, triton_cache=args.triton_cache)
     import triton
 
     print(f"compiles for sm_{args.arch} (triton {triton.__version__}, {os.cpu_count()} CPUs, "
@@ -232,8 +252,8 @@ def main(argv=None):
     print(table(rows))
     from attn_ops.triton import precompile
 
-    print(f"binaries in Triton's cache: {binaries}; compiled in worker processes: {precompile.COUNTS['compiled']}, "
-          f"failed there: {precompile.COUNTS['failed']}")
+    print(f"binaries in Triton's cache: {totals['binaries']}; worker jobs: {totals['worker_jobs']}, binaries they "
+          f"wrote: {totals['worker_binaries']}, failed there: {precompile.COUNTS['failed']}")
 
 
 if __name__ == "__main__":

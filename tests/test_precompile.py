@@ -34,37 +34,59 @@ def _compile_cost(*args):
     rows = {int(c[0]): c for c in ([x.strip() for x in line.strip("|").split("|")] for line in res.stdout.splitlines())
             if c[0].isdigit()}
     tail = res.stdout.split("binaries in Triton's cache:")[1]
-    binaries = int(tail.split(";")[0])
-    workers = int(tail.split("compiled in worker processes:")[1].split(",")[0])
-    failed = int(tail.split("failed there:")[1].split()[0])
-    return rows, binaries, workers, failed, res.stdout
+    numbers = dict(binaries=int(tail.split(";")[0]), jobs=int(tail.split("worker jobs:")[1].split(",")[0]),
+                   written=int(tail.split("binaries they wrote:")[1].split(",")[0]),
+                   failed=int(tail.split("failed there:")[1].split()[0]))
+    return rows, numbers, res.stdout
 
 
 @needs_ptxas
 def test_workers_compile_what_this_process_then_loads():
-    """A tuned fwd + bwd (every candidate of each key) with two worker processes: the same compiles are counted in
-    this process as without workers, and Triton's cache holds one binary per compile, i.e. the binaries the
-    workers wrote are the ones this process asked for (a worker compiling under another cache key would leave this
-    process to compile again and the cache with twice as many)."""
-    rows, binaries, workers, failed, out = _compile_cost("--lengths", "40", "--kinds", "triangle", "--threads", "1",
-                                                         "--processes", "2")
+    """A tuned fwd + bwd (every candidate of each key) with two worker processes: each job writes one binary into
+    this process's Triton cache before anything here loads it; the same compiles are counted here as without
+    workers, and the cache ends with one binary per compile, i.e. this process loaded the workers' binaries (under
+    another cache key it would compile again and the cache would hold twice as many)."""
+    rows, n, out = _compile_cost("--lengths", "40", "--kinds", "triangle", "--threads", "1", "--processes", "2")
     compiles = int(rows[40][1])
     assert compiles > 6, out  # more than one candidate per kernel were compiled
     # the tuned keys' candidates went to the workers (kernels with a single candidate at this length compile here)
-    assert failed == 0 and compiles > workers >= compiles // 2, out
-    assert binaries == compiles, out
-    rows0, binaries0, workers0, _, out0 = _compile_cost("--lengths", "40", "--kinds", "triangle", "--threads", "1")
-    assert workers0 == 0 and binaries0 == binaries, out0
+    assert n["failed"] == 0 and compiles > n["jobs"] >= compiles // 2 and n["written"] == n["jobs"], out
+    assert n["binaries"] == compiles, out
+    rows0, n0, out0 = _compile_cost("--lengths", "40", "--kinds", "triangle", "--threads", "1")
+    assert n0["jobs"] == 0 and n0["binaries"] == n["binaries"], out0
     assert rows0[40][1] == rows[40][1] and rows0[40][3] == rows[40][3], (out0, out)
 
 
 def test_a_failing_worker_compile_warns_once_and_is_counted(monkeypatch, tmp_path):
     """A job the worker cannot do (here: an unknown module) comes back as a failure, with one warning naming the
     setting that skips the workers; the next failure does not warn again."""
-    monkeypatch.setattr(precompile, "_target_and_cache", lambda: (["cuda", 90, 32], str(tmp_path)))
+    monkeypatch.setattr(precompile, "_setup", lambda: (["cuda", 90, 32], str(tmp_path), ()))
     monkeypatch.setattr(precompile, "_WARNED", False)
     with pytest.warns(RuntimeWarning, match="compile_processes=0"):
         assert precompile.run_jobs([("attn_zoo_no_such_module", "kernel", "{}")], 1) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert precompile.run_jobs([("attn_zoo_no_such_module", "kernel", "{}")], 1) == 1
+
+
+def test_the_hook_is_installed_only_while_capturing():
+    """Outside a capture Triton's jit_cache_hook is whatever it was (a hook makes Triton serialise every compile's
+    specialization, which some user kernels' constexprs do not survive); nested captures restore it once."""
+    from triton import knobs
+
+    def theirs(**kw):
+        return None
+
+    before = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = theirs
+    try:
+        seen = []
+        with precompile._hook_installed():
+            seen.append(knobs.runtime.jit_cache_hook)
+            with precompile._hook_installed():
+                seen.append(knobs.runtime.jit_cache_hook)
+            seen.append(knobs.runtime.jit_cache_hook)
+        assert seen == [precompile._hook] * 3 and knobs.runtime.jit_cache_hook is theirs
+        assert precompile.capture([1, 2], lambda c: None) == [] and knobs.runtime.jit_cache_hook is theirs
+    finally:
+        knobs.runtime.jit_cache_hook = before

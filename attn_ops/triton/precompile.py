@@ -15,55 +15,77 @@ leaves the compile to the timing launch, as without workers (one warning says wh
 from __future__ import annotations
 
 import atexit
+import contextlib
 import contextvars
 import importlib
 import json
 import os
+import select
 import subprocess
 import sys
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 # set while candidates are captured (in the tuning thread only): the hook appends (module, name, spec) and skips
 _CAPTURE: contextvars.ContextVar = contextvars.ContextVar("attn_zoo_precompile_capture", default=None)
-_PREVIOUS_HOOK = None  # whatever jit_cache_hook was installed before ours (called when not capturing)
+_HOOK_LOCK = threading.Lock()
+_HOOK_USERS = 0  # captures in progress (the hook is installed only while one is)
+_PREVIOUS_HOOK = None  # the jit_cache_hook installed before ours, restored when the last capture ends
 _POOL: Optional[ThreadPoolExecutor] = None
 _POOL_SIZE = 0
+_POOL_LOCK = threading.Lock()
 _LOCAL = threading.local()  # each pool thread's worker process
 _PROCS: List[subprocess.Popen] = []
-_LOCK = threading.Lock()
+_PROCS_LOCK = threading.Lock()
 _WARNED = False
-COUNTS = {"compiled": 0, "failed": 0}  # worker compiles in this process's life
+_REPLY_TIMEOUT_S = 600.0  # a worker that has not answered a compile by then is killed (the parent compiles it)
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds attn_ops/
+COUNTS = {"compiled": 0, "failed": 0}  # worker compiles in this process's life
 
 
 def _hook(**kw):
     sink = _CAPTURE.get()
-    if sink is None:
+    if sink is None:  # another thread's compile during a capture: as if our hook were not there
         return _PREVIOUS_HOOK(**kw) if _PREVIOUS_HOOK is not None else None
     fn = kw["fn"]
     sink.append((fn.module, fn.name, kw["compile"]["specialization_data"]))
     return True  # compiled by a worker, not here
 
 
-def _install_hook() -> bool:
-    """Our hook in ``triton.knobs.runtime.jit_cache_hook`` (chaining one installed before); False where Triton has
-    no such hook or no ``JITFunction.preload`` (then the tuner compiles in threads)."""
-    global _PREVIOUS_HOOK
+def _supported() -> bool:
+    """Whether this Triton has ``knobs.runtime.jit_cache_hook`` and ``JITFunction.preload``."""
     try:
         from triton import knobs
         from triton.runtime.jit import JITFunction
     except ImportError:  # pragma: no cover - Triton before its knobs
         return False
-    if not hasattr(JITFunction, "preload") or not hasattr(knobs.runtime, "jit_cache_hook"):
-        return False  # pragma: no cover - older Triton
-    current = knobs.runtime.jit_cache_hook
-    if current is not _hook:
-        _PREVIOUS_HOOK = current
-        knobs.runtime.jit_cache_hook = _hook
-    return True
+    return hasattr(JITFunction, "preload") and hasattr(knobs.runtime, "jit_cache_hook")
+
+
+@contextlib.contextmanager
+def _hook_installed() -> Iterator[None]:
+    """Our hook in ``triton.knobs.runtime.jit_cache_hook`` for the block only (counted across threads), the
+    previous one back after it: a hook makes Triton serialise every compile's specialization, which some
+    kernels' constexprs do not survive, so it must not stay for unrelated compiles."""
+    global _HOOK_USERS, _PREVIOUS_HOOK
+    from triton import knobs
+
+    with _HOOK_LOCK:
+        if _HOOK_USERS == 0:
+            _PREVIOUS_HOOK = knobs.runtime.jit_cache_hook
+            knobs.runtime.jit_cache_hook = _hook
+        _HOOK_USERS += 1
+    try:
+        yield
+    finally:
+        with _HOOK_LOCK:
+            _HOOK_USERS -= 1
+            if _HOOK_USERS == 0:
+                if knobs.runtime.jit_cache_hook is _hook:
+                    knobs.runtime.jit_cache_hook = _PREVIOUS_HOOK
+                _PREVIOUS_HOOK = None
 
 
 def capture(cands: Sequence, launch: Callable) -> List[Tuple[str, str, str]]:
@@ -75,7 +97,7 @@ def capture(cands: Sequence, launch: Callable) -> List[Tuple[str, str, str]]:
     sink: List[Tuple[str, str, str]] = []
     token = _CAPTURE.set(sink)
     try:
-        with compile_only():
+        with _hook_installed(), compile_only():
             for c in cands:
                 try:
                     launch(c)
@@ -88,40 +110,52 @@ def capture(cands: Sequence, launch: Callable) -> List[Tuple[str, str, str]]:
 
 def compile_candidates(cands: Sequence, launch: Callable, processes: int) -> bool:
     """Compile what the candidates' launches need in ``processes`` workers; returns when all are done. False where
-    this Triton cannot (the caller compiles in threads instead)."""
-    if processes < 1 or not _install_hook():
+    this Triton cannot or the workers could not be used (the caller compiles in threads instead)."""
+    if processes < 1 or not _supported():
         return False
     jobs = capture(cands, launch)
-    if jobs:
-        run_jobs(jobs, processes)
-    return True
+    if not jobs:
+        return True
+    try:
+        return run_jobs(jobs, processes) < len(jobs)
+    except Exception:  # noqa: BLE001 - e.g. no subprocess allowed here: the threads compile them
+        return False
 
 
-def _target_and_cache() -> Tuple[list, str]:
+def _setup() -> Tuple[list, str, Tuple]:
+    """What a worker must share with this process: the compile target, Triton's cache folder and the
+    environment variables that enter Triton's cache key."""
     from triton import knobs
     from triton.runtime import driver
+    from triton.runtime.jit import get_cache_invalidating_env_vars
 
     target = driver.active.get_current_target()
-    return [target.backend, target.arch, target.warp_size], str(knobs.cache.dir)
+    env = tuple(sorted((k, str(v)) for k, v in get_cache_invalidating_env_vars().items()))
+    return [target.backend, target.arch, target.warp_size], str(knobs.cache.dir), env
 
 
-def run_jobs(jobs: Iterable[Tuple[str, str, str]], processes: int) -> int:
+def run_jobs(jobs: Sequence[Tuple[str, str, str]], processes: int) -> int:
     """Compile each (module, name, spec) in a worker; returns how many failed (warned once per process)."""
     global _POOL, _POOL_SIZE, _WARNED
-    target, cache_dir = _target_and_cache()
-    with _LOCK:
+    setup = _setup()
+    with _POOL_LOCK:
         if _POOL is None or _POOL_SIZE != processes:
-            if _POOL is not None:
-                _POOL.shutdown(wait=False)
+            if _POOL is not None:  # its threads' workers go with it
+                _POOL.shutdown(wait=True)
+                _stop_all()
             _POOL, _POOL_SIZE = ThreadPoolExecutor(processes, thread_name_prefix="attn_zoo_compile"), processes
-        pool = _POOL
-    futures = [pool.submit(_job, job, target, cache_dir) for job in jobs]
+        futures = [_POOL.submit(_job, job, setup) for job in jobs]
     errors = []
-    for f in futures:
-        try:
-            f.result()
-        except Exception as exc:  # noqa: BLE001 - the timing launch compiles it here
-            errors.append(exc)
+    try:
+        for f in futures:
+            try:
+                f.result()
+            except Exception as exc:  # noqa: BLE001 - the timing launch compiles it here
+                errors.append(exc)
+    except BaseException:  # interrupted: drop what has not started
+        for f in futures:
+            f.cancel()
+        raise
     COUNTS["compiled"] += len(futures) - len(errors)
     COUNTS["failed"] += len(errors)
     if errors and not _WARNED:
@@ -132,53 +166,77 @@ def run_jobs(jobs: Iterable[Tuple[str, str, str]], processes: int) -> int:
     return len(errors)
 
 
-def _job(job: Tuple[str, str, str], target: list, cache_dir: str) -> None:
+def _job(job: Tuple[str, str, str], setup: Tuple) -> None:
     proc = getattr(_LOCAL, "proc", None)
-    if proc is None or proc.poll() is not None or proc.attn_zoo_setup != (target, cache_dir):
+    if proc is None or proc.poll() is not None or proc.attn_zoo_setup != setup:
         if proc is not None:
             _stop(proc)
-        proc = _LOCAL.proc = _start(target, cache_dir)
+        proc = _LOCAL.proc = _start(setup)
     try:
         proc.stdin.write(json.dumps(list(job)) + "\n")
         proc.stdin.flush()
-        line = proc.stdout.readline()
-    except OSError as exc:
+        ready, _, _ = select.select([proc.stdout], [], [], _REPLY_TIMEOUT_S)
+        line = proc.stdout.readline() if ready else None
+    except (OSError, ValueError) as exc:
+        _stop(proc)
         raise RuntimeError(f"compile worker failed: {exc}") from exc
+    if line is None:
+        _stop(proc)
+        raise RuntimeError(f"compile worker gave no answer in {_REPLY_TIMEOUT_S:.0f} s")
     if not line:
+        _stop(proc)
         raise RuntimeError(f"compile worker exited (code {proc.poll()})")
     error = json.loads(line)
     if error:
         raise RuntimeError(f"{job[1]}: {error}")
 
 
-def _start(target: list, cache_dir: str) -> subprocess.Popen:
+# The worker's first lines move stdout aside before anything is imported: replies go to a private copy of it,
+# and whatever an import or a compile prints goes to stderr.
+_BOOT = ("import os, sys; out = os.dup(1); os.dup2(2, 1); "
+         "from attn_ops.triton.precompile import serve; serve(out)")
+
+
+def _start(setup: Tuple) -> subprocess.Popen:
+    target, cache_dir, triton_env = setup
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
+    env.update(triton_env)
     env["CUDA_VISIBLE_DEVICES"] = ""  # the workers compile only
     env["TRITON_CACHE_DIR"] = cache_dir
     env["PYTHONPATH"] = os.pathsep.join([_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    code = "from attn_ops.triton.precompile import serve; serve()"
-    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(target)], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", _BOOT, json.dumps(target)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    proc.attn_zoo_setup = (target, cache_dir)
-    with _LOCK:
+    proc.attn_zoo_setup = setup
+    with _PROCS_LOCK:
         _PROCS.append(proc)
     return proc
 
 
 def _stop(proc: subprocess.Popen) -> None:
+    for stream in (proc.stdin, proc.stdout):
+        try:
+            stream.close()
+        except Exception:  # noqa: BLE001 - a broken pipe is already closed enough
+            pass
     try:
-        proc.stdin.close()
         proc.wait(timeout=5)
     except Exception:  # noqa: BLE001 - a worker that will not stop is killed
         proc.kill()
+        proc.wait()
+    with _PROCS_LOCK:
+        if proc in _PROCS:
+            _PROCS.remove(proc)
 
 
-@atexit.register
-def _shutdown() -> None:
-    for proc in list(_PROCS):
-        if proc.poll() is None:
-            _stop(proc)
+def _stop_all() -> None:
+    with _PROCS_LOCK:
+        procs = list(_PROCS)
+    for proc in procs:
+        _stop(proc)
+
+
+atexit.register(_stop_all)
 
 
 class _TargetDriver:
@@ -197,11 +255,10 @@ class _TargetDriver:
         return 0
 
 
-def serve() -> None:
+def serve(reply_fd: int) -> None:
     """A worker's loop: a JSON line [module, kernel name, specialization data] in, a JSON line out ("" or the
-    error). Replies go to a private copy of stdout; anything printed goes to stderr."""
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
+    error) on ``reply_fd`` (the process's stdout, moved aside by ``_BOOT``)."""
+    out = os.fdopen(reply_fd, "w")
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 

@@ -125,7 +125,11 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
         else:
             from . import precompile
 
-            if not precompile.compile_candidates(cands, launch, s.compile_processes):
+            try:
+                handled = precompile.compile_candidates(cands, launch, s.compile_processes)
+            except Exception:  # noqa: BLE001 - the workers are an optimisation: compile here instead
+                handled = False
+            if not handled:
                 _compile_all(cands, launch, s.compile_threads)
             cfg = _time(kernel, key, cands, launch, s.tune_log)
             if disk is not None:
