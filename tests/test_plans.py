@@ -196,6 +196,20 @@ def test_past_the_limit_the_oldest_plan_goes(fresh_plans, monkeypatch):
     assert list(fresh_plans) == keys[1:]
 
 
+def test_align_is_the_largest_power_of_two_dividing_every_batch_stride():
+    """The kernels' ALIGN (launch._align): the batch strides and the row stride count, batch dims of size 1 do not
+    (their index is always 0); at most 16."""
+    def t(shape, stride):
+        return torch.empty(1 << 16).as_strided(shape, stride)
+
+    heads = lambda c: t((1, 5, 4, 9, c), (5 * 9 * 4 * c, 9 * 4 * c, c, 4 * c, 1))  # noqa: E731 - [*, L, H, C] memory
+    assert [launch._align(heads(c)) for c in (8, 12, 17, 24, 48, 64)] == [8, 4, 1, 8, 16, 16]
+    assert launch._align(heads(24), heads(12)) == 4  # one hint for every tensor a kernel reads
+    assert launch._align(t((1, 1, 1, 9, 24), (7, 7, 7, 24, 1))) == 8  # no batch dim: the row stride alone
+    assert launch._align(t((1, 1, 1, 9, 48), (7, 7, 7, 48, 1))) == 16
+    assert launch._align(t((3, 1, 2, 9, 24), (6 * 9 * 24 + 2, 5, 9 * 24, 24, 1))) == 2  # R broadcast: its 5 ignored
+
+
 @interpreter
 def test_plans_hold_no_tensors(fresh_plans):
     """A plan keeps geometry, never the tensors of the call that made it (no memory held after the call)."""

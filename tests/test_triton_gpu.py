@@ -92,6 +92,34 @@ def test_head_widths_match_reference_gpu(case, dtype, variant):
     check_against_reference("triton", q, k, v, bias, mask, causal=causal, **opts)
 
 
+# q, k, v as head views of [*, L, H, C] memory, the blocks' layout: the head stride is C, which Triton does not
+# specialise unless 16 divides it, so the kernels take the strides' alignment from the launcher (ALIGN: 8 for
+# C = 8, 24, 40; 16 for 48; 4 for 12, 20; 1 for 17) and keep 16-byte vector loads where it allows them. The
+# contiguous layout [*, H, L, C] (row stride C) is the WIDTH_CASES above.
+VIEW_WIDTHS = [8, 12, 17, 20, 24, 40, 48]
+
+
+@pytest.mark.parametrize("variant", ["split", "fused", "atomic"])
+@pytest.mark.parametrize("c", VIEW_WIDTHS, ids=[f"c{c}" for c in VIEW_WIDTHS])
+def test_head_views_of_any_width_match_reference_gpu(c, variant):
+    from attn_ops.triton import launch
+
+    R, H, L = 6, 4, 203
+    g = torch.Generator().manual_seed(c)
+
+    def heads(*shape):  # [1, R, L, H, C] memory seen as [1, R, H, L, C]
+        base = torch.randn(*shape, generator=g, dtype=torch.float64).to("cuda", torch.bfloat16).requires_grad_()
+        return base.transpose(2, 3)
+
+    q, k, v = heads(1, R, L, H, c), heads(1, R, L, H, c), heads(1, R, L, H, c)
+    assert launch._align(q, k, v) == min(16, c & -c)
+    bias = torch.randn(1, 1, H, L, L, generator=g, dtype=torch.float64).to("cuda", torch.bfloat16).requires_grad_()
+    mask = empty_some_rows((torch.rand(1, R, 1, 1, L, generator=g) > 0.3).cuda())
+    opts = {"split": dict(bwd="split"), "fused": dict(bwd="fused", deterministic=False),
+            "atomic": dict(bwd="split", deterministic=False)}[variant]
+    check_against_reference("triton", q, k, v, bias, mask, **opts)
+
+
 @pytest.fixture
 def two_rows_only(monkeypatch):
     """Offer the tuner only two-rows-per-program dK/dV configs for pair biases (an untuned pick would take one row)."""

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from .common import (
     LENGTH_ARGS,
-    batch_offset, bias_f32, key_rows, key_terms_t, kv_scores, load_lse2, load_masked, load_rows, mm, logits_t,
+    aligned, batch_offset, bias_f32, key_rows, key_terms_t, kv_scores, load_lse2, load_masked, load_rows, mm, logits_t,
     seg_ids, seg_span, split_batch,
 )
 
@@ -20,10 +20,12 @@ def bwd_preprocess_kernel(
     Out, dOut, dLse, Delta,
     s_ob, s_or, s_oh, s_om,
     s_db, s_dr, s_dh, s_dm,
-    R, H, Lq, Dv,
-    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    R, H, Lq,
+    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, Dv: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """delta [B, R, H, Lq] fp32 = rowsum(dO * O) - dlse."""
+    s_ob, s_or, s_oh, s_om = aligned(s_ob, s_or, s_oh, s_om, ALIGN)
+    s_db, s_dr, s_dh, s_dm = aligned(s_db, s_dr, s_dh, s_dm, ALIGN)
     pid_m = tl.program_id(0)
     b, r, h = split_batch(tl.program_id(1), R, H)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -143,11 +145,12 @@ def attn_bwd_dkdv_kernel(
     s_db, s_dr, s_dh, s_dm,
     s_gb, s_gr, s_gh, s_gm, s_gn,
     s_sqb, s_sqr, s_skb, s_skr,
-    R, H, Lq, Lk, D, Dv, scale,
+    R, H, Lq, Lk, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
     FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, ATOMIC_DBIAS: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    D: tl.constexpr, Dv: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """One program per (key tile, b * (R / ROWS) * h): loops over query tiles, writes dK, dV (k's and v's strides).
 
@@ -160,6 +163,10 @@ def attn_bwd_dkdv_kernel(
     contiguous [B, R, H, Lq]. HAS_SEG (not with ROWS = 2): only the query tiles whose segment ids can meet this
     key tile's are visited (tables as in the forward kernel).
     """
+    s_qb, s_qr, s_qh, s_qm = aligned(s_qb, s_qr, s_qh, s_qm, ALIGN)
+    s_kb, s_kr, s_kh, s_kn = aligned(s_kb, s_kr, s_kh, s_kn, ALIGN)
+    s_vb, s_vr, s_vh, s_vn = aligned(s_vb, s_vr, s_vh, s_vn, ALIGN)
+    s_db, s_dr, s_dh, s_dm = aligned(s_db, s_dr, s_dh, s_dm, ALIGN)
     pid_n = tl.program_id(0)
     b, rp, h = split_batch(tl.program_id(1), (R + ROWS - 1) // ROWS, H)
     r = rp * ROWS
@@ -317,17 +324,22 @@ def attn_bwd_dq_kernel(
     s_db, s_dr, s_dh, s_dm,
     s_gb, s_gr, s_gh, s_gm, s_gn,
     s_sqb, s_sqr, s_skb, s_skr,
-    R, H, Lq, Lk, D, Dv, scale,
+    R, H, Lq, Lk, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
     DIRECT_DBIAS: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    D: tl.constexpr, Dv: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """One program per (query tile, b*r*h): loops over key tiles, writes dQ (q's strides).
 
     DIRECT_DBIAS: the bias has every dim full, so this program owns dBias[b, r, h, query tile, :] (plain stores).
     (Two rows per program sharing the bias tile, as in the dK/dV kernel, measured slower here: docs/bench/history.md.)
     """
+    s_qb, s_qr, s_qh, s_qm = aligned(s_qb, s_qr, s_qh, s_qm, ALIGN)
+    s_kb, s_kr, s_kh, s_kn = aligned(s_kb, s_kr, s_kh, s_kn, ALIGN)
+    s_vb, s_vr, s_vh, s_vn = aligned(s_vb, s_vr, s_vh, s_vn, ALIGN)
+    s_db, s_dr, s_dh, s_dm = aligned(s_db, s_dr, s_dh, s_dm, ALIGN)
     pid_m = tl.program_id(0)
     b, r, h = split_batch(tl.program_id(1), R, H)
     bg = 0

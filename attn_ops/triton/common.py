@@ -37,6 +37,21 @@ def batch_offset(b, r, h, s_b, s_r, s_h):
 
 
 @triton.jit
+def aligned(s_b, s_r, s_h, s_m, ALIGN: tl.constexpr):
+    """A tensor's (b, r, h, row) strides, each known to the compiler as a multiple of ALIGN (the launcher's
+    guarantee: ``launch._align``). Triton specialises a stride only when 16 divides it, so a head width such as 24
+    would otherwise leave every row start of unknown alignment and the rows' loads without 16-byte vectors or
+    asynchronous copies. ``(s // ALIGN) * ALIGN`` is ``s`` itself, in a form the compiler's alignment analysis
+    reads (a ``tl.multiple_of`` hint would not survive this function's inlining)."""
+    if ALIGN > 1:
+        s_b = (s_b // ALIGN) * ALIGN
+        s_r = (s_r // ALIGN) * ALIGN
+        s_h = (s_h // ALIGN) * ALIGN
+        s_m = (s_m // ALIGN) * ALIGN
+    return s_b, s_r, s_h, s_m
+
+
+@triton.jit
 def split_batch(pid_z, R, H):
     """Program id over B*R*H -> (b, r, h), h fastest."""
     h = pid_z % H

@@ -18,7 +18,9 @@ broadcast extent is 1.
 import triton
 import triton.language as tl
 
-from .common import LENGTH_ARGS, batch_offset, ids_meet, key_rows, load_lse2, load_masked, load_tile, mm, seg_ids
+from .common import (
+    LENGTH_ARGS, aligned, batch_offset, ids_meet, key_rows, load_lse2, load_masked, load_tile, mm, seg_ids,
+)
 
 
 @triton.jit
@@ -70,16 +72,21 @@ def attn_bwd_dbias_kernel(
     s_db, s_dr, s_dh, s_dm,
     s_ps, s_pb, s_pr, s_ph, s_pm, s_pn,
     s_sqb, s_sqr, s_skb, s_skr,
-    R, H, BR, BH, lr_n, lh_n, total, Lq, Lk, D, Dv, qk_scale, steps_per_split,
+    R, H, BR, BH, lr_n, lh_n, total, Lq, Lk, qk_scale, steps_per_split,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, LOOP_M: tl.constexpr, LOOP_N: tl.constexpr,
     LOOP_B: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    D: tl.constexpr, Dv: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Grid (output tiles, BB*BR*BH bias batch indices, splits). The batch loop of a tile runs t over the
     broadcast batch dims (lb, lr, lh), h fastest: ``lr_n = R // BR``, ``lh_n = H // BH`` (an extent of 1 is
     specialised, so its division folds away), ``total = (B // BB) * lr_n * lh_n``; LOOP_B: B // BB > 1.
     HAS_SEG: segment id tables as in the forward kernel; a step whose query and key tiles share no segment id
     adds nothing and is skipped."""
+    s_qb, s_qr, s_qh, s_qm = aligned(s_qb, s_qr, s_qh, s_qm, ALIGN)
+    s_kb, s_kr, s_kh, s_kn = aligned(s_kb, s_kr, s_kh, s_kn, ALIGN)
+    s_vb, s_vr, s_vh, s_vn = aligned(s_vb, s_vr, s_vh, s_vn, ALIGN)
+    s_db, s_dr, s_dh, s_dm = aligned(s_db, s_dr, s_dh, s_dm, ALIGN)
     pid_t = tl.program_id(0)  # output tile within one bias [BLq, BLk] slice
     pid_g = tl.program_id(1)  # bias batch index over BB*BR*BH
     pid_s = tl.program_id(2)  # split of the batch loop

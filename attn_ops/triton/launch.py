@@ -6,6 +6,7 @@ their own shapes: a size-1 dim is passed with stride 0, so nothing is expanded.
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -71,6 +72,20 @@ def _pow2(n: int) -> int:
 def _even_d(D: int, Dv: int) -> bool:
     """D and Dv fill their (power-of-two, >= 16) blocks: the kernels then load rows without a column mask."""
     return D == _pow2(D) and Dv == _pow2(Dv)
+
+
+def _align(*tensors: Tensor) -> int:
+    """The kernels' ALIGN (``common.aligned``): the largest power of two, at most 16, dividing every stride the
+    kernels get for these canonical tensors: the batch strides (dims B, R, H; size-1 dims pass 0) and the row
+    stride. Row starts then keep the base pointer's alignment, so rows load as 16-byte vectors for head widths such
+    as 24, whose strides Triton does not specialise (it does so only for multiples of 16)."""
+    g = 0
+    for t in tensors:
+        for n, s in zip(t.shape[:3], t.stride()[:3]):
+            if n > 1:
+                g = math.gcd(g, s)
+        g = math.gcd(g, t.stride(3))
+    return 16 if g == 0 else min(16, g & -g)
 
 
 def _mask_u8(mask: Optional[Tensor]) -> Optional[Tensor]:
@@ -411,15 +426,17 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
     ss = _seg_strides(q_seg, k_seg)
     rows = (*_rows(q), *_rows(k), *_rows(v))  # the same for every config
     flags = dict(HAS_MASK=_mask_kind(m8), CAUSAL=causal, HAS_SEG=seg)
+    align = _align(q, k, v, out)
 
     def run(c):
         arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=0)
         rec.launch(attn_fwd_kernel, (_cdiv(Lq, c.block_m), B * R * H),
                    (0, 1, 2, arg, 4 if m8 is not None else 0, o, lse, 5 if seg else lse, 6 if seg else lse),
-                   (*rows, *sb, *sm, *_rows(out), *ss, R, H, Lq, Lk, D, Dv, scale),
+                   (*rows, *sb, *sm, *_rows(out), *ss, R, H, Lq, Lk, scale),
                    c.num_warps, c.num_stages, HAS_BIAS=has_bias, **flags,
                    EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
-                   BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv))
+                   BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), D=D, Dv=Dv,
+                   ALIGN=align)
 
     rec.tuned("fwd", _key(q, v, bias_t, m8, causal, seg, tma is None), _width(q, D, Dv), Lq, Lk, run,
               device=q.device.index)
@@ -491,12 +508,13 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
     atomic = need_dbias and not direct_dbias and atomic_dbias and tuple(bias.shape[3:]) == (Lq, Lk)
     want_dbias = need_dbias and not direct_dbias and not atomic
 
+    align = _align(q, k, v, out, do)  # (dq, dk, dv and a fused dQ accumulator take q's, k's and v's strides)
     # 1. delta = rowsum(dO * O) - dlse: [B, R, H, Lq] fp32
     delta = rec.new(_empty((B, R, H, Lq), torch.float32, dev))
     bm_pre = 16 if interpreting() else 64
     rec.launch(bwd_preprocess_kernel, (_cdiv(Lq, bm_pre), B * R * H), (_OUT, _DO, _Q if dlse is None else _DLSE, delta),
-               (*_rows(out), *_rows(do), R, H, Lq, Dv), 4, 3, HAS_DLSE=dlse is not None, BLOCK_M=bm_pre,
-               BLOCK_DV=BDV)
+               (*_rows(out), *_rows(do), R, H, Lq), 4, 3, HAS_DLSE=dlse is not None, BLOCK_M=bm_pre,
+               BLOCK_DV=BDV, Dv=Dv, ALIGN=align)
 
     dq = rec.new(_empty(q.shape, q.dtype, dev, stride=q.stride()))
     dk = rec.new(_empty(k.shape, k.dtype, dev, stride=k.stride()))
@@ -524,7 +542,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
     flags = dict(HAS_MASK=_mask_kind(m8), CAUSAL=causal, HAS_SEG=seg)
     rows = (*_rows(q), *_rows(k), *_rows(v))  # the same for every config
     do_rows = _rows(do)
-    tail = (*ss, R, H, Lq, Lk, D, Dv, scale)
+    tail = (*ss, R, H, Lq, Lk, scale)
     key = _key(q, v, bias_t, m8, causal, fused, direct_dbias, atomic, seg, tma is None)
 
     def operands(c):
@@ -551,7 +569,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
                    FUSED_DQ=(2 if tma_dq else 1) if fused else 0, DIRECT_DBIAS=direct_dbias and fused,
                    ATOMIC_DBIAS=(2 if tma_dbias else 1) if atomic else 0,
                    EVEN_M=Lq % bm == 0, EVEN_N=Lk % bn == 0, EVEN_D=_even_d(D, Dv), ROWS=c.rows,
-                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BD, BLOCK_DV=BDV)
+                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BD, BLOCK_DV=BDV, D=D, Dv=Dv, ALIGN=align)
 
     rec.tuned("dkdv", key, _width(q, D, Dv), Lq, Lk, run_dkdv,
               pair=_pairs_rows(bias, R, causal, atomic and not fused) and not seg, device=dev.index)
@@ -574,7 +592,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
                        (_Q, _K, _V, arg, mask_slot, _DO, _LSE, delta, dq, _Q if dbias is None else dbias, *seg_slots),
                        (*strides, *gs, *tail), c.num_warps, c.num_stages, **kflags, DIRECT_DBIAS=direct_dbias,
                        EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
-                       BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV)
+                       BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV, D=D, Dv=Dv, ALIGN=align)
 
         rec.tuned("dq", key, _width(q, D, Dv), Lq, Lk, run_dq, device=dev.index)
     return dq, dk, dv, dbias
@@ -617,12 +635,12 @@ def _record_dbias_reduce(rec: Recorder, b: int, mask_slot: int, sm, seg_slots, s
         part = dbias if splits == 1 else rec.new(lambda env: _f32_buffer(splits * numel, dev, env[scratch]))
         rec.launch(attn_bwd_dbias_kernel, (tiles, n_groups, splits),
                    (_Q, _K, _V, b, mask_slot, _DO, _LSE, delta, part, *seg_slots),
-                   (*strides, *ss, R, H, BR, BH, lr_n, lh_n, total, Lq, Lk, D, Dv, scale * LOG2E, per),
+                   (*strides, *ss, R, H, BR, BH, lr_n, lh_n, total, Lq, Lk, scale * LOG2E, per),
                    c.num_warps, c.num_stages,
                    HAS_MASK=_mask_kind(rec.env[_MASK]), CAUSAL=causal, HAS_SEG=seg_slots[0] == _QS, LOOP_M=loop_m,
                    LOOP_N=loop_n, LOOP_B=B // BB > 1, EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
                    EVEN_D=_even_d(D, Dv), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D),
-                   BLOCK_DV=_pow2(Dv))
+                   BLOCK_DV=_pow2(Dv), D=D, Dv=Dv, ALIGN=_align(q, k, v, do))
         # The sum over the splits is part of the launch, so the tuner times a split count with its cost: one
         # small kernel adds each element's partials in split order (no atomics: the bits repeat) and writes the
         # result in the bias's dtype.
