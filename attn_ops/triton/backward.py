@@ -150,7 +150,7 @@ def attn_bwd_dkdv_kernel(
     FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, ATOMIC_DBIAS: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    D: tl.constexpr, Dv: tl.constexpr, ALIGN: tl.constexpr,
+    D: tl.constexpr, Dv: tl.constexpr, ALIGN: tl.constexpr, BIAS_ALIGN: tl.constexpr,
 ):
     """One program per (key tile, b * (R / ROWS) * h): loops over query tiles, writes dK, dV (k's and v's strides).
 
@@ -167,6 +167,7 @@ def attn_bwd_dkdv_kernel(
     s_kb, s_kr, s_kh, s_kn = aligned(s_kb, s_kr, s_kh, s_kn, ALIGN)
     s_vb, s_vr, s_vh, s_vn = aligned(s_vb, s_vr, s_vh, s_vn, ALIGN)
     s_db, s_dr, s_dh, s_dm = aligned(s_db, s_dr, s_dh, s_dm, ALIGN)
+    s_bb, s_br, s_bh, s_bm = aligned(s_bb, s_br, s_bh, s_bm, BIAS_ALIGN)
     pid_n = tl.program_id(0)
     b, rp, h = split_batch(tl.program_id(1), (R + ROWS - 1) // ROWS, H)
     r = rp * ROWS
@@ -329,7 +330,7 @@ def attn_bwd_dq_kernel(
     DIRECT_DBIAS: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    D: tl.constexpr, Dv: tl.constexpr, ALIGN: tl.constexpr,
+    D: tl.constexpr, Dv: tl.constexpr, ALIGN: tl.constexpr, BIAS_ALIGN: tl.constexpr,
 ):
     """One program per (query tile, b*r*h): loops over key tiles, writes dQ (q's strides).
 
@@ -340,6 +341,7 @@ def attn_bwd_dq_kernel(
     s_kb, s_kr, s_kh, s_kn = aligned(s_kb, s_kr, s_kh, s_kn, ALIGN)
     s_vb, s_vr, s_vh, s_vn = aligned(s_vb, s_vr, s_vh, s_vn, ALIGN)
     s_db, s_dr, s_dh, s_dm = aligned(s_db, s_dr, s_dh, s_dm, ALIGN)
+    s_bb, s_br, s_bh, s_bm = aligned(s_bb, s_br, s_bh, s_bm, BIAS_ALIGN)
     pid_m = tl.program_id(0)
     b, r, h = split_batch(tl.program_id(1), R, H)
     bg = 0

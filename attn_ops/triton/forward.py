@@ -80,17 +80,18 @@ def attn_fwd_kernel(
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    D: tl.constexpr, Dv: tl.constexpr, ALIGN: tl.constexpr,
+    D: tl.constexpr, Dv: tl.constexpr, ALIGN: tl.constexpr, BIAS_ALIGN: tl.constexpr,
 ):
     """One program per (query tile, b*r*h). EVEN_M / EVEN_N: Lq / Lk are multiples of the tiles; EVEN_D: D and Dv
     are powers of two (>= 16), i.e. fill BLOCK_D / BLOCK_DV. HAS_SEG: QSeg / KSeg are the segment id tables
     ``[B|1, R|1, 3, L]`` int32 (ids, running max, suffix min; strides s_s*), and only the key tiles whose ids can meet
     the query tile's are visited (:func:`seg_span`). ALIGN: every batch and row stride of q, k, v and out is a
-    multiple of it (:func:`aligned`)."""
+    multiple of it; BIAS_ALIGN: of the bias's (:func:`aligned`; ``launch._bias_align``)."""
     s_qb, s_qr, s_qh, s_qm = aligned(s_qb, s_qr, s_qh, s_qm, ALIGN)
     s_kb, s_kr, s_kh, s_kn = aligned(s_kb, s_kr, s_kh, s_kn, ALIGN)
     s_vb, s_vr, s_vh, s_vn = aligned(s_vb, s_vr, s_vh, s_vn, ALIGN)
     s_ob, s_or, s_oh, s_om = aligned(s_ob, s_or, s_oh, s_om, ALIGN)
+    s_bb, s_br, s_bh, s_bm = aligned(s_bb, s_br, s_bh, s_bm, BIAS_ALIGN)
     pid_m = tl.program_id(0)
     b, r, h = split_batch(tl.program_id(1), R, H)
     Lse_r = Lse + ((b * R + r) * H + h).to(tl.int64) * Lq

@@ -88,6 +88,19 @@ def _align(*tensors: Tensor) -> int:
     return 16 if g == 0 else min(16, g & -g)
 
 
+def _bias_align(bias: Optional[Tensor], has_bias: int, in_range: bool) -> int:
+    """The kernels' BIAS_ALIGN: 16 bytes in elements where bias tiles are read by pointer loads (HAS_BIAS 1) that
+    carry no masks (``in_range``: EVEN_M and EVEN_N, every tile inside [Lq, Lk]) and the bias's base, batch strides
+    and row stride are that aligned; else 1. Its row stride is not specialised (a length), so without it each tile
+    loads element by element. A contiguous bias of such lengths is always aligned: no compile variant is added."""
+    if has_bias != 1 or not in_range:
+        return 1
+    vec = 16 // bias.element_size()
+    if bias.data_ptr() % 16 or any(s % vec for s in _bstrides(bias)[:4]):
+        return 1
+    return vec
+
+
 def _mask_u8(mask: Optional[Tensor]) -> Optional[Tensor]:
     return None if mask is None else mask.view(torch.uint8)
 
@@ -436,7 +449,8 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
                    c.num_warps, c.num_stages, HAS_BIAS=has_bias, **flags,
                    EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
                    BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), D=D, Dv=Dv,
-                   ALIGN=align)
+                   ALIGN=align,
+                   BIAS_ALIGN=_bias_align(bias_t, has_bias, Lq % c.block_m == 0 and Lk % c.block_n == 0))
 
     rec.tuned("fwd", _key(q, v, bias_t, m8, causal, seg, tma is None), _width(q, D, Dv), Lq, Lk, run,
               device=q.device.index)
@@ -549,7 +563,8 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
         """The bias argument, the stride tuple and the constexpr flags (HAS_BIAS first, the kernels' parameter
         order) of a launch with c's tiles (only a bias descriptor's block shape depends on them)."""
         arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=_Q)
-        return arg, (*rows, *sb, *sm, *do_rows), dict(HAS_BIAS=has_bias, **flags)
+        bias_align = _bias_align(bias_t, has_bias, Lq % c.block_m == 0 and Lk % c.block_n == 0)
+        return arg, (*rows, *sb, *sm, *do_rows), dict(HAS_BIAS=has_bias, **flags), bias_align
 
     # 2. dK, dV (+ dQ by atomics when fused, + dBias when it is unbroadcast or accumulated by atomics)
     def run_dkdv(c):
@@ -557,7 +572,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
             rec.do(lambda env: env[dq_acc].zero_())
         if atomic:
             rec.do(lambda env: env[acc].zero_())
-        arg, strides, kflags = operands(c)
+        arg, strides, kflags, bias_align = operands(c)
         bm, bn = c.block_m, c.block_n
         dq_arg = (lambda env: _reduce_desc(env[dq_acc], Lq, D, bm, BD)) if tma_dq else (
             _Q if dq_acc is None else dq_acc)
@@ -569,7 +584,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
                    FUSED_DQ=(2 if tma_dq else 1) if fused else 0, DIRECT_DBIAS=direct_dbias and fused,
                    ATOMIC_DBIAS=(2 if tma_dbias else 1) if atomic else 0,
                    EVEN_M=Lq % bm == 0, EVEN_N=Lk % bn == 0, EVEN_D=_even_d(D, Dv), ROWS=c.rows,
-                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BD, BLOCK_DV=BDV, D=D, Dv=Dv, ALIGN=align)
+                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BD, BLOCK_DV=BDV, D=D, Dv=Dv, ALIGN=align, BIAS_ALIGN=bias_align)
 
     rec.tuned("dkdv", key, _width(q, D, Dv), Lq, Lk, run_dkdv,
               pair=_pairs_rows(bias, R, causal, atomic and not fused) and not seg, device=dev.index)
@@ -587,12 +602,13 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
         rec.do(lambda env: env[dq].copy_(env[dq_acc]))
     else:
         def run_dq(c):
-            arg, strides, kflags = operands(c)
+            arg, strides, kflags, bias_align = operands(c)
             rec.launch(attn_bwd_dq_kernel, (_cdiv(Lq, c.block_m), B * R * H),
                        (_Q, _K, _V, arg, mask_slot, _DO, _LSE, delta, dq, _Q if dbias is None else dbias, *seg_slots),
                        (*strides, *gs, *tail), c.num_warps, c.num_stages, **kflags, DIRECT_DBIAS=direct_dbias,
                        EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
-                       BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV, D=D, Dv=Dv, ALIGN=align)
+                       BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV, D=D, Dv=Dv, ALIGN=align,
+                       BIAS_ALIGN=bias_align)
 
         rec.tuned("dq", key, _width(q, D, Dv), Lq, Lk, run_dq, device=dev.index)
     return dq, dk, dv, dbias
