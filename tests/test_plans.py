@@ -303,3 +303,74 @@ def test_replay_launches_the_recorded_kernels_with_the_new_tensors(case, logged_
     assert not any(id(t) in mine2 for _, _, a, _ in raw3 for t in a if isinstance(t, torch.Tensor) and t.numel() > 1)
     # the output handed back is (a view of) the buffer the kernel wrote
     assert any(isinstance(t, torch.Tensor) and t.data_ptr() == res2[0].data_ptr() for _, _, a, _ in raw2 for t in a)
+
+
+_FOLDED = {  # per kernel: tensor argument -> the prefix of the strides the kernel folds ALIGN into (common.aligned)
+    "attn_fwd_kernel": {"Q": "q", "K": "k", "V": "v", "Out": "o"},
+    "bwd_preprocess_kernel": {"Out": "o", "dOut": "d"},
+    "attn_bwd_dkdv_kernel": {"Q": "q", "K": "k", "V": "v", "dOut": "d", "dQacc": "q", "dK": "k", "dV": "v"},
+    "attn_bwd_dq_kernel": {"Q": "q", "K": "k", "V": "v", "dOut": "d", "dQ": "q"},
+    "attn_bwd_dbias_kernel": {"Q": "q", "K": "k", "V": "v", "dOut": "d"},
+}
+
+
+@interpreter
+@pytest.mark.parametrize("layout", ["views_c12", "views_c17", "views_c24", "contiguous_d24_dv20", "bias_pitch_33"])
+@pytest.mark.parametrize("variant", ["split", "fused", "atomic"])
+def test_every_stride_a_kernel_aligns_is_a_multiple_of_its_claim(layout, variant, fresh_plans, monkeypatch):
+    """Each launch: the strides the kernel folds ALIGN (BIAS_ALIGN) into are multiples of it, and are those of the
+    tensor passed (q's for dQ and a fused dQ accumulator, k's for dK, ...); the results match the torch backend."""
+    import inspect
+
+    from attn_ops import attention
+
+    n, h = 32, 2
+    g = torch.Generator().manual_seed(len(layout))
+    if layout.startswith("views"):
+        c = int(layout[7:])
+        q, k, v = (torch.randn(1, 3, n, h, c, generator=g).requires_grad_().transpose(2, 3) for _ in range(3))
+    else:
+        d, dv = (24, 20) if layout.startswith("contiguous") else (16, 16)
+        q, k = (torch.randn(1, 3, h, n, d, generator=g).requires_grad_() for _ in range(2))
+        v = torch.randn(1, 3, h, n, dv, generator=g).requires_grad_()
+    bias = torch.randn(1, 1, h, n, n + (layout == "bias_pitch_33"), generator=g)[..., :n].requires_grad_()
+    mask = torch.rand(1, 3, 1, 1, n, generator=g) > 0.2
+    seen = []
+    real = launch._launch
+
+    def check(kernel, grid, args, num_warps, num_stages, **constexprs):
+        name = kernel.fn.__name__
+        if name in _FOLDED:
+            names = list(inspect.signature(kernel.fn).parameters)
+            values = dict(zip(names, list(args) + list(constexprs.values())))
+            align = constexprs["ALIGN"]
+            for tensor, pre in _FOLDED[name].items():
+                if tensor == "dQacc" and constexprs.get("FUSED_DQ") != 1:
+                    continue
+                row = "n" if pre in "kv" else "m"
+                strides = tuple(values[f"s_{pre}{x}"] for x in ("b", "r", "h", row))
+                assert all(s % align == 0 for s in strides), (name, tensor, strides, align)
+                assert launch._rows(values[tensor]) == strides, (name, tensor)
+            if constexprs.get("BIAS_ALIGN", 1) > 1:
+                assert constexprs["HAS_BIAS"] == 1
+                assert all(values[f"s_b{x}"] % constexprs["BIAS_ALIGN"] == 0 for x in "brhm"), name
+            seen.append((name, align, constexprs.get("BIAS_ALIGN")))
+        return real(kernel, grid, args, num_warps, num_stages, **constexprs)
+
+    monkeypatch.setattr(launch, "_launch", check)
+    opts = {"split": {}, "fused": {"bwd": "fused", "deterministic": False}, "atomic": {"deterministic": False}}[variant]
+    leaves = (q, k, v, bias)
+    grads = []
+    for backend in ("triton", "torch"):
+        kw = opts if backend == "triton" else {}
+        with kernel_settings(tma=False):
+            out, lse = attention(q, k, v, bias, mask, return_lse=True, backend=backend, **kw)
+            gout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+            grads.append([out, lse] + list(torch.autograd.grad((out * gout).sum() + lse.sum(), leaves)))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert {s[0] for s in seen} >= {"attn_fwd_kernel", "bwd_preprocess_kernel", "attn_bwd_dkdv_kernel"}
+    expected = {"views_c12": 4, "views_c17": 1, "views_c24": 8, "contiguous_d24_dv20": 4, "bias_pitch_33": 16}
+    assert {s[1] for s in seen} == {expected[layout]}, seen
+    if layout != "bias_pitch_33":
+        assert any(s[2] == 4 for s in seen)  # an fp32 contiguous bias at even tiles: 16 bytes
