@@ -15,8 +15,9 @@ changes a specialisation (the EVEN_M / EVEN_N flags: the length is a multiple of
 The attention calls are those of a Pairformer block (bf16, in the blocks' layout: q, k, v are ``[*, H, L, C]`` views
 of ``[*, L, H, C]`` memory): triangle attention q ``[1, N, 4, N, 32]`` with a pair bias ``[1, 1, 4, N, N]`` and a
 key mask (starting and ending node have this geometry), and the single track's attention with pair bias q
-``[1, 16, N, 24]``, bias ``[1, 16, N, N]``; forward + backward with gradients into q, k, v and bias. Bias tiles take pointer loads here (TMA descriptors need a real device): on an H100, steps of at
-least ``launch.TMA_MIN_SCORES`` scores compile the descriptor variant instead.
+``[1, 16, N, 24]``, bias ``[1, 16, N, N]``; forward + backward with gradients into q, k, v and bias. Bias tiles take
+pointer loads here (TMA descriptors need a real device): on an H100, steps of at least ``launch.TMA_MIN_SCORES``
+scores compile the descriptor variant instead.
 """
 from __future__ import annotations
 
@@ -36,35 +37,18 @@ KINDS = ("triangle", "single")
 VARIANT_FLAGS = ("EVEN_M", "EVEN_N", "EVEN_D", "BLOCK_M", "BLOCK_N")
 
 
-class _CompileOnlyDriver:
-    """Triton's active driver on a machine that compiles for ``target`` and launches nothing."""
-
-    def __init__(self, arch: int, warp_size: int = 32):
-        from triton.backends.compiler import GPUTarget
-
-        self.target = GPUTarget("cuda", arch, warp_size)
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-
 @contextlib.contextmanager
 def cross_compile(arch: int = 90, triton_cache: str = None) -> Iterator[List[dict]]:
     """Inside the block the triton backend compiles its kernels for sm_``arch`` and runs none; yields the list
     that each compile appends a record to (kernel name, the variant's constexprs, warps and stages). Everything
     patched is restored after the block."""
     from triton import knobs
+    from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
     from attn_ops import settings
-    from attn_ops.triton import fastlaunch, launch, tuning
+    from attn_ops.triton import fastlaunch, launch, precompile, tuning
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_cost measures real compiles: unset TRITON_INTERPRET")
@@ -103,7 +87,7 @@ def cross_compile(arch: int = 90, triton_cache: str = None) -> Iterator[List[dic
     before = settings.get()
     try:
         knobs.cache.dir = cache_dir
-        driver.set_active(_CompileOnlyDriver(arch))
+        driver.set_active(precompile.CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
         for obj, name, value in patches:
             setattr(obj, name, value)
         settings.update(cache_dir=None)  # the on-disk tuning cache would skip candidates: keep this run's own

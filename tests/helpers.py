@@ -224,3 +224,15 @@ def ids_from_lengths(lengths, total):
         pos += n
     assert pos <= total
     return ids
+
+
+def have_cuda_compiler() -> bool:
+    """Whether Triton's CUDA backend (with its ptxas) is installed: kernels can then be cross-compiled for a GPU on
+    any machine (scripts/compile_cost.py)."""
+    import os
+
+    try:
+        import triton.backends.nvidia as nvidia
+    except ImportError:
+        return False
+    return os.path.exists(os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas"))

@@ -12,18 +12,12 @@ import pytest
 
 pytest.importorskip("triton")
 
+from helpers import have_cuda_compiler  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _have_cuda_compiler() -> bool:
-    try:
-        import triton.backends.nvidia as nvidia
-    except ImportError:
-        return False
-    return os.path.exists(os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas"))
-
-
-@pytest.mark.skipif(not _have_cuda_compiler(), reason="Triton without its CUDA backend (ptxas): nothing to compile")
+@pytest.mark.skipif(not have_cuda_compiler(), reason="Triton without its CUDA backend (ptxas): nothing to compile")
 def test_lengths_differing_mod_16_compile_nothing_new_for_real():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "compile_cost.py"), "--lengths", "48,50,61", "--no-tune",

@@ -10,20 +10,14 @@ import pytest
 
 pytest.importorskip("triton")
 
+from helpers import have_cuda_compiler  # noqa: E402
+
 from attn_ops.triton import precompile  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _have_cuda_compiler() -> bool:
-    try:
-        import triton.backends.nvidia as nvidia
-    except ImportError:
-        return False
-    return os.path.exists(os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas"))
-
-
-needs_ptxas = pytest.mark.skipif(not _have_cuda_compiler(), reason="Triton without its CUDA backend (ptxas)")
+needs_ptxas = pytest.mark.skipif(not have_cuda_compiler(), reason="Triton without its CUDA backend (ptxas)")
 
 
 def _compile_cost(*args):

@@ -239,8 +239,9 @@ def _stop_all() -> None:
 atexit.register(_stop_all)
 
 
-class _TargetDriver:
-    """Triton's driver in a worker: the parent's compile target, no GPU."""
+class CompileOnlyDriver:
+    """A stand-in for Triton's active driver that compiles for ``target`` (a ``GPUTarget``) and has no GPU: the
+    workers' (with the parent's target) and ``scripts/compile_cost.py``'s (cross-compiling on any machine)."""
 
     def __init__(self, target):
         self.target = target
@@ -262,7 +263,7 @@ def serve(reply_fd: int) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
-    driver.set_active(_TargetDriver(GPUTarget(*json.loads(sys.argv[1]))))
+    driver.set_active(CompileOnlyDriver(GPUTarget(*json.loads(sys.argv[1]))))
     for line in sys.stdin:
         try:
             module, name, spec = json.loads(line)
