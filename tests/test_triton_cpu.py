@@ -581,19 +581,20 @@ def test_kernels_read_only_inside_lq_lk_d(name, variant):
             assert torch.equal(a, b), name_t
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "pitch_33", "offset_base", "heads_last"])
+@pytest.mark.parametrize("layout", ["contiguous", "pitch_33", "offset_base", "heads_last", "contiguous_tma"])
 @pytest.mark.parametrize("variant", ["split", "fused"])
 def test_bias_alignment_of_pointer_loads(layout, variant, monkeypatch):
     """Bias tiles read by pointer loads at lengths that are multiples of the tiles: the launcher tells the kernels
     the bias strides' alignment (BIAS_ALIGN) only where base, batch strides and row stride have it, and the
     interpreter runs the kernels' ``(s // BIAS_ALIGN) * BIAS_ALIGN``, so a wrong claim would change the strides and
-    the results. Rows of 33 elements, a base 4 bytes past an aligned one, heads-last memory: no claim."""
+    the results. Rows of 33 elements, a base 4 bytes past an aligned one, heads-last memory: no claim; nor for
+    tiles read through a tensor descriptor (TMA on), whose batch strides count slices."""
     from attn_ops.triton import launch
 
     n, h = 32, 2  # multiples of the interpreter's 32 x 16 tiles
     q, k, v, _, mask = make_inputs((1, 3), h, n, n, 16, mask_shape=(1, 3, 1, 1, n), seed=len(layout))
     g = torch.Generator().manual_seed(3)
-    if layout == "contiguous":
+    if layout.startswith("contiguous"):
         bias = torch.randn(1, 1, h, n, n, generator=g)
     elif layout == "pitch_33":
         bias = torch.randn(1, 1, h, n, n + 1, generator=g)[..., :n]
@@ -606,6 +607,6 @@ def test_bias_alignment_of_pointer_loads(layout, variant, monkeypatch):
     real = launch._bias_align
     monkeypatch.setattr(launch, "_bias_align", lambda *a: claims.append(real(*a)) or claims[-1])
     opts = {"split": dict(bwd="split"), "fused": dict(bwd="fused", deterministic=False)}[variant]
-    with kernel_settings(tma=False):
+    with kernel_settings(tma=layout == "contiguous_tma"):
         check_against_reference("triton", q, k, v, bias, mask, **opts)
     assert claims and set(claims) == ({4} if layout == "contiguous" else {1}), claims
