@@ -148,7 +148,7 @@ def attn_bwd_dkdv_kernel(
     R, H, Lq, Lk, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
     FUSED_DQ: tl.constexpr, DIRECT_DBIAS: tl.constexpr, ATOMIC_DBIAS: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, ROWS: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     D: tl.constexpr, Dv: tl.constexpr, ALIGN: tl.constexpr, BIAS_ALIGN: tl.constexpr,
 ):
@@ -163,6 +163,7 @@ def attn_bwd_dkdv_kernel(
     contiguous [B, R, H, Lq]. HAS_SEG (not with ROWS = 2): only the query tiles whose segment ids can meet this
     key tile's are visited (tables as in the forward kernel).
     """
+    EVEN_D: tl.constexpr = D == BLOCK_D and Dv == BLOCK_DV  # D and Dv fill their blocks: no column masks
     s_qb, s_qr, s_qh, s_qm = aligned(s_qb, s_qr, s_qh, s_qm, ALIGN)
     s_kb, s_kr, s_kh, s_kn = aligned(s_kb, s_kr, s_kh, s_kn, ALIGN)
     s_vb, s_vr, s_vh, s_vn = aligned(s_vb, s_vr, s_vh, s_vn, ALIGN)
@@ -328,7 +329,7 @@ def attn_bwd_dq_kernel(
     R, H, Lq, Lk, scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
     DIRECT_DBIAS: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     D: tl.constexpr, Dv: tl.constexpr, ALIGN: tl.constexpr, BIAS_ALIGN: tl.constexpr,
 ):
@@ -337,6 +338,7 @@ def attn_bwd_dq_kernel(
     DIRECT_DBIAS: the bias has every dim full, so this program owns dBias[b, r, h, query tile, :] (plain stores).
     (Two rows per program sharing the bias tile, as in the dK/dV kernel, measured slower here: docs/bench/history.md.)
     """
+    EVEN_D: tl.constexpr = D == BLOCK_D and Dv == BLOCK_DV  # D and Dv fill their blocks: no column masks
     s_qb, s_qr, s_qh, s_qm = aligned(s_qb, s_qr, s_qh, s_qm, ALIGN)
     s_kb, s_kr, s_kh, s_kn = aligned(s_kb, s_kr, s_kh, s_kn, ALIGN)
     s_vb, s_vr, s_vh, s_vn = aligned(s_vb, s_vr, s_vh, s_vn, ALIGN)

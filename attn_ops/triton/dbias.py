@@ -74,7 +74,7 @@ def attn_bwd_dbias_kernel(
     s_sqb, s_sqr, s_skb, s_skr,
     R, H, BR, BH, lr_n, lh_n, total, Lq, Lk, qk_scale, steps_per_split,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, LOOP_M: tl.constexpr, LOOP_N: tl.constexpr,
-    LOOP_B: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+    LOOP_B: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     D: tl.constexpr, Dv: tl.constexpr, ALIGN: tl.constexpr,
 ):
@@ -83,6 +83,7 @@ def attn_bwd_dbias_kernel(
     specialised, so its division folds away), ``total = (B // BB) * lr_n * lh_n``; LOOP_B: B // BB > 1.
     HAS_SEG: segment id tables as in the forward kernel; a step whose query and key tiles share no segment id
     adds nothing and is skipped."""
+    EVEN_D: tl.constexpr = D == BLOCK_D and Dv == BLOCK_DV  # D and Dv fill their blocks: no column masks
     s_qb, s_qr, s_qh, s_qm = aligned(s_qb, s_qr, s_qh, s_qm, ALIGN)
     s_kb, s_kr, s_kh, s_kn = aligned(s_kb, s_kr, s_kh, s_kn, ALIGN)
     s_vb, s_vr, s_vh, s_vn = aligned(s_vb, s_vr, s_vh, s_vn, ALIGN)

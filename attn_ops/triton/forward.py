@@ -78,15 +78,16 @@ def attn_fwd_kernel(
     s_sqb, s_sqr, s_skb, s_skr,
     R, H, Lq, Lk, logit_scale,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     D: tl.constexpr, Dv: tl.constexpr, ALIGN: tl.constexpr, BIAS_ALIGN: tl.constexpr,
 ):
-    """One program per (query tile, b*r*h). EVEN_M / EVEN_N: Lq / Lk are multiples of the tiles; EVEN_D: D and Dv
-    are powers of two (>= 16), i.e. fill BLOCK_D / BLOCK_DV. HAS_SEG: QSeg / KSeg are the segment id tables
+    """One program per (query tile, b*r*h). EVEN_M / EVEN_N: Lq / Lk are multiples of the tiles; BLOCK_D /
+    BLOCK_DV: D and Dv rounded up to powers of two (>= 16). HAS_SEG: QSeg / KSeg are the segment id tables
     ``[B|1, R|1, 3, L]`` int32 (ids, running max, suffix min; strides s_s*), and only the key tiles whose ids can meet
     the query tile's are visited (:func:`seg_span`). ALIGN: every batch and row stride of q, k, v and out is a
     multiple of it; BIAS_ALIGN: of the bias's (:func:`aligned`; ``launch._bias_align``)."""
+    EVEN_D: tl.constexpr = D == BLOCK_D and Dv == BLOCK_DV  # D and Dv fill their blocks: no column masks
     s_qb, s_qr, s_qh, s_qm = aligned(s_qb, s_qr, s_qh, s_qm, ALIGN)
     s_kb, s_kr, s_kh, s_kn = aligned(s_kb, s_kr, s_kh, s_kn, ALIGN)
     s_vb, s_vr, s_vh, s_vn = aligned(s_vb, s_vr, s_vh, s_vn, ALIGN)

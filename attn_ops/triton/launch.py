@@ -69,11 +69,6 @@ def _pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def _even_d(D: int, Dv: int) -> bool:
-    """D and Dv fill their (power-of-two, >= 16) blocks: the kernels then load rows without a column mask."""
-    return D == _pow2(D) and Dv == _pow2(Dv)
-
-
 def _align(*tensors: Tensor) -> int:
     """The kernels' ALIGN (``common.aligned``): the largest power of two, at most 16, dividing every stride the
     kernels get for these canonical tensors: the batch strides (dims B, R, H; size-1 dims pass 0) and the row
@@ -447,7 +442,7 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
                    (0, 1, 2, arg, 4 if m8 is not None else 0, o, lse, 5 if seg else lse, 6 if seg else lse),
                    (*rows, *sb, *sm, *_rows(out), *ss, R, H, Lq, Lk, scale),
                    c.num_warps, c.num_stages, HAS_BIAS=has_bias, **flags,
-                   EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
+                   EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
                    BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), D=D, Dv=Dv,
                    ALIGN=align,
                    BIAS_ALIGN=_bias_align(bias_t, has_bias, Lq % c.block_m == 0 and Lk % c.block_n == 0))
@@ -583,7 +578,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
                    (*strides, *gs, *tail), c.num_warps, c.num_stages, **kflags,
                    FUSED_DQ=(2 if tma_dq else 1) if fused else 0, DIRECT_DBIAS=direct_dbias and fused,
                    ATOMIC_DBIAS=(2 if tma_dbias else 1) if atomic else 0,
-                   EVEN_M=Lq % bm == 0, EVEN_N=Lk % bn == 0, EVEN_D=_even_d(D, Dv), ROWS=c.rows,
+                   EVEN_M=Lq % bm == 0, EVEN_N=Lk % bn == 0, ROWS=c.rows,
                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BD, BLOCK_DV=BDV, D=D, Dv=Dv, ALIGN=align, BIAS_ALIGN=bias_align)
 
     rec.tuned("dkdv", key, _width(q, D, Dv), Lq, Lk, run_dkdv,
@@ -606,7 +601,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
             rec.launch(attn_bwd_dq_kernel, (_cdiv(Lq, c.block_m), B * R * H),
                        (_Q, _K, _V, arg, mask_slot, _DO, _LSE, delta, dq, _Q if dbias is None else dbias, *seg_slots),
                        (*strides, *gs, *tail), c.num_warps, c.num_stages, **kflags, DIRECT_DBIAS=direct_dbias,
-                       EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0, EVEN_D=_even_d(D, Dv),
+                       EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
                        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV, D=D, Dv=Dv, ALIGN=align,
                        BIAS_ALIGN=bias_align)
 
@@ -655,7 +650,7 @@ def _record_dbias_reduce(rec: Recorder, b: int, mask_slot: int, sm, seg_slots, s
                    c.num_warps, c.num_stages,
                    HAS_MASK=_mask_kind(rec.env[_MASK]), CAUSAL=causal, HAS_SEG=seg_slots[0] == _QS, LOOP_M=loop_m,
                    LOOP_N=loop_n, LOOP_B=B // BB > 1, EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
-                   EVEN_D=_even_d(D, Dv), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D),
+                   BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D),
                    BLOCK_DV=_pow2(Dv), D=D, Dv=Dv, ALIGN=_align(q, k, v, do))
         # The sum over the splits is part of the launch, so the tuner times a split count with its cost: one
         # small kernel adds each element's partials in split order (no atomics: the bits repeat) and writes the
