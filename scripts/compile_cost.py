@@ -34,7 +34,6 @@ from typing import Iterator, List, Sequence, Tuple
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 KINDS = ("triangle", "single")
-VARIANT_FLAGS = ("EVEN_M", "EVEN_N", "EVEN_D", "BLOCK_M", "BLOCK_N")
 
 
 @contextlib.contextmanager

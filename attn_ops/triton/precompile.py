@@ -110,16 +110,12 @@ def capture(cands: Sequence, launch: Callable) -> List[Tuple[str, str, str]]:
 
 def compile_candidates(cands: Sequence, launch: Callable, processes: int) -> bool:
     """Compile what the candidates' launches need in ``processes`` workers; returns when all are done. False where
-    this Triton cannot or the workers could not be used (the caller compiles in threads instead)."""
+    this Triton cannot or every job failed (the caller compiles in threads instead; it does so too if this raises,
+    e.g. where no subprocess may start)."""
     if processes < 1 or not _supported():
         return False
     jobs = capture(cands, launch)
-    if not jobs:
-        return True
-    try:
-        return run_jobs(jobs, processes) < len(jobs)
-    except Exception:  # noqa: BLE001 - e.g. no subprocess allowed here: the threads compile them
-        return False
+    return not jobs or run_jobs(jobs, processes) < len(jobs)
 
 
 def _setup() -> Tuple[list, str, Tuple]:
