@@ -10,6 +10,8 @@ Initial values come from the environment when attn_ops is imported (later change
 seen; call :func:`reload_from_env` to read it again):
 
 - ``ATTN_ZOO_NO_TUNE=1`` -> ``tune=False``: no timing, the first candidate config (the same in every process)
+- ``ATTN_ZOO_NO_SHIPPED=1`` -> ``shipped_configs=False``: time every new key, ignoring the configs shipped for this
+  GPU model (``triton/tuned/``)
 - ``ATTN_ZOO_TUNE_LOG=1`` -> ``tune_log=True``: print each timed candidate
 - ``ATTN_ZOO_PLAIN_LAUNCH=1`` -> ``fast_launch=False``: Triton's own launch path on every call
 - ``ATTN_ZOO_NO_TMA=1`` -> ``tma=False``: pointer loads and per-element atomics, no TMA descriptors
@@ -38,6 +40,7 @@ class KernelSettings:
     """Behaviour switches of the triton kernels (see the module docstring for their environment variables).
 
     tune: time the candidate tile configs of a length bucket not yet in the cache (False: the heuristic choice).
+    shipped_configs: before timing, take the config shipped for this GPU model and Triton release if there is one.
     tune_log: print each timed candidate. fast_launch: call Triton's compiled kernels directly once a launch
     signature was seen. tma: TMA tensor descriptors on Hopper GPUs. cache_dir: the on-disk tuning cache's folder
     (None: no disk cache). compile_threads: on a tuning miss, the candidates compile on this many threads at once
@@ -46,6 +49,7 @@ class KernelSettings:
     """
 
     tune: bool = True
+    shipped_configs: bool = True
     tune_log: bool = False
     fast_launch: bool = True
     tma: bool = True
@@ -54,7 +58,7 @@ class KernelSettings:
     compile_processes: int = 0
 
     def __post_init__(self):
-        for f in ("tune", "tune_log", "fast_launch", "tma"):
+        for f in ("tune", "shipped_configs", "tune_log", "fast_launch", "tma"):
             if not isinstance(getattr(self, f), bool):
                 raise TypeError(f"KernelSettings.{f} must be a bool, got {getattr(self, f)!r}")
         if isinstance(self.compile_threads, bool) or not isinstance(self.compile_threads, int) or \
@@ -79,6 +83,7 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> KernelSettings:
         cache_dir = _default_cache_dir()
     return KernelSettings(
         tune=env.get("ATTN_ZOO_NO_TUNE") != "1",
+        shipped_configs=env.get("ATTN_ZOO_NO_SHIPPED") != "1",
         tune_log=env.get("ATTN_ZOO_TUNE_LOG") == "1",
         fast_launch=env.get("ATTN_ZOO_PLAIN_LAUNCH") != "1",
         tma=env.get("ATTN_ZOO_NO_TMA") != "1",

@@ -489,8 +489,9 @@ def write_crop_md(rows, path, env):
         fh.write("\n".join(lines) + "\n")
 
 
-def run_crop(cases, csv_path, time_limit):
-    """Measure every crop case, writing CSV rows as they come; returns the rows."""
+def run_crop(cases, csv_path, time_limit, profile=False):
+    """Measure every crop case, writing CSV rows as they come; returns the rows. ``profile``: print triton's
+    per-kernel times per shape after its row."""
     rows, t0 = [], time.time()
     with open(csv_path, "w", newline="") as fh:
         wr = csv.DictWriter(fh, CROP_FIELDS)
@@ -506,6 +507,9 @@ def run_crop(cases, csv_path, time_limit):
                     first_s, step_ms, host_ms, note = measure_crop(make)
                     row.update(fwdbwd_ms=f"{step_ms:.4f}", host_ms=f"{host_ms:.4f}", first_s=f"{first_s:.3f}",
                                note=note)
+                    if profile and be.startswith("triton"):
+                        print(shape, be, flush=True)
+                        profile_triton(make)
                 except Exception as exc:  # a peer that cannot run a shape: its reason goes in the cell
                     row["note"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
                     traceback.print_exc(limit=2)
@@ -576,7 +580,7 @@ def build_parser():
     ap.add_argument("--time-limit", type=float, default=None,
                     help=f"crop set: start no new case after this many s (default {CROP_TIME_LIMIT:.0f})")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    ap.add_argument("--profile", action="store_true", help="print per-kernel times of triton per shape")
+    ap.add_argument("--profile", action="store_true", help="print per-kernel times of triton per shape (bias, long and crop sets)")
     ap.add_argument("--layout", choices=["contiguous", "heads-last"], default="contiguous",
                     help="bias set: q, k, v as contiguous [B, R, H, L, D], or as views of [B, R, L, H, D] memory "
                          "(heads split out of a fused projection, as the blocks pass them)")
@@ -618,7 +622,7 @@ def main(argv=None):
             fh.write(env + "\n")
         print(env, flush=True)
         shapes = [s for s in crop_shapes() if not args.shapes or any(x in crop_name(*s) + " " for x in args.shapes)]
-        rows = run_crop(crop_cases(shapes, args.backends), crop_csv, args.time_limit)
+        rows = run_crop(crop_cases(shapes, args.backends), crop_csv, args.time_limit, args.profile)
         write_crop_md(rows, os.path.join(args.out, "crop.md"), env)
         print(open(os.path.join(args.out, "crop.md")).read(), flush=True)
         return

@@ -60,6 +60,7 @@ CASES = {
     "evo384": ("evoformer", 384, 128),
     "pair384": ("pairformer", 384, None),
     "pair768": ("pairformer", 768, None),
+    "pair299": ("pairformer", 299, None),  # an odd crop length (13 of it padded, as every case)
 }
 BACKENDS = ("triton", "triton+compile", "triton-atomic", "triton-atomic+compile", "flex", "flex+compile", "sdpa",
             "torch", "torch+compile", "boltz", "boltz-cueq")

@@ -117,5 +117,5 @@ def test_settings_are_in_the_cache_keys_they_affect(monkeypatch):
         untuned = tuning.pick("fwd", ("k",), 64, 256, 256, fake_launch)
     tuned = tuning.pick("fwd", ("k",), 64, 256, 256, fake_launch)
     assert len(launched) == 1 + len(tuning.candidates("fwd", 64, 256, 256))  # the tuned pick did not reuse it
-    assert set(tuning.chosen()) == {("fwd", False, "k", False, None), ("fwd", False, "k", True, None)}
+    assert set(tuning.chosen()) == {("fwd", False, "k", False, True, None), ("fwd", False, "k", True, True, None)}
     assert untuned == tuning.candidates("fwd", 64, 256, 256)[0] and tuned is not None

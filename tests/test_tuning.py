@@ -1,6 +1,7 @@
 """The block-size tuner (attn_ops/triton/tuning.py) on the CPU: candidate pruning, and pick()'s timing, cache and
 switches with the interpreter shortcut turned off. A fake ``launch`` and a fake ``tuning.measure`` stand
 in for the GPU; the last test times real interpreter launches of the op's launchers."""
+import json
 import os
 
 import pytest
@@ -117,7 +118,7 @@ def test_pick_times_every_candidate_and_keeps_the_fastest(tuner):
     tuner.ms[cands[2]] = 0.5  # neither the first nor the last
     assert pick("fwd", ("shape",), launch=tuner.launch, **ARGS) == cands[2]
     assert tuner.timed == cands
-    assert tuning.chosen() == {("fwd", False, "shape", True, None): cands[2]}
+    assert tuning.chosen() == {("fwd", False, "shape", True, True, None): cands[2]}
 
 
 def test_pick_caches_per_key(tuner):
@@ -167,7 +168,7 @@ def test_no_tune_switch_launches_the_first_candidate_without_timing(tuner, monke
     tuner.launched.clear()
     assert pick("fwd", ("b",), launch=tuner.launch, **ARGS) == cands[1]
     assert tuner.launched == cands[:2] and tuner.timed == []
-    assert tuning.chosen() == {("fwd", False, "a", False, None): cands[0], ("fwd", False, "b", False, None): cands[1]}
+    assert tuning.chosen() == {("fwd", False, "a", False, True, None): cands[0], ("fwd", False, "b", False, True, None): cands[1]}
     settings.update(tune=True)  # the same process times again once the switch is off, also for key "a"
     tuner.fail = set()
     assert pick("fwd", ("a",), launch=tuner.launch, **ARGS) != cands[0]
@@ -583,3 +584,108 @@ def test_a_miss_compiles_in_worker_processes_else_in_threads(tuner, monkeypatch,
     assert pick("fwd", ("procs",), launch=tuner.launch, **ARGS) == cands[0]
     expected = [("workers", cands, 3)] + ([] if workers_can else [("threads", cands, 4)])
     assert calls == expected and tuner.timed == cands
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shipped tables (attn_ops/triton/tuned/, scripts/ship_tuning.py)
+
+
+def _ship(folder, name, gpu="Fake GPU", release="3.6", configs=None):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, name), "w") as fh:
+        json.dump({"identity": {"gpu": gpu, "triton": release}, "measured": "test", "configs": configs or {}}, fh)
+
+
+@pytest.fixture
+def shipped_dir(tuner, tmp_path, monkeypatch):
+    """An empty shipped-table folder, seen by pick() as that of a 'Fake GPU' with Triton 3.6.x."""
+    folder = str(tmp_path / "tuned")
+    monkeypatch.setattr(tuning, "SHIPPED_DIR", folder)
+    monkeypatch.setattr(tuning, "_SHIPPED", {})
+    monkeypatch.setattr(tuning, "_gpu_and_triton", lambda device=None: ("Fake GPU", "3.6.2"))
+    return folder, tuner
+
+
+def test_pick_takes_the_shipped_config_without_timing(shipped_dir, tmp_path, monkeypatch):
+    """A shipped config for this GPU model and Triton release is used as it is: nothing timed, nothing written to
+    the disk cache; a later key that no table holds is timed as before."""
+    folder, timer = shipped_dir
+    cands = candidates("fwd", **ARGS)
+    _ship(folder, "a.json", configs={repr(("fwd", False, "k")): list(cands[3])})
+    monkeypatch.setattr(tuning, "identity", lambda device=None: IDENT)
+    monkeypatch.setattr(tuning, "_DISK", {})
+    settings.update(cache_dir=str(tmp_path / "disk"))
+    assert pick("fwd", ("k",), launch=timer.launch, **ARGS) == cands[3]
+    assert timer.timed == [] and not os.path.exists(str(tmp_path / "disk"))
+    pick("fwd", ("other",), launch=timer.launch, **ARGS)
+    assert timer.timed == cands
+    assert set(tuning.chosen()) == {("fwd", False, "k", True, True, None), ("fwd", False, "other", True, True, None)}
+
+
+def test_shipped_configs_are_skipped_when_off_stale_or_foreign(shipped_dir):
+    """Timed as before: a config no candidate list offers, a table of another GPU model or Triton release, and
+    any key with ``shipped_configs`` off."""
+    shipped_dir, timer = shipped_dir
+    cands = candidates("fwd", **ARGS)
+    timer.ms = {c: 1.0 for c in cands}
+    timer.ms[cands[1]] = 0.5
+    configs = {repr(("fwd", False, k)): list(cands[3]) for k in ("k", "off")}
+    configs[repr(("fwd", False, "stale"))] = [256, 256, 16, 9, 1, 0]  # no candidate list offers it
+    _ship(shipped_dir, "a.json", configs=configs)
+    _ship(shipped_dir, "b.json", gpu="Other GPU", configs={repr(("fwd", False, "g")): list(cands[3])})
+    _ship(shipped_dir, "c.json", release="3.5", configs={repr(("fwd", False, "r")): list(cands[3])})
+    assert pick("fwd", ("k",), launch=timer.launch, **ARGS) == cands[3] and timer.timed == []
+    for key in ("stale", "g", "r"):
+        timer.timed.clear()
+        assert pick("fwd", (key,), launch=timer.launch, **ARGS) == cands[1]
+        assert timer.timed == cands, key
+    timer.timed.clear()
+    with settings.kernel_settings(shipped_configs=False):
+        assert pick("fwd", ("off",), launch=timer.launch, **ARGS) == cands[1]
+    assert timer.timed == cands
+
+
+def test_unreadable_shipped_table_warns_and_is_skipped(shipped_dir):
+    shipped_dir, _ = shipped_dir
+    cands = candidates("fwd", **ARGS)
+    _ship(shipped_dir, "good.json", configs={repr(("fwd", False, "k")): list(cands[2])})
+    with open(os.path.join(shipped_dir, "bad.json"), "w") as fh:
+        fh.write("{not json")
+    with pytest.warns(RuntimeWarning, match="bad.json"):
+        table = tuning.shipped()
+    assert table == {repr(("fwd", False, "k")): cands[2]}
+    assert tuning.shipped() is table  # read once
+
+
+def test_ship_tuning_script_turns_a_cache_into_a_table_pick_uses(shipped_dir, tmp_path, monkeypatch):
+    """A disk cache written by pick() on one machine, shipped by scripts/ship_tuning.py, serves a fresh process
+    (empty memory caches, no disk cache) on the same GPU model with a later Triton patch release."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "ship_tuning", os.path.join(os.path.dirname(__file__), "..", "scripts", "ship_tuning.py"))
+    ship = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ship)
+    shipped_dir, timer = shipped_dir
+
+    monkeypatch.setattr(tuning, "identity", lambda device=None: dict(IDENT, gpu="Fake GPU", triton="3.6.0"))
+    monkeypatch.setattr(tuning, "_DISK", {})
+    settings.update(cache_dir=str(tmp_path / "disk"))
+    cands = candidates("fwd", **ARGS)
+    timer.ms = {c: 1.0 for c in cands}
+    timer.ms[cands[4]] = 0.5
+    assert pick("fwd", ("k",), launch=timer.launch, **ARGS) == cands[4]
+    out = os.path.join(shipped_dir, "fake.json")
+    ship.main([str(tmp_path / "disk"), "--out", out, "--measured", "test"])
+    assert _json(out)["identity"] == {"gpu": "Fake GPU", "triton": "3.6"}
+
+    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning, "_SHIPPED", {})
+    settings.update(cache_dir=None)
+    timer.timed.clear()
+    assert pick("fwd", ("k",), launch=timer.launch, **ARGS) == cands[4] and timer.timed == []
+
+    other = tmp_path / "other"  # a cache of another GPU model is refused, not mixed in
+    _ship(str(other), "tuning-x.json", gpu="Other GPU", release="3.6.0")
+    with pytest.raises(ValueError, match="Other GPU"):
+        ship.merge([str(other / "tuning-x.json")], previous=_json(out))

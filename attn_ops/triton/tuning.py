@@ -1,9 +1,12 @@
 """Block-size choice for the kernels: a small pruned candidate list, timed once per length bucket and cached in
-memory and on disk.
+memory and on disk, with configs measured ahead for known GPUs shipped in the package (``tuned/``).
 
 Keys hold the length bucket (:func:`bucket`), not the exact length, so a new protein length reuses its bucket's
 choice instead of stalling on compiles and timing. Timed choices persist in a JSON file (:class:`DiskCache`) keyed
-by GPU name, Triton version and a hash of the kernel sources, so a second process starts warm. A miss's
+by GPU name, Triton version and a hash of the kernel sources, so a second process starts warm. A key in neither
+is looked up in the shipped tables (:func:`shipped`: configs timed on that GPU model with that Triton release,
+``scripts/ship_tuning.py``), so that even a first process on such a GPU compiles one config per kernel instead of
+timing every candidate (``settings.shipped_configs`` False: always time). Only then are candidates timed; a miss's
 candidates compile in worker processes (``precompile.py``; ``settings.compile_processes``) or threads. With
 ``settings.tune`` False nothing is timed: the first candidate that launches (the lists are ordered best-first),
 the same in every process. Under ``TRITON_INTERPRET=1`` (CPU tests) there is no timing: one small config is used.
@@ -99,7 +102,7 @@ def candidates(kernel: str, head_dim: int, lq: int, lk: int, pair: bool = False)
 def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Callable[[Cfg], None],
          pair: bool = False, device: Optional[int] = None) -> Cfg:
     """The cached config for ``key`` (which holds length buckets, not lengths); on a miss, the on-disk cache's, else
-    time each candidate with ``launch(cfg)`` and keep the best (``settings.tune`` False: the first candidate that
+    the shipped table's (:func:`shipped`; not written to disk), else time each candidate with ``launch(cfg)`` and keep the best (``settings.tune`` False: the first candidate that
     launches, no timing, no disk).
 
     ``launch`` must be repeatable (it re-zeroes any buffer it accumulates into). ``pair``: see :func:`candidates`
@@ -109,7 +112,7 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
     if interpreting():
         return _INTERPRETER._replace(rows=2 if pair else 1)
     s = _settings.get()
-    full_key = (kernel, pair) + key + (s.tune, device)
+    full_key = (kernel, pair) + key + (s.tune, s.shipped_configs, device)
     cfg = _CACHE.get(full_key)
     if cfg is not None:
         return cfg
@@ -119,6 +122,10 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
         cfg = disk.get((kernel, pair) + key)
         if cfg is not None and cfg not in cands:
             cfg = None  # a config the current candidate lists no longer offer
+    if cfg is None and s.tune and s.shipped_configs:
+        cfg = shipped(device).get(DiskCache._name((kernel, pair) + key))
+        if cfg is not None and cfg not in cands:
+            cfg = None
     if cfg is None:
         if len(cands) == 1 or not s.tune:
             cfg = _first_that_launches(cands, launch)
@@ -224,7 +231,8 @@ def _first_that_launches(cands: List[Cfg], launch: Callable[[Cfg], None]) -> Cfg
 
 
 def chosen() -> Dict[Tuple, Cfg]:
-    """Configs picked so far (for benchmark reports): key ``(kernel, pair, *launcher key, tune, device)``."""
+    """Configs picked so far (for benchmark reports): key ``(kernel, pair, *launcher key, tune, shipped_configs,
+    device)``."""
     return dict(_CACHE)
 
 
@@ -245,13 +253,17 @@ def source_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def identity(device=None) -> Dict[str, str]:
-    """What a cached config is valid for: the GPU's name, Triton's version and the kernel sources."""
+def _gpu_and_triton(device=None) -> Tuple[str, str]:
     import torch
     import triton
 
-    gpu = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"
-    return {"gpu": gpu, "triton": triton.__version__, "source": source_hash()}
+    return (torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"), triton.__version__
+
+
+def identity(device=None) -> Dict[str, str]:
+    """What a cached config is valid for: the GPU's name, Triton's version and the kernel sources."""
+    gpu, version = _gpu_and_triton(device)
+    return {"gpu": gpu, "triton": version, "source": source_hash()}
 
 
 class DiskCache:
@@ -377,6 +389,44 @@ class _locked:
 
 
 _DISK: Dict[Tuple, DiskCache] = {}
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shipped tables: {"identity": {"gpu": name, "triton": "major.minor"}, "measured": text, "configs": {key: cfg}}, the
+# disk cache's keys and configs without its source hash (a config stays valid when a kernel changes; one that the
+# candidate lists no longer offer is ignored).
+
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
+_SHIPPED: Dict[Tuple, Dict[str, Cfg]] = {}
+
+
+def triton_release(version: str) -> str:
+    """``"3.6.0"`` -> ``"3.6"``: shipped tables hold for a Triton release line (its code generation)."""
+    return ".".join(version.split(".")[:2])
+
+
+def shipped(device=None, folder: Optional[str] = None) -> Dict[str, Cfg]:
+    """The shipped configs for the current GPU model and Triton release (``{}`` when no table matches), read once
+    per device and folder (default :data:`SHIPPED_DIR`). An unreadable or malformed table warns and is skipped."""
+    folder = SHIPPED_DIR if folder is None else folder
+    gpu, version = _gpu_and_triton(device)
+    want = {"gpu": gpu, "triton": triton_release(version)}
+    key = (folder, want["gpu"], want["triton"])
+    table = _SHIPPED.get(key)
+    if table is None:
+        table = {}
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".json")) if os.path.isdir(folder) else []
+        for name in names:
+            path = os.path.join(folder, name)
+            try:
+                with open(path, "r", encoding="utf-8") as fh:
+                    data = json.load(fh)
+                if data["identity"] == want:
+                    table.update({k: Cfg(*v) for k, v in data["configs"].items()})
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                warnings.warn(f"attn_ops shipped tuning table {path}: unreadable ({type(exc).__name__}: {exc}); "
+                              "skipped", RuntimeWarning, stacklevel=2)
+        _SHIPPED[key] = table
+    return table
 
 
 def disk_cache(folder: Optional[str], device=None) -> Optional[DiskCache]:
