@@ -181,3 +181,37 @@ def test_compile_only_holds_in_its_own_thread_only():
         assert done.wait(5)
     thread.join()
     assert [e[0] for e in k.log] == ["plain"]
+
+
+def test_background_compile_reports_pending_ready_and_failed(monkeypatch):
+    """compile_in_background submits one job per signature, remembers its compiled kernel for direct launches
+    (is_compiled) and reports a compile error as "failed" (the caller then compiles in its own thread)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(fastlaunch, "_BACKGROUND", {})
+    monkeypatch.setattr(fastlaunch, "_POOL", [ThreadPoolExecutor(1)])
+    monkeypatch.setattr(fastlaunch, "_device", lambda: -1)
+    k, x = _kernel(), torch.zeros(64)
+    k.warmup = lambda *args, grid, num_warps, num_stages, **c: (
+        k.log.append(("warmup", grid, args, c)) or FakeCompiled(k.log))
+    assert fastlaunch.background_compiles()
+    assert not fastlaunch.is_compiled(k, (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)
+    assert fastlaunch.compile_in_background(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True) in ("pending", "ready")
+    fastlaunch._POOL[0].shutdown(wait=True)
+    assert fastlaunch.compile_in_background(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True) == "ready"
+    assert fastlaunch.is_compiled(k, (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)
+    assert [e[0] for e in k.log] == ["warmup"]
+    fastlaunch.launch(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)  # direct, on the background's kernel
+    assert [e[0] for e in k.log] == ["warmup", "direct"]
+
+    def broken(*args, **kw):
+        raise RuntimeError("ptxas")
+
+    k.warmup = broken
+    monkeypatch.setattr(fastlaunch, "_POOL", [ThreadPoolExecutor(1)])
+    fastlaunch.compile_in_background(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=False)
+    fastlaunch._POOL[0].shutdown(wait=True)
+    assert fastlaunch.compile_in_background(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=False) == "failed"
+    assert not fastlaunch.is_compiled(k, (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=False)
+    with settings.kernel_settings(fast_launch=False):
+        assert not fastlaunch.background_compiles()

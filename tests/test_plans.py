@@ -7,6 +7,7 @@ arguments a replay hands the kernels are checked on the CPU too.
 """
 import gc
 import os
+import types
 import weakref
 
 import pytest
@@ -374,3 +375,73 @@ def test_every_stride_a_kernel_aligns_is_a_multiple_of_its_claim(layout, variant
     assert {s[1] for s in seen} == {expected[layout]}, seen
     if layout != "bias_pitch_33":
         assert any(s[2] == 4 for s in seen)  # an fp32 contiguous bias at even tiles: 16 bytes
+
+
+class _HeldPool:
+    """Stands in for the background compile thread: jobs wait until ``release``."""
+
+    def __init__(self):
+        self.jobs = []
+
+    def submit(self, fn):
+        from concurrent.futures import Future
+
+        fut = Future()
+        self.jobs.append((fn, fut))
+        return fut
+
+    def release(self):
+        for fn, fut in self.jobs:
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # noqa: BLE001
+                fut.set_exception(exc)
+        self.jobs.clear()
+
+
+def test_tile_multiple_runs_the_general_variant_until_its_own_compiled(logged_launches, monkeypatch):
+    """A length that is a multiple of its bucket's tiles asks for EVEN_M / EVEN_N variants. While those compile on
+    the background thread the general variant (already compiled for another length of the bucket) runs and the
+    call's plan is not kept; once compiled, the next call records its plan with them. A launch whose variant is
+    the general one never waits. Results stay those of a plain call (the launches here only log)."""
+    from attn_ops.triton.common import LENGTH_ARGS
+
+    for kernel in (launch.attn_fwd_kernel, launch.attn_bwd_dkdv_kernel, launch.attn_bwd_dq_kernel,
+                   launch.attn_bwd_dbias_kernel):  # the interpreter's stand-in params: lengths unspecialised, as the
+        if not isinstance(kernel.params[0], types.SimpleNamespace):  # kernels declare (a GPU's JITFunctions do)
+            continue
+        monkeypatch.setattr(kernel, "params", [p.__class__(**dict(vars(p), do_not_specialize=p.name in LENGTH_ARGS))
+                                               for p in kernel.params])
+    monkeypatch.setattr(fastlaunch, "_SPECIALIZE", {})
+    pool = _HeldPool()
+    monkeypatch.setattr(fastlaunch, "_POOL", [pool])
+    monkeypatch.setattr(fastlaunch, "_BACKGROUND", {})
+    asked = []
+    real_launch = launch._launch
+
+    def spy(kernel, grid, args, num_warps, num_stages, **constexprs):
+        asked.append((kernel.fn.__name__, constexprs.get("EVEN_M"), constexprs.get("EVEN_N")))
+        return real_launch(kernel, grid, args, num_warps, num_stages, **constexprs)
+
+    monkeypatch.setattr(launch, "_launch", spy)
+
+    def call(n):
+        del asked[:]
+        q, k, v, bias, mask = make_inputs((1, 2), 2, n, n, 16, bias_shape=(1, 1, 2, n, n), mask_shape=(1, 2, 1, 1, n))
+        out, _ = triton_attention(q, k, v, bias, mask, 0.3, False)
+        torch.autograd.grad(out.sum(), [q, k, v, bias])
+        return {(name, m, n_) for name, m, n_ in asked if m is not None}
+
+    general = call(21)  # bucket 32, 16x16 tiles (tune off): masked tiles, the general variants
+    assert general and all(not m and not n_ for _, m, n_ in general)
+    plans = len(launch._PLANS)
+    assert call(32) == general  # a multiple of 16: the EVEN variants are asked for, the general ones run
+    assert len(pool.jobs) == len({name for name, *_ in general}) and len(launch._PLANS) == plans
+    assert call(32) == general and len(pool.jobs) == len(general)  # still compiling: no second submission
+    pool.release()
+    assert all(not m and not n_ for _, m, n_ in general)
+    even = call(32)
+    assert even and all(m and n_ for _, m, n_ in even) and len(launch._PLANS) == plans + 2  # forward + backward
+    del asked[:]
+    call(32)  # replayed from its plan
+    assert asked == []

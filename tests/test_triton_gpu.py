@@ -397,6 +397,43 @@ def test_lengths_differing_mod_16_reuse_compiled_kernels_gpu(variant):
         assert len(fastlaunch._COMPILED) == direct, L
 
 
+def test_tile_multiple_runs_the_general_variant_while_its_own_compiles_gpu(monkeypatch):
+    """A length that is a multiple of its bucket's tiles (256, with the untuned configs' 64- and 128-wide tiles)
+    after a ragged one of the same bucket (200): its EVEN_M / EVEN_N kernels compile on the background thread while the compiled general ones give the
+    call's results; once they are ready, the next call runs and keeps them. Every call matches the reference."""
+    from attn_ops.triton import fastlaunch, launch
+
+    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(fastlaunch, "_BACKGROUND", {})
+    asked = []
+    real_launch = launch._launch
+
+    def spy(kernel, grid, args, num_warps, num_stages, **constexprs):
+        if "EVEN_M" in constexprs:
+            asked.append(bool(constexprs["EVEN_M"] or constexprs["EVEN_N"]))
+        return real_launch(kernel, grid, args, num_warps, num_stages, **constexprs)
+
+    monkeypatch.setattr(launch, "_launch", spy)
+    with kernel_settings(tune=False):
+        def step(L):
+            del asked[:]
+            q, k, v, bias, mask = make_inputs((1, 4), 4, L, L, 32, dtype=torch.bfloat16,
+                                              bias_shape=(1, 1, 4, L, L), mask_shape=(1, 4, 1, 1, L), seed=L,
+                                              device="cuda")
+            check_against_reference("triton", q, k, v, bias, mask)
+            return list(asked)
+
+        assert not any(step(200))
+        plans = len(launch._PLANS)
+        first = step(256)
+        assert len(launch._PLANS) == plans  # stand-ins ran: no plan kept
+        jobs = list(fastlaunch._BACKGROUND.values())
+        assert jobs and first.count(False) == len(jobs)  # each general stand-in left its EVEN variant compiling
+        for job in jobs:
+            job.result(timeout=300)
+        assert all(step(256)) and len(launch._PLANS) > plans
+
+
 def test_small_steps_read_the_bias_without_tma_gpu():
     """Below ``TMA_MIN_SCORES`` attention scores per launch the bias goes by pointer loads (the host's descriptor
     encoding costs more than TMA saves there); at and above it, through a descriptor on a Hopper GPU."""

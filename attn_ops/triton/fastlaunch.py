@@ -134,11 +134,68 @@ def launch(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_st
         compiled[grid3](*args, *constexprs.values())
         return
     result = kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
-    if _leading_params(kernel) == len(args) and len(args) + len(constexprs) == len(kernel.params) and all(
-            p.name == name for p, name in zip(kernel.params[len(args):], constexprs)) and hasattr(
-            result, "__getitem__"):
+    if _direct_ok(kernel, args, constexprs, result):
         _COMPILED[key] = result
         _remember_exact(exact, result)
+
+
+def _direct_ok(kernel, args: Sequence, constexprs: dict, result) -> bool:
+    """Whether ``result`` (what Triton returned for this launch) can be called directly with the arguments in
+    order: the runtime args lead, the constexprs are exactly the trailing params, and it is a compiled kernel."""
+    return _leading_params(kernel) == len(args) and len(args) + len(constexprs) == len(kernel.params) and all(
+        p.name == name for p, name in zip(kernel.params[len(args):], constexprs)) and hasattr(result, "__getitem__")
+
+
+def _signature_key(kernel, args: Sequence, num_warps: int, num_stages: int, constexprs: dict) -> Tuple:
+    return (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()),
+            signature(args, _specialized(kernel)))
+
+
+def background_compiles() -> bool:
+    """Whether :func:`compile_in_background` applies: on the direct path only (the CPU interpreter and
+    ``settings.fast_launch`` False always launch through Triton, which compiles where it must)."""
+    return not interpreting() and _settings.get().fast_launch
+
+
+def is_compiled(kernel, args: Sequence, num_warps: int, num_stages: int, **constexprs) -> bool:
+    """Whether this launch would find its compiled kernel (it was launched, or compiled in the background)."""
+    return _signature_key(kernel, args, num_warps, num_stages, constexprs) in _COMPILED
+
+
+# Kernel variants compiling on a background thread: signature key -> Future (launch.Recorder, for a length that
+# asks for an EVEN_M / EVEN_N specialisation while the general variant is ready: the call runs that one meanwhile)
+_BACKGROUND: Dict[Tuple, object] = {}
+_POOL = []
+
+
+def compile_in_background(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int,
+                          **constexprs) -> str:
+    """Compile this launch's kernel on a background thread (once per signature) and remember it for direct
+    launches. Returns ``"ready"`` (compiled), ``"pending"`` or ``"failed"`` (the compile raised: a launch compiles it
+    again in the caller and raises there). The thread holds ``args`` until its compile ends."""
+    key = _signature_key(kernel, args, num_warps, num_stages, constexprs)
+    if key in _COMPILED:
+        return "ready"
+    job = _BACKGROUND.get(key)
+    if job is None:
+        if not _POOL:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="attn_zoo_compile"))
+        device = key[1]
+
+        def work():
+            if device >= 0 and torch.cuda.is_available():
+                torch.cuda.set_device(device)  # the compile's target and cache are the caller's device's
+            result = kernel.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **constexprs)
+            if _direct_ok(kernel, args, constexprs, result):
+                _COMPILED[key] = result
+
+        _BACKGROUND[key] = _POOL[0].submit(work)
+        return "pending"
+    if not job.done():
+        return "pending"
+    return "failed" if job.exception() is not None else "ready"
 
 
 def bound(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int, n_leading: int,

@@ -23,7 +23,10 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
 from .common import LOG2E
 from .dbias import attn_bwd_dbias_kernel, sum_splits_kernel
+from .fastlaunch import background_compiles as _background_compiles
 from .fastlaunch import bound as _bound
+from .fastlaunch import compile_in_background as _compile_in_background
+from .fastlaunch import is_compiled as _is_compiled
 from .fastlaunch import launch as _launch
 from .forward import attn_fwd_kernel
 from .tuning import bucket, interpreting, pick
@@ -292,6 +295,8 @@ def _replay(key: Tuple, env: list) -> Optional[Plan]:
 
 
 def _keep(key: Tuple, rec: "Recorder", outputs: Tuple[Optional[int], ...]) -> None:
+    if rec.provisional:  # a stand-in kernel variant ran: record again next time
+        return
     if key not in _PLANS and len(_PLANS) >= _PLANS_MAX:  # many geometries seen: drop the oldest plan
         del _PLANS[next(iter(_PLANS))]
     _PLANS[key] = Plan(tuple(rec.steps), outputs, rec.guard)
@@ -315,6 +320,7 @@ class Recorder:
 
     def __init__(self, env: list):
         self.env, self.steps, self.recording, self.guard = env, [], True, _guard()
+        self.provisional = False  # a launch ran a stand-in variant: the plan is not kept (see launch)
 
     def do(self, step: Callable[[list], None]) -> None:
         step(self.env)
@@ -330,6 +336,8 @@ class Recorder:
                **constexprs) -> None:
         get, rest = _getter(leading), tuple(rest)
         args = get(self.env) + rest
+        if self.recording:
+            constexprs = self._ready_variant(kernel, grid, args, num_warps, num_stages, constexprs)
         _launch(kernel, grid, args, num_warps, num_stages, **constexprs)
         if not self.recording:
             return
@@ -338,6 +346,25 @@ class Recorder:
             self.steps.append(lambda env: _launch(kernel, grid, get(env) + rest, num_warps, num_stages, **constexprs))
         else:
             self.steps.append(lambda env: run(*get(env)))
+
+    def _ready_variant(self, kernel, grid, args, num_warps: int, num_stages: int, constexprs: dict) -> dict:
+        """``constexprs``, or the general variant's while theirs compiles in the background. A length that is a
+        multiple of a tile asks for an EVEN_M / EVEN_N specialisation (no load masks) of the config its length
+        bucket chose; the first such length would stall on that compile (seconds, per kernel). Where the general
+        variant (masks everywhere, the same results) is compiled, it runs instead and the call's plan is not kept,
+        so a later call of this geometry takes the specialisation once it is ready."""
+        if not (constexprs.get("EVEN_M") or constexprs.get("EVEN_N")) or not _background_compiles() or \
+                _is_compiled(kernel, args, num_warps, num_stages, **constexprs):
+            return constexprs
+        general = dict(constexprs, EVEN_M=False, EVEN_N=False)
+        if "BIAS_ALIGN" in general:
+            general["BIAS_ALIGN"] = 1  # vector bias loads only where no tile carries masks
+        if not _is_compiled(kernel, args, num_warps, num_stages, **general):
+            return constexprs
+        if _compile_in_background(kernel, grid, args, num_warps, num_stages, **constexprs) != "pending":
+            return constexprs  # ready by now, or failed: compiled here (and its error raised) as ever
+        self.provisional = True
+        return general
 
     def tuned(self, name: str, key: Tuple, width: int, Lq: int, Lk: int, run: Callable, **kw):
         """``pick`` with ``run(cfg)`` timing candidates unrecorded, then ``run(chosen)`` recorded; returns what that
