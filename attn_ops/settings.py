@@ -19,7 +19,8 @@ seen; call :func:`reload_from_env` to read it again):
 - ``ATTN_ZOO_COMPILE_THREADS=N`` -> ``compile_threads``: threads compiling a tuning key's candidates at once
   (default 8; 1: one after another)
 - ``ATTN_ZOO_COMPILE_PROCESSES=N`` -> ``compile_processes``: worker processes compiling a tuning key's candidates
-  instead of the threads above (default 0: none; not yet measured on a GPU host, see ``triton/precompile.py``)
+  instead of the threads above (default 0: none; slower than the threads on the H100 host measured, see
+  ``triton/precompile.py`` and docs/bench/varlen_h100.md)
 
 Every field that changes which kernel or tile config runs is part of the cache keys it affects: ``tune`` of the
 tuner's (untuned picks are cached apart), ``tma`` of the launchers' tuning key and, through the kernels' arguments

@@ -51,6 +51,7 @@ def test_wheel_layout(installed):
     assert (site / "attn_zoo" / "configs" / "experiment" / "evoformer_msa.yaml").is_file()
     assert any((site / "attn_zoo" / "models" / "data" / "sample" / "msa").glob("*.a3m"))
     assert (site / "attn_ops" / "triton").is_dir()
+    assert any((site / "attn_ops" / "triton" / "tuned").glob("*.json")), "the shipped tuning tables"
     assert not (site / "models").exists(), "the wheel must not install a top-level `models` package"
 
 

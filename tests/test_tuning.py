@@ -689,3 +689,21 @@ def test_ship_tuning_script_turns_a_cache_into_a_table_pick_uses(shipped_dir, tm
     _ship(str(other), "tuning-x.json", gpu="Other GPU", release="3.6.0")
     with pytest.raises(ValueError, match="Other GPU"):
         ship.merge([str(other / "tuning-x.json")], previous=_json(out))
+
+
+def test_shipped_tables_in_the_package_are_well_formed():
+    """Every table under attn_ops/triton/tuned/ names a GPU and a Triton release line, and each entry is a key
+    pick() can make (kernel, pair, launcher key) with a config of the candidate lists' shape."""
+    import ast
+
+    names = [n for n in os.listdir(tuning.SHIPPED_DIR) if n.endswith(".json")]
+    assert names
+    for name in names:
+        data = _json(os.path.join(tuning.SHIPPED_DIR, name))
+        assert set(data["identity"]) == {"gpu", "triton"} and data["identity"]["triton"].count(".") == 1, name
+        assert data["measured"] and data["configs"], name
+        for key, cfg in data["configs"].items():
+            parsed = ast.literal_eval(key)
+            assert parsed[0] in ("fwd", "dkdv", "dq", "dbias") and isinstance(parsed[1], bool), key
+            c = Cfg(*cfg)
+            assert len(cfg) == len(Cfg._fields) and c.block_m >= 16 and c.block_n >= 16, key
