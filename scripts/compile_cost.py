@@ -14,7 +14,8 @@ changes a specialisation (the EVEN_M / EVEN_N flags: the length is a multiple of
 
 The attention calls are those of a Pairformer block (bf16, in the blocks' layout: q, k, v are ``[*, H, L, C]`` views
 of ``[*, L, H, C]`` memory): triangle attention q ``[1, N, 4, N, 32]`` with a pair bias ``[1, 1, 4, N, N]`` and a
-key mask (starting and ending node have this geometry), and the single track's attention with pair bias q
+key mask (the starting node; the ending node's mask is the transposed pair mask, whose key stride is N:
+``triangle_end``), and the single track's attention with pair bias q
 ``[1, 16, N, 24]``, bias ``[1, 16, N, N]``; forward + backward with gradients into q, k, v and bias. Bias tiles take
 pointer loads here (TMA descriptors need a real device): on an H100, steps of at least ``launch.TMA_MIN_SCORES``
 scores compile the descriptor variant instead.
@@ -33,7 +34,7 @@ from typing import Iterator, List, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-KINDS = ("triangle", "single")
+KINDS = ("triangle", "triangle_end", "single")
 
 
 @contextlib.contextmanager
@@ -113,10 +114,13 @@ def attention_inputs(kind: str, n: int):
     mask[n - max(1, n // 10):] = False  # key padding
     # q, k, v in the blocks' layout: heads split out of a projection [*, L, H*C] and made dense by the op, i.e.
     # [*, H, L, C] views of [*, L, H, C] memory (strides that do not depend on N beyond the batch dims)
-    if kind == "triangle":
+    if kind in ("triangle", "triangle_end"):
         q, k, v = (leaf(1, n, n, 4, 32).transpose(2, 3) for _ in range(3))
         bias = leaf(1, 1, 4, n, n)
-        return (q, k, v, bias), mask.view(1, 1, 1, 1, n).expand(1, n, 1, 1, n)
+        if kind == "triangle":
+            return (q, k, v, bias), mask.view(1, 1, 1, 1, n).expand(1, n, 1, 1, n)
+        pair = mask[:, None] & mask[None, :]
+        return (q, k, v, bias), pair.t()[None, :, None, None, :]  # key stride N
     if kind == "single":
         q, k, v = (leaf(1, n, 16, 24).transpose(1, 2) for _ in range(3))
         bias = leaf(1, 16, n, n)

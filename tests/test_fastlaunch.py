@@ -25,10 +25,11 @@ class FakeCompiled:
 
 class FakeKernel:
     """Params (name, is_constexpr) in order; ``kernel[grid](...)`` logs a plain launch and returns a compiled one.
-    ``dns``: names of params marked ``do_not_specialize``."""
+    ``dns``, ``dnsoa``: names of params marked ``do_not_specialize``, ``do_not_specialize_on_alignment``."""
 
-    def __init__(self, params, dns=()):
-        self.params = [types.SimpleNamespace(name=n, is_constexpr=c, do_not_specialize=n in dns) for n, c in params]
+    def __init__(self, params, dns=(), dnsoa=()):
+        self.params = [types.SimpleNamespace(name=n, is_constexpr=c, do_not_specialize=n in dns,
+                                             do_not_specialize_on_alignment=n in dnsoa) for n, c in params]
         self.log = []
 
     def __getitem__(self, grid):
@@ -145,6 +146,18 @@ def test_integers_key_on_what_triton_specialises_not_their_value():
                                                                                            (True, True, False))
     assert fastlaunch.signature((True,)) != fastlaunch.signature((1,)) != fastlaunch.signature((1.0,))
     assert fastlaunch.signature((0.5,)) == fastlaunch.signature((1.0,))  # fp32, never specialised on its value
+
+
+def test_integers_unspecialised_on_alignment_key_on_being_one_only():
+    """A ``do_not_specialize_on_alignment`` int (a key stride that is 1 or a length) keys on == 1 only: 1 has its
+    own compiled kernel, 48, 50 and 496 share one."""
+    k, x = FakeKernel([("X", False), ("s", False), ("BLOCK", True)], dnsoa=("s",)), torch.zeros(4)
+    for s in (48, 50, 496, 1, 1):
+        fastlaunch.launch(k, (1,), (x, s), 4, 1, BLOCK=16)
+    assert [e[0] for e in k.log] == ["plain", "direct", "direct", "plain", "direct"]
+    assert fastlaunch._specialized(k) == (2, 1, 2)
+    assert fastlaunch.signature((x, 48), (2, 1)) == fastlaunch.signature((x, 50), (2, 1))
+    assert fastlaunch.signature((x, 48), (2, 2)) != fastlaunch.signature((x, 50), (2, 2))
 
 
 def test_bound_launches_the_remembered_kernel_with_new_leading_args():

@@ -21,9 +21,9 @@ def _restore(monkeypatch):
 def test_environment_gives_the_initial_values():
     assert settings.from_env({}) == KernelSettings(cache_dir=settings._default_cache_dir())
     env = {"ATTN_ZOO_NO_TUNE": "1", "ATTN_ZOO_TUNE_LOG": "1", "ATTN_ZOO_PLAIN_LAUNCH": "1", "ATTN_ZOO_NO_TMA": "1",
-           "ATTN_ZOO_CACHE_DIR": "/tmp/somewhere"}
+           "ATTN_ZOO_CACHE_DIR": "/tmp/somewhere", "ATTN_ZOO_NO_SHIPPED": "1"}
     assert settings.from_env(env) == KernelSettings(tune=False, tune_log=True, fast_launch=False, tma=False,
-                                                    cache_dir="/tmp/somewhere")
+                                                    cache_dir="/tmp/somewhere", shipped_configs=False)
     assert settings.from_env({"ATTN_ZOO_NO_TUNE": "0", "ATTN_ZOO_CACHE_DIR": ""}) == KernelSettings(cache_dir=None)
     assert settings.from_env({"ATTN_ZOO_COMPILE_THREADS": "3"}).compile_threads == 3
     assert settings.from_env({"ATTN_ZOO_COMPILE_PROCESSES": "0"}).compile_processes == 0

@@ -97,12 +97,12 @@ class FakeBench:
 
 @pytest.fixture
 def tuner(monkeypatch):
-    """pick() as on a GPU: no interpreter shortcut, an empty cache, default settings without a disk cache, a fake
-    timer."""
+    """pick() as on a GPU: no interpreter shortcut, an empty cache, default settings without a disk cache or shipped
+    tables (a GPU machine's own would answer real keys), a fake timer."""
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
     monkeypatch.setattr(tuning, "_CACHE", {})
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, compile_threads=1,
-                                                                      compile_processes=0))
+                                                                      compile_processes=0, shipped_configs=False))
     bench = FakeBench()
     monkeypatch.setattr(tuning, "measure", bench.do_bench)
     return bench
@@ -118,7 +118,7 @@ def test_pick_times_every_candidate_and_keeps_the_fastest(tuner):
     tuner.ms[cands[2]] = 0.5  # neither the first nor the last
     assert pick("fwd", ("shape",), launch=tuner.launch, **ARGS) == cands[2]
     assert tuner.timed == cands
-    assert tuning.chosen() == {("fwd", False, "shape", True, True, None): cands[2]}
+    assert tuning.chosen() == {("fwd", False, "shape", True, False, None): cands[2]}
 
 
 def test_pick_caches_per_key(tuner):
@@ -168,7 +168,7 @@ def test_no_tune_switch_launches_the_first_candidate_without_timing(tuner, monke
     tuner.launched.clear()
     assert pick("fwd", ("b",), launch=tuner.launch, **ARGS) == cands[1]
     assert tuner.launched == cands[:2] and tuner.timed == []
-    assert tuning.chosen() == {("fwd", False, "a", False, True, None): cands[0], ("fwd", False, "b", False, True, None): cands[1]}
+    assert tuning.chosen() == {("fwd", False, "a", False, False, None): cands[0], ("fwd", False, "b", False, False, None): cands[1]}
     settings.update(tune=True)  # the same process times again once the switch is off, also for key "a"
     tuner.fail = set()
     assert pick("fwd", ("a",), launch=tuner.launch, **ARGS) != cands[0]
@@ -482,10 +482,12 @@ def test_pretune_fills_the_disk_cache_for_a_later_process(monkeypatch, tmp_path)
     assert timed == []
 
 
-def _launch_keys(monkeypatch, R, Lq, Lk=20):
+def _launch_keys(monkeypatch, R, Lq, Lk=20, transposed_mask=False):
     """(kernel, constexprs, Triton's specialisation of each runtime arg) of every launch of a forward + backward
     with a pair bias shared over R rows and a key mask: the key of Triton's compiled-kernel cache (warps and stages
-    come from the config, the same here). Ints go through Triton's own specialisation function."""
+    come from the config, the same here). Ints go through Triton's own specialisation function.
+    ``transposed_mask``: the mask a view of ``[Lk, R]`` memory (key stride R, as the ending-node triangle
+    attention's mask has a length there)."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
@@ -496,8 +498,9 @@ def _launch_keys(monkeypatch, R, Lq, Lk=20):
 
     def record(kernel, grid, args, num_warps, num_stages, **constexprs):
         dns = set(getattr(kernel, "kwargs", {}).get("do_not_specialize") or ())
+        dnsoa = set(getattr(kernel, "kwargs", {}).get("do_not_specialize_on_alignment") or ())
         names = [p for p in kernel.arg_names if p not in constexprs]
-        spec = tuple(native_specialize_impl(BaseBackend, a, False, n not in dns, True)
+        spec = tuple(native_specialize_impl(BaseBackend, a, False, n not in dns, n not in dnsoa)
                      if isinstance(a, (int, float)) else fastlaunch._arg_key(a) for n, a in zip(names, args))
         keys.append((kernel.__name__, tuple(constexprs.items()), num_warps, num_stages, spec))
         return real(kernel, grid, args, num_warps, num_stages, **constexprs)
@@ -505,6 +508,9 @@ def _launch_keys(monkeypatch, R, Lq, Lk=20):
     monkeypatch.setattr(launch_mod, "_launch", record)
     q, k, v, bias, mask = make_inputs((1, R), 2, Lq, Lk, 16, bias_shape=(1, 1, 2, Lq, Lk), mask_shape=(1, R, 1, 1, Lk),
                                       seed=R)
+    if transposed_mask:
+        mask = mask[0, :, 0, 0, :].t().contiguous().t()[None, :, None, None, :]
+        assert mask.stride(-1) == R
     out, lse = triton_attention(q, k, v, bias, mask, 0.25, False)
     torch.autograd.grad(out.sum() + lse.masked_fill(lse.isinf(), 0).sum(), (q, k, v, bias))
     return keys
@@ -520,6 +526,18 @@ def test_lengths_differing_mod_16_compile_nothing_new(monkeypatch):
     for R, Lq in ((3, 20), (16, 29)):
         monkeypatch.undo()
         assert _launch_keys(monkeypatch, R, Lq) == first, (R, Lq)
+
+
+def test_transposed_mask_key_strides_compile_nothing_new(monkeypatch):
+    """A mask whose key stride is a length (the ending-node triangle attention's, a transposed pair mask): row
+    counts 2 / 3 / 16 give the same Triton specialisation, so the one of 16 (a multiple of 16 there, like N=496 in
+    the varlen run) compiles nothing new. A key stride of 1 stays specialised (the contiguous mask's loads)."""
+    first = _launch_keys(monkeypatch, 2, 16, transposed_mask=True)
+    for R in (3, 16):
+        monkeypatch.undo()
+        assert _launch_keys(monkeypatch, R, 16, transposed_mask=True) == first, R
+    monkeypatch.undo()
+    assert _launch_keys(monkeypatch, 2, 16) != first  # key stride 1: its own (faster) variant
 
 
 def test_a_miss_compiles_every_candidate_at_once_before_timing(tuner, monkeypatch):
@@ -603,6 +621,7 @@ def shipped_dir(tuner, tmp_path, monkeypatch):
     monkeypatch.setattr(tuning, "SHIPPED_DIR", folder)
     monkeypatch.setattr(tuning, "_SHIPPED", {})
     monkeypatch.setattr(tuning, "_gpu_and_triton", lambda device=None: ("Fake GPU", "3.6.2"))
+    settings.update(shipped_configs=True)
     return folder, tuner
 
 

@@ -9,13 +9,13 @@ import triton
 import triton.language as tl
 
 from .common import (
-    LENGTH_ARGS,
+    KEY_STRIDE_ARGS, LENGTH_ARGS,
     aligned, batch_offset, bias_f32, key_rows, key_terms_t, kv_scores, load_lse2, load_masked, load_rows, mm, logits_t,
     seg_ids, seg_span, split_batch,
 )
 
 
-@triton.jit(do_not_specialize=LENGTH_ARGS)
+@triton.jit(do_not_specialize=LENGTH_ARGS, do_not_specialize_on_alignment=KEY_STRIDE_ARGS)
 def bwd_preprocess_kernel(
     Out, dOut, dLse, Delta,
     s_ob, s_or, s_oh, s_om,
@@ -134,7 +134,7 @@ def _store_dkdv(dK, dV, dk, dv, offs_n, s_kn, s_vn, Lk, D, Dv, scale, BLOCK_D: t
              mask=n_ok[:, None] & (offs_dv[None, :] < Dv))
 
 
-@triton.jit(do_not_specialize=LENGTH_ARGS)
+@triton.jit(do_not_specialize=LENGTH_ARGS, do_not_specialize_on_alignment=KEY_STRIDE_ARGS)
 def attn_bwd_dkdv_kernel(
     Q, K, V, Bias, Mask, dOut, Lse, Delta, dQacc, dK, dV, dBias, QSeg, KSeg,
     s_qb, s_qr, s_qh, s_qm,
@@ -315,7 +315,7 @@ def _dq_tiles(
     return dq
 
 
-@triton.jit(do_not_specialize=LENGTH_ARGS)
+@triton.jit(do_not_specialize=LENGTH_ARGS, do_not_specialize_on_alignment=KEY_STRIDE_ARGS)
 def attn_bwd_dq_kernel(
     Q, K, V, Bias, Mask, dOut, Lse, Delta, dQ, dBias, QSeg, KSeg,
     s_qb, s_qr, s_qh, s_qm,

@@ -19,6 +19,10 @@ LN2 = 0.6931471805599453
 LENGTH_ARGS = ("R", "BR", "Lq", "Lk", "lr_n", "total", "numel", "steps_per_split",
                "s_bb", "s_br", "s_bh", "s_bm", "s_mb", "s_mr", "s_mh", "s_mm",
                "s_gb", "s_gr", "s_gh", "s_gm", "s_ps", "s_pb", "s_pr", "s_ph", "s_pm")
+# The mask's and bias's key strides: 1 in a contiguous layout (specialised: the loads vectorise) but a length where
+# they are transposed (the ending-node triangle attention's mask), so not specialised on divisibility by 16: a length
+# that is a multiple of 16 would compile its own variant.
+KEY_STRIDE_ARGS = ("s_mn", "s_bn")
 
 
 @triton.jit

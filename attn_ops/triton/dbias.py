@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    LENGTH_ARGS, aligned, batch_offset, ids_meet, key_rows, load_lse2, load_masked, load_tile, mm, seg_ids,
+    KEY_STRIDE_ARGS, LENGTH_ARGS, aligned, batch_offset, ids_meet, key_rows, load_lse2, load_masked, load_tile, mm,
+    seg_ids,
 )
 
 
@@ -61,7 +62,7 @@ def _ds_step(
     return p * (dp - delta[:, None])
 
 
-@triton.jit(do_not_specialize=LENGTH_ARGS)
+@triton.jit(do_not_specialize=LENGTH_ARGS, do_not_specialize_on_alignment=KEY_STRIDE_ARGS)
 def attn_bwd_dbias_kernel(
     Q, K, V, Bias, Mask, dOut, Lse, Delta, dBiasPart, QSeg, KSeg,
     s_qb, s_qr, s_qh, s_qm,
@@ -194,7 +195,7 @@ def attn_bwd_dbias_kernel(
                  mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk))
 
 
-@triton.jit(do_not_specialize=LENGTH_ARGS)
+@triton.jit(do_not_specialize=LENGTH_ARGS, do_not_specialize_on_alignment=KEY_STRIDE_ARGS)
 def sum_splits_kernel(Part, Out, numel, splits, BLOCK: tl.constexpr):
     """Out[i] = sum over s of Part[s * numel + i], added in split order in fp32, stored in Out's dtype."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

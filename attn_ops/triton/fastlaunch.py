@@ -8,10 +8,11 @@ with the fixed arguments already in place.
 
 The signature holds everything Triton specialises on: the constexprs, warps and stages, the value of every scalar
 argument and each tensor argument's dtype and 16-byte alignment; and the current device, since a compiled
-kernel's handle is loaded for the device it was launched on. Integer scalars count as Triton sees them:
-their type (int32/int64) and, unless the kernel marks them ``do_not_specialize``, whether they equal 1 or divide
-by 16, not their value (so a new sequence length reuses the entry). A new signature goes through Triton's own
-path again (which finds its cached binary) and is remembered too.
+kernel's handle is loaded for the device it was launched on. Integer scalars count as Triton sees them: their
+type (int32/int64) and, unless the kernel marks them ``do_not_specialize``, whether they equal 1 and (unless marked
+``do_not_specialize_on_alignment``) whether they divide by 16, not their value (so a new sequence length reuses
+the entry). A new signature goes through Triton's own path again (which finds its cached binary) and is
+remembered too.
 
 The direct call passes the arguments in the kernel's parameter order, constexprs included, as Triton's own
 ``JITFunction.run`` does in 3.x; kernels whose constexprs are not the trailing parameters, the CPU interpreter
@@ -55,20 +56,24 @@ def _leading_params(kernel) -> int:
     return n
 
 
-def _specialized(kernel) -> Tuple[bool, ...]:
-    """Per param of ``kernel``: whether Triton specialises its value (not marked ``do_not_specialize``)."""
+def _specialized(kernel) -> Tuple[int, ...]:
+    """Per param of ``kernel``, how Triton specialises an int's value: 2 (== 1 and divisibility by 16), 1 (== 1
+    only: ``do_not_specialize_on_alignment``) or 0 (``do_not_specialize``)."""
     flags = _SPECIALIZE.get(kernel)
     if flags is None:
-        flags = _SPECIALIZE[kernel] = tuple(not getattr(p, "do_not_specialize", False)
-                                            for p in getattr(kernel, "params", ()))
+        flags = _SPECIALIZE[kernel] = tuple(
+            0 if getattr(p, "do_not_specialize", False) else 1 if getattr(p, "do_not_specialize_on_alignment", False)
+            else 2 for p in getattr(kernel, "params", ()))
     return flags
 
 
-def _arg_key(a, specialize: bool = True):
+def _arg_key(a, specialize: int = 2):
     if type(a) is int:
         # int32 / int64 always; the value only through Triton's specialisations (== 1, divisible by 16)
         wide = not -0x80000000 <= a <= 0x7FFFFFFF
-        return (int, wide, a == 1, a % 16 == 0) if specialize else (int, wide)
+        if specialize is True or specialize == 2:
+            return int, wide, a == 1, a % 16 == 0
+        return (int, wide, a == 1) if specialize else (int, wide)
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
     if TensorDescriptor is not None and isinstance(a, TensorDescriptor):
@@ -80,13 +85,14 @@ def _arg_key(a, specialize: bool = True):
     return type(a), a
 
 
-def signature(args: Sequence, specialize: Sequence[bool] = ()) -> Tuple:
+def signature(args: Sequence, specialize: Sequence[int] = ()) -> Tuple:
     """What Triton specialises a launch on, from the runtime arguments: each tensor's dtype and whether its data
-    pointer is 16-byte aligned; a tensor descriptor's dtype and block shape; an int's width (int32 / int64) and,
-    where ``specialize[i]`` (default True) says Triton specialises it, whether it is 1 or divisible by 16; other
-    scalars with their type and value (the type keeps True, 1 and 1.0 apart, which compare equal in Python)."""
+    pointer is 16-byte aligned; a tensor descriptor's dtype and block shape; an int's width (int32 / int64) and, as
+    ``specialize[i]`` says (:func:`_specialized`; default 2, True and False read as 2 and 0), whether it is 1 and
+    whether it divides by 16; other scalars with their type and value (the type keeps True, 1 and 1.0 apart, which
+    compare equal in Python)."""
     n = len(specialize)
-    return tuple(_arg_key(a, specialize[i] if i < n else True) for i, a in enumerate(args))
+    return tuple(_arg_key(a, specialize[i] if i < n else 2) for i, a in enumerate(args))
 
 
 def _device() -> int:

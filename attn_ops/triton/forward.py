@@ -7,7 +7,9 @@ natural log, -inf for a row with no key).
 import triton
 import triton.language as tl
 
-from .common import LENGTH_ARGS, aligned, batch_offset, kv_scores, load_rows, mm, seg_ids, seg_span, split_batch
+from .common import (
+    KEY_STRIDE_ARGS, LENGTH_ARGS, aligned, batch_offset, kv_scores, load_rows, mm, seg_ids, seg_span, split_batch,
+)
 
 
 @triton.jit
@@ -66,7 +68,7 @@ def _fwd_store(acc, l_i, m_i, Out, Lse, offs_m, s_om, Lq, Dv, BLOCK_DV: tl.const
     tl.store(Lse + offs_m, lse, mask=m_ok)
 
 
-@triton.jit(do_not_specialize=LENGTH_ARGS)
+@triton.jit(do_not_specialize=LENGTH_ARGS, do_not_specialize_on_alignment=KEY_STRIDE_ARGS)
 def attn_fwd_kernel(
     Q, K, V, Bias, Mask, Out, Lse, QSeg, KSeg,
     s_qb, s_qr, s_qh, s_qm,

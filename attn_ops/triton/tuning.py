@@ -102,8 +102,8 @@ def candidates(kernel: str, head_dim: int, lq: int, lk: int, pair: bool = False)
 def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Callable[[Cfg], None],
          pair: bool = False, device: Optional[int] = None) -> Cfg:
     """The cached config for ``key`` (which holds length buckets, not lengths); on a miss, the on-disk cache's, else
-    the shipped table's (:func:`shipped`; not written to disk), else time each candidate with ``launch(cfg)`` and keep the best (``settings.tune`` False: the first candidate that
-    launches, no timing, no disk).
+    the shipped table's (:func:`shipped`; not written to disk), else time each candidate with ``launch(cfg)`` and
+    keep the best (``settings.tune`` False: the first candidate that launches, no timing, no disk).
 
     ``launch`` must be repeatable (it re-zeroes any buffer it accumulates into). ``pair``: see :func:`candidates`
     (the CPU interpreter then always runs the two-row path, so the tests cover it). ``device``: the CUDA device
