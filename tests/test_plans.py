@@ -353,7 +353,7 @@ def test_every_stride_a_kernel_aligns_is_a_multiple_of_its_claim(layout, variant
                 assert all(s % align == 0 for s in strides), (name, tensor, strides, align)
                 assert launch._rows(values[tensor]) == strides, (name, tensor)
             if constexprs.get("BIAS_ALIGN", 1) > 1:
-                assert constexprs["HAS_BIAS"] == 1
+                assert constexprs["HAS_BIAS"] in (1, 3)  # pointer loads (3: the launcher's padded copy)
                 assert all(values[f"s_b{x}"] % constexprs["BIAS_ALIGN"] == 0 for x in "brhm"), name
             seen.append((name, align, constexprs.get("BIAS_ALIGN")))
         return real(kernel, grid, args, num_warps, num_stages, **constexprs)

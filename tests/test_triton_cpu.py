@@ -510,7 +510,7 @@ def test_shared_bias_is_copied_into_tma_rows(layout, monkeypatch):
         seen.clear()
         out, lse = triton_attention(q, k, v, bias, mask, 0.3, False)
         grads = torch.autograd.grad(out.square().sum() + lse.masked_fill(lse.isinf(), 0).sum(), (q, k, v, bias))
-        return (out, lse) + grads, [t for _, t in seen]
+        return (out, lse) + grads, [r[1] for r in seen]
 
     copied, paths = run()
     assert paths and all(t is not None for t in paths)
@@ -588,20 +588,21 @@ def test_bias_alignment_of_pointer_loads(layout, variant, monkeypatch):
     the bias strides' alignment (BIAS_ALIGN) only where base, batch strides and row stride have it, and the
     interpreter runs the kernels' ``(s // BIAS_ALIGN) * BIAS_ALIGN``, so a wrong claim would change the strides and
     the results. Rows of 33 elements, a base 4 bytes past an aligned one, heads-last memory: no claim; nor for
-    tiles read through a tensor descriptor (TMA on), whose batch strides count slices."""
+    tiles read through a tensor descriptor (TMA on), whose batch strides count slices. (The bias is full over the
+    batch, so the kernels read it as it is: a shared one would be copied, test_padded_bias_copy_*.)"""
     from attn_ops.triton import launch
 
     n, h = 32, 2  # multiples of the interpreter's 32 x 16 tiles
     q, k, v, _, mask = make_inputs((1, 3), h, n, n, 16, mask_shape=(1, 3, 1, 1, n), seed=len(layout))
     g = torch.Generator().manual_seed(3)
     if layout.startswith("contiguous"):
-        bias = torch.randn(1, 1, h, n, n, generator=g)
+        bias = torch.randn(1, 3, h, n, n, generator=g)
     elif layout == "pitch_33":
-        bias = torch.randn(1, 1, h, n, n + 1, generator=g)[..., :n]
+        bias = torch.randn(1, 3, h, n, n + 1, generator=g)[..., :n]
     elif layout == "offset_base":
-        bias = torch.randn(1 + h * n * n, generator=g)[1:].view(1, 1, h, n, n)
+        bias = torch.randn(1 + 3 * h * n * n, generator=g)[1:].view(1, 3, h, n, n)
     else:
-        bias = torch.randn(1, 1, n, n, h, generator=g).movedim(-1, -3)
+        bias = torch.randn(1, 3, n, n, h, generator=g).movedim(-1, -3)
     bias.requires_grad_()
     claims = []
     real = launch._bias_align
@@ -610,3 +611,73 @@ def test_bias_alignment_of_pointer_loads(layout, variant, monkeypatch):
     with kernel_settings(tma=layout == "contiguous_tma"):
         check_against_reference("triton", q, k, v, bias, mask, **opts)
     assert claims and set(claims) == ({4} if layout == "contiguous" else {1}), claims
+
+
+PADDED_CASES = {  # batch, Lq, Lk, bias shape, mask shape, causal (against the interpreter's 32 x 16 tiles)
+    "ragged_shared": ((1, 3), 40, 21, (1, 1, 2, 40, 21), (1, 3, 1, 1, 21), False),
+    "heads_last_even": ((1, 3), 32, 32, "heads_last", (1, 3, 1, 1, 32), False),
+    "over_batch_q_mask": ((2, 3), 37, 19, (1, 3, 2, 37, 19), (2, 3, 1, 37, 19), False),
+    "causal_shared": ((1, 2), 33, 33, (1, 1, 2, 33, 33), None, True),
+}
+PADDED_RUNS = [(c, dt, "split") for c in PADDED_CASES for dt in (torch.float32, torch.float16)]
+PADDED_RUNS += [(c, torch.float32, v) for c in ("ragged_shared", "causal_shared") for v in ("fused", "atomic")]
+
+
+@pytest.mark.parametrize("name,dtype,variant", PADDED_RUNS, ids=[f"{n}-{str(d)[6:]}-{v}" for n, d, v in PADDED_RUNS])
+def test_padded_bias_copy_equals_plain_pointer_loads(name, dtype, variant, monkeypatch):
+    """A bias shared over a batch dim, read by pointer loads (TMA off), is copied into rows padded to whole key
+    tiles (HAS_BIAS 3: loads without column masks, BIAS_ALIGN at any length). With NaN in the padding the run
+    gives the bits of the plain pointer path (HAS_BIAS 1, the bias as it is): the columns past Lk are read but
+    never used. The reference holds too, and the gradient comes back in the bias's shape."""
+    from attn_ops.triton import launch
+
+    batch, lq, lk, bshape, mshape, causal = PADDED_CASES[name]
+    q, k, v, _, mask = make_inputs(batch, 2, lq, lk, 16, dtype=dtype, mask_shape=mshape, seed=len(name))
+    g = torch.Generator().manual_seed(len(name))
+    if bshape == "heads_last":
+        bias = torch.randn(1, 1, lq, lk, 2, generator=g).to(dtype).movedim(-1, -3)
+    else:
+        bias = torch.randn(*bshape, generator=g).to(dtype)
+    bias.requires_grad_()
+    opts = {"split": dict(bwd="split"), "fused": dict(bwd="fused", deterministic=False),
+            "atomic": dict(bwd="split", deterministic=False)}[variant]
+    grad = torch.randn(q.shape[:-1] + v.shape[-1:], generator=g).to(dtype)
+    has_bias = []
+    real_launch = launch._launch
+
+    def spy(kernel, grid, args, num_warps, num_stages, **constexprs):
+        if "HAS_BIAS" in constexprs:
+            has_bias.append(constexprs["HAS_BIAS"])
+        return real_launch(kernel, grid, args, num_warps, num_stages, **constexprs)
+
+    def nan_rows(bias, shape, pitch):
+        rows = torch.full(shape[:4] + (pitch,), float("nan"), dtype=bias.dtype, device=bias.device)
+        return rows[..., :shape[4]].copy_(bias)
+
+    monkeypatch.setattr(launch, "_launch", spy)
+    monkeypatch.setattr(launch, "_rows_copy", nan_rows)
+    monkeypatch.setattr(launch, "_PLANS", {})
+
+    def run():
+        del has_bias[:]
+        launch.clear_plans()  # each run records its own launches
+        out, lse = triton_attention(q, k, v, bias, mask, 0.3, causal, **opts)
+        grads = torch.autograd.grad((out * grad).sum() + lse.masked_fill(lse.isinf(), 0).sum(), (q, k, v, bias))
+        return (out, lse) + grads
+
+    with kernel_settings(tma=False):
+        padded = run()
+        assert has_bias and set(has_bias) == {3}, has_bias
+        real_tiles = launch.bias_for_tiles
+        monkeypatch.setattr(launch, "bias_for_tiles", lambda bias, *a: (bias, None, False))
+        plain = run()
+        assert set(has_bias) == {1}
+        monkeypatch.setattr(launch, "bias_for_tiles", real_tiles)
+        assert padded[-1].shape == bias.shape
+        for what, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), padded, plain):
+            if variant == "atomic" and what == "dbias":
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+            else:
+                assert torch.equal(a, b), what
+        if dtype == torch.float32 and variant == "split":
+            check_against_reference("triton", q, k, v, bias, mask, causal=causal, **opts)

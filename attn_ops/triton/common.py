@@ -123,11 +123,21 @@ def bias_f32(Bias, bg, m0, n0, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK: tl.con
     HAS_BIAS 1: ``Bias`` points at this program's bias slice (strides s_bm, s_bn). HAS_BIAS 2: ``Bias`` is a
     ``[slices, Lq, Lk]`` tensor descriptor (Hopper TMA: the copy engine computes the addresses and fills what is out
     of range with 0) and ``bg`` the slice; the launcher picks it where the layout allows (:func:`launch.bias_tma`).
+    HAS_BIAS 3: as 1, but the launcher's copy of the bias whose rows run on to a whole number of the widest key
+    tile (``launch.bias_for_tiles``): columns >= Lk are read, not masked (their values are never used: every
+    caller sets the logits of keys >= Lk to -inf by a select), so the tile's loads carry at most a row mask,
+    uniform along each row, and vectorise.
     """
     if HAS_BIAS == 2:
         BM: tl.constexpr = offs_m.shape[0]
         BN: tl.constexpr = offs_n.shape[0]
         return Bias.load([bg, m0, n0]).reshape(BM, BN).to(tl.float32)
+    elif HAS_BIAS == 3:
+        ptrs = Bias + offs_m[:, None].to(tl.int64) * s_bm + offs_n[None, :].to(tl.int64) * s_bn
+        if CHECK:
+            return tl.load(ptrs, mask=offs_m[:, None] < Lq, other=0).to(tl.float32)
+        else:
+            return tl.load(ptrs).to(tl.float32)
     else:
         return load_tile(Bias, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK).to(tl.float32)
 

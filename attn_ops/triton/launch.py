@@ -87,11 +87,12 @@ def _align(*tensors: Tensor) -> int:
 
 
 def _bias_align(bias: Optional[Tensor], has_bias: int, in_range: bool) -> int:
-    """The kernels' BIAS_ALIGN: 16 bytes in elements where bias tiles are read by pointer loads (HAS_BIAS 1) that
-    carry no masks (``in_range``: EVEN_M and EVEN_N, every tile inside [Lq, Lk]) and the bias's base, batch strides
-    and row stride are that aligned; else 1. Its row stride is not specialised (a length), so without it each tile
-    loads element by element. A contiguous bias of such lengths is always aligned: no compile variant is added."""
-    if has_bias != 1 or not in_range:
+    """The kernels' BIAS_ALIGN: 16 bytes in elements where bias tiles are read by pointer loads that carry no column
+    masks (HAS_BIAS 1 with ``in_range``: EVEN_M and EVEN_N, every tile inside [Lq, Lk]; HAS_BIAS 3, the launcher's
+    padded copy, at any length) and the bias's base, batch strides and row stride are that aligned; else 1. Its row
+    stride is not specialised (a length), so without it each tile loads element by element. A contiguous bias of
+    such lengths, and every padded copy, is aligned: no compile variant is added."""
+    if not (has_bias == 3 or (has_bias == 1 and in_range)):
         return 1
     vec = 16 // bias.element_size()
     if bias.data_ptr() % 16 or any(s % vec for s in _bstrides(bias)[:4]):
@@ -221,23 +222,36 @@ def _host_bound(q: Tensor, Lq: int, Lk: int) -> bool:
     return B * R * H * Lq * Lk < TMA_MIN_SCORES and not interpreting()
 
 
-def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
-    """(the bias the kernels read, :func:`bias_tma` of it).
+# Pointer-loaded bias tiles read whole rows of this many columns from a padded copy (HAS_BIAS 3): the widest key
+# tile, so that every tile's columns lie inside the copy's rows.
+PAD_COLS = 128
 
-    A bias that the TMA path cannot take as it is (a heads-last pair bias, the blocks' projection layout, has a
-    non-contiguous Lk; rows of an odd length are not 16-byte multiples) is copied into 16-byte aligned rows when
-    several programs re-read it, i.e. it is broadcast over a batch dim of q (a pair bias shared over R): one copy
-    of the bias per pass against one read per row. Its gradient keeps the bias's shape and dtype either way.
+
+def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
+    """(the bias the kernels read, :func:`bias_tma` of it, whether it is a padded copy for HAS_BIAS 3).
+
+    A bias that several programs re-read (it is broadcast over a batch dim of q: a pair bias shared over R) is
+    copied once per pass where its layout would make every tile's loads slow, one copy against one read per row:
+    - for TMA, where the descriptor cannot take it as it is (a heads-last pair bias, the blocks' projection layout,
+      has a non-contiguous Lk; rows of an odd length are not 16-byte multiples): into 16-byte aligned rows;
+    - for pointer loads (steps under ``TMA_MIN_SCORES``, GPUs without TMA), where Lk is not a multiple of
+      ``PAD_COLS`` or the columns are not contiguous: into contiguous rows padded to a multiple of ``PAD_COLS``
+      (HAS_BIAS 3), so that no tile needs a column mask and every row starts 16-byte aligned (BIAS_ALIGN).
+    Its gradient keeps the bias's shape and dtype either way.
     """
-    if bias is None or _host_bound(q, Lq, Lk):
-        return bias, None
-    tma = bias_tma(bias, Lq, Lk)
-    if tma is not None or not _tma_tiles(bias, Lq, Lk) or tuple(bias.shape[:3]) == tuple(q.shape[:3]):
-        return bias, tma
-    pitch = _cdiv(Lk * bias.element_size(), 16) * 16 // bias.element_size()
-    rows = torch.empty(tuple(bias.shape[:4]) + (pitch,), dtype=bias.dtype, device=bias.device)[..., :Lk]
-    rows.copy_(bias)
-    return rows, bias_tma(rows, Lq, Lk)
+    if bias is None:
+        return bias, None, False
+    reused = tuple(bias.shape[:3]) != tuple(q.shape[:3]) and tuple(bias.shape[3:]) == (Lq, Lk) and min(Lq, Lk) >= 2
+    if not _host_bound(q, Lq, Lk):
+        tma = bias_tma(bias, Lq, Lk)
+        if tma is not None:
+            return bias, tma, False
+        if reused and _tma_tiles(bias, Lq, Lk):
+            rows = _rows_copy(bias, tuple(bias.shape), _cdiv(Lk * bias.element_size(), 16) * 16 // bias.element_size())
+            return rows, bias_tma(rows, Lq, Lk), False
+    if reused and (Lk % PAD_COLS or bias.stride(4) != 1):
+        return _rows_copy(bias, tuple(bias.shape), _cdiv(Lk, PAD_COLS) * PAD_COLS), None, True
+    return bias, None, False
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -357,8 +371,8 @@ class Recorder:
                 _is_compiled(kernel, args, num_warps, num_stages, **constexprs):
             return constexprs
         general = dict(constexprs, EVEN_M=False, EVEN_N=False)
-        if "BIAS_ALIGN" in general:
-            general["BIAS_ALIGN"] = 1  # vector bias loads only where no tile carries masks
+        if general.get("HAS_BIAS") == 1:
+            general["BIAS_ALIGN"] = 1  # HAS_BIAS 1: vector bias loads only where no tile carries masks
         if not _is_compiled(kernel, args, num_warps, num_stages, **general):
             return constexprs
         if _compile_in_background(kernel, grid, args, num_warps, num_stages, **constexprs) != "pending":
@@ -399,28 +413,32 @@ def _order(like: Tensor) -> List[int]:
 
 
 def _bias_slot(rec: Recorder, b: int, q: Tensor, Lq: int, Lk: int):
-    """(env slot of the bias the kernels read, :func:`bias_tma` of it): :func:`bias_for_tiles` as a step."""
+    """(env slot of the bias the kernels read, :func:`bias_tma` of it, whether it is a padded copy):
+    :func:`bias_for_tiles` as a step."""
     bias = rec.env[b]
-    read, tma = bias_for_tiles(bias, q, Lq, Lk)
+    read, tma, padded = bias_for_tiles(bias, q, Lq, Lk)
     if read is bias:
-        return b, tma
+        return b, tma, padded
     shape, pitch = tuple(read.shape), read.stride(3)
-    return rec.new(lambda env: _rows_copy(env[b], shape, pitch)), tma
+    return rec.new(lambda env: _rows_copy(env[b], shape, pitch)), tma, padded
 
 
 def _rows_copy(bias: Tensor, shape, pitch: int) -> Tensor:
+    """``bias`` in rows of ``pitch`` elements (the columns past ``shape[4]`` left unwritten)."""
     rows = torch.empty(shape[:4] + (pitch,), dtype=bias.dtype, device=bias.device)[..., :shape[4]]
     return rows.copy_(bias)
 
 
-def _bias_operand_slot(b: Optional[int], bias: Optional[Tensor], tma, block_m: int, block_n: int, dummy: int):
+def _bias_operand_slot(b: Optional[int], bias: Optional[Tensor], tma, block_m: int, block_n: int, dummy: int,
+                       padded: bool = False):
     """(leading argument: env slot ``b`` of ``bias``, a per-call descriptor maker, or the ``dummy`` slot; its five
     strides; HAS_BIAS) of a kernel reading [block_m, block_n] bias tiles: a tensor descriptor (HAS_BIAS 2, batch
-    strides in slices) where :func:`bias_tma` allowed it, else the tensor (1) or nothing (0)."""
+    strides in slices) where :func:`bias_tma` allowed it, else the tensor (1; 3 for :func:`bias_for_tiles`'s padded
+    copy) or nothing (0)."""
     if b is None:
         return dummy, (0, 0, 0, 0, 0), 0
     if tma is None:
-        return b, _bstrides(bias), 1
+        return b, _bstrides(bias), 3 if padded else 1
     slice_stride, n_slices, batch = tma
     dims, strides = [n_slices, bias.shape[3], bias.shape[4]], [slice_stride, bias.stride(3), 1]
     block = [1, block_m, block_n]
@@ -454,7 +472,7 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
     o = rec.new(_empty((B, R, H, Lq, Dv), q.dtype, q.device, order=_order(q)))
     lse = rec.new(_empty((B, R, H, Lq), torch.float32, q.device))
     out = rec.env[o]
-    b, tma = (None, None) if bias is None else _bias_slot(rec, 3, q, Lq, Lk)
+    b, tma, padded = (None, None, False) if bias is None else _bias_slot(rec, 3, q, Lq, Lk)
     bias_t = None if b is None else rec.env[b]
     sm = _mask_strides(m8)
     seg = q_seg is not None
@@ -464,7 +482,7 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
     align = _align(q, k, v, out)
 
     def run(c):
-        arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=0)
+        arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=0, padded=padded)
         rec.launch(attn_fwd_kernel, (_cdiv(Lq, c.block_m), B * R * H),
                    (0, 1, 2, arg, 4 if m8 is not None else 0, o, lse, 5 if seg else lse, 6 if seg else lse),
                    (*rows, *sb, *sm, *_rows(out), *ss, R, H, Lq, Lk, scale),
@@ -534,7 +552,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
     dev = q.device
     BD, BDV = _pow2(D), _pow2(Dv)
     # any copy of the bias has its shape and dtype (so has dbias)
-    b, tma = (None, None) if bias is None else _bias_slot(rec, _BIAS, q, Lq, Lk)
+    b, tma, padded = (None, None, False) if bias is None else _bias_slot(rec, _BIAS, q, Lq, Lk)
     bias_t = None if b is None else rec.env[b]
     mask_slot, sm = (_Q if m8 is None else _MASK), _mask_strides(m8)
     seg = q_seg is not None
@@ -584,7 +602,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
     def operands(c):
         """The bias argument, the stride tuple and the constexpr flags (HAS_BIAS first, the kernels' parameter
         order) of a launch with c's tiles (only a bias descriptor's block shape depends on them)."""
-        arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=_Q)
+        arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=_Q, padded=padded)
         bias_align = _bias_align(bias_t, has_bias, Lq % c.block_m == 0 and Lk % c.block_n == 0)
         return arg, (*rows, *sb, *sm, *do_rows), dict(HAS_BIAS=has_bias, **flags), bias_align
 
