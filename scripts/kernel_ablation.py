@@ -68,7 +68,7 @@ def main():
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10))
     for key, cfg in chosen().items():
-        print(key[0], key[-3:], cfg)
+        print(key[0], key[2:-3], cfg)  # (kernel, launcher key without pair / tune / shipped / device)
 
 
 if __name__ == "__main__":

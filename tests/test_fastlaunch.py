@@ -228,3 +228,16 @@ def test_background_compile_reports_pending_ready_and_failed(monkeypatch):
     assert not fastlaunch.is_compiled(k, (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=False)
     with settings.kernel_settings(fast_launch=False):
         assert not fastlaunch.background_compiles()
+
+
+def test_a_placeholder_answering_hasattr_is_not_remembered():
+    """Triton 3.9's placeholder for a compile pending in another thread answers ``hasattr(x, "__getitem__")``
+    through ``__getattr__`` but cannot be subscripted: it must not become a direct launch."""
+    class Placeholder:
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    k, x = _kernel(), torch.zeros(4)
+    assert hasattr(Placeholder(), "__getitem__")
+    assert not fastlaunch._direct_ok(k, (x, 64, 0.5), dict(BLOCK=16, EVEN=True), Placeholder())
+    assert fastlaunch._direct_ok(k, (x, 64, 0.5), dict(BLOCK=16, EVEN=True), FakeCompiled([]))

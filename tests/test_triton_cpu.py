@@ -681,3 +681,25 @@ def test_padded_bias_copy_equals_plain_pointer_loads(name, dtype, variant, monke
                 assert torch.equal(a, b), what
         if dtype == torch.float32 and variant == "split":
             check_against_reference("triton", q, k, v, bias, mask, causal=causal, **opts)
+
+
+def test_which_shared_biases_are_copied_for_pointer_loads():
+    """Pointer loads (TMA off): a bias shared over a batch dim is copied into rows padded to whole 128-column
+    tiles unless its rows already fill them (then HAS_BIAS 3 as it is, the variant every length of a bucket
+    uses); a bias full over the batch is read as it is (HAS_BIAS 1)."""
+    from attn_ops.triton import launch
+
+    q = torch.zeros(1, 3, 2, 40, 16)
+    with kernel_settings(tma=False):
+        whole = torch.zeros(1, 1, 2, 40, 128)
+        assert launch.bias_for_tiles(whole, q, 40, 128) == (whole, None, True)
+        read, tma, padded = launch.bias_for_tiles(torch.ones(1, 1, 2, 40, 130), q, 40, 130)
+        assert padded and tma is None and read.shape == (1, 1, 2, 40, 130) and read.stride(3) == 256
+        assert torch.equal(read, torch.ones(1, 1, 2, 40, 130))
+        heads_last = torch.zeros(1, 1, 40, 128, 2).movedim(-1, -3)
+        read, _, padded = launch.bias_for_tiles(heads_last, q, 40, 128)
+        assert padded and read is not heads_last and read.stride(4) == 1
+        full = torch.zeros(1, 3, 2, 40, 130)
+        assert launch.bias_for_tiles(full, q, 40, 130) == (full, None, False)
+        key_bias = torch.zeros(1, 1, 2, 1, 130)  # broadcast over Lq: read as it is
+        assert launch.bias_for_tiles(key_bias, q, 40, 130) == (key_bias, None, False)

@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - older Triton
 
 _COMPILED: Dict[Tuple, object] = {}
 _TRAILING: Dict[object, int] = {}  # kernel -> number of leading non-constexpr params (-1: not trailing)
-_SPECIALIZE: Dict[object, Tuple[bool, ...]] = {}  # kernel -> per runtime param: Triton specialises its value
+_SPECIALIZE: Dict[object, Tuple[int, ...]] = {}  # kernel -> per param: how Triton specialises its value
 # exact argument values -> compiled kernel: a hit skips the per-argument specialisation work (ints hash in C);
 # a miss falls back to the specialisation key above, so a new length still finds its compiled kernel
 _EXACT: Dict[Tuple, object] = {}
@@ -148,8 +148,11 @@ def launch(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_st
 def _direct_ok(kernel, args: Sequence, constexprs: dict, result) -> bool:
     """Whether ``result`` (what Triton returned for this launch) can be called directly with the arguments in
     order: the runtime args lead, the constexprs are exactly the trailing params, and it is a compiled kernel."""
+    # (the type's: Triton 3.9's placeholder for a compile still pending elsewhere answers hasattr through
+    # __getattr__ yet cannot be subscripted)
     return _leading_params(kernel) == len(args) and len(args) + len(constexprs) == len(kernel.params) and all(
-        p.name == name for p, name in zip(kernel.params[len(args):], constexprs)) and hasattr(result, "__getitem__")
+        p.name == name for p, name in zip(kernel.params[len(args):], constexprs)) and hasattr(type(result),
+                                                                                             "__getitem__")
 
 
 def _signature_key(kernel, args: Sequence, num_warps: int, num_stages: int, constexprs: dict) -> Tuple:

@@ -236,7 +236,8 @@ def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
       has a non-contiguous Lk; rows of an odd length are not 16-byte multiples): into 16-byte aligned rows;
     - for pointer loads (steps under ``TMA_MIN_SCORES``, GPUs without TMA), where Lk is not a multiple of
       ``PAD_COLS`` or the columns are not contiguous: into contiguous rows padded to a multiple of ``PAD_COLS``
-      (HAS_BIAS 3), so that no tile needs a column mask and every row starts 16-byte aligned (BIAS_ALIGN).
+      (HAS_BIAS 3), so that no tile needs a column mask and every row starts 16-byte aligned (BIAS_ALIGN); one
+      whose rows already fill whole tiles is read as it is, with HAS_BIAS 3 too.
     Its gradient keeps the bias's shape and dtype either way.
     """
     if bias is None:
@@ -249,9 +250,11 @@ def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
         if reused and _tma_tiles(bias, Lq, Lk):
             rows = _rows_copy(bias, tuple(bias.shape), _cdiv(Lk * bias.element_size(), 16) * 16 // bias.element_size())
             return rows, bias_tma(rows, Lq, Lk), False
-    if reused and (Lk % PAD_COLS or bias.stride(4) != 1):
-        return _rows_copy(bias, tuple(bias.shape), _cdiv(Lk, PAD_COLS) * PAD_COLS), None, True
-    return bias, None, False
+    if not reused:
+        return bias, None, False
+    if Lk % PAD_COLS == 0 and bias.stride(4) == 1:  # its rows fill whole tiles already: read as it is, the same
+        return bias, None, True  # kernel variant as every other length's copy (no compile per length)
+    return _rows_copy(bias, tuple(bias.shape), _cdiv(Lk, PAD_COLS) * PAD_COLS), None, True
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -420,7 +423,12 @@ def _bias_slot(rec: Recorder, b: int, q: Tensor, Lq: int, Lk: int):
     if read is bias:
         return b, tma, padded
     shape, pitch = tuple(read.shape), read.stride(3)
-    return rec.new(lambda env: _rows_copy(env[b], shape, pitch)), tma, padded
+    first = [read]  # this call's copy, made above; replays make their own
+
+    def copy(env):
+        return first.pop() if first else _rows_copy(env[b], shape, pitch)
+
+    return rec.new(copy), tma, padded
 
 
 def _rows_copy(bias: Tensor, shape, pitch: int) -> Tensor:
@@ -437,8 +445,8 @@ def _bias_operand_slot(b: Optional[int], bias: Optional[Tensor], tma, block_m: i
     copy) or nothing (0)."""
     if b is None:
         return dummy, (0, 0, 0, 0, 0), 0
-    if tma is None:
-        return b, _bstrides(bias), 3 if padded else 1
+    if tma is None:  # (a tile wider than the padding reads the copy with column masks, as HAS_BIAS 1)
+        return b, _bstrides(bias), 3 if padded and block_n <= PAD_COLS else 1
     slice_stride, n_slices, batch = tma
     dims, strides = [n_slices, bias.shape[3], bias.shape[4]], [slice_stride, bias.stride(3), 1]
     block = [1, block_m, block_n]

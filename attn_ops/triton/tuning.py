@@ -124,8 +124,8 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
             cfg = None  # a config the current candidate lists no longer offer
     if cfg is None and s.tune and s.shipped_configs:
         cfg = shipped(device).get(DiskCache._name((kernel, pair) + key))
-        if cfg is not None and cfg not in cands:
-            cfg = None
+        if cfg is not None:  # (launched once: a kernel changed since the table was made may not fit it)
+            cfg = _first_that_launches([cfg] + [c for c in cands if c != cfg], launch) if cfg in cands else None
     if cfg is None:
         if len(cands) == 1 or not s.tune:
             cfg = _first_that_launches(cands, launch)
