@@ -619,8 +619,9 @@ PADDED_CASES = {  # batch, Lq, Lk, bias shape, mask shape, causal (against the i
     "over_batch_q_mask": ((2, 3), 37, 19, (1, 3, 2, 37, 19), (2, 3, 1, 37, 19), False),
     "causal_shared": ((1, 2), 33, 33, (1, 1, 2, 33, 33), None, True),
 }
-PADDED_RUNS = [(c, dt, "split") for c in PADDED_CASES for dt in (torch.float32, torch.float16)]
-PADDED_RUNS += [(c, torch.float32, v) for c in ("ragged_shared", "causal_shared") for v in ("fused", "atomic")]
+PADDED_RUNS = [("ragged_shared", torch.float32, "split"), ("ragged_shared", torch.float16, "split"),
+               ("ragged_shared", torch.float32, "atomic"), ("heads_last_even", torch.float32, "split"),
+               ("over_batch_q_mask", torch.float16, "split"), ("causal_shared", torch.float32, "fused")]
 
 
 @pytest.mark.parametrize("name,dtype,variant", PADDED_RUNS, ids=[f"{n}-{str(d)[6:]}-{v}" for n, d, v in PADDED_RUNS])
@@ -679,7 +680,7 @@ def test_padded_bias_copy_equals_plain_pointer_loads(name, dtype, variant, monke
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
             else:
                 assert torch.equal(a, b), what
-        if dtype == torch.float32 and variant == "split":
+        if name == "ragged_shared" and dtype == torch.float32 and variant == "split":
             check_against_reference("triton", q, k, v, bias, mask, causal=causal, **opts)
 
 
