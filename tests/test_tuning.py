@@ -530,12 +530,11 @@ def test_lengths_differing_mod_16_compile_nothing_new(monkeypatch):
 
 def test_transposed_mask_key_strides_compile_nothing_new(monkeypatch):
     """A mask whose key stride is a length (the ending-node triangle attention's, a transposed pair mask): row
-    counts 2 / 3 / 16 give the same Triton specialisation, so the one of 16 (a multiple of 16 there, like N=496 in
+    counts 2 and 16 give the same Triton specialisation, so the one of 16 (a multiple of 16 there, like N=496 in
     the varlen run) compiles nothing new. A key stride of 1 stays specialised (the contiguous mask's loads)."""
     first = _launch_keys(monkeypatch, 2, 16, transposed_mask=True)
-    for R in (3, 16):
-        monkeypatch.undo()
-        assert _launch_keys(monkeypatch, R, 16, transposed_mask=True) == first, R
+    monkeypatch.undo()
+    assert _launch_keys(monkeypatch, 16, 16, transposed_mask=True) == first
     monkeypatch.undo()
     assert _launch_keys(monkeypatch, 2, 16) != first  # key stride 1: its own (faster) variant
 
