@@ -14,5 +14,5 @@ for f in "$prefix".*; do
 done
 wait
 for f in "$out"/gpu_tests_*.log; do
-  echo "== $f"; grep -E "passed|failed|error" "$f" | tail -1; grep -E "^(FAILED|ERROR)" "$f" | head -20
+  echo "== $f"; grep -E " in [0-9.]+s( |$)" "$f" | tail -1; grep -E "^(FAILED|ERROR)" "$f" | head -20
 done
