@@ -88,8 +88,8 @@ def _align(*tensors: Tensor) -> int:
 
 def _bias_align(bias: Optional[Tensor], has_bias: int, in_range: bool) -> int:
     """The kernels' BIAS_ALIGN: 16 bytes in elements where bias tiles are read by pointer loads that carry no column
-    masks (HAS_BIAS 1 with ``in_range``: EVEN_M and EVEN_N, every tile inside [Lq, Lk]; HAS_BIAS 3, the launcher's
-    padded copy, at any length) and the bias's base, batch strides and row stride are that aligned; else 1. Its row
+    masks (HAS_BIAS 1 with ``in_range``: EVEN_M and EVEN_N, every tile inside [Lq, Lk]; HAS_BIAS 3, rows read in
+    whole tiles, at any length) and the bias's base, batch strides and row stride are that aligned; else 1. Its row
     stride is not specialised (a length), so without it each tile loads element by element. A contiguous bias of
     such lengths, and every padded copy, is aligned: no compile variant is added."""
     if not (has_bias == 3 or (has_bias == 1 and in_range)):
@@ -228,7 +228,7 @@ PAD_COLS = 128
 
 
 def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
-    """(the bias the kernels read, :func:`bias_tma` of it, whether it is a padded copy for HAS_BIAS 3).
+    """(the bias the kernels read, :func:`bias_tma` of it, whether its rows can be read in whole tiles: HAS_BIAS 3).
 
     A bias that several programs re-read (it is broadcast over a batch dim of q: a pair bias shared over R) is
     copied once per pass where its layout would make every tile's loads slow, one copy against one read per row:
@@ -416,19 +416,19 @@ def _order(like: Tensor) -> List[int]:
 
 
 def _bias_slot(rec: Recorder, b: int, q: Tensor, Lq: int, Lk: int):
-    """(env slot of the bias the kernels read, :func:`bias_tma` of it, whether it is a padded copy):
-    :func:`bias_for_tiles` as a step."""
+    """(env slot of the bias the kernels read, :func:`bias_tma` of it, whether its rows can be read in whole
+    tiles): :func:`bias_for_tiles` as a step."""
     bias = rec.env[b]
-    read, tma, padded = bias_for_tiles(bias, q, Lq, Lk)
+    read, tma, whole_rows = bias_for_tiles(bias, q, Lq, Lk)
     if read is bias:
-        return b, tma, padded
+        return b, tma, whole_rows
     shape, pitch = tuple(read.shape), read.stride(3)
     first = [read]  # this call's copy, made above; replays make their own
 
     def copy(env):
         return first.pop() if first else _rows_copy(env[b], shape, pitch)
 
-    return rec.new(copy), tma, padded
+    return rec.new(copy), tma, whole_rows
 
 
 def _rows_copy(bias: Tensor, shape, pitch: int) -> Tensor:
@@ -438,15 +438,15 @@ def _rows_copy(bias: Tensor, shape, pitch: int) -> Tensor:
 
 
 def _bias_operand_slot(b: Optional[int], bias: Optional[Tensor], tma, block_m: int, block_n: int, dummy: int,
-                       padded: bool = False):
+                       whole_rows: bool):
     """(leading argument: env slot ``b`` of ``bias``, a per-call descriptor maker, or the ``dummy`` slot; its five
     strides; HAS_BIAS) of a kernel reading [block_m, block_n] bias tiles: a tensor descriptor (HAS_BIAS 2, batch
-    strides in slices) where :func:`bias_tma` allowed it, else the tensor (1; 3 for :func:`bias_for_tiles`'s padded
-    copy) or nothing (0)."""
+    strides in slices) where :func:`bias_tma` allowed it, else the tensor (1; 3 where ``whole_rows``: rows readable
+    in whole tiles, :func:`bias_for_tiles`) or nothing (0)."""
     if b is None:
         return dummy, (0, 0, 0, 0, 0), 0
     if tma is None:  # (a tile wider than the padding reads the copy with column masks, as HAS_BIAS 1)
-        return b, _bstrides(bias), 3 if padded and block_n <= PAD_COLS else 1
+        return b, _bstrides(bias), 3 if whole_rows and block_n <= PAD_COLS else 1
     slice_stride, n_slices, batch = tma
     dims, strides = [n_slices, bias.shape[3], bias.shape[4]], [slice_stride, bias.stride(3), 1]
     block = [1, block_m, block_n]
@@ -480,7 +480,7 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
     o = rec.new(_empty((B, R, H, Lq, Dv), q.dtype, q.device, order=_order(q)))
     lse = rec.new(_empty((B, R, H, Lq), torch.float32, q.device))
     out = rec.env[o]
-    b, tma, padded = (None, None, False) if bias is None else _bias_slot(rec, 3, q, Lq, Lk)
+    b, tma, whole_rows = (None, None, False) if bias is None else _bias_slot(rec, 3, q, Lq, Lk)
     bias_t = None if b is None else rec.env[b]
     sm = _mask_strides(m8)
     seg = q_seg is not None
@@ -490,7 +490,8 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
     align = _align(q, k, v, out)
 
     def run(c):
-        arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=0, padded=padded)
+        arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=0,
+                                               whole_rows=whole_rows)
         rec.launch(attn_fwd_kernel, (_cdiv(Lq, c.block_m), B * R * H),
                    (0, 1, 2, arg, 4 if m8 is not None else 0, o, lse, 5 if seg else lse, 6 if seg else lse),
                    (*rows, *sb, *sm, *_rows(out), *ss, R, H, Lq, Lk, scale),
@@ -560,7 +561,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
     dev = q.device
     BD, BDV = _pow2(D), _pow2(Dv)
     # any copy of the bias has its shape and dtype (so has dbias)
-    b, tma, padded = (None, None, False) if bias is None else _bias_slot(rec, _BIAS, q, Lq, Lk)
+    b, tma, whole_rows = (None, None, False) if bias is None else _bias_slot(rec, _BIAS, q, Lq, Lk)
     bias_t = None if b is None else rec.env[b]
     mask_slot, sm = (_Q if m8 is None else _MASK), _mask_strides(m8)
     seg = q_seg is not None
@@ -610,7 +611,8 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
     def operands(c):
         """The bias argument, the stride tuple and the constexpr flags (HAS_BIAS first, the kernels' parameter
         order) of a launch with c's tiles (only a bias descriptor's block shape depends on them)."""
-        arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=_Q, padded=padded)
+        arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=_Q,
+                                               whole_rows=whole_rows)
         bias_align = _bias_align(bias_t, has_bias, Lq % c.block_m == 0 and Lk % c.block_n == 0)
         return arg, (*rows, *sb, *sm, *do_rows), dict(HAS_BIAS=has_bias, **flags), bias_align
 

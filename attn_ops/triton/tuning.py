@@ -404,10 +404,10 @@ def triton_release(version: str) -> str:
     return ".".join(version.split(".")[:2])
 
 
-def shipped(device=None, folder: Optional[str] = None) -> Dict[str, Cfg]:
+def shipped(device=None) -> Dict[str, Cfg]:
     """The shipped configs for the current GPU model and Triton release (``{}`` when no table matches), read once
-    per device and folder (default :data:`SHIPPED_DIR`). An unreadable or malformed table warns and is skipped."""
-    folder = SHIPPED_DIR if folder is None else folder
+    per GPU model from :data:`SHIPPED_DIR`. An unreadable or malformed table warns and is skipped."""
+    folder = SHIPPED_DIR
     gpu, version = _gpu_and_triton(device)
     want = {"gpu": gpu, "triton": triton_release(version)}
     key = (folder, want["gpu"], want["triton"])
