@@ -48,6 +48,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from attn_ops.triton.fastlaunch import wait_background  # noqa: E402
 from attn_zoo.models.evoformer import EvoformerBlock  # noqa: E402
 from attn_zoo.models.pairformer import PairformerBlock  # noqa: E402
 
@@ -169,6 +170,9 @@ def measure(mod, inputs, fwd, iters: int, warmup: int, graph_pool: bool = False)
     for _ in range(max(warmup, 1)):
         step()
     torch.cuda.synchronize()
+    if wait_background() > 0:  # the EVEN variants of a tile-multiple length were compiling: one more step keeps them
+        step()
+        torch.cuda.synchronize()
     upstream = sum(g.numel() * g.element_size() for g in grads_out)  # the upstream gradients are inputs too
     base += upstream
     mod.zero_grad(set_to_none=True)
@@ -312,10 +316,12 @@ def _sync(dev):
 
 
 def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z: int = 128, repeats: int = 3,
-               log=print):
+               log=print, empty_cache: bool = False):
     """Rows (VARLEN_FIELDS) of one backend stepping through ``lengths``: per length ``repeats`` fwd+bwd steps
     (bf16 autocast, train mode), wall time with a sync after each; first = the first step, steady = the fastest of
-    the others. Lengths not started within ``budget_s`` get a "skipped: time limit" row."""
+    the others. Lengths not started within ``budget_s`` get a "skipped: time limit" row. ``empty_cache``: hand the
+    allocator's cached memory back to the driver after each length (a training loop does not, and every first step
+    then allocates from the driver: 28 of 37 lengths over 1.5x against 8, docs/bench/varlen_h100.md)."""
     if repeats < 2:
         raise ValueError(f"varlen repeats must be >= 2 (a first and a steady step), got {repeats}")
     t0 = time.perf_counter()
@@ -353,7 +359,7 @@ def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z:
             traceback.print_exc(limit=3)
         finally:
             inputs = fwd = outs = grads = None
-            if dev.type == "cuda":
+            if empty_cache and dev.type == "cuda":
                 torch.cuda.empty_cache()
         log({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in row.items()},
             f"[{time.perf_counter() - t0:.0f} s]")
@@ -384,7 +390,7 @@ def _f(x, spec):
     return format(x, spec) if x != "" else "-"
 
 
-def write_varlen_markdown(path, rows, env, lengths):
+def write_varlen_markdown(path, rows, env, lengths, empty_cache: bool = False):
     """Summary per backend, then a row per length with first ms, steady ms and first/steady per backend."""
     backends = list(dict.fromkeys(r["backend"] for r in rows))
     lines = ["# Varlen block benchmark (scripts/bench_blocks.py --varlen)", "", *env,
@@ -392,7 +398,8 @@ def write_varlen_markdown(path, rows, env, lengths):
              + ", ".join(map(str, lengths)),
              f"- per length 3 fwd+bwd steps (eager PairformerBlock c_s 384, c_z 128, {PADDED} padded residues; "
              "Boltz-2's PairformerLayer for boltz rows), wall time with a sync; first includes compile/tune;",
-             "  steady = the faster of the other two;",
+             "  steady = the faster of the other two; the allocator's cache is "
+             + ("emptied after each length (--varlen-empty-cache);" if empty_cache else "kept across lengths, as in training;"),
              f"  target (issue 20): first/steady <= {VARLEN_RATIO_TARGET}x after the first {VARLEN_WARM} lengths, "
              "compile + tune (sum of first - steady) <= 20 s fresh, <= 2 s with a warm on-disk cache.", "",
              "| backend | lengths run | steady median ms | max first/steady after 3 lengths | lengths over 1.5x | "
@@ -426,7 +433,7 @@ def write_varlen_markdown(path, rows, env, lengths):
 _WORKER_TAG = "VARLEN_ROWS_JSON "
 
 
-def _varlen_worker(backend: str, lengths, budget: float) -> None:
+def _varlen_worker(backend: str, lengths, budget: float, empty_cache: bool = False) -> None:
     """One backend's varlen run in this (fresh) process; rows printed as one tagged JSON line."""
     dev = torch.device("cuda")
     # CUDA context, cuBLAS handles and the glue kernels' first use are charged to no backend: one torch-backend step
@@ -434,7 +441,7 @@ def _varlen_worker(backend: str, lengths, budget: float) -> None:
         varlen_run("torch", [32], dev, float("inf"), log=lambda *a: None)
     except Exception:
         traceback.print_exc(limit=2)
-    rows = varlen_run(backend, lengths, dev, budget)
+    rows = varlen_run(backend, lengths, dev, budget, empty_cache=empty_cache)
     print(_WORKER_TAG + json.dumps(rows), flush=True)
 
 
@@ -442,7 +449,8 @@ def _varlen_in_subprocess(backend: str, args, lengths, budget: float):
     """Rows of one backend, run in a fresh Python process: no backend inherits another's compiled kernels, cuBLAS
     heuristics (a new GEMM shape costs ~0.2-1 ms of host time on its first call) or allocator segments."""
     cmd = [sys.executable, os.path.abspath(__file__), "--varlen-worker", backend, "--varlen-count",
-           str(args.varlen_count), "--varlen-seed", str(args.varlen_seed), "--time-limit", str(budget)]
+           str(args.varlen_count), "--varlen-seed", str(args.varlen_seed), "--time-limit", str(budget)] + (
+        ["--varlen-empty-cache"] if args.varlen_empty_cache else [])
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           timeout=budget + 300)
     for line in proc.stdout.splitlines():
@@ -471,7 +479,7 @@ def run_varlen(args, dev, env):
             for r in got:
                 w.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in r.items()})
             fcsv.flush()
-            write_varlen_markdown(path_md, rows, env, lengths)
+            write_varlen_markdown(path_md, rows, env, lengths, args.varlen_empty_cache)
     print(open(path_md).read())
     return rows
 
@@ -567,6 +575,8 @@ def parse_args(argv=None):
     p.add_argument("--varlen-backends", nargs="+", default=list(VARLEN_BACKENDS), choices=list(VARLEN_CHOICES))
     p.add_argument("--varlen-count", type=int, default=40, help="distinct lengths of the varlen run")
     p.add_argument("--varlen-seed", type=int, default=0)
+    p.add_argument("--varlen-empty-cache", action="store_true",
+                   help="empty the allocator's cache after each length (the runs before 2026-11-26 did)")
     p.add_argument("--varlen-worker", default=None, choices=list(VARLEN_CHOICES), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.time_limit is None:
@@ -583,7 +593,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_blocks.py needs a CUDA device")
     if args.varlen_worker:
-        _varlen_worker(args.varlen_worker, varlen_lengths(args.varlen_count, args.varlen_seed), args.time_limit)
+        _varlen_worker(args.varlen_worker, varlen_lengths(args.varlen_count, args.varlen_seed), args.time_limit,
+                       empty_cache=args.varlen_empty_cache)
         return
     dev = torch.device("cuda")
     os.makedirs(args.out, exist_ok=True)

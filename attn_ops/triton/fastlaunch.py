@@ -207,6 +207,20 @@ def compile_in_background(kernel, grid: Tuple[int, ...], args: Sequence, num_war
     return "failed" if job.exception() is not None else "ready"
 
 
+def wait_background(timeout: Optional[float] = None) -> float:
+    """Wait until every background compile submitted so far has ended (or ``timeout`` seconds passed); returns
+    the seconds waited. Benchmarks call it before timing a steady state: until then a tile-multiple length runs
+    its general stand-in variants and keeps no launch plan."""
+    import time
+    from concurrent.futures import wait
+
+    t0 = time.perf_counter()
+    jobs = [j for j in list(_BACKGROUND.values()) if not j.done()]
+    if jobs:
+        wait(jobs, timeout=timeout)
+    return time.perf_counter() - t0
+
+
 def bound(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int, n_leading: int,
           **constexprs) -> Optional[Callable[..., None]]:
     """After a :func:`launch` with exactly these arguments: ``f(*leading)`` launching the same compiled kernel on the
