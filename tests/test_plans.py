@@ -402,7 +402,8 @@ class _HeldPool:
 def test_tile_multiple_runs_the_general_variant_until_its_own_compiled(logged_launches, monkeypatch):
     """A length that is a multiple of its bucket's tiles asks for EVEN_M / EVEN_N variants. While those compile on
     the background thread the general variant (already compiled for another length of the bucket) runs and the
-    call's plan is not kept; once compiled, the next call records its plan with them. A launch whose variant is
+    call's plan is kept with the pending compiles (replayed meanwhile); once they have ended, the next call records
+    its plan anew with the EVEN variants. A launch whose variant is
     the general one never waits. Results stay those of a plain call (the launches here only log)."""
     from attn_ops.triton.common import LENGTH_ARGS
 
@@ -436,12 +437,14 @@ def test_tile_multiple_runs_the_general_variant_until_its_own_compiled(logged_la
     assert general and all(not m and not n_ for _, m, n_ in general)
     plans = len(launch._PLANS)
     assert call(32) == general  # a multiple of 16: the EVEN variants are asked for, the general ones run
-    assert len(pool.jobs) == len({name for name, *_ in general}) and len(launch._PLANS) == plans
-    assert call(32) == general and len(pool.jobs) == len(general)  # still compiling: no second submission
+    assert len(pool.jobs) == len({name for name, *_ in general})
+    assert len(launch._PLANS) == plans + 2  # forward + backward, kept with their pending compiles
+    assert all(p.pending for p in list(launch._PLANS.values())[-2:])
+    assert call(32) == set() and len(pool.jobs) == len(general)  # still compiling: replayed, nothing submitted
     pool.release()
-    assert all(not m and not n_ for _, m, n_ in general)
-    even = call(32)
-    assert even and all(m and n_ for _, m, n_ in even) and len(launch._PLANS) == plans + 2  # forward + backward
+    even = call(32)  # the compiles ended: recorded anew with the EVEN variants
+    assert even and all(m and n_ for _, m, n_ in even) and len(launch._PLANS) == plans + 2
+    assert not any(p.pending for p in launch._PLANS.values())
     del asked[:]
     call(32)  # replayed from its plan
     assert asked == []

@@ -400,7 +400,8 @@ def test_lengths_differing_mod_16_reuse_compiled_kernels_gpu(variant):
 def test_tile_multiple_runs_the_general_variant_while_its_own_compiles_gpu(monkeypatch):
     """A length that is a multiple of its bucket's tiles (256, with the untuned configs' 64- and 128-wide tiles)
     after a ragged one of the same bucket (200): its EVEN_M / EVEN_N kernels compile on the background thread while the compiled general ones give the
-    call's results; once they are ready, the next call runs and keeps them. Every call matches the reference."""
+    call's results (its plan kept with the pending compiles); once they are ready, the next call records its plan
+    anew with them. Every call matches the reference."""
     from attn_ops.triton import fastlaunch, launch
 
     monkeypatch.setattr(launch, "_PLANS", {})
@@ -430,12 +431,13 @@ def test_tile_multiple_runs_the_general_variant_while_its_own_compiles_gpu(monke
         assert not any(step(200))
         plans = len(launch._PLANS)
         first = step(256)
-        assert len(launch._PLANS) == plans  # stand-ins ran: no plan kept
+        assert len(launch._PLANS) == plans + 2  # stand-ins ran: the plans are kept with their pending compiles
         jobs = list(fastlaunch._BACKGROUND.values())
         assert jobs and first.count(False) == len(jobs)  # each general stand-in left its EVEN variant compiling
         for job in jobs:
             job.result(timeout=300)
-        assert all(step(256)) and len(launch._PLANS) > plans
+        assert all(step(256)) and len(launch._PLANS) == plans + 2  # recorded anew with the EVEN variants
+        assert not any(p.pending for p in launch._PLANS.values())
 
 
 def test_small_steps_read_the_bias_without_tma_gpu():

@@ -207,10 +207,15 @@ def compile_in_background(kernel, grid: Tuple[int, ...], args: Sequence, num_war
     return "failed" if job.exception() is not None else "ready"
 
 
+def background_job(kernel, args: Sequence, num_warps: int, num_stages: int, **constexprs):
+    """The background compile of this launch's kernel (a ``concurrent.futures.Future``); None if none was asked."""
+    return _BACKGROUND.get(_signature_key(kernel, args, num_warps, num_stages, constexprs))
+
+
 def wait_background(timeout: Optional[float] = None) -> float:
     """Wait until every background compile submitted so far has ended (or ``timeout`` seconds passed); returns
     the seconds waited. Benchmarks call it before timing a steady state: until then a tile-multiple length runs
-    its general stand-in variants and keeps no launch plan."""
+    its general stand-in variants."""
     import time
     from concurrent.futures import wait
 

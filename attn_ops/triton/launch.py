@@ -25,6 +25,7 @@ from .common import LOG2E
 from .dbias import attn_bwd_dbias_kernel, sum_splits_kernel
 from .fastlaunch import background_compiles as _background_compiles
 from .fastlaunch import bound as _bound
+from .fastlaunch import background_job as _background_job
 from .fastlaunch import compile_in_background as _compile_in_background
 from .fastlaunch import is_compiled as _is_compiled
 from .fastlaunch import launch as _launch
@@ -270,6 +271,7 @@ class Plan(NamedTuple):
     steps: Tuple[Callable[[list], None], ...]
     outputs: Tuple[Optional[int], ...]  # env slots of the results (None: no such result)
     guard: Tuple  # what the plan was made under besides its key (see _guard)
+    pending: Tuple = ()  # background compiles of the variants it stands in for (see Recorder._ready_variant)
 
 
 _PLANS: Dict[Tuple, Plan] = {}
@@ -306,17 +308,18 @@ def _replay(key: Tuple, env: list) -> Optional[Plan]:
     guard = plan.guard
     if guard[0] is not tuning._CACHE or guard[1] is not tuning._INTERPRETER or guard[2] != TMA_MIN_SCORES:
         return None
+    if plan.pending and all(job.done() for job in plan.pending):  # its own variants are ready: record anew
+        del _PLANS[key]
+        return None
     for step in plan.steps:
         step(env)
     return plan
 
 
 def _keep(key: Tuple, rec: "Recorder", outputs: Tuple[Optional[int], ...]) -> None:
-    if rec.provisional:  # a stand-in kernel variant ran: record again next time
-        return
     if key not in _PLANS and len(_PLANS) >= _PLANS_MAX:  # many geometries seen: drop the oldest plan
         del _PLANS[next(iter(_PLANS))]
-    _PLANS[key] = Plan(tuple(rec.steps), outputs, rec.guard)
+    _PLANS[key] = Plan(tuple(rec.steps), outputs, rec.guard, tuple(rec.pending))
 
 
 def _getter(leading: Sequence) -> Callable[[list], tuple]:
@@ -337,7 +340,7 @@ class Recorder:
 
     def __init__(self, env: list):
         self.env, self.steps, self.recording, self.guard = env, [], True, _guard()
-        self.provisional = False  # a launch ran a stand-in variant: the plan is not kept (see launch)
+        self.pending = []  # background compiles of the variants that stand-ins ran for (see _ready_variant)
 
     def do(self, step: Callable[[list], None]) -> None:
         step(self.env)
@@ -368,8 +371,9 @@ class Recorder:
         """``constexprs``, or the general variant's while theirs compiles in the background. A length that is a
         multiple of a tile asks for an EVEN_M / EVEN_N specialisation (no load masks) of the config its length
         bucket chose; the first such length would stall on that compile (seconds, per kernel). Where the general
-        variant (masks everywhere, the same results) is compiled, it runs instead and the call's plan is not kept,
-        so a later call of this geometry takes the specialisation once it is ready."""
+        variant (masks everywhere, the same results) is compiled, it runs instead; the call's plan is kept with the
+        pending compiles, replayed while they run and recorded anew once they have ended (:func:`_replay`), so the
+        calls meanwhile cost no more host time than any replay and a later one takes the specialisation."""
         if not (constexprs.get("EVEN_M") or constexprs.get("EVEN_N")) or not _background_compiles() or \
                 _is_compiled(kernel, args, num_warps, num_stages, **constexprs):
             return constexprs
@@ -380,7 +384,7 @@ class Recorder:
             return constexprs
         if _compile_in_background(kernel, grid, args, num_warps, num_stages, **constexprs) != "pending":
             return constexprs  # ready by now, or failed: compiled here (and its error raised) as ever
-        self.provisional = True
+        self.pending.append(_background_job(kernel, args, num_warps, num_stages, **constexprs))
         return general
 
     def tuned(self, name: str, key: Tuple, width: int, Lq: int, Lk: int, run: Callable, **kw):
