@@ -4,6 +4,10 @@
 a column chunk ``z[:, J]`` (strided rows) or a channels-first matmul output ``[C, M]`` (the channel stride is the
 large one), writing a contiguous channels-last result. PyTorch's layer norm needs a contiguous input (a transposing
 copy first) and runs one thread block per row, which is slow for the 64-384 channels of pair tensors.
+
+``layer_norm`` is the same forward with a backward (training): the blocks' ``LayerNorm`` takes it on CUDA in eager
+mode. Its input gradient is written in the input's own layout, so a transposed or channels-last view (the ending
+node's pair, the triangle multiplication's product) hands its producer a gradient of the producer's layout.
 """
 from __future__ import annotations
 
@@ -28,10 +32,10 @@ def _interpreting() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _layer_norm_kernel(X, W, Bias, Y, M, B, C, sa, sb, sc, eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _layer_norm_kernel(X, W, Bias, Y, Mean, Rstd, M, B, C, sa, sb, sc, eps, HAS_W: tl.constexpr,
+                           HAS_B: tl.constexpr, STATS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
         """Rows ``m`` of a 3-d view ``[A, B, C]`` (strides ``sa, sb, sc``; ``m = a * B + b``) normalised over C
-        into ``Y [M, C]`` contiguous, in float32."""
+        into ``Y [M, C]`` contiguous, in float32; ``STATS``: each row's mean and 1/std into ``Mean``, ``Rstd``."""
         pid = tl.program_id(0)
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_c = tl.arange(0, BLOCK_C)
@@ -52,6 +56,45 @@ if triton is not None:
         if HAS_B:
             y = y + tl.load(Bias + offs_c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + offs_m.to(tl.int64)[:, None] * C + offs_c[None, :], y.to(Y.dtype.element_ty), mask=ok)
+        if STATS:
+            tl.store(Mean + offs_m, mean, mask=row_ok)
+            tl.store(Rstd + offs_m, rstd, mask=row_ok)
+
+    @triton.jit
+    def _layer_norm_bwd_kernel(X, W, DY, DX, Mean, Rstd, DW, DB, M, B, C, sa, sb, sc, da, db, dc,
+                               HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_C: tl.constexpr):
+        """The input gradient of ``ROWS`` rows per program (``DX`` in the 3-d view of strides ``da, db, dc``, ``DY``
+        contiguous ``[M, C]``), and the program's partial sums of the weight's and bias's gradients (``DW``, ``DB``
+        ``[programs, C]`` float32: summed in a fixed order afterwards, so the gradients are deterministic)."""
+        pid = tl.program_id(0)
+        offs_c = tl.arange(0, BLOCK_C)
+        col_ok = offs_c < C
+        w = tl.load(W + offs_c, mask=col_ok, other=0.0).to(tl.float32) if HAS_W else tl.where(col_ok, 1.0, 0.0)
+        dw = tl.zeros([BLOCK_C], dtype=tl.float32)
+        dbias = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for start in range(0, ROWS, BLOCK_M):
+            offs_m = pid * ROWS + start + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < M
+            ok = row_ok[:, None] & col_ok[None, :]
+            a = offs_m // B
+            b = offs_m - a * B
+            x = tl.load(X + (a.to(tl.int64) * sa + b.to(tl.int64) * sb)[:, None] + offs_c[None, :].to(tl.int64) * sc,
+                        mask=ok, other=0.0).to(tl.float32)
+            dy = tl.load(DY + offs_m.to(tl.int64)[:, None] * C + offs_c[None, :], mask=ok, other=0.0).to(tl.float32)
+            mean = tl.load(Mean + offs_m, mask=row_ok, other=0.0)
+            rstd = tl.load(Rstd + offs_m, mask=row_ok, other=0.0)
+            xhat = tl.where(ok, (x - mean[:, None]) * rstd[:, None], 0.0)
+            wdy = dy * w[None, :]
+            c1 = tl.sum(xhat * wdy, axis=1) / C
+            c2 = tl.sum(wdy, axis=1) / C
+            dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            tl.store(DX + (a.to(tl.int64) * da + b.to(tl.int64) * db)[:, None] + offs_c[None, :].to(tl.int64) * dc,
+                     dx.to(DX.dtype.element_ty), mask=ok)
+            dw += tl.sum(dy * xhat, axis=0)
+            dbias += tl.sum(dy, axis=0)
+        tl.store(DW + pid * C + offs_c, dw, mask=col_ok)
+        tl.store(DB + pid * C + offs_c, dbias, mask=col_ok)
 
 
 def _as_3d(x: Tensor, channels_first: bool):
@@ -109,6 +152,89 @@ def _launch(x: Tensor, norm: nn.LayerNorm, view, rows_shape, out_dtype: torch.dt
     block_m = max(1, min(64, 4096 // block_c))
     w, bias = norm.weight, norm.bias
     _layer_norm_kernel[(triton.cdiv(m, block_m),)](
-        x, w if w is not None else x, bias if bias is not None else x, y, m, b, c, sa, sb, sc, norm.eps,
-        HAS_W=w is not None, HAS_B=bias is not None, BLOCK_M=block_m, BLOCK_C=block_c)
+        x, w if w is not None else x, bias if bias is not None else x, y, y, y, m, b, c, sa, sb, sc, norm.eps,
+        HAS_W=w is not None, HAS_B=bias is not None, STATS=False, BLOCK_M=block_m, BLOCK_C=block_c)
     return y
+
+
+def _tiles(c: int):
+    """(BLOCK_C, BLOCK_M) of the layer norm kernels for ``c`` channels: about 4096 elements per tile."""
+    block_c = triton.next_power_of_2(c)
+    return block_c, max(1, min(64, 4096 // block_c))
+
+
+class _LayerNorm(torch.autograd.Function):
+    """``layer_norm`` with float32 statistics, the output in ``out_dtype`` (contiguous ``[*rows, C]``) and the input
+    gradient in the input's layout (see the module docstring); ``view`` is ``_as_3d(x)``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float, out_dtype: torch.dtype, view):
+        a, b, c, sa, sb, sc = view
+        m = a * b
+        y = torch.empty(*x.shape[:-1], c, dtype=out_dtype, device=x.device)
+        mean = torch.empty(m, dtype=torch.float32, device=x.device)
+        rstd = torch.empty_like(mean)
+        block_c, block_m = _tiles(c)
+        if m:
+            _layer_norm_kernel[(triton.cdiv(m, block_m),)](
+                x, weight if weight is not None else x, bias if bias is not None else x, y, mean, rstd, m, b, c,
+                sa, sb, sc, eps, HAS_W=weight is not None, HAS_B=bias is not None, STATS=True, BLOCK_M=block_m,
+                BLOCK_C=block_c)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.view, ctx.bias_dtype = view, None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        a, b, c, sa, sb, sc = ctx.view
+        m = a * b
+        dy = dy.contiguous()
+        dx = torch.empty_like(x)  # a dense view (transposed, channels-last) keeps its strides: so does its gradient
+        if dx.stride() == x.stride():
+            strides = (sa, sb, sc)
+        else:  # a view with gaps (a slice): a contiguous gradient, rows in the same order
+            dx, strides = torch.empty(x.shape, dtype=x.dtype, device=x.device), (b * c, c, 1)
+        block_c, block_m = _tiles(c)
+        programs = max(1, min(triton.cdiv(m, block_m), 8 * _sm_count(x.device)))
+        rows = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
+        programs = max(1, triton.cdiv(m, rows))
+        dw = torch.zeros(programs, c, dtype=torch.float32, device=x.device)
+        dbias = torch.zeros_like(dw)
+        if m:
+            _layer_norm_bwd_kernel[(programs,)](
+                x, weight if weight is not None else x, dy, dx, mean, rstd, dw, dbias, m, b, c, sa, sb, sc, *strides,
+                HAS_W=weight is not None, ROWS=rows, BLOCK_M=block_m, BLOCK_C=block_c)
+        gw = None if weight is None else dw.sum(0).to(weight.dtype)
+        gb = None if ctx.bias_dtype is None else dbias.sum(0).to(ctx.bias_dtype)
+        return dx, gw, gb, None, None, None
+
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # float64 keeps the module's exact path
+_SMS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def layer_norm(x: Tensor, norm: nn.LayerNorm, out_dtype: torch.dtype, force: bool = False) -> Optional[Tensor]:
+    """``norm(x)`` in ``out_dtype`` with a backward, by the Triton kernels: on CUDA in eager mode (``force``: on any
+    device, the CPU interpreter in tests); None where they do not apply (the caller runs the module): other
+    devices, ``torch.compile`` (Inductor fuses its own), functorch transforms, a view of more than two strided row
+    dims, a norm over more than the last dim."""
+    if torch.compiler.is_compiling() or triton is None or \
+            not (force or (x.device.type == "cuda" and not _interpreting())) or \
+            torch._C._are_functorch_transforms_active() or \
+            len(norm.normalized_shape) != 1 or x.dim() == 0 or x.shape[-1] != norm.normalized_shape[0] or \
+            x.dtype not in _FLOATS or out_dtype not in _FLOATS:
+        return None
+    view = _as_3d(x, False)
+    if view is None:
+        return None
+    return _LayerNorm.apply(x, norm.weight, norm.bias, norm.eps, out_dtype, view)

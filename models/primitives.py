@@ -17,6 +17,8 @@ from torch import nn
 import attn_ops
 from attn_ops import registry as _registry
 
+from . import kernels as _kernels
+
 Tensor = torch.Tensor
 
 # std of a standard normal truncated to [-2, 2]; dividing by it makes the truncated draw have the
@@ -178,6 +180,10 @@ class LayerNorm(nn.LayerNorm):
     a block. Here the output comes back in the autocast dtype, the one the next matmul wants: a float32
     input is normalised in float32 first (a large mean would swamp a bf16 cast), a low-precision input is
     normalised in its own dtype (the kernel accumulates in float32). Without autocast: plain LayerNorm.
+
+    On CUDA in eager mode the Triton kernels of ``kernels.layer_norm`` do it (float32 statistics, the same
+    output dtypes), reading transposed and channels-last views in place and handing their gradient back in
+    the view's layout; under ``torch.compile`` and elsewhere, the PyTorch path above.
     """
 
     def __init__(self, c: int, eps: float = 1e-5):
@@ -185,7 +191,14 @@ class LayerNorm(nn.LayerNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         dev = x.device.type
-        if torch.is_autocast_enabled(dev) and x.dtype in (torch.float32, torch.get_autocast_dtype(dev)):
+        auto = torch.is_autocast_enabled(dev)
+        if dev == "cuda" and (not auto or x.dtype in (torch.float32, torch.get_autocast_dtype(dev))):
+            # eager CUDA: the Triton kernels (float32 statistics, any row layout, several rows per program; the
+            # module's kernel runs one block per row: slow on the 128 channels of pair tensors)
+            y = _kernels.layer_norm(x, self, torch.get_autocast_dtype(dev) if auto else x.dtype)
+            if y is not None:
+                return y
+        if auto and x.dtype in (torch.float32, torch.get_autocast_dtype(dev)):
             dt = torch.get_autocast_dtype(dev)
             with torch.autocast(dev, enabled=False):
                 if x.dtype == dt:

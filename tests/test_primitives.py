@@ -55,6 +55,10 @@ def param_grads(module):
     return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def rel_err(a, b, floor=1e-30):
     """max |a - b| / max(max |b|, floor). A floor of 1 makes it an absolute error for tensors that are
     analytically zero (e.g. the gradient of a layer-norm bias feeding only a softmax-invariant shift)."""
@@ -335,3 +339,89 @@ def test_layer_norm_under_autocast_returns_low_precision_within_bound(offset):
     base = (plain.to(torch.bfloat16).double() - ref).abs().max().item()
     assert 0 < err <= 3 * base
     assert torch.equal(ln(x), plain)  # without autocast: exactly nn.LayerNorm
+
+
+@pytest.mark.parametrize("layout", ["rows", "transposed", "channels_last", "slice"])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float16), (torch.float16, torch.float16)])
+def test_triton_layer_norm_with_backward_against_float64(layout, dtypes, monkeypatch):
+    """The blocks' training layer norm (Triton, CPU interpreter): output and the gradients of the input, weight and
+    bias against float64, on every layout the blocks feed it (an odd channel count: padded lanes; tiny tiles and
+    one SM, so programs take several row tiles and the last one is partial). A dense view's gradient keeps its
+    strides (the ending node's transpose, the triangle product's channels-last view); a slice's is contiguous."""
+    from attn_zoo.models import kernels
+
+    monkeypatch.setattr(kernels, "_tiles", lambda c: (triton_next_pow2(c), 4))
+    monkeypatch.setattr(kernels, "_sm_count", lambda device: 1)
+    x_dtype, out_dtype = dtypes
+    g = torch.Generator().manual_seed(7)
+    C, N = 24, 6
+    norm = torch.nn.LayerNorm(C)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(C, generator=g))
+        norm.bias.copy_(0.3 * torch.randn(C, generator=g))
+    base = torch.randn(N, N + 1, C, generator=g) * 2 + 1.5
+    if layout == "channels_last":
+        base = torch.randn(C, N, N + 1, generator=g) * 2 + 1.5
+    base = base.to(x_dtype).requires_grad_()
+    x = {"rows": lambda t: t, "transposed": lambda t: t.transpose(0, 1), "channels_last": lambda t: t.movedim(0, -1),
+         "slice": lambda t: t[:, 1:5]}[layout](base)
+    dy = torch.randn(x.shape, generator=g)
+    y = kernels.layer_norm(x, norm, out_dtype, force=True)
+    assert y is not None and y.dtype == out_dtype and y.is_contiguous() and y.shape == x.shape
+    dx, dw, db = torch.autograd.grad(y, [x, norm.weight, norm.bias], dy.to(out_dtype))
+    assert dx.stride() == (x.stride() if layout != "slice" else x.contiguous().stride())
+    x64 = x.detach().double().requires_grad_()
+    w64, b64 = norm.weight.detach().double().requires_grad_(), norm.bias.detach().double().requires_grad_()
+    y64 = torch.nn.functional.layer_norm(x64, (C,), w64, b64, norm.eps)
+    want = torch.autograd.grad(y64, [x64, w64, b64], dy.double())
+    tol = 1e-5 if out_dtype == torch.float32 else 2e-3  # one fp16 rounding of the output (and of dy, x)
+    assert rel_err(y, y64) < tol, rel_err(y, y64)
+    for got, ref in zip((dx, dw, db), want):
+        assert rel_err(got, ref) < 5 * tol, (rel_err(got, ref), got.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_layer_norm_trains_like_the_module():
+    """The blocks' LayerNorm on CUDA (the Triton kernels) against PyTorch's path under bf16 autocast, on a pair
+    tensor and its transposed and channels-last views: output and every gradient within 2x PyTorch's own error
+    against float64 (plus a bf16 rounding of the output)."""
+    from attn_zoo.models.primitives import LayerNorm
+
+    g = torch.Generator().manual_seed(11)
+    ln = LayerNorm(128).cuda()
+    with torch.no_grad():
+        ln.weight.copy_(1 + 0.3 * torch.randn(128, generator=g))
+        ln.bias.copy_(0.3 * torch.randn(128, generator=g))
+    for view in (lambda t: t, lambda t: t.transpose(0, 1), lambda t: t.movedim(0, -1)):
+        base = (torch.randn(129, 131, 128, generator=g) * 2 + 1).cuda().requires_grad_()
+        x = view(base)
+        dy = torch.randn(x.shape, generator=g).cuda().bfloat16()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = ln(x)
+        got = torch.autograd.grad(y, [base, ln.weight, ln.bias], dy)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ref_y = torch.nn.LayerNorm.forward(ln, x).bfloat16()
+        ref = torch.autograd.grad(ref_y, [base, ln.weight, ln.bias], dy)
+        x64 = base.detach().double().requires_grad_()
+        w64, b64 = ln.weight.detach().double().requires_grad_(), ln.bias.detach().double().requires_grad_()
+        y64 = torch.nn.functional.layer_norm(view(x64), (128,), w64, b64, ln.eps)
+        want = torch.autograd.grad(y64, [x64, w64, b64], dy.double())
+        assert y.dtype == torch.bfloat16 and y.is_contiguous()
+        assert rel_err(y, y64) <= 2 * rel_err(ref_y, y64) + 1e-6
+        for a, b, w in zip(got, ref, want):
+            assert rel_err(a, w) <= 2 * rel_err(b, w) + 1e-6, (rel_err(a, w), rel_err(b, w))
+
+
+def test_triton_layer_norm_declines_what_it_cannot_serve():
+    """None (the module runs instead) off CUDA unless forced, for a norm over more than the last dim and for a view
+    of three strided row dims; the module's own path then gives nn.LayerNorm's result."""
+    from attn_zoo.models import kernels
+    from attn_zoo.models.primitives import LayerNorm
+
+    ln = LayerNorm(8)
+    x = torch.randn(4, 5, 8)
+    assert kernels.layer_norm(x, ln, torch.float32) is None  # CPU, not forced
+    assert kernels.layer_norm(torch.randn(4, 6, 8, 8)[::2, ::2, ::2], ln, torch.float32, force=True) is None
+    assert kernels.layer_norm(torch.randn(4, 3, 8), torch.nn.LayerNorm((3, 8)), torch.float32, force=True) is None
+    assert torch.equal(ln(x), torch.nn.LayerNorm.forward(ln, x))
