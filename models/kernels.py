@@ -11,6 +11,7 @@ node's pair, the triangle multiplication's product) hands its producer a gradien
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -22,6 +23,8 @@ Tensor = torch.Tensor
 try:
     import triton
     import triton.language as tl
+
+    from attn_ops.triton.fastlaunch import launch as _fast_launch  # direct launches of compiled kernels
 except ImportError:  # pragma: no cover - triton is a dependency; the fallback keeps CPU-only installs working
     triton = None
 
@@ -31,11 +34,18 @@ def _interpreting() -> bool:
 
 
 if triton is not None:
-    @triton.jit
+    # Lengths and row strides change with every protein length: not specialised (no compile per length); ALIGN
+    # (a power of two dividing sa and sb, see _align) gives back what their divisibility told the compiler.
+    _ROWS = ["M", "B", "sa", "sb"]
+
+    @triton.jit(do_not_specialize=_ROWS, do_not_specialize_on_alignment=["sc"])
     def _layer_norm_kernel(X, W, Bias, Y, Mean, Rstd, M, B, C, sa, sb, sc, eps, HAS_W: tl.constexpr,
-                           HAS_B: tl.constexpr, STATS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+                           HAS_B: tl.constexpr, STATS: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
         """Rows ``m`` of a 3-d view ``[A, B, C]`` (strides ``sa, sb, sc``; ``m = a * B + b``) normalised over C
         into ``Y [M, C]`` contiguous, in float32; ``STATS``: each row's mean and 1/std into ``Mean``, ``Rstd``."""
+        sa = (sa // ALIGN) * ALIGN
+        sb = (sb // ALIGN) * ALIGN
         pid = tl.program_id(0)
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_c = tl.arange(0, BLOCK_C)
@@ -60,13 +70,17 @@ if triton is not None:
             tl.store(Mean + offs_m, mean, mask=row_ok)
             tl.store(Rstd + offs_m, rstd, mask=row_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_ROWS + ["da", "db"], do_not_specialize_on_alignment=["sc", "dc"])
     def _layer_norm_bwd_kernel(X, W, DY, DX, Mean, Rstd, DW, DB, M, B, C, sa, sb, sc, da, db, dc,
-                               HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_C: tl.constexpr):
+                               HAS_W: tl.constexpr, ALIGN: tl.constexpr, ALIGN_DX: tl.constexpr, ROWS: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
         """The input gradient of ``ROWS`` rows per program (``DX`` in the 3-d view of strides ``da, db, dc``, ``DY``
         contiguous ``[M, C]``), and the program's partial sums of the weight's and bias's gradients (``DW``, ``DB``
         ``[programs, C]`` float32: summed in a fixed order afterwards, so the gradients are deterministic)."""
+        sa = (sa // ALIGN) * ALIGN
+        sb = (sb // ALIGN) * ALIGN
+        da = (da // ALIGN_DX) * ALIGN_DX
+        db = (db // ALIGN_DX) * ALIGN_DX
         pid = tl.program_id(0)
         offs_c = tl.arange(0, BLOCK_C)
         col_ok = offs_c < C
@@ -151,10 +165,19 @@ def _launch(x: Tensor, norm: nn.LayerNorm, view, rows_shape, out_dtype: torch.dt
     block_c = triton.next_power_of_2(c)
     block_m = max(1, min(64, 4096 // block_c))
     w, bias = norm.weight, norm.bias
-    _layer_norm_kernel[(triton.cdiv(m, block_m),)](
-        x, w if w is not None else x, bias if bias is not None else x, y, y, y, m, b, c, sa, sb, sc, norm.eps,
-        HAS_W=w is not None, HAS_B=bias is not None, STATS=False, BLOCK_M=block_m, BLOCK_C=block_c)
+    _fast_launch(_layer_norm_kernel, (triton.cdiv(m, block_m),),
+                 (x, w if w is not None else x, bias if bias is not None else x, y, y, y, m, b, c, sa, sb, sc,
+                  norm.eps), 4, 3, HAS_W=w is not None, HAS_B=bias is not None, STATS=False, ALIGN=_align(sa, sb),
+                 BLOCK_M=block_m, BLOCK_C=block_c)
     return y
+
+
+def _align(*strides: int) -> int:
+    """The largest power of two, at most 16, dividing every stride (0 and 1-sized dims' strides count as any)."""
+    g = 0
+    for s in strides:
+        g = math.gcd(g, s)
+    return 16 if g == 0 else min(16, g & -g)
 
 
 def _tiles(c: int):
@@ -176,10 +199,10 @@ class _LayerNorm(torch.autograd.Function):
         rstd = torch.empty_like(mean)
         block_c, block_m = _tiles(c)
         if m:
-            _layer_norm_kernel[(triton.cdiv(m, block_m),)](
-                x, weight if weight is not None else x, bias if bias is not None else x, y, mean, rstd, m, b, c,
-                sa, sb, sc, eps, HAS_W=weight is not None, HAS_B=bias is not None, STATS=True, BLOCK_M=block_m,
-                BLOCK_C=block_c)
+            _fast_launch(_layer_norm_kernel, (triton.cdiv(m, block_m),),
+                         (x, weight if weight is not None else x, bias if bias is not None else x, y, mean, rstd, m, b,
+                          c, sa, sb, sc, eps), 4, 3, HAS_W=weight is not None, HAS_B=bias is not None, STATS=True,
+                         ALIGN=_align(sa, sb), BLOCK_M=block_m, BLOCK_C=block_c)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.view, ctx.bias_dtype = view, None if bias is None else bias.dtype
         return y
@@ -197,16 +220,20 @@ class _LayerNorm(torch.autograd.Function):
             dx, strides = torch.empty(x.shape, dtype=x.dtype, device=x.device), (b * c, c, 1)
         block_c, block_m = _tiles(c)
         programs = max(1, min(triton.cdiv(m, block_m), 8 * _sm_count(x.device)))
-        rows = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
+        rows = max(block_m, triton.cdiv(triton.cdiv(m, programs), block_m) * block_m)
         programs = max(1, triton.cdiv(m, rows))
-        dw = torch.zeros(programs, c, dtype=torch.float32, device=x.device)
-        dbias = torch.zeros_like(dw)
+        partials = torch.empty(2, programs, c, dtype=torch.float32, device=x.device)  # every program writes its row
+        dw, dbias = partials[0], partials[1]
         if m:
-            _layer_norm_bwd_kernel[(programs,)](
-                x, weight if weight is not None else x, dy, dx, mean, rstd, dw, dbias, m, b, c, sa, sb, sc, *strides,
-                HAS_W=weight is not None, ROWS=rows, BLOCK_M=block_m, BLOCK_C=block_c)
-        gw = None if weight is None else dw.sum(0).to(weight.dtype)
-        gb = None if ctx.bias_dtype is None else dbias.sum(0).to(ctx.bias_dtype)
+            _fast_launch(_layer_norm_bwd_kernel, (programs,),
+                         (x, weight if weight is not None else x, dy, dx, mean, rstd, dw, dbias, m, b, c, sa, sb, sc,
+                          *strides), 4, 3, HAS_W=weight is not None, ALIGN=_align(sa, sb),
+                         ALIGN_DX=_align(*strides[:2]), ROWS=rows, BLOCK_M=block_m, BLOCK_C=block_c)
+        if not m:
+            partials.zero_()
+        sums = partials.sum(1)  # [2, C]: a fixed order, the same bits every run
+        gw = None if weight is None else sums[0].to(weight.dtype)
+        gb = None if ctx.bias_dtype is None else sums[1].to(ctx.bias_dtype)
         return dx, gw, gb, None, None, None
 
 

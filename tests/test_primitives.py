@@ -393,8 +393,9 @@ def test_gpu_layer_norm_trains_like_the_module():
     with torch.no_grad():
         ln.weight.copy_(1 + 0.3 * torch.randn(128, generator=g))
         ln.bias.copy_(0.3 * torch.randn(128, generator=g))
-    for view in (lambda t: t, lambda t: t.transpose(0, 1), lambda t: t.movedim(0, -1)):
-        base = (torch.randn(129, 131, 128, generator=g) * 2 + 1).cuda().requires_grad_()
+    for shape, view in (((129, 131, 128), lambda t: t), ((129, 131, 128), lambda t: t.transpose(0, 1)),
+                        ((128, 129, 131), lambda t: t.movedim(0, -1))):
+        base = (torch.randn(*shape, generator=g) * 2 + 1).cuda().requires_grad_()
         x = view(base)
         dy = torch.randn(x.shape, generator=g).cuda().bfloat16()
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -425,3 +426,8 @@ def test_triton_layer_norm_declines_what_it_cannot_serve():
     assert kernels.layer_norm(torch.randn(4, 6, 8, 8)[::2, ::2, ::2], ln, torch.float32, force=True) is None
     assert kernels.layer_norm(torch.randn(4, 3, 8), torch.nn.LayerNorm((3, 8)), torch.float32, force=True) is None
     assert torch.equal(ln(x), torch.nn.LayerNorm.forward(ln, x))
+    empty = torch.randn(0, 3, 8, requires_grad=True)  # no rows: an empty result, zero weight and bias gradients
+    y = kernels.layer_norm(empty, ln, torch.float32, force=True)
+    assert y.shape == (0, 3, 8)
+    dx, dw, db = torch.autograd.grad(y, [empty, ln.weight, ln.bias], torch.ones_like(y))
+    assert dx.shape == empty.shape and not dw.any() and not db.any()
