@@ -70,13 +70,14 @@ if triton is not None:
             tl.store(Mean + offs_m, mean, mask=row_ok)
             tl.store(Rstd + offs_m, rstd, mask=row_ok)
 
-    @triton.jit(do_not_specialize=_ROWS + ["da", "db"], do_not_specialize_on_alignment=["sc", "dc"])
-    def _layer_norm_bwd_kernel(X, W, DY, DX, Mean, Rstd, DW, DB, M, B, C, sa, sb, sc, da, db, dc,
-                               HAS_W: tl.constexpr, ALIGN: tl.constexpr, ALIGN_DX: tl.constexpr, ROWS: tl.constexpr,
+    @triton.jit(do_not_specialize=_ROWS + ["da", "db", "ROWS"], do_not_specialize_on_alignment=["sc", "dc"])
+    def _layer_norm_bwd_kernel(X, W, DY, DX, Mean, Rstd, DW, DB, M, B, C, sa, sb, sc, da, db, dc, ROWS,
+                               HAS_W: tl.constexpr, ALIGN: tl.constexpr, ALIGN_DX: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
         """The input gradient of ``ROWS`` rows per program (``DX`` in the 3-d view of strides ``da, db, dc``, ``DY``
         contiguous ``[M, C]``), and the program's partial sums of the weight's and bias's gradients (``DW``, ``DB``
-        ``[programs, C]`` float32: summed in a fixed order afterwards, so the gradients are deterministic)."""
+        ``[programs, C]`` float32: summed in a fixed order afterwards, so the gradients are deterministic). ROWS, a
+        multiple of BLOCK_M, follows the row count: a runtime value (as a constexpr it compiled once per length)."""
         sa = (sa // ALIGN) * ALIGN
         sb = (sb // ALIGN) * ALIGN
         da = (da // ALIGN_DX) * ALIGN_DX
@@ -227,8 +228,8 @@ class _LayerNorm(torch.autograd.Function):
         if m:
             _fast_launch(_layer_norm_bwd_kernel, (programs,),
                          (x, weight if weight is not None else x, dy, dx, mean, rstd, dw, dbias, m, b, c, sa, sb, sc,
-                          *strides), 4, 3, HAS_W=weight is not None, ALIGN=_align(sa, sb),
-                         ALIGN_DX=_align(*strides[:2]), ROWS=rows, BLOCK_M=block_m, BLOCK_C=block_c)
+                          *strides, rows), 4, 3, HAS_W=weight is not None, ALIGN=_align(sa, sb),
+                         ALIGN_DX=_align(*strides[:2]), BLOCK_M=block_m, BLOCK_C=block_c)
         if not m:
             partials.zero_()
         sums = partials.sum(1)  # [2, C]: a fixed order, the same bits every run

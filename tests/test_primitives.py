@@ -414,6 +414,34 @@ def test_gpu_layer_norm_trains_like_the_module():
             assert rel_err(a, w) <= 2 * rel_err(b, w) + 1e-6, (rel_err(a, w), rel_err(b, w))
 
 
+def test_triton_layer_norm_compiles_nothing_per_length(monkeypatch):
+    """Two protein lengths launch the layer norm kernels with the same compile-time arguments, and every argument
+    that follows the length is left unspecialised (a new length must not stall on a Triton compile)."""
+    from attn_zoo.models import kernels
+
+    seen = []
+    real = kernels._fast_launch
+
+    def spy(kernel, grid, args, num_warps, num_stages, **constexprs):
+        seen.append((kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), tuple(constexprs.items())))
+        return real(kernel, grid, args, num_warps, num_stages, **constexprs)
+
+    monkeypatch.setattr(kernels, "_fast_launch", spy)
+    ln = torch.nn.LayerNorm(16)
+    for n in (5, 13):
+        z = torch.randn(n, n, 16, requires_grad=True)
+        for x in (z, z.transpose(0, 1)):  # the starting and the ending node's layouts
+            y = kernels.layer_norm(x, ln, torch.float32, force=True)
+            torch.autograd.grad(y.sum(), [z, ln.weight])
+    half = len(seen) // 2
+    assert half == 4 and seen[:half] == seen[half:], seen
+    for kernel, names in ((kernels._layer_norm_kernel, {"M", "B", "sa", "sb"}),
+                          (kernels._layer_norm_bwd_kernel, {"M", "B", "sa", "sb", "da", "db", "ROWS"})):
+        marked = getattr(kernel, "kwargs", None) or {}  # the interpreter keeps the decorator's arguments here
+        unspecialised = set(marked.get("do_not_specialize") or [kernel.arg_names[i] for i in kernel.do_not_specialize])
+        assert names <= unspecialised, (kernel, names - unspecialised)
+
+
 def test_triton_layer_norm_declines_what_it_cannot_serve():
     """None (the module runs instead) off CUDA unless forced, for a norm over more than the last dim and for a view
     of three strided row dims; the module's own path then gives nn.LayerNorm's result."""
