@@ -238,6 +238,10 @@ class _LayerNorm(torch.autograd.Function):
         return dx, gw, gb, None, None, None
 
 
+# The blocks' LayerNorm takes the kernels from this many rows (a pair tensor of N >= 512): on an H200 they cut the
+# eager Pairformer at N=768 from 67.7 to 54.3 ms, where below it the host-bound step came out mixed, N=384 slower
+# (docs/bench/issue20_h200.md).
+LAYER_NORM_MIN_ROWS = 1 << 18
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # float64 keeps the module's exact path
 _SMS: dict = {}
 

@@ -181,9 +181,10 @@ class LayerNorm(nn.LayerNorm):
     input is normalised in float32 first (a large mean would swamp a bf16 cast), a low-precision input is
     normalised in its own dtype (the kernel accumulates in float32). Without autocast: plain LayerNorm.
 
-    On CUDA in eager mode the Triton kernels of ``kernels.layer_norm`` do it (float32 statistics, the same
-    output dtypes), reading transposed and channels-last views in place and handing their gradient back in
-    the view's layout; under ``torch.compile`` and elsewhere, the PyTorch path above.
+    On CUDA in eager mode, for at least ``kernels.LAYER_NORM_MIN_ROWS`` rows, the Triton kernels of
+    ``kernels.layer_norm`` do it (float32 statistics, the same output dtypes), reading transposed and
+    channels-last views in place and handing their gradient back in the view's layout; under
+    ``torch.compile``, for fewer rows and elsewhere, the PyTorch path above.
     """
 
     def __init__(self, c: int, eps: float = 1e-5):
@@ -192,9 +193,10 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, x: Tensor) -> Tensor:
         dev = x.device.type
         auto = torch.is_autocast_enabled(dev)
-        if dev == "cuda" and (not auto or x.dtype in (torch.float32, torch.get_autocast_dtype(dev))):
+        if dev == "cuda" and x.numel() >= _kernels.LAYER_NORM_MIN_ROWS * x.shape[-1] and \
+                (not auto or x.dtype in (torch.float32, torch.get_autocast_dtype(dev))):
             # eager CUDA: the Triton kernels (float32 statistics, any row layout, several rows per program; the
-            # module's kernel runs one block per row: slow on the 128 channels of pair tensors)
+            # module's kernel runs one block per row: slow on the 128 channels of large pair tensors)
             y = _kernels.layer_norm(x, self, torch.get_autocast_dtype(dev) if auto else x.dtype)
             if y is not None:
                 return y

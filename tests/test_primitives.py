@@ -382,11 +382,17 @@ def test_triton_layer_norm_with_backward_against_float64(layout, dtypes, monkeyp
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_layer_norm_trains_like_the_module():
-    """The blocks' LayerNorm on CUDA (the Triton kernels) against PyTorch's path under bf16 autocast, on a pair
-    tensor and its transposed and channels-last views: output and every gradient within 2x PyTorch's own error
-    against float64 (plus a bf16 rounding of the output)."""
+def test_gpu_layer_norm_trains_like_the_module(monkeypatch):
+    """The blocks' LayerNorm on CUDA (the Triton kernels, here from any row count) against PyTorch's path under
+    bf16 autocast, on a pair tensor and its transposed and channels-last views: output and every gradient within
+    2x PyTorch's own error against float64 (plus a bf16 rounding of the output)."""
+    from attn_zoo.models import kernels
     from attn_zoo.models.primitives import LayerNorm
+
+    monkeypatch.setattr(kernels, "LAYER_NORM_MIN_ROWS", 0)
+    launched = []
+    real = kernels._LayerNorm.apply
+    monkeypatch.setattr(kernels._LayerNorm, "apply", lambda *a: launched.append(1) or real(*a))
 
     g = torch.Generator().manual_seed(11)
     ln = LayerNorm(128).cuda()
@@ -412,6 +418,7 @@ def test_gpu_layer_norm_trains_like_the_module():
         assert rel_err(y, y64) <= 2 * rel_err(ref_y, y64) + 1e-6
         for a, b, w in zip(got, ref, want):
             assert rel_err(a, w) <= 2 * rel_err(b, w) + 1e-6, (rel_err(a, w), rel_err(b, w))
+    assert len(launched) == 3  # the kernels ran, not the module
 
 
 def test_triton_layer_norm_compiles_nothing_per_length(monkeypatch):
