@@ -209,6 +209,7 @@ class _LayerNorm(torch.autograd.Function):
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # a double backward raises instead of dropping terms
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
         a, b, c, sa, sb, sc = ctx.view

@@ -193,7 +193,8 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, x: Tensor) -> Tensor:
         dev = x.device.type
         auto = torch.is_autocast_enabled(dev)
-        if dev == "cuda" and x.numel() >= _kernels.LAYER_NORM_MIN_ROWS * x.shape[-1] and \
+        if dev == "cuda" and not torch.compiler.is_compiling() and \
+                x.numel() >= _kernels.LAYER_NORM_MIN_ROWS * x.shape[-1] and \
                 (not auto or x.dtype in (torch.float32, torch.get_autocast_dtype(dev))):
             # eager CUDA: the Triton kernels (float32 statistics, any row layout, several rows per program; the
             # module's kernel runs one block per row: slow on the 128 channels of large pair tensors)

@@ -434,8 +434,9 @@ def test_triton_layer_norm_compiles_nothing_per_length(monkeypatch):
         return real(kernel, grid, args, num_warps, num_stages, **constexprs)
 
     monkeypatch.setattr(kernels, "_fast_launch", spy)
+    monkeypatch.setattr(kernels, "_sm_count", lambda device: 1)  # 8 programs at most: rows per program varies
     ln = torch.nn.LayerNorm(16)
-    for n in (5, 13):
+    for n in (5, 40):  # 25 and 1600 rows: one program of 64 rows, eight of 256
         z = torch.randn(n, n, 16, requires_grad=True)
         for x in (z, z.transpose(0, 1)):  # the starting and the ending node's layouts
             y = kernels.layer_norm(x, ln, torch.float32, force=True)
@@ -445,7 +446,8 @@ def test_triton_layer_norm_compiles_nothing_per_length(monkeypatch):
     for kernel, names in ((kernels._layer_norm_kernel, {"M", "B", "sa", "sb"}),
                           (kernels._layer_norm_bwd_kernel, {"M", "B", "sa", "sb", "da", "db", "ROWS"})):
         marked = getattr(kernel, "kwargs", None) or {}  # the interpreter keeps the decorator's arguments here
-        unspecialised = set(marked.get("do_not_specialize") or [kernel.arg_names[i] for i in kernel.do_not_specialize])
+        unspecialised = {kernel.arg_names[i] if isinstance(i, int) else i
+                         for i in marked.get("do_not_specialize") or kernel.do_not_specialize}
         assert names <= unspecialised, (kernel, names - unspecialised)
 
 
@@ -464,5 +466,28 @@ def test_triton_layer_norm_declines_what_it_cannot_serve():
     empty = torch.randn(0, 3, 8, requires_grad=True)  # no rows: an empty result, zero weight and bias gradients
     y = kernels.layer_norm(empty, ln, torch.float32, force=True)
     assert y.shape == (0, 3, 8)
-    dx, dw, db = torch.autograd.grad(y, [empty, ln.weight, ln.bias], torch.ones_like(y))
-    assert dx.shape == empty.shape and not dw.any() and not db.any()
+    real_empty = torch.empty
+    with pytest.MonkeyPatch.context() as mp:  # fresh buffers full of NaN: the zeros must be written
+        mp.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+        dx, dw, db = torch.autograd.grad(y, [empty, ln.weight, ln.bias], torch.ones_like(y))
+    assert dx.shape == empty.shape and torch.equal(dw, torch.zeros(8)) and torch.equal(db, torch.zeros(8))
+
+
+def test_triton_layer_norm_without_affine_parameters():
+    """``elementwise_affine=False`` (no weight, no bias): the kernels' HAS_W / HAS_B off, the input gradient against
+    float64, and a double backward refused rather than silently first-order."""
+    from attn_zoo.models import kernels
+
+    norm = torch.nn.LayerNorm(24, elementwise_affine=False)
+    x = (torch.randn(7, 5, 24) * 3 + 1).requires_grad_()
+    dy = torch.randn(7, 5, 24)
+    y = kernels.layer_norm(x, norm, torch.float32, force=True)
+    (dx,) = torch.autograd.grad(y, [x], dy)
+    x64 = x.detach().double().requires_grad_()
+    y64 = torch.nn.functional.layer_norm(x64, (24,), eps=norm.eps)
+    (want,) = torch.autograd.grad(y64, [x64], dy.double())
+    assert rel_err(y, y64) < 1e-5 and rel_err(dx, want) < 1e-4
+    y = kernels.layer_norm(x, norm, torch.float32, force=True)
+    (g,) = torch.autograd.grad(y, [x], dy, create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.sum().backward()

@@ -309,7 +309,7 @@ def _replay(key: Tuple, env: list) -> Optional[Plan]:
     if guard[0] is not tuning._CACHE or guard[1] is not tuning._INTERPRETER or guard[2] != TMA_MIN_SCORES:
         return None
     if plan.pending and all(job.done() for job in plan.pending):  # its own variants are ready: record anew
-        del _PLANS[key]
+        _PLANS.pop(key, None)  # (another thread may have dropped it first)
         return None
     for step in plan.steps:
         step(env)
