@@ -390,20 +390,25 @@ class _HeldPool:
         self.jobs.append((fn, fut))
         return fut
 
-    def release(self):
+    def release(self, fail: bool = False):
+        """Run the held jobs (``fail``: each ends with a compile error instead)."""
         for fn, fut in self.jobs:
             try:
+                if fail:
+                    raise RuntimeError("ptxas: a compile error")
                 fut.set_result(fn())
             except Exception as exc:  # noqa: BLE001
                 fut.set_exception(exc)
         self.jobs.clear()
 
 
-def test_tile_multiple_runs_the_general_variant_until_its_own_compiled(logged_launches, monkeypatch):
+@pytest.mark.parametrize("fail", [False, True])
+def test_tile_multiple_runs_the_general_variant_until_its_own_compiled(logged_launches, monkeypatch, fail):
     """A length that is a multiple of its bucket's tiles asks for EVEN_M / EVEN_N variants. While those compile on
     the background thread the general variant (already compiled for another length of the bucket) runs and the
     call's plan is kept with the pending compiles (replayed meanwhile); once they have ended, the next call records
-    its plan anew with the EVEN variants. A launch whose variant is
+    its plan anew with the EVEN variants (``fail``: the background compiles failed, and the call compiles them
+    itself, as without background compiles; the plan is kept, nothing loops). A launch whose variant is
     the general one never waits. Results stay those of a plain call (the launches here only log)."""
     from attn_ops.triton.common import LENGTH_ARGS
 
@@ -441,7 +446,7 @@ def test_tile_multiple_runs_the_general_variant_until_its_own_compiled(logged_la
     assert len(launch._PLANS) == plans + 2  # forward + backward, kept with their pending compiles
     assert all(p.pending for p in list(launch._PLANS.values())[-2:])
     assert call(32) == set() and len(pool.jobs) == len(general)  # still compiling: replayed, nothing submitted
-    pool.release()
+    pool.release(fail=fail)
     even = call(32)  # the compiles ended: recorded anew with the EVEN variants
     assert even and all(m and n_ for _, m, n_ in even) and len(launch._PLANS) == plans + 2
     assert not any(p.pending for p in launch._PLANS.values())
