@@ -158,19 +158,25 @@ def layer_norm_rows(x: Tensor, norm: nn.LayerNorm, channels_first: bool = False,
 
 
 def _launch(x: Tensor, norm: nn.LayerNorm, view, rows_shape, out_dtype: torch.dtype) -> Tensor:
-    a, b, c, sa, sb, sc = view
-    m = a * b
-    y = torch.empty(*rows_shape, c, dtype=out_dtype, device=x.device)
-    if m == 0:
+    y = torch.empty(*rows_shape, view[2], dtype=out_dtype, device=x.device)
+    if view[0] * view[1] == 0:
         return y
-    block_c = triton.next_power_of_2(c)
-    block_m = max(1, min(64, 4096 // block_c))
-    w, bias = norm.weight, norm.bias
-    _fast_launch(_layer_norm_kernel, (triton.cdiv(m, block_m),),
-                 (x, w if w is not None else x, bias if bias is not None else x, y, y, y, m, b, c, sa, sb, sc,
-                  norm.eps), 4, 3, HAS_W=w is not None, HAS_B=bias is not None, STATS=False, ALIGN=_align(sa, sb),
-                 BLOCK_M=block_m, BLOCK_C=block_c)
+    _forward(x, norm.weight, norm.bias, norm.eps, view, y)
     return y
+
+
+def _forward(x: Tensor, weight, bias, eps: float, view, y: Tensor, mean: Optional[Tensor] = None,
+             rstd: Optional[Tensor] = None) -> None:
+    """Launch the forward kernel over the rows of ``view`` (``_as_3d(x)``) into ``y``; with ``mean`` and ``rstd``,
+    each row's statistics too (what the backward reads)."""
+    a, b, c, sa, sb, sc = view
+    block_c, block_m = _tiles(c)
+    stats = mean is not None
+    _fast_launch(_layer_norm_kernel, (triton.cdiv(a * b, block_m),),
+                 (x, weight if weight is not None else x, bias if bias is not None else x, y,
+                  mean if stats else y, rstd if stats else y, a * b, b, c, sa, sb, sc, eps), 4, 3,
+                 HAS_W=weight is not None, HAS_B=bias is not None, STATS=stats, ALIGN=_align(sa, sb),
+                 BLOCK_M=block_m, BLOCK_C=block_c)
 
 
 def _align(*strides: int) -> int:
@@ -193,17 +199,12 @@ class _LayerNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps: float, out_dtype: torch.dtype, view):
-        a, b, c, sa, sb, sc = view
-        m = a * b
-        y = torch.empty(*x.shape[:-1], c, dtype=out_dtype, device=x.device)
+        m = view[0] * view[1]
+        y = torch.empty(*x.shape[:-1], view[2], dtype=out_dtype, device=x.device)
         mean = torch.empty(m, dtype=torch.float32, device=x.device)
         rstd = torch.empty_like(mean)
-        block_c, block_m = _tiles(c)
         if m:
-            _fast_launch(_layer_norm_kernel, (triton.cdiv(m, block_m),),
-                         (x, weight if weight is not None else x, bias if bias is not None else x, y, mean, rstd, m, b,
-                          c, sa, sb, sc, eps), 4, 3, HAS_W=weight is not None, HAS_B=bias is not None, STATS=True,
-                         ALIGN=_align(sa, sb), BLOCK_M=block_m, BLOCK_C=block_c)
+            _forward(x, weight, bias, eps, view, y, mean, rstd)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.view, ctx.bias_dtype = view, None if bias is None else bias.dtype
         return y
@@ -231,7 +232,7 @@ class _LayerNorm(torch.autograd.Function):
                          (x, weight if weight is not None else x, dy, dx, mean, rstd, dw, dbias, m, b, c, sa, sb, sc,
                           *strides, rows), 4, 3, HAS_W=weight is not None, ALIGN=_align(sa, sb),
                          ALIGN_DX=_align(*strides[:2]), BLOCK_M=block_m, BLOCK_C=block_c)
-        if not m:
+        else:
             partials.zero_()
         sums = partials.sum(1)  # [2, C]: a fixed order, the same bits every run
         gw = None if weight is None else sums[0].to(weight.dtype)
@@ -239,9 +240,8 @@ class _LayerNorm(torch.autograd.Function):
         return dx, gw, gb, None, None, None
 
 
-# The blocks' LayerNorm takes the kernels from this many rows (a pair tensor of N >= 512): on an H200 they cut the
-# eager Pairformer at N=768 from 67.7 to 54.3 ms, where below it the host-bound step came out mixed, N=384 slower
-# (docs/bench/issue20_h200.md).
+# The blocks' LayerNorm takes the kernels from this many rows (pair tensors of N >= 512): below it the eager step is
+# host-bound and the module's cheaper launch did as well (docs/bench/issue20_h200.md).
 LAYER_NORM_MIN_ROWS = 1 << 18
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # float64 keeps the module's exact path
 _SMS: dict = {}

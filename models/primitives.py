@@ -193,15 +193,15 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, x: Tensor) -> Tensor:
         dev = x.device.type
         auto = torch.is_autocast_enabled(dev)
-        if dev == "cuda" and not torch.compiler.is_compiling() and \
-                x.numel() >= _kernels.LAYER_NORM_MIN_ROWS * x.shape[-1] and \
-                (not auto or x.dtype in (torch.float32, torch.get_autocast_dtype(dev))):
+        autocast_input = auto and x.dtype in (torch.float32, torch.get_autocast_dtype(dev))
+        if dev == "cuda" and not torch.compiler.is_compiling() and (autocast_input or not auto) and \
+                x.numel() >= _kernels.LAYER_NORM_MIN_ROWS * x.shape[-1]:
             # eager CUDA: the Triton kernels (float32 statistics, any row layout, several rows per program; the
             # module's kernel runs one block per row: slow on the 128 channels of large pair tensors)
             y = _kernels.layer_norm(x, self, torch.get_autocast_dtype(dev) if auto else x.dtype)
             if y is not None:
                 return y
-        if auto and x.dtype in (torch.float32, torch.get_autocast_dtype(dev)):
+        if autocast_input:
             dt = torch.get_autocast_dtype(dev)
             with torch.autocast(dev, enabled=False):
                 if x.dtype == dt:

@@ -320,8 +320,8 @@ def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z:
     """Rows (VARLEN_FIELDS) of one backend stepping through ``lengths``: per length ``repeats`` fwd+bwd steps
     (bf16 autocast, train mode), wall time with a sync after each; first = the first step, steady = the fastest of
     the others. Lengths not started within ``budget_s`` get a "skipped: time limit" row. ``empty_cache``: hand the
-    allocator's cached memory back to the driver after each length (a training loop does not, and every first step
-    then allocates from the driver: 28 of 37 lengths over 1.5x against 8, docs/bench/varlen_h100.md)."""
+    allocator's cached memory back to the driver after each length (a training loop does not: every first step
+    would then allocate from the driver; docs/bench/issue20_h200.md)."""
     if repeats < 2:
         raise ValueError(f"varlen repeats must be >= 2 (a first and a steady step), got {repeats}")
     t0 = time.perf_counter()
@@ -447,7 +447,8 @@ def _varlen_worker(backend: str, lengths, budget: float, empty_cache: bool = Fal
 
 def _varlen_in_subprocess(backend: str, args, lengths, budget: float):
     """Rows of one backend, run in a fresh Python process: no backend inherits another's compiled kernels, cuBLAS
-    heuristics (a new GEMM shape costs ~0.2-1 ms of host time on its first call) or allocator segments."""
+    heuristics (a new GEMM shape costs host time on its first call: docs/bench/issue20_h200.md) or allocator
+    segments."""
     cmd = [sys.executable, os.path.abspath(__file__), "--varlen-worker", backend, "--varlen-count",
            str(args.varlen_count), "--varlen-seed", str(args.varlen_seed), "--time-limit", str(budget)] + (
         ["--varlen-empty-cache"] if args.varlen_empty_cache else [])

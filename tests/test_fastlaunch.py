@@ -214,7 +214,7 @@ def test_background_compile_reports_pending_ready_and_failed(monkeypatch):
     assert fastlaunch.wait_background(timeout=0.05) >= 0.04  # waited, then gave up while the compile is held
     assert fastlaunch.compile_in_background(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True) == "pending"
     go.set()
-    assert fastlaunch.wait_background() >= 0  # what benchmarks call before timing a steady state
+    fastlaunch.wait_background()  # what benchmarks call before timing a steady state: the job has ended after it
     assert fastlaunch.compile_in_background(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True) == "ready"
     assert fastlaunch.is_compiled(k, (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)
     assert [e[0] for e in k.log] == ["warmup"]
