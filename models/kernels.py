@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -161,22 +161,25 @@ def _launch(x: Tensor, norm: nn.LayerNorm, view, rows_shape, out_dtype: torch.dt
     y = torch.empty(*rows_shape, view[2], dtype=out_dtype, device=x.device)
     if view[0] * view[1] == 0:
         return y
-    _forward(x, norm.weight, norm.bias, norm.eps, view, y)
+    _forward(x, norm.weight, norm.bias, norm.eps, _make_plan(view, x.device), y)
     return y
 
 
-def _forward(x: Tensor, weight, bias, eps: float, view, y: Tensor, mean: Optional[Tensor] = None,
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # (triton.cdiv is a jit-wrapped function: microseconds per call on the host path)
+
+
+def _forward(x: Tensor, weight, bias, eps: float, plan: "_Plan", y: Tensor, mean: Optional[Tensor] = None,
              rstd: Optional[Tensor] = None) -> None:
-    """Launch the forward kernel over the rows of ``view`` (``_as_3d(x)``) into ``y``; with ``mean`` and ``rstd``,
-    each row's statistics too (what the backward reads)."""
-    a, b, c, sa, sb, sc = view
-    block_c, block_m = _tiles(c)
+    """Launch the forward kernel over the rows of ``plan.view`` (``_as_3d(x)``) into ``y``; with ``mean`` and
+    ``rstd``, each row's statistics too (what the backward reads)."""
+    a, b, c, sa, sb, sc = plan.view
     stats = mean is not None
-    _fast_launch(_layer_norm_kernel, (triton.cdiv(a * b, block_m),),
+    _fast_launch(_layer_norm_kernel, (_cdiv(a * b, plan.block_m),),
                  (x, weight if weight is not None else x, bias if bias is not None else x, y,
                   mean if stats else y, rstd if stats else y, a * b, b, c, sa, sb, sc, eps), 4, 3,
-                 HAS_W=weight is not None, HAS_B=bias is not None, STATS=stats, ALIGN=_align(sa, sb),
-                 BLOCK_M=block_m, BLOCK_C=block_c)
+                 HAS_W=weight is not None, HAS_B=bias is not None, STATS=stats, ALIGN=plan.align,
+                 BLOCK_M=plan.block_m, BLOCK_C=plan.block_c)
 
 
 def _align(*strides: int) -> int:
@@ -189,49 +192,88 @@ def _align(*strides: int) -> int:
 
 def _tiles(c: int):
     """(BLOCK_C, BLOCK_M) of the layer norm kernels for ``c`` channels: about 4096 elements per tile."""
-    block_c = triton.next_power_of_2(c)
+    block_c = 1 << max(0, c - 1).bit_length()  # next power of two
     return block_c, max(1, min(64, 4096 // block_c))
+
+
+class _Plan(NamedTuple):
+    """What a layer norm launch needs beyond the tensors, worked out once per input shape and strides: the row
+    view (``_as_3d``), its alignment, the tiles, and the backward's programs and rows per program (a multiple of
+    ``block_m``)."""
+
+    view: tuple
+    align: int
+    block_c: int
+    block_m: int
+    programs: int
+    rows: int
+
+
+def _make_plan(view, device: torch.device) -> _Plan:
+    a, b, c, sa, sb, _ = view
+    m = a * b
+    block_c, block_m = _tiles(c)
+    programs = max(1, min(_cdiv(m, block_m), 8 * _sm_count(device)))
+    rows = max(block_m, _cdiv(_cdiv(m, programs), block_m) * block_m)
+    return _Plan(view, _align(sa, sb), block_c, block_m, max(1, _cdiv(m, rows)), rows)
+
+
+# (shape, strides, device index) -> _Plan, or None where no row view exists; the training layer norm's host path
+_PLANS: dict = {}
+_PLANS_MAX = 4096
+
+
+def _plan(x: Tensor) -> Optional[_Plan]:
+    key = (x.shape, x.stride(), x.get_device())
+    try:
+        return _PLANS[key]
+    except KeyError:
+        pass
+    view = _as_3d(x, False)
+    plan = None if view is None else _make_plan(view, x.device)
+    if len(_PLANS) >= _PLANS_MAX:  # many shapes seen: start over
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
 
 
 class _LayerNorm(torch.autograd.Function):
     """``layer_norm`` with float32 statistics, the output in ``out_dtype`` (contiguous ``[*rows, C]``) and the input
-    gradient in the input's layout (see the module docstring); ``view`` is ``_as_3d(x)``."""
+    gradient in the input's layout (see the module docstring); ``plan`` is ``_plan(x)``."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps: float, out_dtype: torch.dtype, view):
+    def forward(ctx, x, weight, bias, eps: float, out_dtype: torch.dtype, plan: _Plan):
+        view = plan.view
         m = view[0] * view[1]
         y = torch.empty(*x.shape[:-1], view[2], dtype=out_dtype, device=x.device)
-        mean = torch.empty(m, dtype=torch.float32, device=x.device)
-        rstd = torch.empty_like(mean)
+        # each row's mean and 1/std; rows padded to 4 keep both 16-byte aligned (no second compiled variant)
+        stats = torch.empty(2, _cdiv(m, 4) * 4, dtype=torch.float32, device=x.device)
         if m:
-            _forward(x, weight, bias, eps, view, y, mean, rstd)
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.view, ctx.bias_dtype = view, None if bias is None else bias.dtype
+            _forward(x, weight, bias, eps, plan, y, stats[0], stats[1])
+        ctx.save_for_backward(x, weight, stats)
+        ctx.plan, ctx.bias_dtype = plan, None if bias is None else bias.dtype
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # a double backward raises instead of dropping terms
     def backward(ctx, dy):
-        x, weight, mean, rstd = ctx.saved_tensors
-        a, b, c, sa, sb, sc = ctx.view
+        x, weight, stats = ctx.saved_tensors
+        plan = ctx.plan
+        a, b, c, sa, sb, sc = plan.view
         m = a * b
         dy = dy.contiguous()
         dx = torch.empty_like(x)  # a dense view (transposed, channels-last) keeps its strides: so does its gradient
         if dx.stride() == x.stride():
-            strides = (sa, sb, sc)
+            strides, align_dx = (sa, sb, sc), plan.align
         else:  # a view with gaps (a slice): a contiguous gradient, rows in the same order
             dx, strides = torch.empty(x.shape, dtype=x.dtype, device=x.device), (b * c, c, 1)
-        block_c, block_m = _tiles(c)
-        programs = max(1, min(triton.cdiv(m, block_m), 8 * _sm_count(x.device)))
-        rows = max(block_m, triton.cdiv(triton.cdiv(m, programs), block_m) * block_m)
-        programs = max(1, triton.cdiv(m, rows))
-        partials = torch.empty(2, programs, c, dtype=torch.float32, device=x.device)  # every program writes its row
-        dw, dbias = partials[0], partials[1]
+            align_dx = _align(b * c, c)
+        partials = torch.empty(2, plan.programs, c, dtype=torch.float32, device=x.device)  # one row per program
         if m:
-            _fast_launch(_layer_norm_bwd_kernel, (programs,),
-                         (x, weight if weight is not None else x, dy, dx, mean, rstd, dw, dbias, m, b, c, sa, sb, sc,
-                          *strides, rows), 4, 3, HAS_W=weight is not None, ALIGN=_align(sa, sb),
-                         ALIGN_DX=_align(*strides[:2]), BLOCK_M=block_m, BLOCK_C=block_c)
+            _fast_launch(_layer_norm_bwd_kernel, (plan.programs,),
+                         (x, weight if weight is not None else x, dy, dx, stats[0], stats[1], partials[0],
+                          partials[1], m, b, c, sa, sb, sc, *strides, plan.rows), 4, 3, HAS_W=weight is not None,
+                         ALIGN=plan.align, ALIGN_DX=align_dx, BLOCK_M=plan.block_m, BLOCK_C=plan.block_c)
         else:
             partials.zero_()
         sums = partials.sum(1)  # [2, C]: a fixed order, the same bits every run
@@ -267,7 +309,7 @@ def layer_norm(x: Tensor, norm: nn.LayerNorm, out_dtype: torch.dtype, force: boo
             len(norm.normalized_shape) != 1 or x.dim() == 0 or x.shape[-1] != norm.normalized_shape[0] or \
             x.dtype not in _FLOATS or out_dtype not in _FLOATS:
         return None
-    view = _as_3d(x, False)
-    if view is None:
+    plan = _plan(x)
+    if plan is None:
         return None
-    return _LayerNorm.apply(x, norm.weight, norm.bias, norm.eps, out_dtype, view)
+    return _LayerNorm.apply(x, norm.weight, norm.bias, norm.eps, out_dtype, plan)

@@ -161,15 +161,33 @@ def fused_linear(x: Tensor, layers: Sequence[nn.Linear]) -> Tuple[Tensor, ...]:
         return (layers[0](x),)
     sizes = [lin.out_features for lin in layers]
     pad = -sum(sizes) % 8
-    zero_rows = [layers[0].weight.new_zeros(pad, layers[0].in_features)] if pad else []
+    w0 = layers[0].weight
+    zero_rows = [_zeros(w0, pad, layers[0].in_features)] if pad else []
     w = torch.cat([lin.weight for lin in layers] + zero_rows)  # [sum(out) + pad, in]
     b = None
     if any(lin.bias is not None for lin in layers):
         b = torch.cat([
-            lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features) for lin in layers
-        ] + ([layers[0].weight.new_zeros(pad)] if pad else []))
+            lin.bias if lin.bias is not None else _zeros(w0, lin.out_features) for lin in layers
+        ] + ([_zeros(w0, pad)] if pad else []))
     y = nn.functional.linear(x, w, b)  # [*, sum(out) + pad]
     return y.split(sizes + ([pad] if pad else []), dim=-1)[: len(layers)]
+
+
+_ZEROS: dict = {}  # (device, dtype) -> a zero buffer that _zeros hands out views of
+
+
+def _zeros(like: Tensor, *shape: int) -> Tensor:
+    """Zeros of ``shape`` in ``like``'s dtype and device, read-only: in eager mode a view of one cached buffer (no
+    allocation and no fill kernel per call: ``fused_linear`` pads every call with them); traced, plain zeros."""
+    if torch.compiler.is_compiling() or type(like) not in (torch.Tensor, nn.Parameter) or like.is_meta:
+        return like.new_zeros(shape)  # traced, or a fake / meta / subclass tensor: nothing to cache
+    n = math.prod(shape)
+    key = (like.device, like.dtype)
+    buf = _ZEROS.get(key)
+    if buf is None or buf.numel() < n:
+        with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whatever mode the caller runs in
+            buf = _ZEROS[key] = torch.zeros(max(n, 1024), dtype=like.dtype, device=like.device)
+    return buf[:n].view(shape)
 
 
 class LayerNorm(nn.LayerNorm):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from attn_ops.reference import attention_reference
+from attn_zoo.models import primitives
 from attn_zoo.models.primitives import (
     Attention,
     AttentionConfig,
@@ -291,6 +292,28 @@ def test_fused_linear_equals_separate_layers(widths, biases):
     want = torch.autograd.grad(ref, params, gs)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for buf in primitives._ZEROS.values():  # the shared zero padding is read, never written
+        assert not buf.any()
+
+
+def test_fused_linear_padding_allocates_once(monkeypatch):
+    """The zero rows and missing biases that pad the concatenated weights are views of one cached buffer per
+    device and dtype (no allocation or fill per call), grown when a wider pad asks; inference mode does not leak an
+    inference tensor into later training calls."""
+    monkeypatch.setattr(primitives, "_ZEROS", {})
+    layers = [torch.nn.Linear(12, w, bias=b) for w, b in ((8, False), (3, True), (5, False))]
+    x = torch.randn(4, 12, requires_grad=True)
+    with torch.inference_mode():
+        fused_linear(torch.randn(4, 12), layers)
+    assert len(primitives._ZEROS) == 1
+    buf = next(iter(primitives._ZEROS.values()))
+    assert not buf.is_inference() and buf.numel() >= 12 * 8
+    outs = fused_linear(x, layers)
+    sum(o.sum() for o in outs).backward()  # a training call after the inference one
+    assert next(iter(primitives._ZEROS.values())) is buf
+    wide = [torch.nn.Linear(2000, 3, bias=False), torch.nn.Linear(2000, 2, bias=False)]  # pad 3 x 2000 > the buffer
+    fused_linear(torch.randn(1, 2000), wide)
+    assert next(iter(primitives._ZEROS.values())).numel() >= 6000 and not primitives._ZEROS[(buf.device, buf.dtype)].any()
 
 
 def test_chunk_rows_matches_unchunked():
@@ -349,6 +372,7 @@ def test_triton_layer_norm_with_backward_against_float64(layout, dtypes, monkeyp
     real_tiles = kernels._tiles
     monkeypatch.setattr(kernels, "_tiles", lambda c: (real_tiles(c)[0], 4))
     monkeypatch.setattr(kernels, "_sm_count", lambda device: 1)
+    monkeypatch.setattr(kernels, "_PLANS", {})  # no plan of another test's tiles for these shapes
     x_dtype, out_dtype = dtypes
     g = torch.Generator().manual_seed(7)
     C, N = 24, 6
@@ -432,6 +456,7 @@ def test_triton_layer_norm_compiles_nothing_per_length(monkeypatch):
 
     monkeypatch.setattr(kernels, "_fast_launch", spy)
     monkeypatch.setattr(kernels, "_sm_count", lambda device: 1)  # 8 programs at most: rows per program varies
+    monkeypatch.setattr(kernels, "_PLANS", {})
     ln = torch.nn.LayerNorm(16)
     for n in (5, 40):  # 25 and 1600 rows: one program of 64 rows, eight of 256
         z = torch.randn(n, n, 16, requires_grad=True)
@@ -488,3 +513,20 @@ def test_triton_layer_norm_without_affine_parameters():
     (g,) = torch.autograd.grad(y, [x], dy, create_graph=True)
     with pytest.raises(RuntimeError):
         g.sum().backward()
+
+
+def test_triton_layer_norm_plans_once_per_layout(monkeypatch):
+    """The training layer norm works out its row view, tiles and backward split once per input shape and strides
+    (the host path of every later call is a dict lookup): equal layouts share a plan, a transposed view gets its
+    own, a view the kernels cannot read is remembered as None."""
+    from attn_zoo.models import kernels
+
+    monkeypatch.setattr(kernels, "_PLANS", {})
+    z = torch.randn(6, 7, 16)
+    plan = kernels._plan(z)
+    assert plan is kernels._plan(torch.randn(6, 7, 16)) and plan.view == (1, 42, 16, 0, 16, 1)  # rows merged
+    t = kernels._plan(z.transpose(0, 1))
+    assert t is not plan and t.view == (7, 6, 16, 16, 112, 1)
+    assert plan.rows % plan.block_m == 0 and plan.programs * plan.rows >= 42
+    odd = torch.randn(4, 6, 8, 8)[::2, ::2, ::2]
+    assert kernels._plan(odd) is None and len(kernels._PLANS) == 3
