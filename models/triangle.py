@@ -80,8 +80,8 @@ class TriangleMultiplication(nn.Module):
             bias = torch.cat([self.linear_ab_g.bias, self.linear_ab_p.bias], dim=0)  # [4C]
         c2 = 2 * self.c_hidden
         if torch.compiler.is_compiling():
-            y = nn.functional.linear(zn, w, bias)  # [*, N, N, 4C]
-            ab = torch.sigmoid(y[..., :c2]) * y[..., c2:]  # [*, N, N, 2C]
+            gate, proj = nn.functional.linear(zn, w, bias).split(c2, dim=-1)  # [*, N, N, 2C] each
+            ab = torch.sigmoid(gate) * proj  # [*, N, N, 2C]
             if pair_mask is not None:
                 ab = ab * pair_mask.unsqueeze(-1).to(ab.dtype)
             return ab.movedim(-1, -3).contiguous()
@@ -89,8 +89,9 @@ class TriangleMultiplication(nn.Module):
         zt = zn.reshape(-1, n * n, zn.shape[-1]).transpose(-1, -2)  # [B', c_z, N*N]
         wb = w.expand(zt.shape[0], -1, -1)  # [B', 4C, c_z]
         y = torch.bmm(wb, zt) if bias is None else torch.baddbmm(bias[None, :, None], wb, zt)  # [B', 4C, N*N]
-        y = y.reshape(*lead, 2 * c2, n, n)  # [*, 4C, N, N]
-        ab = torch.sigmoid(y[..., :c2, :, :]) * y[..., c2:, :, :]  # [*, 2C, N, N]
+        # split, not two slices: the backward is one concatenation, not a zero-filled buffer per slice and a sum
+        gate, proj = y.reshape(*lead, 2 * c2, n, n).split(c2, dim=-3)  # [*, 2C, N, N] each
+        ab = torch.sigmoid(gate) * proj  # [*, 2C, N, N]
         if pair_mask is not None:
             ab = ab * pair_mask.unsqueeze(-3).to(ab.dtype)
         return ab
@@ -102,7 +103,7 @@ class TriangleMultiplication(nn.Module):
         """
         zn = self.layer_norm_in(z)  # [*, N, N, c_z]
         ab = self._gated_channels_first(zn, pair_mask)  # [*, 2C, N, N]
-        a, b = ab[..., : self.c_hidden, :, :], ab[..., self.c_hidden :, :, :]  # [*, C, N, N] each, contiguous
+        a, b = ab.split(self.c_hidden, dim=-3)  # [*, C, N, N] each, contiguous
         if self.outgoing:
             x = torch.matmul(a, b.transpose(-1, -2))  # [*, C, I, J]: sum_k a[i, k] b[j, k]
         else:
