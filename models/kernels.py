@@ -285,6 +285,8 @@ class _LayerNorm(torch.autograd.Function):
 # The blocks' LayerNorm takes the kernels from this many rows (pair tensors of N >= 512): below it the eager step is
 # host-bound and the module's cheaper launch did as well (docs/bench/issue20_h200.md).
 LAYER_NORM_MIN_ROWS = 1 << 18
+# ... and at any size for a view that is not contiguous: they read it in place where PyTorch's layer norm copies it.
+LAYER_NORM_STRIDED = True
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # float64 keeps the module's exact path
 _SMS: dict = {}
 

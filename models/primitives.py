@@ -199,10 +199,11 @@ class LayerNorm(nn.LayerNorm):
     input is normalised in float32 first (a large mean would swamp a bf16 cast), a low-precision input is
     normalised in its own dtype (the kernel accumulates in float32). Without autocast: plain LayerNorm.
 
-    On CUDA in eager mode, for at least ``kernels.LAYER_NORM_MIN_ROWS`` rows, the Triton kernels of
-    ``kernels.layer_norm`` do it (float32 statistics, the same output dtypes), reading transposed and
-    channels-last views in place and handing their gradient back in the view's layout; under
-    ``torch.compile``, for fewer rows and elsewhere, the PyTorch path above.
+    On CUDA in eager mode, for at least ``kernels.LAYER_NORM_MIN_ROWS`` rows or a non-contiguous view (the ending
+    node's transposed pair, the triangle product's channels-last view: PyTorch would copy it first), the Triton
+    kernels of ``kernels.layer_norm`` do it (float32 statistics, the same output dtypes), reading such views in place
+    and handing their gradient back in the view's layout; under ``torch.compile``, for fewer rows of a contiguous
+    input and elsewhere, the PyTorch path above.
     """
 
     def __init__(self, c: int, eps: float = 1e-5):
@@ -212,10 +213,12 @@ class LayerNorm(nn.LayerNorm):
         dev = x.device.type
         auto = torch.is_autocast_enabled(dev)
         autocast_input = auto and x.dtype in (torch.float32, torch.get_autocast_dtype(dev))
-        if dev == "cuda" and not torch.compiler.is_compiling() and (autocast_input or not auto) and \
-                x.numel() >= _kernels.LAYER_NORM_MIN_ROWS * x.shape[-1]:
+        if dev == "cuda" and not torch.compiler.is_compiling() and (autocast_input or not auto) and (
+                x.numel() >= _kernels.LAYER_NORM_MIN_ROWS * x.shape[-1] or
+                (_kernels.LAYER_NORM_STRIDED and not x.is_contiguous())):
             # eager CUDA: the Triton kernels (float32 statistics, any row layout, several rows per program; the
-            # module's kernel runs one block per row: slow on the 128 channels of large pair tensors)
+            # module's kernel runs one block per row: slow on the 128 channels of large pair tensors, and a
+            # transposed or channels-last view costs it a transposing copy first)
             y = _kernels.layer_norm(x, self, torch.get_autocast_dtype(dev) if auto else x.dtype)
             if y is not None:
                 return y

@@ -442,6 +442,35 @@ def test_gpu_layer_norm_trains_like_the_module(monkeypatch):
     assert len(launched) == 3  # the kernels ran, not the module
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_layer_norm_routes_views_to_the_kernels(monkeypatch):
+    """Below ``LAYER_NORM_MIN_ROWS`` a contiguous input takes PyTorch's layer norm, while a transposed or
+    channels-last view takes the kernels (they read it in place; PyTorch would copy it first), with the module's
+    result; ``LAYER_NORM_STRIDED`` False sends the views to PyTorch too."""
+    from attn_zoo.models import kernels
+    from attn_zoo.models.primitives import LayerNorm
+
+    launched = []
+    real = kernels._LayerNorm.apply
+    monkeypatch.setattr(kernels._LayerNorm, "apply", lambda *a: launched.append(1) or real(*a))
+    ln = LayerNorm(32).cuda()
+    z = torch.randn(20, 21, 32, device="cuda")
+    assert z.numel() < kernels.LAYER_NORM_MIN_ROWS * 32
+    for x, want in ((z, 0), (z.transpose(0, 1), 1), (torch.randn(32, 20, 21, device="cuda").movedim(0, -1), 1)):
+        launched.clear()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = ln(x)
+            ref = torch.nn.LayerNorm.forward(ln, x).bfloat16()
+        assert len(launched) == want and y.dtype == torch.bfloat16
+        torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2)  # one bf16 rounding apart
+    monkeypatch.setattr(kernels, "LAYER_NORM_STRIDED", False)
+    launched.clear()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ln(z.transpose(0, 1))
+    assert not launched
+
+
 def test_triton_layer_norm_compiles_nothing_per_length(monkeypatch):
     """Two protein lengths launch the layer norm kernels with the same compile-time arguments, and every argument
     that follows the length is left unspecialised (a new length must not stall on a Triton compile)."""
