@@ -145,6 +145,65 @@ class Linear(nn.Linear):
             if self.bias is not None:
                 self.bias.fill_(1.0 if init == "gating" else 0.0)
 
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+# Rows from which an eager CUDA linear with a bias takes ``_LinearBiasByMatmul`` (pair tensors of N >= 512, where the
+# step is bound by GPU time; below it the Function's Python host time would cost more than it saves).
+BIAS_GRAD_MATMUL_MIN_ROWS = 1 << 18
+
+
+class _LinearBiasByMatmul(torch.autograd.Function):
+    """``F.linear(x, w, b)`` (autocast's dtype rule) whose bias gradient is one matmul, ``1^T @ dy``, instead of
+    PyTorch's column sum of ``dy [rows, out]``: that reduction runs at a fraction of the memory bandwidth on the
+    hundreds of thousands of rows of a pair tensor. The input and weight gradients are the same two matmuls."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        dev = x.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        x, weight = x.to(dt), weight.to(dt)
+        ctx.save_for_backward(x, weight)
+        with torch.autocast(dev, enabled=False):
+            return nn.functional.linear(x, weight, bias.to(dt))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(x.dtype)  # [rows, out]
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = (dy2 @ weight).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            dw = dy2.t() @ x.reshape(-1, x.shape[-1])
+        if ctx.needs_input_grad[2]:
+            db = (dy2.new_ones(1, dy2.shape[0]) @ dy2).view(-1)  # fp32 accumulation inside the matmul
+        return dx, dw, db  # autograd casts each to its input's dtype
+
+
+def _autocast_or_one_dtype(x: Tensor, weight: Tensor, bias: Tensor) -> bool:
+    """Whether ``_LinearBiasByMatmul`` casts as ``F.linear`` would: under autocast every operand a 16/32-bit float
+    (autocast casts those), else one dtype for all three (no cast at all)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return all(t.dtype in _AUTOCAST_FLOATS for t in (x, weight, bias))
+    return x.dtype == weight.dtype == bias.dtype
+
+
+_AUTOCAST_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``nn.functional.linear``; on eager CUDA with a bias, gradients on and at least ``BIAS_GRAD_MATMUL_MIN_ROWS``
+    rows, :class:`_LinearBiasByMatmul` (the same result; the bias's gradient by a matmul)."""
+    if bias is not None and x.is_cuda and x.numel() >= BIAS_GRAD_MATMUL_MIN_ROWS * x.shape[-1] and \
+            torch.is_grad_enabled() and bias.requires_grad and not torch.compiler.is_compiling() and \
+            type(x) is torch.Tensor and not torch._C._are_functorch_transforms_active() and \
+            _autocast_or_one_dtype(x, weight, bias):
+        return _LinearBiasByMatmul.apply(x, weight, bias)
+    return nn.functional.linear(x, weight, bias)
+
 
 def fused_linear(x: Tensor, layers: Sequence[nn.Linear]) -> Tuple[Tensor, ...]:
     """``tuple(layer(x) for layer in layers)`` computed by one matmul on the concatenated weights.
@@ -169,7 +228,7 @@ def fused_linear(x: Tensor, layers: Sequence[nn.Linear]) -> Tuple[Tensor, ...]:
         b = torch.cat([
             lin.bias if lin.bias is not None else _zeros(w0, lin.out_features) for lin in layers
         ] + ([_zeros(w0, pad)] if pad else []))
-    y = nn.functional.linear(x, w, b)  # [*, sum(out) + pad]
+    y = linear(x, w, b)  # [*, sum(out) + pad]
     return y.split(sizes + ([pad] if pad else []), dim=-1)[: len(layers)]
 
 

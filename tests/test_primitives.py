@@ -471,6 +471,35 @@ def test_gpu_layer_norm_routes_views_to_the_kernels(monkeypatch):
     assert not launched
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_linear_bias_gradient_by_matmul(monkeypatch):
+    """The blocks' Linear on CUDA under bf16 autocast with the matmul bias gradient (here from any row count) against
+    F.linear: output and every gradient within 2x PyTorch's own error against float64 (its matmul's error for the
+    bias, a sum over the rows)."""
+    monkeypatch.setattr(primitives, "BIAS_GRAD_MATMUL_MIN_ROWS", 0)
+    g = torch.Generator().manual_seed(3)
+    lin = Linear(128, 96).cuda()
+    with torch.no_grad():
+        lin.weight.normal_(0, 128 ** -0.5, generator=None)
+        lin.bias.copy_(torch.randn(96, generator=g))
+    x = torch.randn(7, 61, 128, generator=g).cuda().requires_grad_()
+    dy = torch.randn(7, 61, 96, generator=g).cuda().bfloat16()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ours = lin(x)
+        plain = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    assert "LinearBiasByMatmul" in type(ours.grad_fn).__name__ and ours.dtype == torch.bfloat16
+    got = torch.autograd.grad(ours, [x, lin.weight, lin.bias], dy)
+    ref = torch.autograd.grad(plain, [x, lin.weight, lin.bias], dy)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, lin.weight, lin.bias))
+    want = torch.autograd.grad(torch.nn.functional.linear(x64, w64, b64), [x64, w64, b64], dy.double())
+    dy2 = dy.reshape(-1, 96)
+    own = rel_err(dy2.new_ones(1, dy2.shape[0]) @ dy2, want[2][None])
+    for a, r, t, extra in zip(got, ref, want, (0.0, 0.0, own)):
+        assert a.dtype == torch.float32
+        assert rel_err(a, t) <= 2 * max(rel_err(r, t), extra) + 1e-6, (rel_err(a, t), rel_err(r, t), extra)
+
+
 def test_triton_layer_norm_compiles_nothing_per_length(monkeypatch):
     """Two protein lengths launch the layer norm kernels with the same compile-time arguments, and every argument
     that follows the length is left unspecialised (a new length must not stall on a Triton compile)."""
@@ -559,3 +588,46 @@ def test_triton_layer_norm_plans_once_per_layout(monkeypatch):
     assert plan.rows % plan.block_m == 0 and plan.programs * plan.rows >= 42
     odd = torch.randn(4, 6, 8, 8)[::2, ::2, ::2]
     assert kernels._plan(odd) is None and len(kernels._PLANS) == 3
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_linear_bias_gradient_by_matmul_matches_linear(autocast):
+    """``_LinearBiasByMatmul`` (the blocks' eager CUDA linear on large inputs, here called directly on the CPU) gives
+    F.linear's output dtype and every gradient in its input's dtype, against float64 within 2x PyTorch's own error
+    (fp32, and bf16 autocast with fp32 parameters, as the blocks train)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 37, 24, generator=g, requires_grad=True)
+    w = (torch.randn(20, 24, generator=g) / 5).requires_grad_()
+    b = torch.randn(20, generator=g).requires_grad_()
+    dy = torch.randn(3, 37, 20, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ours = primitives._LinearBiasByMatmul.apply(x, w, b)
+        plain = torch.nn.functional.linear(x, w, b)
+    assert ours.dtype == plain.dtype == (torch.bfloat16 if autocast else torch.float32)
+    got = torch.autograd.grad(ours, [x, w, b], dy.to(ours.dtype))
+    ref = torch.autograd.grad(plain, [x, w, b], dy.to(plain.dtype))
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    y64 = torch.nn.functional.linear(x64, w64, b64)
+    want = torch.autograd.grad(y64, [x64, w64, b64], dy.to(ours.dtype).double())
+    assert rel_err(ours, y64) <= 2 * rel_err(plain, y64) + 1e-7
+    # the bias gradient is a matmul over the rows now: PyTorch's own error for it is that of its matmul (sequential
+    # accumulation), which can exceed its pairwise column sum's
+    dy2 = dy.to(ours.dtype).reshape(-1, 20)
+    own = rel_err(torch.ones(1, dy2.shape[0], dtype=dy2.dtype) @ dy2, want[2][None])
+    for a, r, t, leaf, extra in zip(got, ref, want, (x, w, b), (0.0, 0.0, own)):
+        assert a.dtype == leaf.dtype
+        assert rel_err(a, t) <= 2 * max(rel_err(r, t), extra) + 1e-7, (rel_err(a, t), rel_err(r, t), extra)
+
+
+def test_linear_takes_the_matmul_bias_gradient_only_where_it_applies():
+    """``primitives.linear`` keeps F.linear off CUDA, below the row threshold, without a trainable bias and for
+    mixed dtypes outside autocast (F.linear's own error then)."""
+    x = torch.randn(4, 8)
+    lin = Linear(8, 3)
+    assert not isinstance(primitives.linear(x, lin.weight, lin.bias).grad_fn, type(None))
+    assert "LinearBiasByMatmul" not in type(primitives.linear(x, lin.weight, lin.bias).grad_fn).__name__
+    assert not primitives._autocast_or_one_dtype(x.bfloat16(), lin.weight, lin.bias)
+    assert primitives._autocast_or_one_dtype(x, lin.weight, lin.bias)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert primitives._autocast_or_one_dtype(x.bfloat16(), lin.weight, lin.bias)
+        assert not primitives._autocast_or_one_dtype(x.double(), lin.weight, lin.bias)
