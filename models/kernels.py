@@ -16,6 +16,7 @@ import os
 from typing import NamedTuple, Optional
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import nn
 
 Tensor = torch.Tensor
@@ -303,11 +304,12 @@ def _sm_count(device: torch.device) -> int:
 def layer_norm(x: Tensor, norm: nn.LayerNorm, out_dtype: torch.dtype, force: bool = False) -> Optional[Tensor]:
     """``norm(x)`` in ``out_dtype`` with a backward, by the Triton kernels: on CUDA in eager mode (``force``: on any
     device, the CPU interpreter in tests); None where they do not apply (the caller runs the module): other
-    devices, ``torch.compile`` (Inductor fuses its own), functorch transforms, a view of more than two strided row
-    dims, a norm over more than the last dim."""
+    devices, ``torch.compile`` (Inductor fuses its own), functorch transforms and forward-mode AD (the kernels are
+    first-order: a double backward raises), a view of more than two strided row dims, a norm over more than the last
+    dim."""
     if torch.compiler.is_compiling() or triton is None or \
             not (force or (x.device.type == "cuda" and not _interpreting())) or \
-            torch._C._are_functorch_transforms_active() or \
+            torch._C._are_functorch_transforms_active() or _forward_ad._current_level >= 0 or \
             len(norm.normalized_shape) != 1 or x.dim() == 0 or x.shape[-1] != norm.normalized_shape[0] or \
             x.dtype not in _FLOATS or out_dtype not in _FLOATS:
         return None

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 import torch.utils.checkpoint
 from torch import nn
 
@@ -157,29 +158,35 @@ BIAS_GRAD_MATMUL_MIN_ROWS = 1 << 18
 class _LinearBiasByMatmul(torch.autograd.Function):
     """``F.linear(x, w, b)`` (autocast's dtype rule) whose bias gradient is one matmul, ``1^T @ dy``, instead of
     PyTorch's column sum of ``dy [rows, out]``: that reduction runs at a fraction of the memory bandwidth on the
-    hundreds of thousands of rows of a pair tensor. The input and weight gradients are the same two matmuls."""
+    hundreds of thousands of rows of a pair tensor. The input and weight gradients are the same two matmuls, and the
+    bias gradient takes their precision (a TF32 or reduced-precision matmul setting applies to all three).
+
+    First-order only: a double backward raises (``once_differentiable``) instead of dropping terms; ``linear``
+    routes forward-mode AD elsewhere."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
         dev = x.device.type
         dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        x, weight = x.to(dt), weight.to(dt)
-        ctx.save_for_backward(x, weight)
+        x_c, w_c = x.to(dt), weight.to(dt)
+        # keep only what a gradient needs: x for the weight's, the weight for x's (a frozen weight keeps no x)
+        ctx.save_for_backward(x_c if weight.requires_grad else None, w_c if x.requires_grad else None)
+        ctx.x_shape, ctx.dtype = x.shape, dt
         with torch.autocast(dev, enabled=False):
-            return nn.functional.linear(x, weight, bias.to(dt))
+            return nn.functional.linear(x_c, w_c, bias.to(dt))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1]).to(x.dtype)  # [rows, out]
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(ctx.dtype)  # [rows, out]
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = (dy2 @ weight).view(x.shape)
+            dx = (dy2 @ weight).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             dw = dy2.t() @ x.reshape(-1, x.shape[-1])
         if ctx.needs_input_grad[2]:
-            db = (dy2.new_ones(1, dy2.shape[0]) @ dy2).view(-1)  # fp32 accumulation inside the matmul
+            db = (dy2.new_ones(1, dy2.shape[0]) @ dy2).view(-1)
         return dx, dw, db  # autograd casts each to its input's dtype
 
 
@@ -195,12 +202,14 @@ _AUTOCAST_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """``nn.functional.linear``; on eager CUDA with a bias, gradients on and at least ``BIAS_GRAD_MATMUL_MIN_ROWS``
-    rows, :class:`_LinearBiasByMatmul` (the same result; the bias's gradient by a matmul)."""
-    if bias is not None and x.is_cuda and x.numel() >= BIAS_GRAD_MATMUL_MIN_ROWS * x.shape[-1] and \
-            torch.is_grad_enabled() and bias.requires_grad and not torch.compiler.is_compiling() and \
-            type(x) is torch.Tensor and not torch._C._are_functorch_transforms_active() and \
-            _autocast_or_one_dtype(x, weight, bias):
+    """``nn.functional.linear``; on eager CUDA with a trainable bias, gradients on, no forward-mode AD and at least
+    ``BIAS_GRAD_MATMUL_MIN_ROWS`` rows, :class:`_LinearBiasByMatmul` (the same output; the bias's gradient by a
+    matmul; first-order). The traced and cheap tests come first: under ``torch.compile`` nothing here may become a
+    guard on the input's size."""
+    if bias is not None and not torch.compiler.is_compiling() and x.is_cuda and torch.is_grad_enabled() and \
+            bias.requires_grad and type(x) is torch.Tensor and _forward_ad._current_level < 0 and \
+            not torch._C._are_functorch_transforms_active() and \
+            x.numel() >= BIAS_GRAD_MATMUL_MIN_ROWS * x.shape[-1] and _autocast_or_one_dtype(x, weight, bias):
         return _LinearBiasByMatmul.apply(x, weight, bias)
     return nn.functional.linear(x, weight, bias)
 
@@ -233,17 +242,23 @@ def fused_linear(x: Tensor, layers: Sequence[nn.Linear]) -> Tuple[Tensor, ...]:
 
 
 _ZEROS: dict = {}  # (device, dtype) -> a zero buffer that _zeros hands out views of
+_ZEROS_OUTGROWN: list = []  # buffers replaced by larger ones, kept alive
 
 
 def _zeros(like: Tensor, *shape: int) -> Tensor:
     """Zeros of ``shape`` in ``like``'s dtype and device, read-only: in eager mode a view of one cached buffer (no
     allocation and no fill kernel per call: ``fused_linear`` pads every call with them); traced, plain zeros."""
-    if torch.compiler.is_compiling() or type(like) not in (torch.Tensor, nn.Parameter) or like.is_meta:
-        return like.new_zeros(shape)  # traced, or a fake / meta / subclass tensor: nothing to cache
+    if torch.compiler.is_compiling() or type(like) not in (torch.Tensor, nn.Parameter) or like.is_meta or (
+            like.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # traced, a fake / meta / subclass tensor, or inside CUDA graph capture (a buffer made there is only filled
+        # at replay): plain zeros
+        return like.new_zeros(shape)
     n = math.prod(shape)
     key = (like.device, like.dtype)
     buf = _ZEROS.get(key)
     if buf is None or buf.numel() < n:
+        if buf is not None:  # a captured CUDA graph may still read the smaller one: never hand its memory back
+            _ZEROS_OUTGROWN.append(buf)
         with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whatever mode the caller runs in
             buf = _ZEROS[key] = torch.zeros(max(n, 1024), dtype=like.dtype, device=like.device)
     return buf[:n].view(shape)

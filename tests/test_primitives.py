@@ -301,7 +301,8 @@ def test_fused_linear_padding_allocates_once(monkeypatch):
     device and dtype (no allocation or fill per call), grown when a wider pad asks; inference mode does not leak an
     inference tensor into later training calls."""
     monkeypatch.setattr(primitives, "_ZEROS", {})
-    layers = [torch.nn.Linear(12, w, bias=b) for w, b in ((8, False), (3, True), (5, False))]
+    monkeypatch.setattr(primitives, "_ZEROS_OUTGROWN", [])
+    layers = [torch.nn.Linear(12, w, bias=b) for w, b in ((8, False), (3, True), (6, False))]  # pad 7 rows
     x = torch.randn(4, 12, requires_grad=True)
     with torch.inference_mode():
         fused_linear(torch.randn(4, 12), layers)
@@ -314,6 +315,7 @@ def test_fused_linear_padding_allocates_once(monkeypatch):
     wide = [torch.nn.Linear(2000, 3, bias=False), torch.nn.Linear(2000, 2, bias=False)]  # pad 3 x 2000 > the buffer
     fused_linear(torch.randn(1, 2000), wide)
     assert next(iter(primitives._ZEROS.values())).numel() >= 6000 and not primitives._ZEROS[(buf.device, buf.dtype)].any()
+    assert primitives._ZEROS_OUTGROWN == [buf]  # the smaller buffer stays alive (a captured CUDA graph may read it)
 
 
 def test_chunk_rows_matches_unchunked():
@@ -481,7 +483,7 @@ def test_gpu_linear_bias_gradient_by_matmul(monkeypatch):
     g = torch.Generator().manual_seed(3)
     lin = Linear(128, 96).cuda()
     with torch.no_grad():
-        lin.weight.normal_(0, 128 ** -0.5, generator=None)
+        lin.weight.copy_(torch.randn(96, 128, generator=g) * 128 ** -0.5)
         lin.bias.copy_(torch.randn(96, generator=g))
     x = torch.randn(7, 61, 128, generator=g).cuda().requires_grad_()
     dy = torch.randn(7, 61, 96, generator=g).cuda().bfloat16()
@@ -619,15 +621,42 @@ def test_linear_bias_gradient_by_matmul_matches_linear(autocast):
         assert rel_err(a, t) <= 2 * max(rel_err(r, t), extra) + 1e-7, (rel_err(a, t), rel_err(r, t), extra)
 
 
-def test_linear_takes_the_matmul_bias_gradient_only_where_it_applies():
+def test_linear_takes_the_matmul_bias_gradient_only_where_it_applies(monkeypatch):
     """``primitives.linear`` keeps F.linear off CUDA, below the row threshold, without a trainable bias and for
     mixed dtypes outside autocast (F.linear's own error then)."""
     x = torch.randn(4, 8)
     lin = Linear(8, 3)
-    assert not isinstance(primitives.linear(x, lin.weight, lin.bias).grad_fn, type(None))
-    assert "LinearBiasByMatmul" not in type(primitives.linear(x, lin.weight, lin.bias).grad_fn).__name__
+    monkeypatch.setattr(primitives, "BIAS_GRAD_MATMUL_MIN_ROWS", 0)
+    assert type(lin(x).grad_fn).__name__ == "AddmmBackward0"  # CPU: F.linear's own autograd
     assert not primitives._autocast_or_one_dtype(x.bfloat16(), lin.weight, lin.bias)
     assert primitives._autocast_or_one_dtype(x, lin.weight, lin.bias)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert primitives._autocast_or_one_dtype(x.bfloat16(), lin.weight, lin.bias)
         assert not primitives._autocast_or_one_dtype(x.double(), lin.weight, lin.bias)
+
+
+def test_linear_bias_by_matmul_keeps_only_what_gradients_need():
+    """A frozen weight keeps no copy of the input alive (F.linear's addmm does the same); the input's and bias's
+    gradients are still right."""
+    x = torch.randn(5, 6, requires_grad=True)
+    w = torch.randn(4, 6)  # frozen
+    b = torch.randn(4, requires_grad=True)
+    y = primitives._LinearBiasByMatmul.apply(x, w, b)
+    saved = y.grad_fn.saved_tensors
+    assert saved[0] is None and saved[1] is not None
+    dx, db = torch.autograd.grad(y, [x, b], torch.ones(5, 4))
+    torch.testing.assert_close(dx, torch.ones(5, 4) @ w)
+    torch.testing.assert_close(db, torch.full((4,), 5.0))
+
+
+def test_triton_layer_norm_declines_forward_mode_ad():
+    """The kernels are first-order: under forward-mode AD the module's own (differentiable) path runs."""
+    import torch.autograd.forward_ad as fwAD
+
+    from attn_zoo.models import kernels
+
+    ln = torch.nn.LayerNorm(8)
+    x = torch.randn(3, 4, 8)
+    assert kernels.layer_norm(x, ln, torch.float32, force=True) is not None
+    with fwAD.dual_level():
+        assert kernels.layer_norm(x, ln, torch.float32, force=True) is None
