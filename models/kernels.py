@@ -288,7 +288,8 @@ class _LayerNorm(torch.autograd.Function):
 LAYER_NORM_MIN_ROWS = 1 << 18
 # ... and at any size for a view that is not contiguous: they read it in place where PyTorch's layer norm copies it.
 LAYER_NORM_STRIDED = True
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # float64 keeps the module's exact path
+# the 16- and 32-bit floats: the kernels' dtypes (float64 keeps the module's exact path), and the ones autocast casts
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _SMS: dict = {}
 
 
@@ -301,17 +302,24 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[index]
 
 
+def eager_first_order() -> bool:
+    """Whether a first-order custom autograd Function (these layer norm kernels, the blocks' bias-gradient linear)
+    may stand in for PyTorch's ops: eager mode, no functorch transform, no forward-mode AD. Checked first by its
+    callers: under ``torch.compile`` nothing after it may turn into a guard."""
+    return not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or
+                _forward_ad._current_level >= 0)
+
+
 def layer_norm(x: Tensor, norm: nn.LayerNorm, out_dtype: torch.dtype, force: bool = False) -> Optional[Tensor]:
     """``norm(x)`` in ``out_dtype`` with a backward, by the Triton kernels: on CUDA in eager mode (``force``: on any
     device, the CPU interpreter in tests); None where they do not apply (the caller runs the module): other
     devices, ``torch.compile`` (Inductor fuses its own), functorch transforms and forward-mode AD (the kernels are
     first-order: a double backward raises), a view of more than two strided row dims, a norm over more than the last
     dim."""
-    if torch.compiler.is_compiling() or triton is None or \
+    if not eager_first_order() or triton is None or \
             not (force or (x.device.type == "cuda" and not _interpreting())) or \
-            torch._C._are_functorch_transforms_active() or _forward_ad._current_level >= 0 or \
             len(norm.normalized_shape) != 1 or x.dim() == 0 or x.shape[-1] != norm.normalized_shape[0] or \
-            x.dtype not in _FLOATS or out_dtype not in _FLOATS:
+            x.dtype not in FLOATS or out_dtype not in FLOATS:
         return None
     plan = _plan(x)
     if plan is None:

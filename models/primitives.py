@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 
 import torch
-import torch.autograd.forward_ad as _forward_ad
 import torch.utils.checkpoint
 from torch import nn
 
@@ -194,11 +193,8 @@ def _autocast_or_one_dtype(x: Tensor, weight: Tensor, bias: Tensor) -> bool:
     """Whether ``_LinearBiasByMatmul`` casts as ``F.linear`` would: under autocast every operand a 16/32-bit float
     (autocast casts those), else one dtype for all three (no cast at all)."""
     if torch.is_autocast_enabled(x.device.type):
-        return all(t.dtype in _AUTOCAST_FLOATS for t in (x, weight, bias))
+        return all(t.dtype in _kernels.FLOATS for t in (x, weight, bias))
     return x.dtype == weight.dtype == bias.dtype
-
-
-_AUTOCAST_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -206,9 +202,8 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     ``BIAS_GRAD_MATMUL_MIN_ROWS`` rows, :class:`_LinearBiasByMatmul` (the same output; the bias's gradient by a
     matmul; first-order). The traced and cheap tests come first: under ``torch.compile`` nothing here may become a
     guard on the input's size."""
-    if bias is not None and not torch.compiler.is_compiling() and x.is_cuda and torch.is_grad_enabled() and \
-            bias.requires_grad and type(x) is torch.Tensor and _forward_ad._current_level < 0 and \
-            not torch._C._are_functorch_transforms_active() and \
+    if bias is not None and _kernels.eager_first_order() and x.is_cuda and torch.is_grad_enabled() and \
+            bias.requires_grad and type(x) is torch.Tensor and \
             x.numel() >= BIAS_GRAD_MATMUL_MIN_ROWS * x.shape[-1] and _autocast_or_one_dtype(x, weight, bias):
         return _LinearBiasByMatmul.apply(x, weight, bias)
     return nn.functional.linear(x, weight, bias)
@@ -287,7 +282,7 @@ class LayerNorm(nn.LayerNorm):
         dev = x.device.type
         auto = torch.is_autocast_enabled(dev)
         autocast_input = auto and x.dtype in (torch.float32, torch.get_autocast_dtype(dev))
-        if dev == "cuda" and not torch.compiler.is_compiling() and (autocast_input or not auto) and (
+        if dev == "cuda" and _kernels.eager_first_order() and (autocast_input or not auto) and (
                 x.numel() >= _kernels.LAYER_NORM_MIN_ROWS * x.shape[-1] or
                 (_kernels.LAYER_NORM_STRIDED and not x.is_contiguous())):
             # eager CUDA: the Triton kernels (float32 statistics, any row layout, several rows per program; the
