@@ -160,32 +160,41 @@ def test_loss_on_lse_only_reaches_q_k_bias():
 FP32_ATOMIC_DBIAS = (1, 2)  # the dK/dV kernel's ATOMIC_DBIAS values that add dS by fp32 atomics (element, TMA)
 
 
-def _spy_dkdv_flags(monkeypatch):
-    """The constexpr flags of every dK/dV kernel launch from here on (the launchers' ``_launch`` wrapped)."""
+def _spy_backward_flags(monkeypatch):
+    """(kernel name, constexpr flags) of every dK/dV and dQ kernel launch from here on (``_launch`` wrapped)."""
     from attn_ops.triton import launch
-    from attn_ops.triton.backward import attn_bwd_dkdv_kernel
+    from attn_ops.triton.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 
     seen = []
     real = launch._launch
+    names = {attn_bwd_dkdv_kernel: "dkdv", attn_bwd_dq_kernel: "dq"}
 
     def spy(kernel, grid, args, num_warps, num_stages, **constexprs):
-        if kernel is attn_bwd_dkdv_kernel:
-            seen.append(constexprs)
+        if kernel in names:
+            seen.append((names[kernel], constexprs))
         real(kernel, grid, args, num_warps, num_stages, **constexprs)
 
     monkeypatch.setattr(launch, "_launch", spy)
     return seen
 
 
+def _adds_by_atomics(name: str, flags: dict) -> bool:
+    """Whether a dK/dV or dQ launch adds a bias gradient or dQ with fp32 atomics (not bit-repeatable on a GPU)."""
+    if name == "dkdv":
+        return bool(flags["FUSED_DQ"]) or flags["ATOMIC_DBIAS"] in FP32_ATOMIC_DBIAS
+    return flags["DIRECT_DBIAS"] == 2
+
+
 @pytest.mark.parametrize("bias_shape", [(2, 1, 2, 33, 33), (1, 1, 2, 33, 33), (2, 3, 2, 33, 33)],
                          ids=["over_rows", "over_batch_and_rows", "full"])
 def test_split_backward_is_bitwise_deterministic(bias_shape, monkeypatch):
     """Repeated calls give the same bits. The interpreter runs atomics in order, so that alone cannot fail on the
-    CPU: the dK/dV launches are also checked for the atomic variants (fused dQ, atomic dBias), which
-    deterministic=False takes for the broadcast biases."""
+    CPU: the launches are also checked for the atomic variants (fused dQ, a broadcast bias's gradient by atomics in
+    the dQ kernel, or in the dK/dV kernel by TMA reductions on a GPU), which deterministic=False takes for the
+    broadcast biases."""
     q, k, v, bias, mask = make_inputs((2, 3), 2, 33, 33, 16, bias_shape=bias_shape, mask_shape=(2, 3, 1, 1, 33))
     g = torch.randn(q.shape[:-1] + v.shape[-1:], generator=torch.Generator().manual_seed(3))
-    dkdv = _spy_dkdv_flags(monkeypatch)
+    seen = _spy_backward_flags(monkeypatch)
 
     def grads(deterministic=True):
         out, lse = triton_attention(q, k, v, bias, mask, 0.3, False, deterministic=deterministic)
@@ -195,12 +204,14 @@ def test_split_backward_is_bitwise_deterministic(bias_shape, monkeypatch):
     for a, b in zip(first, second):
         assert torch.equal(a, b)
     assert first[3].shape == bias.shape
-    assert len(dkdv) == 2 and all(not f["FUSED_DQ"] and f["ATOMIC_DBIAS"] not in FP32_ATOMIC_DBIAS for f in dkdv), dkdv
-    dkdv.clear()
+    assert len(seen) == 4 and not any(_adds_by_atomics(*s) for s in seen), seen
+    seen.clear()
     grads(deterministic=False)
     broadcast = tuple(bias.shape) != tuple(q.shape[:-1]) + (33,)
-    assert len(dkdv) == 1 and not dkdv[0]["FUSED_DQ"], dkdv
-    assert (dkdv[0]["ATOMIC_DBIAS"] in FP32_ATOMIC_DBIAS) == broadcast, dkdv
+    assert [s[0] for s in seen] == ["dkdv", "dq"] and not seen[0][1]["FUSED_DQ"], seen
+    assert any(_adds_by_atomics(*s) for s in seen) == broadcast, seen
+    # per-element atomics run along the accumulator's rows in the dQ kernel (TMA reductions stay in dK/dV's)
+    assert (seen[1][1]["DIRECT_DBIAS"] == 2) == broadcast and seen[0][1]["ATOMIC_DBIAS"] == 0, seen
 
 
 def test_bias_gradient_keeps_bias_dtype():

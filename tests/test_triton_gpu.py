@@ -5,6 +5,7 @@ use full fp32 products in the kernels (no TF32), like PyTorch's default matmul.
 """
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ RUNS += [(c, torch.bfloat16, "fused") for c in CASES if c[0] in ("triangle_pair_
                                                                    "key_mask_no_bias_d64")]
 RUNS += [(c, dt, "split") for c in CASES for dt in (torch.float16, torch.float32)
          if c[0] in ("msa_rows_odd_L", "relpos_bias_h1lk_d80", "causal_lq_gt_lk_d48", "d16_dv40")]
-# deterministic=False with the split dq: a broadcast bias's gradient summed by atomics in the dK/dV pass
+# deterministic=False with the split dq: a broadcast bias's gradient summed by atomics (dQ kernel; dK/dV's with TMA)
 RUNS += [(c, dt, "atomic") for c in CASES for dt in (torch.bfloat16, torch.float32)
          if c[0] in ("triangle_pair_bias", "msa_rows_odd_L", "head_bias_over_batch_d64", "triangle_even_tiles")]
 
@@ -136,10 +137,14 @@ def two_rows_only(monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [24, 7], ids=["even_R", "odd_R"])
-def test_atomic_dbias_two_rows_per_program_gpu(rows, two_rows_only):
-    """The tuner picks two rows per dK/dV program for pair biases with deterministic=False; untuned, the
-    file's other cases run one row, so this case offers only two-row configs (an odd R repeats its last row)."""
+def test_atomic_dbias_two_rows_per_program_gpu(rows, two_rows_only, monkeypatch):
+    """The tuner picks two rows per dK/dV program for pair biases with deterministic=False where the dK/dV kernel
+    adds the bias gradient (TMA reductions: forced here, the case is small); untuned, the file's other cases run
+    one row, so this case offers only two-row configs (an odd R repeats its last row)."""
+    from attn_ops.triton import launch
+
     tuning = two_rows_only
+    monkeypatch.setattr(launch, "TMA_MIN_SCORES", 0)
     q, k, v, bias, mask = make_inputs((1, rows), 4, 160, 160, 32, dtype=torch.bfloat16, bias_shape=(1, 1, 4, 160, 160),
                                       mask_shape=(1, rows, 1, 1, 160), seed=rows, device="cuda")
     check_against_reference("triton", q, k, v, bias, mask, bwd="split", deterministic=False)
@@ -308,11 +313,14 @@ def test_garbage_at_masked_keys_even_tiles_gpu(with_bias, opts):
     check_garbage_at_masked_keys(with_bias, opts, dtype=torch.bfloat16, device="cuda", lq=256, lk=256, rows=8)
 
 
-def test_garbage_at_masked_keys_two_rows_per_program_gpu(two_rows_only):
+def test_garbage_at_masked_keys_two_rows_per_program_gpu(two_rows_only, monkeypatch):
     """The same with the two-rows-per-program dK/dV path (each row selects with its own key mask on the shared
-    bias tile)."""
+    bias tile; the dK/dV kernel adds the bias gradient where TMA reductions take it: forced here, Lk % 4 == 0)."""
+    from attn_ops.triton import launch
+
+    monkeypatch.setattr(launch, "TMA_MIN_SCORES", 0)
     check_garbage_at_masked_keys(True, dict(deterministic=False), dtype=torch.bfloat16, device="cuda", lq=130,
-                                 lk=203, rows=8)
+                                 lk=204, rows=8)
     assert any(key[0] == "dkdv" and key[1] and cfg.rows == 2 for key, cfg in two_rows_only.chosen().items())
 
 
@@ -360,6 +368,22 @@ def test_tma_reduce_and_element_atomics_both_match_reference_gpu(variant, monkey
     monkeypatch.setattr(launch, "_PLANS", {})  # the plans made above hold the TMA path
     check_against_reference("triton", q, k, v, bias, mask, **opts)
     assert not made
+
+
+@pytest.mark.parametrize("length", [100, 101], ids=["rows_of_16_bytes", "padded_rows"])
+def test_bias_gradient_atomics_are_16_byte_vectors_gpu(length):
+    """deterministic=False adds a shared bias's gradient in the dQ kernel (a small step: no TMA) with 16-byte vector
+    atomics, also for a length whose accumulator rows are padded to 4 floats; it matches the reference."""
+    from attn_ops.triton.backward import attn_bwd_dq_kernel
+
+    q, k, v, bias, mask = make_inputs((1, 6), 4, length, length, 32, dtype=torch.bfloat16,
+                                      bias_shape=(1, 1, 4, length, length), mask_shape=(1, 6, 1, 1, length),
+                                      device="cuda", seed=length)
+    check_against_reference("triton", q, k, v, bias, mask, bwd="split", deterministic=False)
+    ptx = [c.asm["ptx"] for cache in attn_bwd_dq_kernel.device_caches.values() for c in cache[0].values()]
+    atomic = [p for p in ptx if "atom.global" in p]
+    assert atomic and all("add.v4.f32" in p and "add.f32" not in p for p in atomic), [
+        sorted(set(re.findall(r"atom\.global[a-z0-9.]*", p))) for p in atomic]
 
 
 def _compiled_counts():

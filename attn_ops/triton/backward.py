@@ -302,7 +302,8 @@ def _dq_tiles(
     DIRECT_DBIAS: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, qid, KSeg, HAS_SEG: tl.constexpr,
 ):
-    """Fold key tiles [lo, hi) into dq [BM, BD] of one query tile; store dS into dBias when it owns the rows."""
+    """Fold key tiles [lo, hi) into dq [BM, BD] of one query tile; store dS into dBias when it owns the rows
+    (DIRECT_DBIAS 1), add it into the fp32 accumulator of a broadcast bias by atomics (2)."""
     m_ok = offs_m < Lq
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -310,8 +311,13 @@ def _dq_tiles(
                           s_kn, s_vn, s_bm, s_bn, s_mm, s_mn, scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK, EVEN_D,
                           BLOCK_D, BLOCK_DV, qid, KSeg, HAS_SEG)
         if DIRECT_DBIAS:
-            tl.store(dBias + offs_m[:, None].to(tl.int64) * s_gm + offs_n[None, :].to(tl.int64) * s_gn,
-                     ds.to(dBias.dtype.element_ty), mask=m_ok[:, None] & (offs_n[None, :] < Lk))
+            ptrs = dBias + offs_m[:, None].to(tl.int64) * s_gm + offs_n[None, :].to(tl.int64) * s_gn
+            if DIRECT_DBIAS == 2:  # a broadcast bias: fp32 atomics, along the tile's rows (contiguous keys)
+                # up to the padded pitch (a multiple of 4: the mask is constant over 4 keys, so the adds go out
+                # as 16-byte vector atomics); dS is 0 at keys past Lk
+                tl.atomic_add(ptrs, ds, mask=m_ok[:, None] & (offs_n[None, :] < s_gm), sem="relaxed")
+            else:
+                tl.store(ptrs, ds.to(dBias.dtype.element_ty), mask=m_ok[:, None] & (offs_n[None, :] < Lk))
     return dq
 
 
@@ -335,8 +341,13 @@ def attn_bwd_dq_kernel(
 ):
     """One program per (query tile, b*r*h): loops over key tiles, writes dQ (q's strides).
 
-    DIRECT_DBIAS: the bias has every dim full, so this program owns dBias[b, r, h, query tile, :] (plain stores).
-    (Two rows per program sharing the bias tile, as in the dK/dV kernel, measured slower here: docs/bench/history.md.)
+    DIRECT_DBIAS 1: the bias has every dim full, so this program owns dBias[b, r, h, query tile, :] (plain stores);
+    2: the bias is broadcast over batch dims (full over Lq and Lk) and dBias is an fp32 accumulator (0 strides on
+    the broadcast dims, rows padded to a multiple of 4 floats) that every program adds its dS tiles into with
+    atomics (not deterministic): dS [BM, BN] runs along the accumulator's rows here, so the adds go out as 16-byte
+    vector atomics, where the dK/dV kernel's transposed tiles would add one float at a time
+    (docs/bench/issue20_h200.md, stop 37). (Two rows per program sharing the bias tile, as in the dK/dV kernel,
+    measured slower here: docs/bench/history.md.)
     """
     EVEN_D: tl.constexpr = D == BLOCK_D and Dv == BLOCK_DV  # D and Dv fill their blocks: no column masks
     s_qb, s_qr, s_qh, s_qm = aligned(s_qb, s_qr, s_qh, s_qm, ALIGN)
@@ -351,6 +362,8 @@ def attn_bwd_dq_kernel(
         bg = batch_offset(b, r, h, s_bb, s_br, s_bh).to(tl.int32)
     elif HAS_BIAS:
         Bias += batch_offset(b, r, h, s_bb, s_br, s_bh)
+    if DIRECT_DBIAS == 2:  # the accumulator's rows start 16-byte aligned (a padded pitch): vector atomics
+        s_gb, s_gr, s_gh, s_gm = aligned(s_gb, s_gr, s_gh, s_gm, 4)
     if DIRECT_DBIAS:
         dBias += batch_offset(b, r, h, s_gb, s_gr, s_gh)
 

@@ -216,6 +216,11 @@ def bias_tma(bias: Optional[Tensor], Lq: int, Lk: int) -> Optional[Tuple[int, in
 TMA_MIN_SCORES = 2 ** 29
 
 
+# deterministic=False below TMA_MIN_SCORES: a broadcast bias's gradient by vector atomics in the dQ kernel (False: by
+# per-element atomics in the dK/dV kernel, as before 2026-11-26; for comparisons, with clear_plans() after a change)
+DBIAS_ATOMICS_IN_DQ = True
+
+
 def _host_bound(q: Tensor, Lq: int, Lk: int) -> bool:
     """Whether a step is small enough that the host's descriptor work outweighs TMA's gain (the CPU interpreter
     always takes TMA, so the CPU tests cover that path at their small shapes)."""
@@ -539,7 +544,8 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     kernel over key tiles and a dQ kernel over query tiles, no atomics. dBias is written by the dQ kernel
     (dK/dV kernel when fused) when the bias has every dim full. A bias broadcast over batch dims gets its
     gradient from the deterministic reduction kernel in ``dbias.py`` or, with ``atomic_dbias`` (and the bias
-    full over Lq and Lk), from fp32 atomics in the dK/dV kernel (not bitwise deterministic). ``q_seg``/``k_seg``:
+    full over Lq and Lk), from fp32 atomics (not bitwise deterministic): in the split dQ kernel, or in the dK/dV
+    kernel when fused or when TMA bulk reductions take them (large steps on Hopper). ``q_seg``/``k_seg``:
     segment id tables as in :func:`attn_forward`.
     """
     m8 = _mask_u8(mask)
@@ -574,6 +580,15 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
     direct_dbias = need_dbias and tuple(bias.shape) == dims
     atomic = need_dbias and not direct_dbias and atomic_dbias and tuple(bias.shape[3:]) == (Lq, Lk)
     want_dbias = need_dbias and not direct_dbias and not atomic
+    # The atomic accumulators take bulk TMA reductions (one per tile; faster: docs/bench/attention_h100.md) where the
+    # copy engine can address them: dense, 16-byte rows. The dense dbias accumulator's batch strides then count
+    # [Lq, Lk] slices; the fused dQ accumulator is allocated dense ([B*R*H] slices of [Lq, D]).
+    reduce = _tma_reduce(dev) and not _host_bound(q, Lq, Lk)
+    tma_dbias = atomic and reduce and Lk % 4 == 0
+    tma_dq = fused and reduce and D % 4 == 0
+    # without TMA, the split backward's atomics go into the dQ kernel, whose dS tiles run along the accumulator's
+    # rows: 16-byte vector atomics, where the dK/dV kernel's transposed tiles add one float at a time
+    dq_atomic = atomic and not fused and not tma_dbias and DBIAS_ATOMICS_IN_DQ
 
     align = _align(q, k, v, out, do)  # (dq, dk, dv and a fused dQ accumulator take q's, k's and v's strides)
     # 1. delta = rowsum(dO * O) - dlse: [B, R, H, Lq] fp32
@@ -590,17 +605,17 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
     if direct_dbias:  # causal / segments: tiles that are never visited must start at zero
         make, shape, dtype = torch.zeros if causal or seg else torch.empty, tuple(bias.shape), bias.dtype
         dbias = rec.new(lambda env: make(shape, dtype=dtype, device=dev))
-    elif atomic:  # fp32 accumulator, zeroed per launch; in dq's memory (written only after it) when it fits
-        n, shape, scratch = bias.numel(), tuple(bias.shape), None if fused else dq
-        dbias = rec.new(lambda env: _f32_buffer(n, dev, None if scratch is None else env[scratch]).view(shape))
+    elif atomic:  # fp32 accumulator, zeroed per launch; in dq's memory (written only after it) when it fits and
+        # the dQ kernel does not add into it
+        n, shape, scratch = bias.numel(), tuple(bias.shape), None if fused or dq_atomic else dq
+        if dq_atomic:  # rows padded to 16 bytes (the dQ kernel's vector atomics; the padding adds zeros, never read)
+            pitch = _cdiv(Lk, 4) * 4
+            dbias = rec.new(lambda env: torch.empty(shape[:4] + (pitch,), dtype=torch.float32,
+                                                    device=dev)[..., :shape[4]])
+        else:
+            dbias = rec.new(lambda env: _f32_buffer(n, dev, None if scratch is None else env[scratch]).view(shape))
     acc = dbias  # (steps below that name a slot take it from a variable that is never reassigned)
     gs = (0,) * 5 if dbias is None else _bstrides(rec.env[dbias])
-    # The atomic accumulators take bulk TMA reductions (one per tile; faster: docs/bench/attention_h100.md) where the
-    # copy engine can address them: dense, 16-byte rows. The dense dbias accumulator's batch strides then count
-    # [Lq, Lk] slices; the fused dQ accumulator is allocated dense ([B*R*H] slices of [Lq, D]).
-    reduce = _tma_reduce(dev) and not _host_bound(q, Lq, Lk)
-    tma_dbias = atomic and reduce and Lk % 4 == 0
-    tma_dq = fused and reduce and D % 4 == 0
     if tma_dbias:
         gs = tuple(s // (Lq * Lk) for s in gs[:3]) + gs[3:]
     dq_acc = None
@@ -624,26 +639,26 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
     def run_dkdv(c):
         if fused:
             rec.do(lambda env: env[dq_acc].zero_())
-        if atomic:
+        if atomic and not dq_atomic:
             rec.do(lambda env: env[acc].zero_())
         arg, strides, kflags, bias_align = operands(c)
         bm, bn = c.block_m, c.block_n
         dq_arg = (lambda env: _reduce_desc(env[dq_acc], Lq, D, bm, BD)) if tma_dq else (
             _Q if dq_acc is None else dq_acc)
         dbias_arg = (lambda env: _reduce_desc(env[acc], Lq, Lk, bm, bn)) if tma_dbias else (
-            _Q if dbias is None else dbias)
+            _Q if dbias is None or dq_atomic else dbias)
         rec.launch(attn_bwd_dkdv_kernel, (_cdiv(Lk, bn), B * _cdiv(R, c.rows) * H),
                    (_Q, _K, _V, arg, mask_slot, _DO, _LSE, delta, dq_arg, dk, dv, dbias_arg, *seg_slots),
                    (*strides, *gs, *tail), c.num_warps, c.num_stages, **kflags,
                    FUSED_DQ=(2 if tma_dq else 1) if fused else 0, DIRECT_DBIAS=direct_dbias and fused,
-                   ATOMIC_DBIAS=(2 if tma_dbias else 1) if atomic else 0,
+                   ATOMIC_DBIAS=(2 if tma_dbias else 1) if atomic and not dq_atomic else 0,
                    EVEN_M=Lq % bm == 0, EVEN_N=Lk % bn == 0, ROWS=c.rows,
                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BD, BLOCK_DV=BDV, D=D, Dv=Dv, ALIGN=align, BIAS_ALIGN=bias_align)
 
     rec.tuned("dkdv", key, _width(q, D, Dv), Lq, Lk, run_dkdv,
-              pair=_pairs_rows(bias, R, causal, atomic and not fused) and not seg, device=dev.index)
-    if atomic:
-        bias_dtype = bias.dtype
+              pair=_pairs_rows(bias, R, causal, atomic and not fused and not dq_atomic) and not seg, device=dev.index)
+    bias_dtype = None if bias is None else bias.dtype
+    if atomic and not dq_atomic:
         dbias = rec.new(lambda env: env[acc].to(bias_dtype, copy=True))  # a copy: the accumulator may be in dq's memory
 
     # 3. dBias of a broadcast bias: deterministic tile-owner reduction. It runs before dq is written, so its
@@ -656,15 +671,20 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
         rec.do(lambda env: env[dq].copy_(env[dq_acc]))
     else:
         def run_dq(c):
+            if dq_atomic:
+                rec.do(lambda env: env[acc].zero_())
             arg, strides, kflags, bias_align = operands(c)
             rec.launch(attn_bwd_dq_kernel, (_cdiv(Lq, c.block_m), B * R * H),
                        (_Q, _K, _V, arg, mask_slot, _DO, _LSE, delta, dq, _Q if dbias is None else dbias, *seg_slots),
-                       (*strides, *gs, *tail), c.num_warps, c.num_stages, **kflags, DIRECT_DBIAS=direct_dbias,
+                       (*strides, *gs, *tail), c.num_warps, c.num_stages, **kflags,
+                       DIRECT_DBIAS=2 if dq_atomic else direct_dbias,
                        EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
                        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV, D=D, Dv=Dv, ALIGN=align,
                        BIAS_ALIGN=bias_align)
 
         rec.tuned("dq", key, _width(q, D, Dv), Lq, Lk, run_dq, device=dev.index)
+        if dq_atomic:  # (a copy: a dense tensor, not the padded rows)
+            dbias = rec.new(lambda env: env[acc].to(bias_dtype, copy=True))
     return dq, dk, dv, dbias
 
 
