@@ -57,6 +57,8 @@ CASES = [
     ("even_tiles_d24", (1, 3), 2, 32, 32, 24, 24, (1, 1, 2, 32, 32), None, False),
     # a bias shared over heads only (full over batch, Lq, Lk): dBias sums the heads in the reduction's tile loop
     ("bias_shared_over_heads", (2,), 3, 20, L, 16, 16, (2, 1, 20, L), (2, 1, 1, L), False),
+    # one query row (decoding) under a shared bias: the atomic accumulator's one row still has its padded pitch
+    ("single_query_pair_bias", (2, 3), 2, 1, L, 16, 16, (1, 1, 2, 1, L), (2, 3, 1, 1, L), False),
 ]
 
 
@@ -66,8 +68,9 @@ FUSED = ("pair_bias_over_rows", "causal_lq_lt_lk", "query_bias_over_keys", "caus
 RUNS = [(c, dt, "split") for c in CASES for dt in (torch.float32, torch.float16)]
 RUNS += [(c, torch.float32, "fused") for c in CASES if c[0] in FUSED]
 RUNS += [(c, torch.float16, "fused") for c in CASES if c[0] in FUSED[:2]]
-# split dq with the broadcast bias's gradient summed by atomics in the dK/dV pass (deterministic=False)
-ATOMIC = ("pair_bias_over_rows", "causal_pair_bias_over_rows", "pair_bias_even_tiles", "bias_shared_over_heads")
+# split dq with the broadcast bias's gradient summed by atomics (deterministic=False: in the dQ kernel here)
+ATOMIC = ("pair_bias_over_rows", "causal_pair_bias_over_rows", "pair_bias_even_tiles", "bias_shared_over_heads",
+          "single_query_pair_bias")
 RUNS += [(c, dt, "atomic") for c in CASES if c[0] in ATOMIC for dt in (torch.float32, torch.float16)]
 
 

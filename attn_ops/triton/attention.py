@@ -178,8 +178,9 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], ma
         deterministic: True (default) gives bitwise-identical gradients on repeated calls (no atomics); the
             tile configs are tuned once per length bucket (and cached on disk), so for the same bits across
             processes set ``attn_ops.settings.update(tune=False)`` (the first candidate config everywhere). False
-            sums the gradient of a bias broadcast over batch dims with fp32 atomics in the dK/dV pass (one pass
-            fewer) and allows ``bwd="fused"``.
+            sums the gradient of a bias broadcast over batch dims with fp32 atomics in the backward's passes (one
+            pass fewer: the dQ kernel's vector atomics, or TMA bulk reductions in dK/dV on large steps) and allows
+            ``bwd="fused"``.
         bwd: ``"split"`` (dK/dV and dQ kernels), ``"fused"`` (one pass, dQ by fp32 atomics; needs
             ``deterministic=False``) or ``"auto"`` (split: faster on every shape measured on an H100).
         segment_ids: None or ``(q_ids, k_ids)``, int ``[*batch, Lq]`` / ``[*batch, Lk]`` (size 1 on broadcast batch

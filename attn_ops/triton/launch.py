@@ -168,7 +168,7 @@ def _tma_capable(device: torch.device) -> bool:
 def _tma_reduce(device: torch.device) -> bool:
     """Bulk TMA reductions (``cp.reduce.async.bulk.tensor``) into the fp32 accumulators of the atomic variants: as
     :func:`_tma_capable`, but not under the CPU interpreter, which has no descriptor reductions (the CPU tests
-    take the per-element atomics there; the GPU tests check both)."""
+    take the other atomics there: the split dQ kernel's, the fused dK/dV kernel's; the GPU tests check all)."""
     return not interpreting() and _tma_capable(device)
 
 
@@ -616,6 +616,8 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
             dbias = rec.new(lambda env: _f32_buffer(n, dev, None if scratch is None else env[scratch]).view(shape))
     acc = dbias  # (steps below that name a slot take it from a variable that is never reassigned)
     gs = (0,) * 5 if dbias is None else _bstrides(rec.env[dbias])
+    if dq_atomic:  # the padded pitch as the row stride also for a single query row: the dQ kernel's atomics run to it
+        gs = gs[:3] + (rec.env[dbias].stride(3),) + gs[4:]
     if tma_dbias:
         gs = tuple(s // (Lq * Lk) for s in gs[:3]) + gs[3:]
     dq_acc = None
