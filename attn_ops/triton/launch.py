@@ -605,15 +605,13 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
     if direct_dbias:  # causal / segments: tiles that are never visited must start at zero
         make, shape, dtype = torch.zeros if causal or seg else torch.empty, tuple(bias.shape), bias.dtype
         dbias = rec.new(lambda env: make(shape, dtype=dtype, device=dev))
-    elif atomic:  # fp32 accumulator, zeroed per launch; in dq's memory (written only after it) when it fits and
-        # the dQ kernel does not add into it
-        n, shape, scratch = bias.numel(), tuple(bias.shape), None if fused or dq_atomic else dq
-        if dq_atomic:  # rows padded to 16 bytes (the dQ kernel's vector atomics; the padding adds zeros, never read)
-            pitch = _cdiv(Lk, 4) * 4
-            dbias = rec.new(lambda env: torch.empty(shape[:4] + (pitch,), dtype=torch.float32,
-                                                    device=dev)[..., :shape[4]])
-        else:
-            dbias = rec.new(lambda env: _f32_buffer(n, dev, None if scratch is None else env[scratch]).view(shape))
+    elif dq_atomic:  # fp32 accumulator, zeroed per launch, rows padded to 16 bytes (the dQ kernel's vector atomics;
+        # the padding adds zeros and is never read); not in dq's memory, which that kernel writes meanwhile
+        shape, pitch = tuple(bias.shape), _cdiv(Lk, 4) * 4
+        dbias = rec.new(lambda env: torch.empty(shape[:4] + (pitch,), dtype=torch.float32, device=dev)[..., :Lk])
+    elif atomic:  # fp32 accumulator, zeroed per launch; in dq's memory (written only after it) when it fits
+        n, shape, scratch = bias.numel(), tuple(bias.shape), None if fused else dq
+        dbias = rec.new(lambda env: _f32_buffer(n, dev, None if scratch is None else env[scratch]).view(shape))
     acc = dbias  # (steps below that name a slot take it from a variable that is never reassigned)
     gs = (0,) * 5 if dbias is None else _bstrides(rec.env[dbias])
     if dq_atomic:  # the padded pitch as the row stride also for a single query row: the dQ kernel's atomics run to it
