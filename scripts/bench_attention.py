@@ -67,7 +67,7 @@ CROP_N = (128, 200, 256, 300, 384, 512)
 CROP_D = (8, 16, 24, 32, 48, 64)
 CROP_D_AT = (300, 384)  # the head-width sweep runs at these N
 CROP_H = 4
-CROP_BACKENDS = ("triton", "triton-nondet", "flex", "sdpa", "cuequivariance", "trifast")
+CROP_BACKENDS = ("triton", "triton-nondet", "flex", "flex-dynamic", "sdpa", "cuequivariance", "trifast")
 CROP_TARGET_MS = {(256, 32): 0.7}  # issue 20; and at every shape: triton <= flex and <= cuequivariance
 CROP_FIELDS = ["shape", "n", "d", "pad", "backend", "fwdbwd_ms", "host_ms", "first_s", "note"]
 CROP_TIME_LIMIT = 300.0
@@ -115,11 +115,14 @@ def attn_ops_fn(name, q, k, v, bias, mask, causal, **opts):
     return run, [q, k, v] + ([bias] if bias is not None else [])
 
 
-def flex_bias_fn(q, k, v, bias, mask, causal):
+def flex_bias_fn(q, k, v, bias, mask, causal, dynamic=False):
+    """Compiled flex with the bias and key mask in a score_mod. ``dynamic``: compiled for symbolic lengths, as
+    torch.compile recompiles a function once it has seen a second length (the kernels a run over proteins of
+    many lengths ends up with); False: one compile specialised to this length."""
     from torch.nn.attention.flex_attention import flex_attention
 
     B, R, H, L, D = q.shape
-    flex = torch.compile(flex_attention, dynamic=False)
+    flex = torch.compile(flex_attention, dynamic=dynamic)
     bias4 = bias.view(B, H, L, L)  # [B, H, L, L] from [B, 1, H, L, L]
     keys = mask.view(B * R, L)  # [B*R, L]
 
@@ -251,6 +254,8 @@ def bias_run(be, q, k, v, bias, mask, leaves):
     if be in ATTN_OPS_BIAS_BACKENDS:
         run, _ = attn_ops_fn(be.split("-")[0], q, k, v, bias, mask, False, **ATTN_OPS_OPTIONS.get(be, {}))
         return run, leaves
+    if be == "flex-dynamic":
+        return flex_bias_fn(q, k, v, bias, mask, False, dynamic=True)
     return {"flex": flex_bias_fn, "trifast": trifast_fn, "cuequivariance": cueq_fn}[be](q, k, v, bias, mask, False)
 
 
@@ -295,7 +300,7 @@ def crop_cases(shapes, backends):
                 q, k, v, bias, mask, leaves = bias_inputs(1, n, CROP_H, n, d, pad)
                 return bias_run(be, q, k, v, bias, mask, leaves)
             skip = None
-            if be not in ATTN_OPS_BIAS_BACKENDS + ("flex", "trifast", "cuequivariance"):
+            if be not in ATTN_OPS_BIAS_BACKENDS + ("flex", "flex-dynamic", "trifast", "cuequivariance"):
                 skip = f"skipped: {be} has no pair-bias path"
             yield crop_name(n, d), n, d, pad, be, make, skip
 
@@ -442,7 +447,9 @@ def crop_table(rows, field, backends=None):
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     cells = {(r["shape"], r["backend"]): r for r in rows}
     extra = field == "fwdbwd_ms"
-    head = ["shape"] + backends + (["triton / flex", "triton / cuequivariance", "target met"] if extra else [])
+    # the target's peers, then compiled flex for symbolic lengths where it ran (a ratio column, not a target)
+    ratio_to = ("flex", "cuequivariance") + (("flex-dynamic",) if "flex-dynamic" in backends else ())
+    head = ["shape"] + backends + ([f"triton / {p}" for p in ratio_to] + ["target met"] if extra else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for shape in shapes:
         line = [shape]
@@ -456,8 +463,9 @@ def crop_table(rows, field, backends=None):
                 line.append(_cell(r["note"]) if field == "fwdbwd_ms" else "-")
         if extra:
             t = _num(cells.get((shape, "triton"), {}).get("fwdbwd_ms"))
-            peers = {be: _num(cells.get((shape, be), {}).get("fwdbwd_ms")) for be in ("flex", "cuequivariance")}
+            peers = {be: _num(cells.get((shape, be), {}).get("fwdbwd_ms")) for be in ratio_to}
             line += [f"{t / p:.2f}x" if t is not None and p else "" for p in peers.values()]
+            peers.pop("flex-dynamic", None)
             r0 = cells.get((shape, "triton"), {})
             target = CROP_TARGET_MS.get((int(r0["n"]), int(r0["d"]))) if r0 else None
             if t is None:

@@ -10,6 +10,7 @@ triton-backend block (where the block's time goes).
     python scripts/bench_blocks.py                      # the issue's table (H100: ~5-7 min)
     python scripts/bench_blocks.py --cases pair384 --backends triton torch --breakdown pair384
     python scripts/bench_blocks.py --cases pair384 --backends triton+compile --compile-mode reduce-overhead
+    python scripts/bench_blocks.py --cases pair384 pair299 --backends triton+compile --compile-dynamic
     python scripts/bench_blocks.py --varlen             # 40 new lengths in a row: per-step times, compile + tune
 
 ``--varlen``: one PairformerBlock (c_s 384, c_z 128) per backend, eager, stepping through ``--varlen-count``
@@ -88,8 +89,12 @@ def _masks(n: int, dev):
     return single, pair
 
 
-def build_case(case: str, backend: str, dev, compile_mode: str | None = None):
-    """(module, float inputs requiring grad, forward callable); ``compile_mode`` goes to ``torch.compile``."""
+def build_case(case: str, backend: str, dev, compile_mode: str | None = None, dynamic: bool = False):
+    """(module, float inputs requiring grad, forward callable); ``compile_mode`` and ``dynamic`` go to
+    ``torch.compile``. ``dynamic`` False: compiled for this length alone. (torch.compile's default, None, compiles
+    for symbolic lengths once the block's code has run at another length, also after ``torch._dynamo.reset()``:
+    every case after the first would be measured with dynamic-shape kernels, which a single-length comparison
+    must not mix in.) True: symbolic lengths, the kernels a run over many lengths ends up with."""
     kind, n, s_rows = CASES[case]
     single, pair = _masks(n, dev)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -124,7 +129,7 @@ def build_case(case: str, backend: str, dev, compile_mode: str | None = None):
         z = torch.randn(1, n, n, 128, device=dev, generator=g, requires_grad=True)
         x, masks = [s, z], (single, pair)
     # the whole block, as a user would compile it
-    run = torch.compile(mod, mode=compile_mode) if backend.endswith("+compile") else mod
+    run = torch.compile(mod, mode=compile_mode, dynamic=dynamic) if backend.endswith("+compile") else mod
     fwd = lambda: run(*x, *masks)  # noqa: E731
     return mod, x, fwd
 
@@ -534,7 +539,7 @@ def _run_item(case, backend, dev, args, t0):
     t1 = time.time()
     mod = inputs = fwd = None
     try:
-        mod, inputs, fwd = build_case(case, backend, dev, args.compile_mode)
+        mod, inputs, fwd = build_case(case, backend, dev, args.compile_mode, args.compile_dynamic)
         _randomize(mod)
         graphs = backend.endswith("+compile") and args.compile_mode in ("reduce-overhead", "max-autotune")
         row["ms"], row["peak_gib"] = measure(mod, inputs, fwd, args.iters, args.warmup, graph_pool=graphs)
@@ -542,6 +547,8 @@ def _run_item(case, backend, dev, args, t0):
             row["note"] = f"{time.time() - t1:.0f} s incl. compilation"
             if args.compile_mode and backend.endswith("+compile"):
                 row["note"] += f", mode={args.compile_mode}"
+            if args.compile_dynamic and backend.endswith("+compile"):
+                row["note"] += ", dynamic=True"
     except Exception as exc:  # OOM, unsupported shape, missing peer: record and go on
         row["note"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         traceback.print_exc()
@@ -565,6 +572,8 @@ def parse_args(argv=None):
                    help="write the top CUDA kernels of the block to profile_CASE.txt")
     p.add_argument("--profile-backend", default="triton", choices=[b for b in BACKENDS if not b.startswith("boltz")],
                    help="the backend of the --profile runs (a +compile backend profiles the compiled block)")
+    p.add_argument("--compile-dynamic", action="store_true",
+                   help="compile +compile rows for symbolic lengths (default: one compile per case's length)")
     p.add_argument("--compile-mode", default=None,
                    choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                    help="torch.compile mode of the +compile backends (default: torch's default)")

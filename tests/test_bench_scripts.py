@@ -28,6 +28,23 @@ def test_block_bench_backend_options():
     assert bench_blocks.attention_config("torch+compile") == {"backend": "torch"}
 
 
+@pytest.mark.parametrize("argv, dynamic", [([], False), (["--compile-dynamic"], True)])
+def test_compiled_block_rows_compile_for_one_length_unless_asked(monkeypatch, argv, dynamic):
+    """torch.compile's default (dynamic=None) turns every case after the first into a symbolic-length compile (the
+    block's code has seen another length, also across torch._dynamo.reset()): a +compile row gets dynamic=False
+    unless --compile-dynamic asks for symbolic lengths; eager rows are not compiled at all."""
+    import torch
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda mod, **kw: seen.append(kw) or mod)
+    args = bench_blocks.parse_args(["--cases", "pair299"] + argv)
+    assert args.compile_dynamic is dynamic
+    bench_blocks.build_case("pair299", "triton+compile", torch.device("cpu"), args.compile_mode, args.compile_dynamic)
+    assert seen == [{"mode": None, "dynamic": dynamic}]
+    bench_blocks.build_case("pair299", "triton", torch.device("cpu"))
+    assert len(seen) == 1
+
+
 def test_attention_bench_heads_last_inputs():
     """``--layout heads-last``: q, k, v are [B, R, H, L, D] views of [B, R, L, H, D] leaves (the blocks' layout); the
     step's gradients land on those leaves, and peers that cannot take the views are skipped, not failed."""
@@ -180,6 +197,24 @@ def test_varlen_arguments_and_lengths():
     for b in bench_blocks.VARLEN_CHOICES:
         if not b.startswith("boltz"):
             assert bench_blocks.attention_config(b)["backend"] in registry.valid_names(), b
+
+
+def test_crop_table_flex_dynamic_is_a_ratio_not_a_target():
+    """flex compiled for symbolic lengths gets a ratio column; the target stays against per-length flex and
+    cuEquivariance (a slower flex-dynamic cannot make a row pass, a faster one cannot make it fail)."""
+    import bench_attention as ba
+
+    def row(be, ms):
+        return dict(shape="N=384 D=32", n="384", d="32", pad="38", backend=be, fwdbwd_ms=ms, host_ms="0.2",
+                    first_s="1.0", note="")
+
+    for flex, dyn, met in (("0.8", "1.2", "**no**"), ("1.0", "0.5", "yes")):
+        lines = ba.crop_table([row("triton", "0.9"), row("flex", flex), row("flex-dynamic", dyn)], "fwdbwd_ms")
+        assert lines[0] == ("| shape | triton | flex | flex-dynamic | triton / flex | triton / cuequivariance | "
+                            "triton / flex-dynamic | target met |")
+        cells = [c.strip() for c in lines[2].strip("|").split(" | ")]
+        assert cells[-2] == f"{0.9 / float(dyn):.2f}x" and cells[-1] == met
+    assert "flex-dynamic" in ba.CROP_BACKENDS
 
 
 def test_varlen_run_on_cpu_and_tables(tmp_path):
