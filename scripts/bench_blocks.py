@@ -91,10 +91,9 @@ def _masks(n: int, dev):
 
 def build_case(case: str, backend: str, dev, compile_mode: str | None = None, dynamic: bool = False):
     """(module, float inputs requiring grad, forward callable); ``compile_mode`` and ``dynamic`` go to
-    ``torch.compile``. ``dynamic`` False: compiled for this length alone. (torch.compile's default, None, compiles
-    for symbolic lengths once the block's code has run at another length, also after ``torch._dynamo.reset()``:
-    every case after the first would be measured with dynamic-shape kernels, which a single-length comparison
-    must not mix in.) True: symbolic lengths, the kernels a run over many lengths ends up with."""
+    ``torch.compile``. ``dynamic`` False: compiled for this length alone, whatever the process compiled before
+    (torch.compile's default, None, recompiles for symbolic lengths once the code has met a second length).
+    True: symbolic lengths, the kernels a run over many lengths ends up with."""
     kind, n, s_rows = CASES[case]
     single, pair = _masks(n, dev)
     g = torch.Generator(device=dev).manual_seed(0)

@@ -30,9 +30,9 @@ def test_block_bench_backend_options():
 
 @pytest.mark.parametrize("argv, dynamic", [([], False), (["--compile-dynamic"], True)])
 def test_compiled_block_rows_compile_for_one_length_unless_asked(monkeypatch, argv, dynamic):
-    """torch.compile's default (dynamic=None) turns every case after the first into a symbolic-length compile (the
-    block's code has seen another length, also across torch._dynamo.reset()): a +compile row gets dynamic=False
-    unless --compile-dynamic asks for symbolic lengths; eager rows are not compiled at all."""
+    """A +compile row is compiled for its own length (dynamic=False, not torch.compile's default, which turns to
+    symbolic lengths once the code has met a second length) unless --compile-dynamic asks for symbolic lengths;
+    eager rows are not compiled at all."""
     import torch
 
     seen = []
