@@ -11,6 +11,7 @@ triton-backend block (where the block's time goes).
     python scripts/bench_blocks.py --cases pair384 --backends triton torch --breakdown pair384
     python scripts/bench_blocks.py --cases pair384 --backends triton+compile --compile-mode reduce-overhead
     python scripts/bench_blocks.py --cases pair384 pair299 --backends triton+compile --compile-dynamic
+    python scripts/bench_blocks.py --cases pair384 pair299 pair768 --backends boltz-cueq triton triton+compile --isolate
     python scripts/bench_blocks.py --varlen             # 40 new lengths in a row: per-step times, compile + tune
 
 ``--varlen``: one PairformerBlock (c_s 384, c_z 128) per backend, eager, stepping through ``--varlen-count``
@@ -558,6 +559,26 @@ def _run_item(case, backend, dev, args, t0):
     return row
 
 
+_ROW_TAG = "BLOCK_ROW_JSON "
+
+
+def _row_in_subprocess(case: str, backend: str, args) -> dict:
+    """One table row measured in a fresh Python process (``--isolate``): a compiled step's host time grows with what
+    the process compiled and ran before it (docs/bench/issue20_h200.md, stop 38), which a training process that
+    compiles one model never pays."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--row-worker", case, backend, "--iters", str(args.iters),
+           "--warmup", str(args.warmup)] + (["--compile-mode", args.compile_mode] if args.compile_mode else []) + (
+        ["--compile-dynamic"] if args.compile_dynamic else [])
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=1800)
+    for line in proc.stdout.splitlines():
+        if line.startswith(_ROW_TAG):
+            return json.loads(line[len(_ROW_TAG):])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    kind, n, s_rows = CASES[case]
+    return dict(block=kind, case=case, n_res=n, n_seq=s_rows or "", backend=backend, ms="", peak_gib="",
+                note=f"failed: worker exited with {proc.returncode}: {tail[:160]}")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
@@ -573,6 +594,9 @@ def parse_args(argv=None):
                    help="the backend of the --profile runs (a +compile backend profiles the compiled block)")
     p.add_argument("--compile-dynamic", action="store_true",
                    help="compile +compile rows for symbolic lengths (default: one compile per case's length)")
+    p.add_argument("--isolate", action="store_true",
+                   help="measure every table row in a fresh process (as a training process that compiles one model)")
+    p.add_argument("--row-worker", nargs=2, metavar=("CASE", "BACKEND"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--compile-mode", default=None,
                    choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                    help="torch.compile mode of the +compile backends (default: torch's default)")
@@ -604,6 +628,10 @@ def main(argv=None):
     if args.varlen_worker:
         _varlen_worker(args.varlen_worker, varlen_lengths(args.varlen_count, args.varlen_seed), args.time_limit,
                        empty_cache=args.varlen_empty_cache)
+        return
+    if args.row_worker:
+        row = _run_item(*args.row_worker, torch.device("cuda"), args, time.time())
+        print(_ROW_TAG + json.dumps(row), flush=True)
         return
     dev = torch.device("cuda")
     os.makedirs(args.out, exist_ok=True)
@@ -642,7 +670,10 @@ def main(argv=None):
         w = csv.DictWriter(fcsv, fieldnames=fields)
         w.writeheader()
         for _, ci, bi, case, backend in sorted(items):
-            row = _run_item(case, backend, dev, args, t0)
+            if args.isolate and time.time() - t0 <= args.time_limit:
+                row = _row_in_subprocess(case, backend, args)
+            else:
+                row = _run_item(case, backend, dev, args, t0)
             row["_order"] = (ci, bi)
             print({k: v for k, v in row.items() if k != "_order"}, f"[{time.time() - t0:.0f} s]", flush=True)
             rows.append(row)

@@ -279,3 +279,38 @@ def test_varlen_backends_run_in_fresh_processes(monkeypatch):
     monkeypatch.setattr(subprocess, "run", fake_run)
     assert bench_blocks._varlen_in_subprocess("flex", args, [200], 7.0) == [{"backend": "flex", "step": 0, "n": 200}]
     assert seen[0][2:4] == ["--varlen-worker", "flex"] and "--time-limit" in seen[0]
+
+
+def test_isolated_block_rows_run_in_fresh_processes(monkeypatch):
+    """``--isolate``: each table row comes from a worker process of its own (tagged JSON on stdout) with the parent's
+    compile options; a worker that prints no row (a real one without a GPU, here) becomes a row naming its exit
+    code and last stderr line."""
+    import subprocess
+    import types
+
+    import torch
+
+    args = bench_blocks.parse_args(["--isolate", "--cases", "pair299", "--compile-dynamic", "--iters", "4"])
+    assert args.isolate and args.row_worker is None
+    if not torch.cuda.is_available():
+        row = bench_blocks._row_in_subprocess("pair299", "triton", args)
+        assert row["case"] == "pair299" and row["backend"] == "triton" and row["ms"] == ""
+        assert row["note"] == "failed: worker exited with 1: bench_blocks.py needs a CUDA device", row
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        if "boltz-cueq" in cmd:
+            return types.SimpleNamespace(stdout="", stderr="Traceback\nImportError: no boltz", returncode=1)
+        case, backend = cmd[cmd.index("--row-worker") + 1:][:2]
+        row = dict(case=case, backend=backend, ms=12.5, peak_gib=1.4, note="")
+        return types.SimpleNamespace(stdout="noise\n" + bench_blocks._ROW_TAG + bench_blocks.json.dumps(row),
+                                     stderr="", returncode=0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    got = bench_blocks._row_in_subprocess("pair299", "triton+compile", args)
+    assert got == dict(case="pair299", backend="triton+compile", ms=12.5, peak_gib=1.4, note="")
+    assert seen[0][2:5] == ["--row-worker", "pair299", "triton+compile"]
+    assert "--compile-dynamic" in seen[0] and seen[0][seen[0].index("--iters") + 1] == "4"
+    bad = bench_blocks._row_in_subprocess("pair299", "boltz-cueq", args)
+    assert bad["ms"] == "" and bad["note"] == "failed: worker exited with 1: ImportError: no boltz"
