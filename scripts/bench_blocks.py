@@ -560,6 +560,7 @@ def _run_item(case, backend, dev, args, t0):
 
 
 _ROW_TAG = "BLOCK_ROW_JSON "
+ROW_WORKER_TIMEOUT_S = 1800  # a compiled row takes ~1 min (compile included)
 
 
 def _row_in_subprocess(case: str, backend: str, args) -> dict:
@@ -569,14 +570,19 @@ def _row_in_subprocess(case: str, backend: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--row-worker", case, backend, "--iters", str(args.iters),
            "--warmup", str(args.warmup)] + (["--compile-mode", args.compile_mode] if args.compile_mode else []) + (
         ["--compile-dynamic"] if args.compile_dynamic else [])
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=1800)
+    kind, n, s_rows = CASES[case]
+    row = dict(block=kind, case=case, n_res=n, n_seq=s_rows or "", backend=backend, ms="", peak_gib="", note="")
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              timeout=ROW_WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:  # one hung row must not cost the rest of the table
+        return dict(row, note=f"failed: worker timed out after {ROW_WORKER_TIMEOUT_S} s")
+    sys.stderr.write(proc.stderr)  # the worker's tracebacks and warnings, as an in-process row would print them
     for line in proc.stdout.splitlines():
         if line.startswith(_ROW_TAG):
             return json.loads(line[len(_ROW_TAG):])
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    kind, n, s_rows = CASES[case]
-    return dict(block=kind, case=case, n_res=n, n_seq=s_rows or "", backend=backend, ms="", peak_gib="",
-                note=f"failed: worker exited with {proc.returncode}: {tail[:160]}")
+    return dict(row, note=f"failed: worker exited with {proc.returncode}: {tail[:160]}")
 
 
 def parse_args(argv=None):

@@ -290,7 +290,8 @@ def test_isolated_block_rows_run_in_fresh_processes(monkeypatch):
 
     import torch
 
-    args = bench_blocks.parse_args(["--isolate", "--cases", "pair299", "--compile-dynamic", "--iters", "4"])
+    args = bench_blocks.parse_args(["--isolate", "--cases", "pair299", "--compile-dynamic", "--iters", "4",
+                                    "--warmup", "2", "--compile-mode", "max-autotune"])
     assert args.isolate and args.row_worker is None
     if not torch.cuda.is_available():
         row = bench_blocks._row_in_subprocess("pair299", "triton", args)
@@ -312,5 +313,43 @@ def test_isolated_block_rows_run_in_fresh_processes(monkeypatch):
     assert got == dict(case="pair299", backend="triton+compile", ms=12.5, peak_gib=1.4, note="")
     assert seen[0][2:5] == ["--row-worker", "pair299", "triton+compile"]
     assert "--compile-dynamic" in seen[0] and seen[0][seen[0].index("--iters") + 1] == "4"
+    assert seen[0][seen[0].index("--warmup") + 1] == "2"
+    assert seen[0][seen[0].index("--compile-mode") + 1] == "max-autotune"
+    worker = bench_blocks.parse_args(seen[0][2:])  # the worker parses what it is given back into the same options
+    assert (worker.row_worker, worker.iters, worker.warmup, worker.compile_mode, worker.compile_dynamic) == (
+        ["pair299", "triton+compile"], 4, 2, "max-autotune", True)
     bad = bench_blocks._row_in_subprocess("pair299", "boltz-cueq", args)
     assert bad["ms"] == "" and bad["note"] == "failed: worker exited with 1: ImportError: no boltz"
+
+    def hung(cmd, **kw):
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"])
+
+    monkeypatch.setattr(subprocess, "run", hung)
+    late = bench_blocks._row_in_subprocess("pair299", "triton", args)
+    assert late["case"] == "pair299" and late["ms"] == ""
+    assert late["note"] == f"failed: worker timed out after {bench_blocks.ROW_WORKER_TIMEOUT_S} s"
+
+
+def test_row_worker_measures_its_row_with_the_given_options(monkeypatch, capsys):
+    """The hidden --row-worker mode measures one row with the options it was given (the compile's dynamic flag
+    reaches build_case) and prints it as one tagged JSON line, which the parent reads back."""
+    import json
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    built = []
+
+    def fake_build(case, backend, dev, compile_mode=None, dynamic=False):
+        built.append((case, backend, compile_mode, dynamic))
+        return torch.nn.Linear(1, 1), [], lambda: ()
+
+    monkeypatch.setattr(bench_blocks, "build_case", fake_build)
+    monkeypatch.setattr(bench_blocks, "measure", lambda *a, **k: (12.5, 1.25))
+    bench_blocks.main(["--row-worker", "pair299", "triton+compile", "--compile-dynamic", "--iters", "3"])
+    assert built == [("pair299", "triton+compile", None, True)]
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(bench_blocks._ROW_TAG)]
+    assert len(lines) == 1
+    row = json.loads(lines[0][len(bench_blocks._ROW_TAG):])
+    assert (row["case"], row["backend"], row["ms"], row["peak_gib"]) == ("pair299", "triton+compile", 12.5, 1.25)
+    assert row["note"].endswith("dynamic=True") and not row["note"].startswith("failed")
