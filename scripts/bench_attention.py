@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import functools
 import os
 import sys
 import time
@@ -249,14 +250,18 @@ ATTN_OPS_OPTIONS = {"sdpa": dict(deterministic=False),  # its CUDA backward uses
                     "triton-nondet": dict(deterministic=False)}
 
 
+# the peers outside attn_ops that take the pair-bias inputs: (q, k, v, bias, mask, causal) -> (run, leaves)
+PEER_BIAS_FNS = {"flex": flex_bias_fn,
+                 "flex-dynamic": functools.partial(flex_bias_fn, dynamic=True),
+                 "trifast": trifast_fn, "cuequivariance": cueq_fn}
+
+
 def bias_run(be, q, k, v, bias, mask, leaves):
     """(run, leaves) of bench backend ``be`` on pair-bias inputs."""
     if be in ATTN_OPS_BIAS_BACKENDS:
         run, _ = attn_ops_fn(be.split("-")[0], q, k, v, bias, mask, False, **ATTN_OPS_OPTIONS.get(be, {}))
         return run, leaves
-    if be == "flex-dynamic":
-        return flex_bias_fn(q, k, v, bias, mask, False, dynamic=True)
-    return {"flex": flex_bias_fn, "trifast": trifast_fn, "cuequivariance": cueq_fn}[be](q, k, v, bias, mask, False)
+    return PEER_BIAS_FNS[be](q, k, v, bias, mask, False)
 
 
 def bias_cases(names, backends, heads_last=False):
@@ -300,7 +305,7 @@ def crop_cases(shapes, backends):
                 q, k, v, bias, mask, leaves = bias_inputs(1, n, CROP_H, n, d, pad)
                 return bias_run(be, q, k, v, bias, mask, leaves)
             skip = None
-            if be not in ATTN_OPS_BIAS_BACKENDS + ("flex", "flex-dynamic", "trifast", "cuequivariance"):
+            if be not in ATTN_OPS_BIAS_BACKENDS + tuple(PEER_BIAS_FNS):
                 skip = f"skipped: {be} has no pair-bias path"
             yield crop_name(n, d), n, d, pad, be, make, skip
 
@@ -463,9 +468,9 @@ def crop_table(rows, field, backends=None):
                 line.append(_cell(r["note"]) if field == "fwdbwd_ms" else "-")
         if extra:
             t = _num(cells.get((shape, "triton"), {}).get("fwdbwd_ms"))
-            peers = {be: _num(cells.get((shape, be), {}).get("fwdbwd_ms")) for be in ratio_to}
-            line += [f"{t / p:.2f}x" if t is not None and p else "" for p in peers.values()]
-            peers.pop("flex-dynamic", None)
+            ratios = {be: _num(cells.get((shape, be), {}).get("fwdbwd_ms")) for be in ratio_to}
+            line += [f"{t / p:.2f}x" if t is not None and p else "" for p in ratios.values()]
+            peers = {be: ratios[be] for be in ("flex", "cuequivariance")}  # the target's peers
             r0 = cells.get((shape, "triton"), {})
             target = CROP_TARGET_MS.get((int(r0["n"]), int(r0["d"]))) if r0 else None
             if t is None:

@@ -457,13 +457,20 @@ def _varlen_in_subprocess(backend: str, args, lengths, budget: float):
     cmd = [sys.executable, os.path.abspath(__file__), "--varlen-worker", backend, "--varlen-count",
            str(args.varlen_count), "--varlen-seed", str(args.varlen_seed), "--time-limit", str(budget)] + (
         ["--varlen-empty-cache"] if args.varlen_empty_cache else [])
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          timeout=budget + 300)
+    return _worker_result(cmd, _WORKER_TAG, budget + 300)
+
+
+def _worker_result(cmd, tag: str, timeout: float):
+    """Run a worker process (``cmd``); return what it printed as one ``tag``-prefixed JSON line. Its stderr
+    (tracebacks, warnings) passes through to ours. No such line: RuntimeError naming the exit code and the last
+    stderr line; past ``timeout`` s: subprocess.TimeoutExpired."""
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+    sys.stderr.write(proc.stderr)
     for line in proc.stdout.splitlines():
-        if line.startswith(_WORKER_TAG):
-            return json.loads(line[len(_WORKER_TAG):])
+        if line.startswith(tag):
+            return json.loads(line[len(tag):])
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    raise RuntimeError(f"worker exited with {proc.returncode}: {tail[:200]}")
+    raise RuntimeError(f"worker exited with {proc.returncode}: {tail[:160]}")
 
 
 def run_varlen(args, dev, env):
@@ -530,9 +537,13 @@ def write_markdown(path, rows, brk, env, notes):
             f.write(f"\n{n}\n")
 
 
-def _run_item(case, backend, dev, args, t0):
+def _empty_row(case: str, backend: str) -> dict:
     kind, n, s_rows = CASES[case]
-    row = dict(block=kind, case=case, n_res=n, n_seq=s_rows or "", backend=backend, ms="", peak_gib="", note="")
+    return dict(block=kind, case=case, n_res=n, n_seq=s_rows or "", backend=backend, ms="", peak_gib="", note="")
+
+
+def _run_item(case, backend, dev, args, t0):
+    row = _empty_row(case, backend)
     if time.time() - t0 > args.time_limit:
         row["note"] = "skipped: time limit"
         return row
@@ -570,19 +581,12 @@ def _row_in_subprocess(case: str, backend: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--row-worker", case, backend, "--iters", str(args.iters),
            "--warmup", str(args.warmup)] + (["--compile-mode", args.compile_mode] if args.compile_mode else []) + (
         ["--compile-dynamic"] if args.compile_dynamic else [])
-    kind, n, s_rows = CASES[case]
-    row = dict(block=kind, case=case, n_res=n, n_seq=s_rows or "", backend=backend, ms="", peak_gib="", note="")
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              timeout=ROW_WORKER_TIMEOUT_S)
+        return _worker_result(cmd, _ROW_TAG, ROW_WORKER_TIMEOUT_S)
     except subprocess.TimeoutExpired:  # one hung row must not cost the rest of the table
-        return dict(row, note=f"failed: worker timed out after {ROW_WORKER_TIMEOUT_S} s")
-    sys.stderr.write(proc.stderr)  # the worker's tracebacks and warnings, as an in-process row would print them
-    for line in proc.stdout.splitlines():
-        if line.startswith(_ROW_TAG):
-            return json.loads(line[len(_ROW_TAG):])
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return dict(row, note=f"failed: worker exited with {proc.returncode}: {tail[:160]}")
+        return dict(_empty_row(case, backend), note=f"failed: worker timed out after {ROW_WORKER_TIMEOUT_S} s")
+    except RuntimeError as exc:
+        return dict(_empty_row(case, backend), note=f"failed: {exc}")
 
 
 def parse_args(argv=None):

@@ -215,6 +215,8 @@ def test_crop_table_flex_dynamic_is_a_ratio_not_a_target():
         cells = [c.strip() for c in lines[2].strip("|").split(" | ")]
         assert cells[-2] == f"{0.9 / float(dyn):.2f}x" and cells[-1] == met
     assert "flex-dynamic" in ba.CROP_BACKENDS
+    (_, _, _, _, be, _, skip), = ba.crop_cases([(384, 32)], ["flex-dynamic"])  # a bias peer: run, not skipped
+    assert (be, skip) == ("flex-dynamic", None)
 
 
 def test_varlen_run_on_cpu_and_tables(tmp_path):
