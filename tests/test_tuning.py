@@ -65,14 +65,36 @@ def test_tiny_sequences_get_one_small_config():
 
 def test_pair_and_dbias_candidate_expansion():
     """``pair``: each tile shape also with two rows per program (small heads only). dbias: each tile shape with
-    every split count, 2 first (an untimed pick then runs the fp32-partials path)."""
+    every split aim, the launcher's default first (an untimed pick then splits where tiles are few)."""
     base = candidates("dkdv", 64, 256, 256)
     assert candidates("dkdv", 64, 256, 256, pair=True) == base + [c._replace(rows=2) for c in base]
     assert candidates("dkdv", 128, 256, 256, pair=True) == candidates("dkdv", 128, 256, 256)
     tiles = [c for c in tuning._CANDIDATES["dbias"]]
     dbias = candidates("dbias", 32, 256, 256)
     assert dbias == [c._replace(splits=n) for c in tiles for n in tuning._DBIAS_SPLITS]
-    assert dbias[0].splits == 2
+    assert dbias[0].splits == 0
+
+
+def test_dbias_split_count_is_programs_per_sm():
+    """``Cfg.splits`` aims at programs per SM, so one tuned value fills the GPU alike at every length of its bucket;
+    1 is no split, 0 the default (``DBIAS_PER_SM``); capped by the batch steps and at 64."""
+    import torch
+
+    from attn_ops.triton import launch
+
+    dev = torch.device("cuda", 0)
+    launch._SMS[0] = 132
+    try:
+        assert launch._dbias_splits(1, 144, 384, dev) == 1
+        assert launch._dbias_splits(0, 144, 384, dev) == 4  # 4 per SM: 528 programs over 144 tiles
+        assert launch._dbias_splits(8, 144, 384, dev) == 8
+        assert launch._dbias_splits(8, 100, 300, dev) == 11  # N=300's fewer tiles get more splits, not the same 8
+        assert launch._dbias_splits(0, 1000, 384, dev) == 1
+        assert launch._dbias_splits(8, 4, 384, dev) == 64
+        assert launch._dbias_splits(8, 4, 6, dev) == 6
+        assert launch._dbias_splits(0, 4, 6, torch.device("cpu")) == 2  # the interpreter counts 2 SMs
+    finally:
+        del launch._SMS[0]
 
 
 class FakeBench:

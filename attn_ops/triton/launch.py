@@ -515,14 +515,26 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
     return o, lse
 
 
-def _dbias_splits(n_programs: int, total_steps: int, device: torch.device) -> int:
-    """How many programs share one dbias tile's reduction loop when the config does not say (``Cfg.splits`` 0):
-    a few programs per SM, so that the grid is not one wave and a small remainder."""
-    if device.type == "cuda":
-        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        target = 8  # the CPU interpreter: small, but exercises the split path in tests
-    return max(1, min(total_steps, 64, _cdiv(target, n_programs)))
+DBIAS_PER_SM = 4  # the dbias split's default aim (``Cfg.splits`` 0): programs per SM
+_SMS: Dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def _dbias_splits(splits: int, n_programs: int, total_steps: int, device: torch.device) -> int:
+    """How many programs share one dbias tile's batch loop for the config value ``splits`` (``Cfg.splits``): 1, one
+    program per tile; n > 1, enough splits for about n programs per SM; 0, ``DBIAS_PER_SM`` per SM. A count per SM,
+    not a fixed count, so that a config tuned at one length of a bucket fills the GPU alike at the others (a fixed
+    2 tuned at N=300 made N=384's grid one wave and a sliver: docs/bench)."""
+    if splits == 1:
+        return 1
+    sms = _sm_count(device) if device.type == "cuda" else 2  # the CPU interpreter: small, but splits in tests
+    return max(1, min(total_steps, 64, _cdiv((splits or DBIAS_PER_SM) * sms, n_programs)))
 
 
 def _even_splits(n_steps: int, splits: int) -> Tuple[int, int]:
@@ -717,8 +729,7 @@ def _record_dbias_reduce(rec: Recorder, b: int, mask_slot: int, sm, seg_slots, s
     def run(c):
         n_mt, n_nt = _cdiv(Lq, c.block_m), _cdiv(Lk, c.block_n)
         tiles = (1 if loop_m else n_mt) * (1 if loop_n else n_nt)
-        want = c.splits or _dbias_splits(tiles * n_groups, total, dev)
-        per, splits = _even_splits(total, min(want, total))
+        per, splits = _even_splits(total, _dbias_splits(c.splits, tiles * n_groups, total, dev))
         dbias = rec.new(_empty(shape, dtype, dev))  # dense, in the bias's dtype
         # splits > 1: fp32 partials, in the scratch memory (dq's, not yet written) when it is big enough; one
         # split writes dbias directly
