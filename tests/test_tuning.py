@@ -86,13 +86,13 @@ def test_dbias_split_count_is_programs_per_sm():
     launch._SMS[0] = 132
     try:
         assert launch._dbias_splits(1, 144, 384, dev) == 1
-        assert launch._dbias_splits(0, 144, 384, dev) == 4  # 4 per SM: 528 programs over 144 tiles
-        assert launch._dbias_splits(8, 144, 384, dev) == 8
-        assert launch._dbias_splits(8, 100, 300, dev) == 11  # N=300's fewer tiles get more splits, not the same 8
-        assert launch._dbias_splits(0, 1000, 384, dev) == 1
-        assert launch._dbias_splits(8, 4, 384, dev) == 64
-        assert launch._dbias_splits(8, 4, 6, dev) == 6
-        assert launch._dbias_splits(0, 4, 6, torch.device("cpu")) == 2  # the interpreter counts 2 SMs
+        assert launch._dbias_splits(0, 144, 384, dev) == 8  # 8 per SM: 1056 programs over 144 tiles
+        assert launch._dbias_splits(4, 144, 384, dev) == 4
+        assert launch._dbias_splits(4, 100, 300, dev) == 6  # N=300's fewer tiles get more splits, not the same 4
+        assert launch._dbias_splits(0, 2000, 384, dev) == 1
+        assert launch._dbias_splits(4, 4, 384, dev) == 64
+        assert launch._dbias_splits(4, 4, 6, dev) == 6
+        assert launch._dbias_splits(4, 4, 6, torch.device("cpu")) == 2  # the interpreter counts 2 SMs
     finally:
         del launch._SMS[0]
 

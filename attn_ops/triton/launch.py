@@ -515,7 +515,9 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
     return o, lse
 
 
-DBIAS_PER_SM = 4  # the dbias split's default aim (``Cfg.splits`` 0): programs per SM
+# The dbias split's default aim (``Cfg.splits`` 0), programs per SM: faster than 4 at 7 of 8 crop shapes on the H100
+# and at every N=300 and 384 crop shape on the H200 (docs/bench/issue20_h200.md, "Stop 39").
+DBIAS_PER_SM = 8
 _SMS: Dict[int, int] = {}
 
 

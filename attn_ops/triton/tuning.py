@@ -29,7 +29,7 @@ class Cfg(NamedTuple):
     num_warps: int
     num_stages: int
     rows: int = 1  # batch rows per program sharing each bias tile (2: a bias broadcast over R)
-    splits: int = 0  # dbias: programs per SM its split aims at (1: no split; 0: the launcher's default, 4)
+    splits: int = 0  # dbias: programs per SM its split aims at (1: no split; 0: the launcher's default, 8)
 
 
 _CACHE: Dict[Tuple, Cfg] = {}
@@ -44,11 +44,11 @@ _CANDIDATES = {
     "dbias": [Cfg(64, 64, 4, 3), Cfg(64, 64, 4, 4), Cfg(64, 32, 4, 3), Cfg(32, 64, 4, 3), Cfg(128, 64, 8, 3),
               Cfg(64, 128, 8, 3), Cfg(32, 32, 4, 3)],
 }
-# Split counts of the dbias batch loop, as programs per SM (the launcher's _dbias_splits; 0 is its default, 4), so a
+# Split counts of the dbias batch loop, as programs per SM (the launcher's _dbias_splits; 0 is its default, 8), so a
 # choice scales with the tile count over a bucket's lengths; 1 is no split (shapes with many output tiles). 0 first:
 # an untimed pick then runs the fp32-partials path where tiles are few. The timed launch includes the sum over the
 # splits (timing the kernel alone picked too many splits on the H100 triangle; docs/bench).
-_DBIAS_SPLITS = (0, 1, 8)
+_DBIAS_SPLITS = (0, 1, 4)
 _INTERPRETER = Cfg(32, 16, 4, 1)
 
 
