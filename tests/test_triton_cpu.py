@@ -423,13 +423,23 @@ def test_dbias_split_counts_match_reference(splits, monkeypatch):
     otherwise always takes the launcher's default): one program per tile writes the bias's dtype directly; 4 per
     (interpreter) SM gives 2 programs per tile here, adding fp32 partials in a fixed order; even tiles and a
     ragged shape."""
-    from attn_ops.triton import tuning
+    from attn_ops.triton import launch, tuning
 
     monkeypatch.setattr(tuning, "_INTERPRETER", tuning._INTERPRETER._replace(splits=splits))
+    counts = []
+    real = launch._even_splits
+
+    def even_splits(n_steps, want):
+        per, n = real(n_steps, want)
+        counts.append(n)
+        return per, n
+
+    monkeypatch.setattr(launch, "_even_splits", even_splits)
     for lq, seed in ((32, 1), (21, 2)):
         q, k, v, bias, mask = make_inputs((2, 3), 2, lq, lq, 16, bias_shape=(1, 1, 2, lq, lq),
                                           mask_shape=(2, 3, 1, 1, lq), seed=seed)
         check_against_reference("triton", q, k, v, bias, mask)
+    assert counts and set(counts) == {1 if splits == 1 else 2}
 
 
 def test_bias_tma_layout_rules(monkeypatch):

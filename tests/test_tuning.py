@@ -75,26 +75,25 @@ def test_pair_and_dbias_candidate_expansion():
     assert dbias[0].splits == 0
 
 
-def test_dbias_split_count_is_programs_per_sm():
+def test_dbias_split_count_is_programs_per_sm(monkeypatch):
     """``Cfg.splits`` aims at programs per SM, so one tuned value fills the GPU alike at every length of its bucket;
-    1 is no split, 0 the default (``DBIAS_PER_SM``); capped by the batch steps and at 64."""
+    1 is no split, 0 the default (``tuning.DBIAS_PER_SM``); capped by the batch steps and at 64."""
     import torch
 
     from attn_ops.triton import launch
 
     dev = torch.device("cuda", 0)
-    launch._SMS[0] = 132
-    try:
-        assert launch._dbias_splits(1, 144, 384, dev) == 1
-        assert launch._dbias_splits(0, 144, 384, dev) == 8  # 8 per SM: 1056 programs over 144 tiles
-        assert launch._dbias_splits(4, 144, 384, dev) == 4
-        assert launch._dbias_splits(4, 100, 300, dev) == 6  # N=300's fewer tiles get more splits, not the same 4
-        assert launch._dbias_splits(0, 2000, 384, dev) == 1
-        assert launch._dbias_splits(4, 4, 384, dev) == 64
-        assert launch._dbias_splits(4, 4, 6, dev) == 6
-        assert launch._dbias_splits(4, 4, 6, torch.device("cpu")) == 2  # the interpreter counts 2 SMs
-    finally:
-        del launch._SMS[0]
+    monkeypatch.setitem(launch._SMS, 0, 132)
+    assert launch._dbias_splits(1, 144, 384, dev) == 1
+    assert launch._dbias_splits(0, 144, 384, dev) == 8  # 8 per SM: 1056 programs over 144 tiles
+    assert launch._dbias_splits(4, 144, 384, dev) == 4
+    assert launch._dbias_splits(4, 100, 300, dev) == 6  # N=300's fewer tiles get more splits, not the same 4
+    assert launch._dbias_splits(0, 2000, 384, dev) == 1
+    assert launch._dbias_splits(4, 4, 384, dev) == 64
+    assert launch._dbias_splits(4, 4, 6, dev) == 6
+    assert launch._dbias_splits(4, 4, 6, torch.device("cpu")) == 2  # the interpreter counts 2 SMs
+    monkeypatch.setitem(launch._SMS, 0, 66)  # half the SMs: half the splits for the same aim
+    assert launch._dbias_splits(0, 144, 384, dev) == 4 and launch._dbias_splits(4, 100, 300, dev) == 3
 
 
 class FakeBench:
@@ -550,6 +549,19 @@ def test_lengths_differing_mod_16_compile_nothing_new(monkeypatch):
         assert _launch_keys(monkeypatch, R, Lq) == first, (R, Lq)
 
 
+def test_dbias_split_counts_compile_nothing_new():
+    """The split sum's count follows the tile count (a multiple of 16 at some lengths): Triton specialises none of
+    the counts, so a length whose count is 16, 32 or 48 reuses the compiled sum kernel."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from attn_ops.triton.dbias import sum_splits_kernel
+
+    dns = set(sum_splits_kernel.kwargs.get("do_not_specialize") or ())
+    assert "splits" in dns and "numel" in dns
+    assert len({native_specialize_impl(BaseBackend, n, False, "splits" not in dns, True) for n in (3, 16, 32, 48)}) == 1
+
+
 def test_transposed_mask_key_strides_compile_nothing_new(monkeypatch):
     """A mask whose key stride is a length (the ending-node triangle attention's, a transposed pair mask): row
     counts 2 and 16 give the same Triton specialisation, so the one of 16 (a multiple of 16 there, like N=496 in
@@ -747,3 +759,4 @@ def test_shipped_tables_in_the_package_are_well_formed():
             assert parsed[0] in ("fwd", "dkdv", "dq", "dbias") and isinstance(parsed[1], bool), key
             c = Cfg(*cfg)
             assert len(cfg) == len(Cfg._fields) and c.block_m >= 16 and c.block_n >= 16, key
+            assert c.splits == 0 or (parsed[0] == "dbias" and c.splits in tuning._DBIAS_SPLITS), key

@@ -515,9 +515,6 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
     return o, lse
 
 
-# The dbias split's default aim (``Cfg.splits`` 0), programs per SM: faster than 4 at 7 of 8 crop shapes on the H100
-# and at every N=300 and 384 crop shape on the H200 (docs/bench/issue20_h200.md, "Stop 39").
-DBIAS_PER_SM = 8
 _SMS: Dict[int, int] = {}
 
 
@@ -530,13 +527,13 @@ def _sm_count(device: torch.device) -> int:
 
 def _dbias_splits(splits: int, n_programs: int, total_steps: int, device: torch.device) -> int:
     """How many programs share one dbias tile's batch loop for the config value ``splits`` (``Cfg.splits``): 1, one
-    program per tile; n > 1, enough splits for about n programs per SM; 0, ``DBIAS_PER_SM`` per SM. A count per SM,
-    not a fixed count, so that a config tuned at one length of a bucket fills the GPU alike at the others (a fixed
-    2 tuned at N=300 made N=384's grid one wave and a sliver: docs/bench)."""
+    program per tile; n > 1, enough splits for about n programs per SM; 0, ``tuning.DBIAS_PER_SM`` per SM. A count
+    per SM, not a fixed count, so that a config tuned at one length of a bucket fills the GPU alike at the others (a
+    fixed 2 tuned at N=300 made N=384's grid one wave and a sliver: docs/bench)."""
     if splits == 1:
         return 1
     sms = _sm_count(device) if device.type == "cuda" else 2  # the CPU interpreter: small, but splits in tests
-    return max(1, min(total_steps, 64, _cdiv((splits or DBIAS_PER_SM) * sms, n_programs)))
+    return max(1, min(total_steps, 64, _cdiv((splits or tuning.DBIAS_PER_SM) * sms, n_programs)))
 
 
 def _even_splits(n_steps: int, splits: int) -> Tuple[int, int]:
