@@ -26,6 +26,7 @@ try:
     import triton.language as tl
 
     from attn_ops.triton.fastlaunch import launch as _fast_launch  # direct launches of compiled kernels
+    from attn_ops.triton.launch import sm_count as _cuda_sm_count
 except ImportError:  # pragma: no cover - triton is a dependency; the fallback keeps CPU-only installs working
     triton = None
 
@@ -290,16 +291,10 @@ LAYER_NORM_MIN_ROWS = 1 << 18
 LAYER_NORM_STRIDED = True
 # the 16- and 32-bit floats: the kernels' dtypes (float64 keeps the module's exact path), and the ones autocast casts
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_SMS: dict = {}
 
 
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
+    return _cuda_sm_count(device) if device.type == "cuda" else 4  # the CPU interpreter: a few programs
 
 
 def eager_first_order() -> bool:

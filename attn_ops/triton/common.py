@@ -14,8 +14,9 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 # Kernel args that vary with the sequence length (lengths, row counts, strides of the bias, mask, dbias and its
-# partials, the dbias split count): not specialised on divisibility by 16, so a new length reuses the compiled kernels. Strides that are
-# multiples of the head width (q, k, v, out, dout) stay specialised: they set the alignment of the row loads.
+# partials, the dbias split count): not specialised on divisibility by 16, so a new length reuses the compiled
+# kernels. Strides that are multiples of the head width (q, k, v, out, dout) stay specialised: they set the alignment
+# of the row loads.
 LENGTH_ARGS = ("R", "BR", "Lq", "Lk", "lr_n", "total", "numel", "steps_per_split", "splits",
                "s_bb", "s_br", "s_bh", "s_bm", "s_mb", "s_mr", "s_mh", "s_mm",
                "s_gb", "s_gr", "s_gh", "s_gm", "s_ps", "s_pb", "s_pr", "s_ph", "s_pm")

@@ -518,7 +518,8 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
 _SMS: Dict[int, int] = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The CUDA device's SM count, asked once per device."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SMS:
         _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
@@ -532,7 +533,7 @@ def _dbias_splits(splits: int, n_programs: int, total_steps: int, device: torch.
     fixed 2 tuned at N=300 made N=384's grid one wave and a sliver: docs/bench)."""
     if splits == 1:
         return 1
-    sms = _sm_count(device) if device.type == "cuda" else 2  # the CPU interpreter: small, but splits in tests
+    sms = sm_count(device) if device.type == "cuda" else 2  # the CPU interpreter: small, but splits in tests
     return max(1, min(total_steps, 64, _cdiv((splits or tuning.DBIAS_PER_SM) * sms, n_programs)))
 
 
