@@ -291,23 +291,42 @@ def kv_scores(
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
     CHECK_M: tl.constexpr, CHECK_N: tl.constexpr, IN_RANGE: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, qid=0, KSeg=None, HAS_SEG: tl.constexpr = False,
+    ZERO_K: tl.constexpr = True,
 ):
     """One key tile of a query tile's loop: k [BN, BD], v [BN, BDV] and the logits s [BM, BN] (:func:`logits`).
     The tile starts at query row m0 and key n0 (offs_m, offs_n); (Bias, bg): see :func:`bias_f32`.
 
-    K rows of masked keys read as zeros (:func:`key_terms`); V rows are read as they are (a NaN in v at a masked
-    key reaches the output through 0 * NaN, as in the reference). IN_RANGE: every query row and key of the tile
-    is < Lq, Lk; EVEN_D: D and Dv fill their blocks (the loads then need no mask beyond the key mask's rows).
-    HAS_SEG: ``qid`` [BM] the query tile's segment ids, ``KSeg`` this row's key ids.
+    Under a key mask (HAS_MASK 1) a masked key's garbage (NaN / inf in k or the bias) never reaches the logits:
+    ZERO_K True reads K rows of masked keys as zeros (:func:`key_terms`), for a caller that multiplies k by the
+    scores (dQ's ``dS @ k``); ZERO_K False (the forward), on a tile with range checks (not IN_RANGE), reads K by
+    its range alone and selects -inf over the masked keys' logits, so the K load does not wait on the mask's. V rows are read as they are (a NaN in v at a masked key reaches the output through
+    0 * NaN, as in the reference). IN_RANGE: every query row and key of the tile is < Lq, Lk; EVEN_D: D and Dv fill
+    their blocks (the loads then need no mask beyond the key mask's rows). HAS_SEG: ``qid`` [BM] the query tile's
+    segment ids, ``KSeg`` this row's key ids.
     """
-    badd, k_ok = key_terms(Bias, bg, m0, n0, Mask, offs_m, offs_n, s_bm, s_bn, s_mn, Lq, Lk, HAS_BIAS, HAS_MASK,
-                           not IN_RANGE)
-    K_ROWS: tl.constexpr = HAS_MASK == 1 or not IN_RANGE
-    k = load_rows(K, offs_n, s_kn, tl.arange(0, BLOCK_D), D, k_ok, K_ROWS, not EVEN_D)
+    # (a tile in range has no other select to merge the key mask's with: there the select after the dot cost the
+    # forward more than the wait on the mask, docs/bench/issue20_h200.md "Stop 40")
+    SELECT_KEYS: tl.constexpr = HAS_MASK == 1 and not ZERO_K and not IN_RANGE
+    if SELECT_KEYS:
+        k_ok = key_rows(Mask, offs_n, s_mn, Lk, HAS_MASK)
+        badd = 0.0
+        if HAS_BIAS:
+            badd = bias_f32(Bias, bg, m0, n0, offs_m, offs_n, s_bm, s_bn, Lq, Lk, not IN_RANGE, HAS_BIAS)
+        k = load_rows(K, offs_n, s_kn, tl.arange(0, BLOCK_D), D, offs_n < Lk, not IN_RANGE, not EVEN_D)
+    else:
+        badd, k_ok = key_terms(Bias, bg, m0, n0, Mask, offs_m, offs_n, s_bm, s_bn, s_mn, Lq, Lk, HAS_BIAS,
+                               HAS_MASK, not IN_RANGE)
+        K_ROWS: tl.constexpr = HAS_MASK == 1 or not IN_RANGE
+        k = load_rows(K, offs_n, s_kn, tl.arange(0, BLOCK_D), D, k_ok, K_ROWS, not EVEN_D)
     v = load_rows(V, offs_n, s_vn, tl.arange(0, BLOCK_DV), Dv, offs_n < Lk, not IN_RANGE, not EVEN_D)
     kid = 0
     if HAS_SEG:
         kid = seg_ids(KSeg, offs_n, Lk, -2)
-    s = logits(q, k, badd, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, logit_scale,
-               HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N, qid, kid, HAS_SEG)
+    if SELECT_KEYS:
+        s = logits(q, k, badd, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, logit_scale,
+                   HAS_BIAS, 0, APPLY_CAUSAL, CHECK_M, CHECK_N, qid, kid, HAS_SEG)
+        s = tl.where(k_ok[None, :], s, float("-inf"))
+    else:
+        s = logits(q, k, badd, Mask, offs_m, offs_n, Lq, Lk, s_mm, s_mn, logit_scale,
+                   HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N, qid, kid, HAS_SEG)
     return k, v, s

@@ -22,7 +22,7 @@ def _fwd_step(
     """Fold one key tile into the running (acc [BM, Dv], l_i, m_i) of one query tile of one row."""
     k, v, s = kv_scores(q, K, V, Bias, bg, m0, n0, Mask, offs_m, offs_n, Lq, Lk, D, Dv, s_kn, s_vn, s_bm, s_bn,
                         s_mm, s_mn, logit_scale, HAS_BIAS, HAS_MASK, APPLY_CAUSAL, CHECK_M, CHECK_N, IN_RANGE,
-                        EVEN_D, BLOCK_D, BLOCK_DV, qid, KSeg, HAS_SEG)  # s: [BM, BN]
+                        EVEN_D, BLOCK_D, BLOCK_DV, qid, KSeg, HAS_SEG, False)  # s: [BM, BN]
     m_new = tl.maximum(m_i, tl.max(s, 1))  # natural units, as s
     m2 = m_new * 1.4426950408889634  # log2(e) * m, per row
     # No key so far, or a max so negative (< -2.4e38, e.g. a float32-min additive mask) that it overflows in the
