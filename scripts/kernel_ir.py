@@ -2,12 +2,14 @@
 
 Triton's software pipeliner turns a loop's loads into asynchronous copies issued iterations ahead; a load it cannot
 turn (too narrow for a copy: a ``u8`` mask row) stays synchronous, and a copy whose predicate is such a load's value
-waits on it every iteration. This prints, per ``scf.for`` loop of the kernel's final TTGIR, its asynchronous copies
-and its synchronous loads (with the source line each comes from), compiled with the specialisations a real launch
-gets (16-byte aligned pointers, head-dim strides divisible by 16, unit key strides):
+waits on it every iteration. This prints, per ``scf.for`` loop of the kernel's final TTGIR, its asynchronous copies,
+the synchronous loads an iteration waits on and those the pipeliner only prefetches into registers for a later
+iteration (with the source line each comes from), compiled with the specialisations a real launch gets (16-byte
+aligned pointers, head-dim strides divisible by 16, unit key strides):
 
     python scripts/kernel_ir.py fwd                         # forward, pair bias + key mask, ragged tiles, D=32
     python scripts/kernel_ir.py dq --in-range --d 48        # the dQ kernel on tiles in range
+    python scripts/kernel_ir.py dkdv; python scripts/kernel_ir.py dbias   # the other backward passes
     python scripts/kernel_ir.py fwd --dump fwd.ttgir        # also write the TTGIR
 
 Needs Triton's NVIDIA backend (it ships with the Linux wheel, ``ptxas`` included); not under ``TRITON_INTERPRET=1``
@@ -26,11 +28,13 @@ if __name__ == "__main__":
 
 # kernel -> (module, function name); the parameters named here get pointer types, the rest of the runtime ones int32
 KERNELS = {"fwd": ("attn_ops.triton.forward", "attn_fwd_kernel"),
-           "dq": ("attn_ops.triton.backward", "attn_bwd_dq_kernel")}
+           "dq": ("attn_ops.triton.backward", "attn_bwd_dq_kernel"),
+           "dkdv": ("attn_ops.triton.backward", "attn_bwd_dkdv_kernel"),
+           "dbias": ("attn_ops.triton.dbias", "attn_bwd_dbias_kernel")}
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Bias": "*bf16", "Out": "*bf16", "dOut": "*bf16",
-            "dQ": "*bf16", "Mask": "*u8", "Lse": "*fp32", "Delta": "*fp32", "dBias": "*fp32", "QSeg": "*i32",
+            "dQ": "*bf16", "dK": "*bf16", "dV": "*bf16", "dQacc": "*fp32", "dBiasPart": "*fp32", "Mask": "*u8", "Lse": "*fp32", "Delta": "*fp32", "dBias": "*fp32", "QSeg": "*i32",
             "KSeg": "*i32"}
-FLOATS = ("logit_scale", "scale")
+FLOATS = ("logit_scale", "scale", "qk_scale")
 # strides a real launch specialises as divisible by 16 (multiples of the head width), and those it passes as 1
 DIVISIBLE = re.compile(r"s_(q|k|v|o|d)[brhmn]$")
 UNIT = ("s_bn", "s_mn", "s_gn")
@@ -45,6 +49,11 @@ def constexprs(kernel: str, mask: bool = True, bias: int = 3, in_range: bool = F
              BIAS_ALIGN=16)
     if kernel == "dq":
         c["DIRECT_DBIAS"] = 0
+    elif kernel == "dkdv":  # the split backward's dK/dV pass (the shared bias's gradient by the dbias kernel)
+        c.update(FUSED_DQ=False, DIRECT_DBIAS=0, ATOMIC_DBIAS=False, ROWS=1)
+    elif kernel == "dbias":  # the deterministic reduction: one output tile per program, the batch loop over rows
+        del c["HAS_BIAS"], c["BIAS_ALIGN"]
+        c.update(LOOP_M=False, LOOP_N=False, LOOP_B=False)
     return c
 
 
@@ -114,26 +123,41 @@ def _where(line: str, locs: Dict[str, str]) -> str:
 
 
 def loop_loads(ttgir: str) -> List[Dict[str, object]]:
-    """Per ``scf.for`` loop (outermost first, nested loops counted in their own entry only): the loop's first line
-    number, its asynchronous copies (``async_copy`` / TMA copies) and its synchronous ``tt.load`` sources."""
+    """Per ``scf.for`` loop (nested loops counted in their own entry only): the loop's first TTGIR line, its
+    asynchronous copies (``async_copy`` / TMA copies), and its synchronous ``tt.load`` sources split into ``sync``
+    (the value is used in the iteration that loads it: the iteration waits on it) and ``prefetch`` (the value is
+    only handed to a later iteration through the loop's ``scf.yield``: the pipeliner's register prefetch, whose
+    latency the iterations in between cover)."""
     lines = ttgir.splitlines()
     locs = _source_lines(ttgir)
     loops, stack = [], []  # stack: (loop index, brace depth at which its body closes)
     depth = 0
     for no, line in enumerate(lines, 1):
         if " scf.for " in line and line.rstrip().endswith("{"):
-            loops.append({"line": no, "async": 0, "sync": []})
+            loops.append({"line": no, "async": 0, "loads": [], "body": []})
             stack.append((len(loops) - 1, depth))
         elif stack:
             cur = loops[stack[-1][0]]
+            cur["body"].append(line)
             if "async_copy_global_to_local" in line or "async_tma_copy" in line:
                 cur["async"] += 1
-            elif re.search(r"= tt\.load ", line):
-                cur["sync"].append(_where(line, locs))
+            else:
+                m = re.match(r"\s*(%[\w.]+)(?::\d+)? = tt\.load ", line)
+                if m:
+                    cur["loads"].append((m.group(1), _where(line, locs)))
         depth += line.count("{") - line.count("}")
         while stack and depth <= stack[-1][1]:
             stack.pop()
-    return loops
+    out = []
+    for loop in loops:
+        sync, prefetch = [], []
+        for name, where in loop["loads"]:
+            uses = [ln for ln in loop["body"] if re.search(re.escape(name) + r"\b", ln) and
+                    not re.match(r"\s*" + re.escape(name) + r"(?::\d+)? = ", ln)]
+            carried_only = uses and all(ln.lstrip().startswith("scf.yield") for ln in uses)
+            (prefetch if carried_only else sync).append(where)
+        out.append({"line": loop["line"], "async": loop["async"], "sync": sync, "prefetch": prefetch})
+    return out
 
 
 def main(argv: Sequence[str] = None) -> None:
@@ -156,8 +180,11 @@ def main(argv: Sequence[str] = None) -> None:
             fh.write(ttgir)
     print(f"{args.kernel} sm_{args.arch} {consts}")
     for loop in loop_loads(ttgir):
-        print(f"loop at TTGIR line {loop['line']}: {loop['async']} asynchronous copies, "
-              f"{len(loop['sync'])} synchronous loads" + (f" ({', '.join(loop['sync'])})" if loop["sync"] else ""))
+        print(f"loop at TTGIR line {loop['line']}: {loop['async']} asynchronous copies; "
+              f"{len(loop['sync'])} loads waited on in their iteration" +
+              (f" ({', '.join(loop['sync'])})" if loop["sync"] else "") +
+              f"; {len(loop['prefetch'])} register prefetches" +
+              (f" ({', '.join(loop['prefetch'])})" if loop["prefetch"] else ""))
 
 
 if __name__ == "__main__":

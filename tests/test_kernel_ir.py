@@ -14,9 +14,10 @@ import json, sys
 sys.path.insert(0, {root!r}); sys.path.insert(0, {scripts!r})
 import kernel_ir as K
 out = {{}}
-for name, kernel, in_range in (("fwd_ragged", "fwd", False), ("fwd_in_range", "fwd", True), ("dq_ragged", "dq", False)):
+for name, kernel, in_range in (("fwd_ragged", "fwd", False), ("fwd_in_range", "fwd", True), ("dq_ragged", "dq", False),
+                               ("dkdv_ragged", "dkdv", False)):
     loops = K.loop_loads(K.compile_ttgir(kernel, K.constexprs(kernel, in_range=in_range)))
-    out[name] = [dict(asynchronous=l["async"], sync=l["sync"]) for l in loops]
+    out[name] = [dict(asynchronous=l["async"], sync=l["sync"], prefetch=l["prefetch"]) for l in loops]
 print("RESULT " + json.dumps(out))
 """
 
@@ -31,7 +32,7 @@ def _nvidia_backend() -> bool:
 
 @pytest.fixture(scope="module")
 def loops():
-    """Per kernel variant, its loops' asynchronous copies and synchronous loads (a fresh process: the test session
+    """Per kernel variant, its loops' asynchronous copies, the loads an iteration waits on and register prefetches (a fresh process: the test session
     runs Triton's interpreter, whose kernels cannot be compiled)."""
     if not _nvidia_backend():
         pytest.skip("Triton's NVIDIA backend is not installed")
@@ -46,8 +47,8 @@ def loops():
 
 def test_forward_ragged_tiles_copy_k_without_waiting_on_the_mask(loops):
     """Key mask + pair bias on ragged tiles (any length that is not a tile multiple): the key loop's bias, K and V
-    tiles are asynchronous copies, and one synchronous load remains (the mask row for the logits' select): K's copy
-    does not take a synchronously loaded mask as its predicate (it did before ``596ee92``: two loads)."""
+    tiles are asynchronous copies, and one load an iteration waits on remains (the mask row for the logits' select):
+    K's copy does not take a synchronously loaded mask as its predicate (it did before ``596ee92``: two loads)."""
     (loop,) = loops["fwd_ragged"]
     assert loop["asynchronous"] >= 3
     assert len(loop["sync"]) == 1 and loop["sync"][0].startswith("common.py:")
@@ -61,3 +62,11 @@ def test_forward_and_dq_keep_pipelined_copies(loops):
         (loop,) = loops[name]
         assert loop["asynchronous"] >= 3, name
         assert len(loop["sync"]) <= 2, (name, loop)
+
+
+def test_dkdv_loop_waits_on_no_load(loops):
+    """The dK/dV pass (the largest kernel of the backward) copies q, dO, lse and delta asynchronously and prefetches
+    the bias tile into registers an iteration ahead: no load of its query loop is waited on where it is issued."""
+    (loop,) = loops["dkdv_ragged"]
+    assert loop["asynchronous"] >= 4
+    assert loop["sync"] == [] and len(loop["prefetch"]) == 1, loop
