@@ -59,7 +59,7 @@ def constexprs(kernel: str, mask: bool = True, bias: int = 3, in_range: bool = F
 
 def compile_ttgir(kernel: str, consts: Dict[str, object], arch: int = 90, num_warps: int = 4,
                   num_stages: int = 3) -> str:
-    """The final TTGIR of ``kernel`` ("fwd" or "dq") compiled for ``cuda:<arch>`` with ``consts``."""
+    """The final TTGIR of ``kernel`` (a key of :data:`KERNELS`) compiled for ``cuda:<arch>`` with ``consts``."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("TRITON_INTERPRET=1: the interpreter's kernels cannot be compiled; unset it")
     import importlib
@@ -118,33 +118,69 @@ def _source_lines(ttgir: str) -> Dict[str, str]:
 
 
 def _where(line: str, locs: Dict[str, str]) -> str:
+    """The source ``file:line`` of a TTGIR op's location, "?" where it has none the table resolves."""
     m = re.search(r"loc\((#loc\d*)\)\s*$", line)
-    return locs.get(m.group(1), m.group(1)) if m else "?"
+    return locs.get(m.group(1), "?") if m else "?"
+
+
+_DEF = re.compile(r"\s*(%[\w.]+)(?::\d+)? = ")
+_NAME = re.compile(r"%[\w.]+")
+
+
+def _uses(name: str, line: str) -> bool:
+    """Whether ``line`` reads SSA value ``name`` (not only defines it)."""
+    m = _DEF.match(line)
+    rest = line[m.end():] if m else line
+    return re.search(re.escape(name) + r"(?![\w.])", rest) is not None
+
+
+def _reaches_load(name: str, defs: Dict[str, str], seen=None) -> bool:
+    """Whether SSA value ``name`` is computed (through any chain of ops in ``defs``) from a synchronous ``tt.load``."""
+    seen = set() if seen is None else seen
+    if name in seen or name not in defs:
+        return False
+    seen.add(name)
+    line = defs[name]
+    rhs = line[_DEF.match(line).end():]
+    if rhs.startswith("tt.load "):
+        return True
+    return any(_reaches_load(n, defs, seen) for n in _NAME.findall(rhs.split(" loc(")[0]))
 
 
 def loop_loads(ttgir: str) -> List[Dict[str, object]]:
-    """Per ``scf.for`` loop (nested loops counted in their own entry only): the loop's first TTGIR line, its
-    asynchronous copies (``async_copy`` / TMA copies), and its synchronous ``tt.load`` sources split into ``sync``
-    (the value is used in the iteration that loads it: the iteration waits on it) and ``prefetch`` (the value is
-    only handed to a later iteration through the loop's ``scf.yield``: the pipeliner's register prefetch, whose
-    latency the iterations in between cover)."""
+    """Per ``scf.for`` loop (nested loops counted in their own entry only):
+
+    - ``line``: the loop's first TTGIR line; ``async``: its asynchronous copies (``async_copy`` / TMA copies);
+    - ``sync`` / ``prefetch``: the sources of its synchronous ``tt.load`` ops, split into those used in the iteration
+      that loads them (the iteration waits on them) and those only handed to a later iteration by the loop's own
+      ``scf.yield`` (the pipeliner's register prefetch, whose latency the iterations in between cover);
+    - ``waiting_copies``: the sources of its asynchronous copies whose predicate (``mask``) is computed from a
+      synchronous load: such a copy cannot be issued before that load's value arrives.
+    """
     lines = ttgir.splitlines()
     locs = _source_lines(ttgir)
+    defs = {m.group(1): ln.strip() for ln in lines for m in [_DEF.match(ln)] if m}
     loops, stack = [], []  # stack: (loop index, brace depth at which its body closes)
     depth = 0
     for no, line in enumerate(lines, 1):
-        if " scf.for " in line and line.rstrip().endswith("{"):
-            loops.append({"line": no, "async": 0, "loads": [], "body": []})
-            stack.append((len(loops) - 1, depth))
-        elif stack:
+        if stack and line.lstrip().startswith("scf.yield") and depth == stack[-1][1] + 1:
+            loops[stack[-1][0]]["yield"] = line  # the innermost loop's own yield (not an scf.if's inside it)
+        for idx, _ in stack:
+            loops[idx]["body"].append(line)  # every enclosing loop sees the uses in its nested ones
+        if stack:
             cur = loops[stack[-1][0]]
-            cur["body"].append(line)
             if "async_copy_global_to_local" in line or "async_tma_copy" in line:
                 cur["async"] += 1
+                pred = re.search(r" mask (%[\w.]+)", line)
+                if pred and _reaches_load(pred.group(1), defs):
+                    cur["waiting"].append(_where(line, locs))
             else:
                 m = re.match(r"\s*(%[\w.]+)(?::\d+)? = tt\.load ", line)
                 if m:
                     cur["loads"].append((m.group(1), _where(line, locs)))
+        if " scf.for " in line and line.rstrip().endswith("{"):
+            loops.append({"line": no, "async": 0, "loads": [], "body": [], "yield": None, "waiting": []})
+            stack.append((len(loops) - 1, depth))
         depth += line.count("{") - line.count("}")
         while stack and depth <= stack[-1][1]:
             stack.pop()
@@ -152,11 +188,11 @@ def loop_loads(ttgir: str) -> List[Dict[str, object]]:
     for loop in loops:
         sync, prefetch = [], []
         for name, where in loop["loads"]:
-            uses = [ln for ln in loop["body"] if re.search(re.escape(name) + r"\b", ln) and
-                    not re.match(r"\s*" + re.escape(name) + r"(?::\d+)? = ", ln)]
-            carried_only = uses and all(ln.lstrip().startswith("scf.yield") for ln in uses)
+            uses = [ln for ln in loop["body"] if _uses(name, ln)]
+            carried_only = bool(uses) and all(ln is loop["yield"] for ln in uses)
             (prefetch if carried_only else sync).append(where)
-        out.append({"line": loop["line"], "async": loop["async"], "sync": sync, "prefetch": prefetch})
+        out.append({"line": loop["line"], "async": loop["async"], "sync": sync, "prefetch": prefetch,
+                    "waiting_copies": loop["waiting"]})
     return out
 
 
@@ -184,7 +220,9 @@ def main(argv: Sequence[str] = None) -> None:
               f"{len(loop['sync'])} loads waited on in their iteration" +
               (f" ({', '.join(loop['sync'])})" if loop["sync"] else "") +
               f"; {len(loop['prefetch'])} register prefetches" +
-              (f" ({', '.join(loop['prefetch'])})" if loop["prefetch"] else ""))
+              (f" ({', '.join(loop['prefetch'])})" if loop["prefetch"] else "") +
+              f"; {len(loop['waiting_copies'])} copies predicated on a synchronous load" +
+              (f" ({', '.join(loop['waiting_copies'])})" if loop["waiting_copies"] else ""))
 
 
 if __name__ == "__main__":

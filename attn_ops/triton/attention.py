@@ -170,9 +170,10 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], ma
             its gradient comes back in its own shape and dtype, summed over broadcast dims.
         mask: None or bool with the same rule; True = attend. Under a key mask (size 1 along Lq) whatever the
             bias or k hold at a masked key (NaN or inf padding included) reaches neither the output, lse nor any
-            gradient: the bias there is replaced by -inf and those K rows are read as zeros. A mask that varies
-            along Lq is applied by a select, which keeps garbage out of the output, lse, dk, dv and dbias, but
-            dq still computes 0 * k at masked keys (NaN for a non-finite k), as the reference's masked_fill does.
+            gradient: their logits are set to -inf by a select and their K rows, where a gradient multiplies them,
+            are read as zeros. A mask that varies along Lq is applied by a select, which keeps garbage out of the
+            output, lse, dk, dv and dbias, but dq still computes 0 * k at masked keys (NaN for a non-finite k), as
+            the reference's masked_fill does.
             A NaN in v at a masked key propagates (0 * NaN), as in PyTorch.
         scale: logit scale. causal: query i sees key j iff ``j <= i + (Lk - Lq)``.
         deterministic: True (default) gives bitwise-identical gradients on repeated calls (no atomics); the

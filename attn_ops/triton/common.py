@@ -107,8 +107,9 @@ def load_tile(Base, offs_m, offs_n, s_m, s_n, Lm, Ln, CHECK: tl.constexpr = True
 
 @triton.jit
 def key_rows(Mask, offs_n, s_mn, Lk, HAS_MASK: tl.constexpr):
-    """``[BN]``: the key rows to read from K, i.e. the attended keys under a key mask (HAS_MASK 1), else the keys
-    < Lk. Masked keys' rows read as zeros, so garbage there (NaN / inf padding) never meets q."""
+    """``[BN]``: the attended keys under a key mask (HAS_MASK 1), else the keys < Lk: the K rows a caller that
+    zeroes masked keys' rows reads (garbage there, NaN / inf padding, then never meets q), or the logits' columns
+    a select keeps (:func:`kv_scores`)."""
     if HAS_MASK == 1:
         return tl.load(Mask + offs_n.to(tl.int64) * s_mn, mask=offs_n < Lk, other=0) != 0
     else:
@@ -153,8 +154,8 @@ def key_terms(
     Returns ``(badd, k_ok)``: ``badd`` the fp32 bias tile ``[BM, BN]`` with a key mask (HAS_MASK 1) folded
     in as -inf (a ``[1, BN]`` 0/-inf row without a bias; 0.0 with neither), ``k_ok`` ``[BN]`` the key rows to
     load from K (attended keys only under a key mask, else those < Lk). The masked keys' bias is replaced, not
-    added to, and their K rows read as zeros, so a NaN or inf there (padding garbage) cannot reach the row, as
-    with the reference's masked_fill; a select costs what the add it replaces did.
+    added to, and the caller reads their K rows as zeros, so a NaN or inf there (padding garbage) cannot reach the
+    row, as with the reference's masked_fill; a select costs what the add it replaces did.
     """
     k_ok = key_rows(Mask, offs_n, s_mn, Lk, HAS_MASK)
     badd = 0.0
