@@ -32,8 +32,8 @@ KERNELS = {"fwd": ("attn_ops.triton.forward", "attn_fwd_kernel"),
            "dkdv": ("attn_ops.triton.backward", "attn_bwd_dkdv_kernel"),
            "dbias": ("attn_ops.triton.dbias", "attn_bwd_dbias_kernel")}
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Bias": "*bf16", "Out": "*bf16", "dOut": "*bf16",
-            "dQ": "*bf16", "dK": "*bf16", "dV": "*bf16", "dQacc": "*fp32", "dBiasPart": "*fp32", "Mask": "*u8", "Lse": "*fp32", "Delta": "*fp32", "dBias": "*fp32", "QSeg": "*i32",
-            "KSeg": "*i32"}
+            "dQ": "*bf16", "dK": "*bf16", "dV": "*bf16", "Mask": "*u8", "Lse": "*fp32", "Delta": "*fp32",
+            "dQacc": "*fp32", "dBias": "*fp32", "dBiasPart": "*fp32", "QSeg": "*i32", "KSeg": "*i32"}
 FLOATS = ("logit_scale", "scale", "qk_scale")
 # strides a real launch specialises as divisible by 16 (multiples of the head width), and those it passes as 1
 DIVISIBLE = re.compile(r"s_(q|k|v|o|d)[brhmn]$")
@@ -43,7 +43,9 @@ UNIT = ("s_bn", "s_mn", "s_gn")
 def constexprs(kernel: str, mask: bool = True, bias: int = 3, in_range: bool = False, block_m: int = 64,
                block_n: int = 64, d: int = 32) -> Dict[str, object]:
     """The constexpr arguments of a key-masked (or unmasked) pair-bias launch of ``kernel``."""
-    block_d = 1 << max(4, (d - 1).bit_length())
+    from attn_ops.triton.launch import _pow2
+
+    block_d = _pow2(d)  # the launcher's head-dim block
     c = dict(HAS_BIAS=bias, HAS_MASK=1 if mask else 0, CAUSAL=False, HAS_SEG=False, EVEN_M=in_range,
              EVEN_N=in_range, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_d, D=d, Dv=d, ALIGN=16,
              BIAS_ALIGN=16)
@@ -175,8 +177,8 @@ def loop_loads(ttgir: str) -> List[Dict[str, object]]:
                 if pred and _reaches_load(pred.group(1), defs):
                     cur["waiting"].append(_where(line, locs))
             else:
-                m = re.match(r"\s*(%[\w.]+)(?::\d+)? = tt\.load ", line)
-                if m:
+                m = _DEF.match(line)
+                if m and line[m.end():].startswith("tt.load "):
                     cur["loads"].append((m.group(1), _where(line, locs)))
         if " scf.for " in line and line.rstrip().endswith("{"):
             loops.append({"line": no, "async": 0, "loads": [], "body": [], "yield": None, "waiting": []})

@@ -33,8 +33,9 @@ def _nvidia_backend() -> bool:
 
 @pytest.fixture(scope="module")
 def loops():
-    """Per kernel variant, its loops' asynchronous copies, the loads an iteration waits on and register prefetches (a fresh process: the test session
-    runs Triton's interpreter, whose kernels cannot be compiled)."""
+    """Per kernel variant, its loops' asynchronous copies, the loads an iteration waits on, register prefetches and
+    copies predicated on a load (in a fresh process: the test session runs Triton's interpreter, whose kernels
+    cannot be compiled)."""
     if not _nvidia_backend():
         pytest.skip("Triton's NVIDIA backend is not installed")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -300,8 +300,9 @@ def kv_scores(
     Under a key mask (HAS_MASK 1) a masked key's garbage (NaN / inf in k or the bias) never reaches the logits:
     ZERO_K True reads K rows of masked keys as zeros (:func:`key_terms`), for a caller that multiplies k by the
     scores (dQ's ``dS @ k``); ZERO_K False (the forward), on a tile with range checks (not IN_RANGE), reads K by
-    its range alone and selects -inf over the masked keys' logits, so the K load does not wait on the mask's. V rows are read as they are (a NaN in v at a masked key reaches the output through
-    0 * NaN, as in the reference). IN_RANGE: every query row and key of the tile is < Lq, Lk; EVEN_D: D and Dv fill
+    its range alone and selects -inf over the masked keys' logits, so the K load does not wait on the mask's. V
+    rows are read as they are (a NaN in v at a masked key reaches the output through 0 * NaN, as in the
+    reference). IN_RANGE: every query row and key of the tile is < Lq, Lk; EVEN_D: D and Dv fill
     their blocks (the loads then need no mask beyond the key mask's rows). HAS_SEG: ``qid`` [BM] the query tile's
     segment ids, ``KSeg`` this row's key ids.
     """
@@ -311,9 +312,9 @@ def kv_scores(
     if SELECT_KEYS:
         k_ok = key_rows(Mask, offs_n, s_mn, Lk, HAS_MASK)
         badd = 0.0
-        if HAS_BIAS:
-            badd = bias_f32(Bias, bg, m0, n0, offs_m, offs_n, s_bm, s_bn, Lq, Lk, not IN_RANGE, HAS_BIAS)
-        k = load_rows(K, offs_n, s_kn, tl.arange(0, BLOCK_D), D, offs_n < Lk, not IN_RANGE, not EVEN_D)
+        if HAS_BIAS:  # (the tile has range checks here: not IN_RANGE)
+            badd = bias_f32(Bias, bg, m0, n0, offs_m, offs_n, s_bm, s_bn, Lq, Lk, True, HAS_BIAS)
+        k = load_rows(K, offs_n, s_kn, tl.arange(0, BLOCK_D), D, offs_n < Lk, True, not EVEN_D)
     else:
         badd, k_ok = key_terms(Bias, bg, m0, n0, Mask, offs_m, offs_n, s_bm, s_bn, s_mn, Lq, Lk, HAS_BIAS,
                                HAS_MASK, not IN_RANGE)
