@@ -41,6 +41,17 @@ class _ChannelsLast(torch.autograd.Function):
         return grad.movedim(-1, -3).contiguous()
 
 
+def gemm_pad(n: int, device: torch.device) -> int:
+    """Zeros to append to a length-``n`` side of the triangle product's ``[N, N]`` matrices so that their rows
+    start 16 bytes apart (a multiple of 8 elements): on CUDA from N=64 (below, the products are launch-bound).
+
+    Rows whose length is not a multiple of 8 send the batched products to cuBLAS's unaligned kernels: a compiled
+    Pairformer block's GPU time fell by a fifth at N=767 when they were padded (docs/bench/issue20_h200.md,
+    "Stop 41"). The padded product does ``(N'/N)^3`` the arithmetic: at most 1.07x from N=300.
+    """
+    return -n % 8 if device.type == "cuda" and n >= 64 else 0
+
+
 class TriangleMultiplication(nn.Module):
     """Triangular multiplicative update (AF2 Alg. 11 outgoing, Alg. 12 incoming).
 
@@ -103,11 +114,19 @@ class TriangleMultiplication(nn.Module):
         """
         zn = self.layer_norm_in(z)  # [*, N, N, c_z]
         ab = self._gated_channels_first(zn, pair_mask)  # [*, 2C, N, N]
-        a, b = ab.split(self.c_hidden, dim=-3)  # [*, C, N, N] each, contiguous
+        n = ab.shape[-1]
+        # under torch.compile only: Inductor writes the zeros in the pass that makes ab and reads x's slice where
+        # it is used; eager PyTorch would copy ab and x's gradient each way, which cost it more than it gained
+        pad = gemm_pad(n, ab.device) if torch.compiler.is_compiling() else 0
+        if pad:  # zero rows and columns: the sums over k gain zeros, x gains rows and columns it drops below
+            ab = nn.functional.pad(ab, (0, pad, 0, pad))
+        a, b = ab.split(self.c_hidden, dim=-3)  # [*, C, N', N'] each, contiguous
         if self.outgoing:
             x = torch.matmul(a, b.transpose(-1, -2))  # [*, C, I, J]: sum_k a[i, k] b[j, k]
         else:
             x = torch.matmul(a.transpose(-1, -2), b)  # [*, C, I, J]: sum_k a[k, i] b[k, j]
+        if pad:
+            x = x[..., :n, :n]
         g = self.linear_g(zn)  # [*, I, J, c_z]
         x = _ChannelsLast.apply(x)  # [*, I, J, C] view; its gradient comes back channels-first
 

@@ -3,6 +3,8 @@
 runs equal plain ones and really checkpoint / chunk, the named MSA and pair transitions,
 the ending-node / incoming modules equal the starting-node / outgoing ones on transposed input,
 and the outer product mean and global column attention against their definitions."""
+import copy
+
 import pytest
 import torch
 
@@ -360,6 +362,36 @@ def test_triangle_multiplication_compiled_form_equals_eager(cls):
         assert rel_err(a, b, floor=1.0) < 1e-13
 
 
+@pytest.mark.parametrize("cls", [TriangleMultiplicationOutgoing, TriangleMultiplicationIncoming])
+def test_triangle_multiplication_padded_product_equals_unpadded(cls, monkeypatch):
+    """Under torch.compile (fullgraph) the triangle product runs on zero-padded ``[N', N']`` matrices
+    (``gemm_pad``: rows 16 bytes apart for cuBLAS's aligned kernels at odd N) and gives the unpadded eager
+    module's values and gradients, with a pair mask with holes, every padded row and column dropped again."""
+    g = torch.Generator().manual_seed(26)
+    z = torch.randn(2, 7, 7, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    pair_mask = torch.rand(2, 7, 7, generator=g) > 0.3
+    mod = randomize_(cls(8, 4), seed=27).double()
+    assert attn_zoo.models.triangle.gemm_pad(7, z.device) == 0  # the CPU keeps the plain product
+    assert attn_zoo.models.triangle.gemm_pad(299, torch.device("cuda")) == 5
+    assert attn_zoo.models.triangle.gemm_pad(304, torch.device("cuda")) == 0
+    assert attn_zoo.models.triangle.gemm_pad(63, torch.device("cuda")) == 0
+
+    def run(fn):
+        out = fn(z, pair_mask)
+        return out, torch.autograd.grad(weighted_sum([out]), [z, *mod.parameters()])
+
+    want, want_grads = run(mod)
+    calls = []
+    monkeypatch.setattr(attn_zoo.models.triangle, "gemm_pad", lambda n, device: calls.append(n) or -n % 8)
+    torch._dynamo.reset()
+    got, got_grads = run(torch.compile(mod, backend="aot_eager", fullgraph=True))
+    torch._dynamo.reset()
+    assert calls == [7]  # the compiled form pads (eager PyTorch does not: its copies cost more than they gain)
+    assert got.shape == want.shape and rel_err(got, want) < 1e-13
+    for a, b in zip(got_grads, want_grads):
+        assert rel_err(a, b, floor=1.0) < 1e-13
+
+
 @pytest.mark.parametrize("kind", list(BLOCKS))
 def test_dropout_placement_follows_the_paper(kind):
     """Row-wise (mask shared over rows, dim -3) on MSA row attention, triangle multiplications and the
@@ -446,6 +478,33 @@ def test_block_traces_without_graph_break(kind):
     explained = torch._dynamo.explain(_block(kind, attention="chunked"))(m, z, msa_mask, pair_mask)
     assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
     assert explained.graph_count == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", [TriangleMultiplicationOutgoing, TriangleMultiplicationIncoming])
+def test_triangle_multiplication_padded_on_gpu_matches_float64(cls):
+    """At an odd N >= 64 the compiled CUDA module (Inductor) multiplies zero-padded matrices (``gemm_pad``); in
+    fp32 its output and every gradient match the float64 module on the CPU (the unpadded product) with a pair
+    mask with holes."""
+    n = 67
+    assert attn_zoo.models.triangle.gemm_pad(n, torch.device("cuda")) == 5
+    g = torch.Generator().manual_seed(28)
+    z = torch.randn(1, n, n, 16, generator=g, dtype=torch.float64)
+    pair_mask = torch.rand(1, n, n, generator=g) > 0.3
+    mod = randomize_(cls(16, 8), seed=29).double()
+    results = []
+    for dev, dtype in (("cpu", torch.float64), ("cuda", torch.float32)):
+        m = copy.deepcopy(mod).to(dev, dtype)
+        zz = z.to(dev, dtype).requires_grad_(True)
+        torch._dynamo.reset()
+        out = (torch.compile(m, fullgraph=True) if dev == "cuda" else m)(zz, pair_mask.to(dev))
+        grads = torch.autograd.grad(weighted_sum([out]), [zz, *m.parameters()])
+        results.append((out.cpu().double(), [t.cpu().double() for t in grads]))
+    torch._dynamo.reset()
+    (want, want_grads), (got, got_grads) = results
+    assert rel_err(got, want) < 1e-5
+    for a, b in zip(got_grads, want_grads):
+        assert rel_err(a, b, floor=1.0) < 1e-5
 
 
 @pytest.mark.gpu
