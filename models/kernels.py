@@ -113,6 +113,54 @@ if triton is not None:
         tl.store(DW + pid * C + offs_c, dw, mask=col_ok)
         tl.store(DB + pid * C + offs_c, dbias, mask=col_ok)
 
+    @triton.jit(do_not_specialize=["N", "M"])
+    def _gate_cf_kernel(Y, Mask, Out, N, M, C2: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_J: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
+        """``Out[b, c, i, j] = sigmoid(Y[b, p, c]) * Y[b, p, C2 + c] * Mask[b, p]`` with ``p = i * N + j`` for i, j < N,
+        0 for i or j in [N, M): ``Y [B, N*N, 2*C2]`` channels-last, ``Out [B, C2, M, M]`` channels-first (the
+        compiler stages the tile through shared memory, so loads run along c and stores along j). Grid (M,
+        cdiv(M, BLOCK_J), B * cdiv(C2, BLOCK_C))."""
+        i = tl.program_id(0)
+        offs_j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+        n_cb = tl.cdiv(C2, BLOCK_C)
+        b = tl.program_id(2) // n_cb
+        offs_c = (tl.program_id(2) % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = offs_c < C2
+        in_ok = offs_j < tl.where(i < N, N, 0)  # rows i >= N: padding
+        p = (b.to(tl.int64) * N + i) * N + offs_j
+        ok = in_ok[:, None] & c_ok[None, :]
+        rows = Y + p[:, None] * (2 * C2) + offs_c[None, :]
+        v = tl.sigmoid(tl.load(rows, mask=ok, other=0.0).to(tl.float32)) * \
+            tl.load(rows + C2, mask=ok, other=0.0).to(tl.float32)  # 0 outside [N, N]
+        if HAS_MASK:
+            v = v * tl.load(Mask + p, mask=in_ok, other=0.0).to(tl.float32)[:, None]
+        out = Out + ((b * C2 + offs_c[None, :]).to(tl.int64) * M + i) * M + offs_j[:, None]
+        tl.store(out, v.to(Out.dtype.element_ty), mask=(offs_j[:, None] < M) & c_ok[None, :])
+
+    @triton.jit(do_not_specialize=["N", "M"])
+    def _gate_cf_bwd_kernel(Y, Mask, GOut, DY, N, M, C2: tl.constexpr, HAS_MASK: tl.constexpr,
+                            BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr):
+        """The gradient of :func:`_gate_cf_kernel`: ``DY [B, N*N, 2*C2]`` channels-last (gate's, then proj's) from
+        ``GOut [B, C2, M, M]`` contiguous. Grid (N, cdiv(N, BLOCK_J), B * cdiv(C2, BLOCK_C))."""
+        i = tl.program_id(0)
+        offs_j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+        n_cb = tl.cdiv(C2, BLOCK_C)
+        b = tl.program_id(2) // n_cb
+        offs_c = (tl.program_id(2) % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = offs_c < C2
+        j_ok = offs_j < N
+        p = (b.to(tl.int64) * N + i) * N + offs_j
+        ok = j_ok[:, None] & c_ok[None, :]
+        go = tl.load(GOut + ((b * C2 + offs_c[None, :]).to(tl.int64) * M + i) * M + offs_j[:, None], mask=ok,
+                     other=0.0).to(tl.float32)
+        if HAS_MASK:
+            go = go * tl.load(Mask + p, mask=j_ok, other=0.0).to(tl.float32)[:, None]
+        rows = p[:, None] * (2 * C2) + offs_c[None, :]
+        s = tl.sigmoid(tl.load(Y + rows, mask=ok, other=0.0).to(tl.float32))
+        proj = tl.load(Y + rows + C2, mask=ok, other=0.0).to(tl.float32)
+        tl.store(DY + rows, (go * proj * s * (1.0 - s)).to(DY.dtype.element_ty), mask=ok)
+        tl.store(DY + rows + C2, (go * s).to(DY.dtype.element_ty), mask=ok)
+
 
 def _as_3d(x: Tensor, channels_first: bool):
     """(A, B, C, sa, sb, sc) of ``x`` read as rows ``[A, B]`` of C channels, or None if no such view exists."""
@@ -320,3 +368,52 @@ def layer_norm(x: Tensor, norm: nn.LayerNorm, out_dtype: torch.dtype, force: boo
     if plan is None:
         return None
     return _LayerNorm.apply(x, norm.weight, norm.bias, norm.eps, out_dtype, plan)
+
+
+_GATE_TILE = (64, 32)  # (BLOCK_J, BLOCK_C): 2048 elements a program
+
+
+class _GateChannelsFirst(torch.autograd.Function):
+    """:func:`gate_channels_first` on the Triton kernels (first order)."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, mask: Optional[Tensor], n: int, m: int) -> Tensor:
+        bsz, c2 = y.shape[0], y.shape[-1] // 2
+        out = torch.empty(bsz, c2, m, m, dtype=y.dtype, device=y.device)
+        bj, bc = _GATE_TILE
+        _fast_launch(_gate_cf_kernel, (m, _cdiv(m, bj), bsz * _cdiv(c2, bc)),
+                     (y, y if mask is None else mask, out, n, m), 4, 1, C2=c2, HAS_MASK=mask is not None, BLOCK_J=bj,
+                     BLOCK_C=bc)
+        ctx.save_for_backward(y, mask)
+        ctx.nm = n, m
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        y, mask = ctx.saved_tensors
+        n, m = ctx.nm
+        bsz, c2 = y.shape[0], y.shape[-1] // 2
+        grad = grad.contiguous()
+        dy = torch.empty_like(y)
+        bj, bc = _GATE_TILE
+        _fast_launch(_gate_cf_bwd_kernel, (n, _cdiv(n, bj), bsz * _cdiv(c2, bc)),
+                     (y, y if mask is None else mask, grad, dy, n, m), 4, 1, C2=c2, HAS_MASK=mask is not None,
+                     BLOCK_J=bj, BLOCK_C=bc)
+        return dy, None, None, None
+
+
+def use_gate_kernel(t: Tensor, force: bool = False) -> bool:
+    """Whether :func:`gate_channels_first` runs for tensors like ``t``: CUDA in eager mode (``force``: any device,
+    the CPU interpreter in tests), not under torch.compile (Inductor fuses its own), functorch transforms or
+    forward-mode AD (the kernels are first order), a floating dtype."""
+    return eager_first_order() and triton is not None and (force or (t.device.type == "cuda" and not _interpreting())) \
+        and t.dtype in FLOATS
+
+
+def gate_channels_first(y: Tensor, mask: Optional[Tensor], n: int, m: int) -> Tensor:
+    """``sigmoid(gate) * proj * mask`` of ``y = [gate | proj] [B, N*N, 2*C2]`` (channels-last, contiguous; ``mask
+    [B, N*N]`` contiguous, or None), transposed to channels-first ``[B, C2, M, M]`` with zeros past ``N`` (``M >= N``:
+    the triangle product's operands, rows padded to a multiple of 8 elements), in one pass each way where PyTorch
+    runs three elementwise passes, a transposing copy and a padding copy. Where :func:`use_gate_kernel` says so."""
+    return _GateChannelsFirst.apply(y, mask, n, m)

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .kernels import gate_channels_first, use_gate_kernel
 from .primitives import Attention, LayerNorm, Linear, chunk_rows
 
 Tensor = torch.Tensor
@@ -75,21 +76,29 @@ class TriangleMultiplication(nn.Module):
         self.linear_z = Linear(c_hidden, c_z, bias=bias, init="final")
         self.linear_g = Linear(c_z, c_z, bias=bias, init=gating)
 
-    def _gated_channels_first(self, zn: Tensor, pair_mask: Optional[Tensor]) -> Tensor:
-        """``[a | b] = sigmoid(Linear_g(zn)) * Linear_p(zn)``, zeroed at masked pairs: ``[*, 2C, N, N]`` contiguous.
+    def _gated_channels_first(self, zn: Tensor, pair_mask: Optional[Tensor], m: int = 0) -> Tensor:
+        """``[a | b] = sigmoid(Linear_g(zn)) * Linear_p(zn)``, zeroed at masked pairs: ``[*, 2C, N, N]`` contiguous,
+        or with ``m`` (the fused kernel's form only) ``[*, 2C, M, M]`` with zeros past N.
 
-        Two forms of the same function, each the faster one where it runs (docs/bench/history.md, "Design
-        measurements"):
+        Three forms of the same function, each the faster one where it runs (docs/bench/history.md, "Design
+        measurements"; docs/bench/issue20_h200.md, "Stop 41"):
         - under ``torch.compile``: one channels-last GEMM with the bias in its epilogue, then gate, mask and
           the transpose to channels-first as one fused pass;
-        - eager: one channels-first GEMM ``W @ zn^T`` (``baddbmm``, bias fused) and elementwise gating in that
-          layout; the form above would cost eager PyTorch a strided transpose copy each way.
+        - eager CUDA: the same GEMM, then one Triton pass for the rest (``kernels.gate_channels_first``), which also
+          writes the padding of the triangle product's operands;
+        - eager elsewhere: one channels-first GEMM ``W @ zn^T`` (``baddbmm``, bias fused) and elementwise gating in
+          that layout; the channels-last form would cost eager PyTorch a strided transpose copy each way.
         """
         w = torch.cat([self.linear_ab_g.weight, self.linear_ab_p.weight], dim=0)  # [4C, c_z]
         bias = None
         if self.linear_ab_p.bias is not None:
             bias = torch.cat([self.linear_ab_g.bias, self.linear_ab_p.bias], dim=0)  # [4C]
         c2 = 2 * self.c_hidden
+        if m:
+            lead, n = zn.shape[:-3], zn.shape[-2]
+            y = nn.functional.linear(zn, w, bias)  # [*, N, N, 4C]
+            mask = None if pair_mask is None else pair_mask.reshape(-1, n * n).to(y.dtype)
+            return gate_channels_first(y.reshape(-1, n * n, 2 * c2), mask, n, m).reshape(*lead, c2, m, m)
         if torch.compiler.is_compiling():
             gate, proj = nn.functional.linear(zn, w, bias).split(c2, dim=-1)  # [*, N, N, 2C] each
             ab = torch.sigmoid(gate) * proj  # [*, N, N, 2C]
@@ -113,12 +122,14 @@ class TriangleMultiplication(nn.Module):
         ``chunk_size`` chunks the output stage over rows (inference memory).
         """
         zn = self.layer_norm_in(z)  # [*, N, N, c_z]
-        ab = self._gated_channels_first(zn, pair_mask)  # [*, 2C, N, N]
-        n = ab.shape[-1]
-        # under torch.compile only: Inductor writes the zeros in the pass that makes ab and reads x's slice where
-        # it is used; eager PyTorch would copy ab and x's gradient each way, which cost it more than it gained
-        pad = gemm_pad(n, ab.device) if torch.compiler.is_compiling() else 0
-        if pad:  # zero rows and columns: the sums over k gain zeros, x gains rows and columns it drops below
+        n = zn.shape[-2]
+        fused = not torch.compiler.is_compiling() and use_gate_kernel(zn)
+        # zero rows and columns past N: the sums over k gain zeros, x gains rows and columns it drops below. Inductor
+        # writes them in the pass that makes ab, the eager CUDA form in its gating kernel; PyTorch's own eager ops
+        # would copy ab and x's gradient each way, which cost more than the aligned products gain ("Stop 41")
+        pad = gemm_pad(n, zn.device) if fused or torch.compiler.is_compiling() else 0
+        ab = self._gated_channels_first(zn, pair_mask, n + pad if fused else 0)  # [*, 2C, N(+pad), N(+pad)]
+        if pad and not fused:
             ab = nn.functional.pad(ab, (0, pad, 0, pad))
         a, b = ab.split(self.c_hidden, dim=-3)  # [*, C, N', N'] each, contiguous
         if self.outgoing:

@@ -3,10 +3,12 @@
 runs equal plain ones and really checkpoint / chunk, the named MSA and pair transitions,
 the ending-node / incoming modules equal the starting-node / outgoing ones on transposed input,
 and the outer product mean and global column attention against their definitions."""
+import contextlib
 import copy
 
 import pytest
 import torch
+from torch import nn
 
 import attn_zoo.models.evoformer
 import attn_zoo.models.pairformer
@@ -362,6 +364,19 @@ def test_triangle_multiplication_compiled_form_equals_eager(cls):
         assert rel_err(a, b, floor=1.0) < 1e-13
 
 
+@contextlib.contextmanager
+def _nan_filled_empty():
+    """``torch.empty`` and friends return NaN-filled memory inside (PyTorch's deterministic mode)."""
+    was = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was[0])
+        torch.utils.deterministic.fill_uninitialized_memory = was[1]
+
+
 @pytest.mark.parametrize("cls", [TriangleMultiplicationOutgoing, TriangleMultiplicationIncoming])
 def test_triangle_multiplication_padded_product_equals_unpadded(cls, monkeypatch):
     """Under torch.compile (fullgraph) the triangle product runs on zero-padded ``[N', N']`` matrices
@@ -390,6 +405,62 @@ def test_triangle_multiplication_padded_product_equals_unpadded(cls, monkeypatch
     assert got.shape == want.shape and rel_err(got, want) < 1e-13
     for a, b in zip(got_grads, want_grads):
         assert rel_err(a, b, floor=1.0) < 1e-13
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("masked", [True, False])
+def test_gate_channels_first_kernel_matches_pytorch(dtype, masked):
+    """The Triton gating pass (interpreter): ``sigmoid(gate) * proj * mask`` of a channels-last ``[B, N*N, 2*C2]``
+    into channels-first ``[B, C2, M, M]`` with zeros past N (C2 = 40: a partial channel block; N = 5, M = 8), and
+    its gradient, against PyTorch's ops; the output's padding is written, not left to the allocator."""
+    from attn_zoo.models import kernels
+
+    g = torch.Generator().manual_seed(40)
+    n, m, c2 = 5, 8, 40
+    y = torch.randn(2, n * n, 2 * c2, generator=g).to(dtype).requires_grad_(True)
+    mask = (torch.rand(2, n * n, generator=g) > 0.3).to(dtype) if masked else None
+    assert kernels.use_gate_kernel(y, force=True) and not kernels.use_gate_kernel(y)
+    with _nan_filled_empty():
+        got = kernels.gate_channels_first(y, mask, n, m)
+    gate, proj = y.float().split(c2, dim=-1)
+    want = torch.sigmoid(gate) * proj * (1.0 if mask is None else mask.float()[..., None])
+    want = nn.functional.pad(want.transpose(1, 2).reshape(2, c2, n, n), (0, m - n, 0, m - n))
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    assert got.shape == (2, c2, m, m) and got.dtype == dtype and rel_err(got.float(), want) < tol
+    grad = torch.randn(got.shape, generator=g).to(dtype)
+    (dy,) = torch.autograd.grad(got, y, grad)
+    (want_dy,) = torch.autograd.grad(want, y, grad.float())
+    assert rel_err(dy.float(), want_dy.float()) < tol
+
+
+@pytest.mark.parametrize("cls", [TriangleMultiplicationOutgoing, TriangleMultiplicationIncoming])
+def test_triangle_multiplication_gating_kernel_path_equals_pytorch(cls, monkeypatch):
+    """The eager CUDA form of the module (channels-last GEMM, the Triton gating pass writing the padded product's
+    operands, the product on ``[N', N']`` matrices), run here on the interpreter with the padding forced, equals the
+    plain module in fp32: values and gradients, with a pair mask with holes and without."""
+    from attn_zoo.models import kernels
+
+    g = torch.Generator().manual_seed(41)
+    z = torch.randn(2, 7, 7, 8, generator=g, requires_grad=True)
+    pair_mask = torch.rand(2, 7, 7, generator=g) > 0.3
+    mod = randomize_(cls(8, 4), seed=42)
+    for mask in (pair_mask, None):
+        monkeypatch.undo()
+        want = mod(z, mask)
+        want_grads = torch.autograd.grad(weighted_sum([want]), [z, *mod.parameters()])
+        monkeypatch.setattr(attn_zoo.models.triangle, "gemm_pad", lambda n, device: -n % 8)
+        monkeypatch.setattr(attn_zoo.models.triangle, "use_gate_kernel", lambda t: kernels.use_gate_kernel(t, True))
+        calls = []
+        real = kernels.gate_channels_first
+        monkeypatch.setattr(attn_zoo.models.triangle, "gate_channels_first",
+                            lambda *a: calls.append(a[2:]) or real(*a))
+        with _nan_filled_empty():
+            got = mod(z, mask)
+            got_grads = torch.autograd.grad(weighted_sum([got]), [z, *mod.parameters()])
+        assert calls == [(7, 8)]
+        assert rel_err(got, want) < 1e-5
+        for a, b in zip(got_grads, want_grads):
+            assert rel_err(a, b, floor=1.0) < 1e-5
 
 
 @pytest.mark.parametrize("kind", list(BLOCKS))
@@ -483,28 +554,31 @@ def test_block_traces_without_graph_break(kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cls", [TriangleMultiplicationOutgoing, TriangleMultiplicationIncoming])
 def test_triangle_multiplication_padded_on_gpu_matches_float64(cls):
-    """At an odd N >= 64 the compiled CUDA module (Inductor) multiplies zero-padded matrices (``gemm_pad``); in
-    fp32 its output and every gradient match the float64 module on the CPU (the unpadded product) with a pair
-    mask with holes."""
+    """At an odd N >= 64 the CUDA module multiplies zero-padded matrices (``gemm_pad``), eager (the Triton gating
+    pass) and compiled (Inductor); in fp32 its output and every gradient match the float64 module on the CPU (the
+    unpadded product) with a pair mask with holes."""
     n = 67
     assert attn_zoo.models.triangle.gemm_pad(n, torch.device("cuda")) == 5
     g = torch.Generator().manual_seed(28)
     z = torch.randn(1, n, n, 16, generator=g, dtype=torch.float64)
     pair_mask = torch.rand(1, n, n, generator=g) > 0.3
     mod = randomize_(cls(16, 8), seed=29).double()
-    results = []
-    for dev, dtype in (("cpu", torch.float64), ("cuda", torch.float32)):
+
+    def run(dev, dtype, compiled):
         m = copy.deepcopy(mod).to(dev, dtype)
         zz = z.to(dev, dtype).requires_grad_(True)
         torch._dynamo.reset()
-        out = (torch.compile(m, fullgraph=True) if dev == "cuda" else m)(zz, pair_mask.to(dev))
+        out = (torch.compile(m, fullgraph=True) if compiled else m)(zz, pair_mask.to(dev))
         grads = torch.autograd.grad(weighted_sum([out]), [zz, *m.parameters()])
-        results.append((out.cpu().double(), [t.cpu().double() for t in grads]))
-    torch._dynamo.reset()
-    (want, want_grads), (got, got_grads) = results
-    assert rel_err(got, want) < 1e-5
-    for a, b in zip(got_grads, want_grads):
-        assert rel_err(a, b, floor=1.0) < 1e-5
+        torch._dynamo.reset()
+        return out.cpu().double(), [t.cpu().double() for t in grads]
+
+    want, want_grads = run("cpu", torch.float64, False)
+    for compiled in (False, True):
+        got, got_grads = run("cuda", torch.float32, compiled)
+        assert rel_err(got, want) < 1e-5, compiled
+        for a, b in zip(got_grads, want_grads):
+            assert rel_err(a, b, floor=1.0) < 1e-5, compiled
 
 
 @pytest.mark.gpu
