@@ -46,9 +46,10 @@ def gemm_pad(n: int, device: torch.device) -> int:
     """Zeros to append to a length-``n`` side of the triangle product's ``[N, N]`` matrices so that their rows
     start 16 bytes apart (a multiple of 8 elements): on CUDA from N=64 (below, the products are launch-bound).
 
-    Rows whose length is not a multiple of 8 send the batched products to cuBLAS's unaligned kernels: a compiled
-    Pairformer block's GPU time fell by a fifth at N=767 when they were padded (docs/bench/issue20_h200.md,
-    "Stop 41"). The padded product does ``(N'/N)^3`` the arithmetic: at most 1.07x from N=300.
+    Rows whose length is not a multiple of 8 send the batched products to cuBLAS's unaligned kernels (and, under
+    torch.compile, to strided copies around them): the Pairformer block's GPU time at N=767 fell by a fifth with
+    them padded, compiled and eager (docs/bench/issue20_h200.md, "Stop 41"). The padded product does ``(N'/N)^3``
+    the arithmetic: at most 1.07x from N=300.
     """
     return -n % 8 if device.type == "cuda" and n >= 64 else 0
 
