@@ -113,6 +113,15 @@ if triton is not None:
         tl.store(DW + pid * C + offs_c, dw, mask=col_ok)
         tl.store(DB + pid * C + offs_c, dbias, mask=col_ok)
 
+    @triton.jit
+    def _gate_tile(C2, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr):
+        """A gating program's row ``i``, columns ``offs_j``, batch ``b`` and channels ``offs_c`` (with ``c_ok``) of
+        the grid (rows, column blocks, batch * channel blocks)."""
+        n_cb = tl.cdiv(C2, BLOCK_C)
+        offs_c = (tl.program_id(2) % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
+        return (tl.program_id(0), tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J), tl.program_id(2) // n_cb,
+                offs_c, offs_c < C2)
+
     @triton.jit(do_not_specialize=["N", "M"])
     def _gate_cf_kernel(Y, Mask, Out, N, M, C2: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_J: tl.constexpr,
                         BLOCK_C: tl.constexpr):
@@ -120,12 +129,7 @@ if triton is not None:
         0 for i or j in [N, M): ``Y [B, N*N, 2*C2]`` channels-last, ``Out [B, C2, M, M]`` channels-first (the
         compiler stages the tile through shared memory, so loads run along c and stores along j). Grid (M,
         cdiv(M, BLOCK_J), B * cdiv(C2, BLOCK_C))."""
-        i = tl.program_id(0)
-        offs_j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
-        n_cb = tl.cdiv(C2, BLOCK_C)
-        b = tl.program_id(2) // n_cb
-        offs_c = (tl.program_id(2) % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_ok = offs_c < C2
+        i, offs_j, b, offs_c, c_ok = _gate_tile(C2, BLOCK_J, BLOCK_C)
         in_ok = offs_j < tl.where(i < N, N, 0)  # rows i >= N: padding
         p = (b.to(tl.int64) * N + i) * N + offs_j
         ok = in_ok[:, None] & c_ok[None, :]
@@ -142,12 +146,7 @@ if triton is not None:
                             BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr):
         """The gradient of :func:`_gate_cf_kernel`: ``DY [B, N*N, 2*C2]`` channels-last (gate's, then proj's) from
         ``GOut [B, C2, M, M]`` contiguous. Grid (N, cdiv(N, BLOCK_J), B * cdiv(C2, BLOCK_C))."""
-        i = tl.program_id(0)
-        offs_j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
-        n_cb = tl.cdiv(C2, BLOCK_C)
-        b = tl.program_id(2) // n_cb
-        offs_c = (tl.program_id(2) % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_ok = offs_c < C2
+        i, offs_j, b, offs_c, c_ok = _gate_tile(C2, BLOCK_J, BLOCK_C)
         j_ok = offs_j < N
         p = (b.to(tl.int64) * N + i) * N + offs_j
         ok = j_ok[:, None] & c_ok[None, :]
