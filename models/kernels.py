@@ -415,4 +415,11 @@ def gate_channels_first(y: Tensor, mask: Optional[Tensor], n: int, m: int) -> Te
     [B, N*N]`` contiguous, or None), transposed to channels-first ``[B, C2, M, M]`` with zeros past ``N`` (``M >= N``:
     the triangle product's operands, rows padded to a multiple of 8 elements), in one pass each way where PyTorch
     runs three elementwise passes, a transposing copy and a padding copy. Where :func:`use_gate_kernel` says so."""
+    bsz, c4 = y.shape[0], y.shape[-1]
+    if y.dim() != 3 or y.shape[1] != n * n or c4 % 2 or m < n or not y.is_contiguous():
+        raise ValueError(f"gate_channels_first: y must be a contiguous [B, N*N, 2*C2] tensor with n={n} <= m={m}; got "
+                         f"shape {tuple(y.shape)}, strides {y.stride()}")
+    if mask is not None and (mask.shape != (bsz, n * n) or not mask.is_contiguous()):
+        raise ValueError(f"gate_channels_first: mask must be a contiguous [B, N*N] = [{bsz}, {n * n}] tensor; got shape "
+                         f"{tuple(mask.shape)}, strides {mask.stride()}")
     return _GateChannelsFirst.apply(y, mask, n, m)

@@ -98,7 +98,9 @@ class TriangleMultiplication(nn.Module):
         if m:
             lead, n = zn.shape[:-3], zn.shape[-2]
             y = nn.functional.linear(zn, w, bias)  # [*, N, N, 4C]
-            mask = None if pair_mask is None else pair_mask.reshape(-1, n * n).to(y.dtype)
+            # a mask broadcast over z's leading dims is expanded: the kernel reads one row per batch element
+            mask = None if pair_mask is None else \
+                pair_mask.to(y.dtype).expand(*lead, n, n).reshape(-1, n * n).contiguous()
             return gate_channels_first(y.reshape(-1, n * n, 2 * c2), mask, n, m).reshape(*lead, c2, m, m)
         if torch.compiler.is_compiling():
             gate, proj = nn.functional.linear(zn, w, bias).split(c2, dim=-1)  # [*, N, N, 2C] each

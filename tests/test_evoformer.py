@@ -429,6 +429,11 @@ def test_gate_channels_first_kernel_matches_pytorch(dtype, masked):
     assert got.shape == (2, c2, m, m) and got.dtype == dtype and rel_err(got.float(), want) < tol
     grad = torch.randn(got.shape, generator=g).to(dtype)
     (dy,) = torch.autograd.grad(got, y, grad)
+    if masked:  # a broadcast (stride 0) or wrongly shaped mask is refused by name, not read out of bounds
+        with pytest.raises(ValueError, match="mask must be a contiguous"):
+            kernels.gate_channels_first(y, mask[:1].expand(2, -1), n, m)
+    with pytest.raises(ValueError, match="y must be a contiguous"):
+        kernels.gate_channels_first(y.transpose(0, 1), mask, n, m)
     (want_dy,) = torch.autograd.grad(want, y, grad.float())
     assert rel_err(dy.float(), want_dy.float()) < tol
 
@@ -437,14 +442,15 @@ def test_gate_channels_first_kernel_matches_pytorch(dtype, masked):
 def test_triangle_multiplication_gating_kernel_path_equals_pytorch(cls, monkeypatch):
     """The eager CUDA form of the module (channels-last GEMM, the Triton gating pass writing the padded product's
     operands, the product on ``[N', N']`` matrices), run here on the interpreter with the padding forced, equals the
-    plain module in fp32: values and gradients, with a pair mask with holes and without."""
+    plain module in fp32: values and gradients, with a pair mask with holes (also one broadcast over the batch) and
+    without."""
     from attn_zoo.models import kernels
 
     g = torch.Generator().manual_seed(41)
     z = torch.randn(2, 7, 7, 8, generator=g, requires_grad=True)
     pair_mask = torch.rand(2, 7, 7, generator=g) > 0.3
     mod = randomize_(cls(8, 4), seed=42)
-    for mask in (pair_mask, None):
+    for mask in (pair_mask, None, pair_mask[:1]):  # the last broadcast over the batch
         monkeypatch.undo()
         want = mod(z, mask)
         want_grads = torch.autograd.grad(weighted_sum([want]), [z, *mod.parameters()])
