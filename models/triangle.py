@@ -39,19 +39,25 @@ class _ChannelsLast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
-        return grad.movedim(-1, -3).contiguous()
+        # (clone, not contiguous(): asking whether a padded product's gradient is contiguous would guard a compiled
+        # graph on the padding)
+        return grad.movedim(-1, -3).clone(memory_format=torch.contiguous_format)
 
 
-def gemm_pad(n: int, device: torch.device) -> int:
+def gemm_pad(n: int, device: torch.device, symbolic: bool = False) -> Optional[int]:
     """Zeros to append to a length-``n`` side of the triangle product's ``[N, N]`` matrices so that their rows
-    start 16 bytes apart (a multiple of 8 elements): on CUDA from N=64 (below, the products are launch-bound).
+    start 16 bytes apart (a multiple of 8 elements): on CUDA from N=64 (below, the products are launch-bound);
+    ``symbolic`` (torch.compile): ``-n % 8`` at every N, no comparison that would guard a graph on N. None on
+    other devices: the plain product.
 
     Rows whose length is not a multiple of 8 send the batched products to cuBLAS's unaligned kernels (and, under
     torch.compile, to strided copies around them): the Pairformer block's GPU time at N=767 fell by a fifth with
     them padded, compiled and eager (docs/bench/issue20_h200.md, "Stop 41"). The padded product does ``(N'/N)^3``
     the arithmetic: at most 1.07x from N=300.
     """
-    return -n % 8 if device.type == "cuda" and n >= 64 else 0
+    if device.type != "cuda":
+        return None
+    return -n % 8 if symbolic or n >= 64 else 0
 
 
 class TriangleMultiplication(nn.Module):
@@ -126,21 +132,31 @@ class TriangleMultiplication(nn.Module):
         """
         zn = self.layer_norm_in(z)  # [*, N, N, c_z]
         n = zn.shape[-2]
-        fused = not torch.compiler.is_compiling() and use_gate_kernel(zn)
-        # zero rows and columns past N: the sums over k gain zeros, x gains rows and columns it drops below. Inductor
-        # writes them in the pass that makes ab, the eager CUDA form in its gating kernel; PyTorch's own eager ops
-        # would copy ab and x's gradient each way, which cost more than the aligned products gain ("Stop 41")
-        pad = gemm_pad(n, zn.device) if fused or torch.compiler.is_compiling() else 0
-        ab = self._gated_channels_first(zn, pair_mask, n + pad if fused else 0)  # [*, 2C, N(+pad), N(+pad)]
-        if pad and not fused:
+        compiling = torch.compiler.is_compiling()
+        # (a mask with more leading dims than z broadcasts z up: PyTorch's ops below handle that)
+        fused = not compiling and use_gate_kernel(zn) and (pair_mask is None or pair_mask.dim() < zn.dim())
+        # Zero rows and columns past N (rows of 16 bytes for cuBLAS; gemm_pad): the sums over k gain zeros, and x's
+        # extra rows and columns are dropped again. Inductor writes them in the pass that makes ab; compiled, the pad
+        # is taken whatever its value (0 included: a copy Inductor fuses), so symbolic lengths keep one graph. Eager
+        # CUDA writes them in its gating kernel, for one leading element only (with more, x's slice has three strided
+        # row dims: layer_norm_out would copy it). PyTorch's own eager ops would copy ab and x's gradient each way,
+        # which costs more than the aligned products gain (docs/bench/issue20_h200.md, "Stop 41").
+        pad = None  # None: the plain product
+        if compiling:
+            pad = gemm_pad(n, zn.device, symbolic=True)
+        elif fused and zn[..., 0, 0, 0].numel() == 1:
+            pad = gemm_pad(n, zn.device)
+        padded = pad is not None and (compiling or pad > 0)
+        ab = self._gated_channels_first(zn, pair_mask, (n + pad if padded else n) if fused else 0)  # [*, 2C, N', N']
+        if padded and not fused:
             ab = nn.functional.pad(ab, (0, pad, 0, pad))
         a, b = ab.split(self.c_hidden, dim=-3)  # [*, C, N', N'] each, contiguous
         if self.outgoing:
             x = torch.matmul(a, b.transpose(-1, -2))  # [*, C, I, J]: sum_k a[i, k] b[j, k]
         else:
             x = torch.matmul(a.transpose(-1, -2), b)  # [*, C, I, J]: sum_k a[k, i] b[k, j]
-        if pad:
-            x = x[..., :n, :n]
+        if padded:
+            x = x.narrow(-2, 0, n).narrow(-1, 0, n)  # (a slice would guard on whether it drops anything)
         g = self.linear_g(zn)  # [*, I, J, c_z]
         x = _ChannelsLast.apply(x)  # [*, I, J, C] view; its gradient comes back channels-first
 

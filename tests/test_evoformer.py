@@ -386,7 +386,7 @@ def test_triangle_multiplication_padded_product_equals_unpadded(cls, monkeypatch
     z = torch.randn(2, 7, 7, 8, generator=g, dtype=torch.float64, requires_grad=True)
     pair_mask = torch.rand(2, 7, 7, generator=g) > 0.3
     mod = randomize_(cls(8, 4), seed=27).double()
-    assert attn_zoo.models.triangle.gemm_pad(7, z.device) == 0  # the CPU keeps the plain product
+    assert attn_zoo.models.triangle.gemm_pad(7, z.device) is None  # the CPU keeps the plain product
     assert attn_zoo.models.triangle.gemm_pad(299, torch.device("cuda")) == 5
     assert attn_zoo.models.triangle.gemm_pad(304, torch.device("cuda")) == 0
     assert attn_zoo.models.triangle.gemm_pad(63, torch.device("cuda")) == 0
@@ -397,14 +397,38 @@ def test_triangle_multiplication_padded_product_equals_unpadded(cls, monkeypatch
 
     want, want_grads = run(mod)
     calls = []
-    monkeypatch.setattr(attn_zoo.models.triangle, "gemm_pad", lambda n, device: calls.append(n) or -n % 8)
+
+    def cuda_rule(n, device, symbolic=False):  # gemm_pad as on CUDA
+        calls.append(symbolic)
+        return -n % 8 if symbolic or n >= 64 else 0
+
+    monkeypatch.setattr(attn_zoo.models.triangle, "gemm_pad", lambda n, device, symbolic=False: cuda_rule(
+        n + 64 if isinstance(n, int) else n, device, symbolic))  # 7 -> 71: padded
     torch._dynamo.reset()
     got, got_grads = run(torch.compile(mod, backend="aot_eager", fullgraph=True))
     torch._dynamo.reset()
-    assert calls == [7]  # the compiled form pads (eager PyTorch does not: its copies cost more than they gain)
+    assert calls == [True]  # the compiled form pads without a guard on N (eager PyTorch does not pad)
     assert got.shape == want.shape and rel_err(got, want) < 1e-13
     for a, b in zip(got_grads, want_grads):
         assert rel_err(a, b, floor=1.0) < 1e-13
+
+
+def test_triangle_multiplication_padding_adds_no_graph_per_length(monkeypatch):
+    """Compiled for symbolic lengths (``dynamic=True``) with the CUDA padding rule, lengths that are and are not
+    multiples of 8, above and below 64, share one graph after the first (static) compile."""
+    import torch._dynamo.testing
+
+    monkeypatch.setattr(attn_zoo.models.triangle, "gemm_pad",
+                        lambda n, device, symbolic=False: -n % 8 if symbolic or n >= 64 else 0)
+    mod = TriangleMultiplicationOutgoing(8, 4)
+    counter = torch._dynamo.testing.CompileCounter()
+    torch._dynamo.reset()
+    run = torch.compile(mod, backend=counter, dynamic=True, fullgraph=True)
+    for n in (67, 69, 72, 80, 40, 50):
+        z = torch.randn(1, n, n, 8, requires_grad=True)
+        run(z, torch.rand(1, n, n) > 0.3).sum().backward()
+    torch._dynamo.reset()
+    assert counter.frame_count == 1, counter.frame_count
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -447,14 +471,16 @@ def test_triangle_multiplication_gating_kernel_path_equals_pytorch(cls, monkeypa
     from attn_zoo.models import kernels
 
     g = torch.Generator().manual_seed(41)
-    z = torch.randn(2, 7, 7, 8, generator=g, requires_grad=True)
+    z2 = torch.randn(2, 7, 7, 8, generator=g, requires_grad=True)
     pair_mask = torch.rand(2, 7, 7, generator=g) > 0.3
     mod = randomize_(cls(8, 4), seed=42)
-    for mask in (pair_mask, None, pair_mask[:1]):  # the last broadcast over the batch
+    # one leading element: the operands padded to 8; two: not padded (the product's slice would have three strided
+    # row dims: layer_norm_out would copy it); the last mask broadcast over the batch
+    for z, mask, m in ((z2[:1], pair_mask[:1], 8), (z2, pair_mask, 7), (z2[1:], None, 8), (z2, pair_mask[:1], 7)):
         monkeypatch.undo()
         want = mod(z, mask)
-        want_grads = torch.autograd.grad(weighted_sum([want]), [z, *mod.parameters()])
-        monkeypatch.setattr(attn_zoo.models.triangle, "gemm_pad", lambda n, device: -n % 8)
+        want_grads = torch.autograd.grad(weighted_sum([want]), [z2, *mod.parameters()])
+        monkeypatch.setattr(attn_zoo.models.triangle, "gemm_pad", lambda n, device, symbolic=False: -n % 8)
         monkeypatch.setattr(attn_zoo.models.triangle, "use_gate_kernel", lambda t: kernels.use_gate_kernel(t, True))
         calls = []
         real = kernels.gate_channels_first
@@ -462,8 +488,8 @@ def test_triangle_multiplication_gating_kernel_path_equals_pytorch(cls, monkeypa
                             lambda *a: calls.append(a[2:]) or real(*a))
         with _nan_filled_empty():
             got = mod(z, mask)
-            got_grads = torch.autograd.grad(weighted_sum([got]), [z, *mod.parameters()])
-        assert calls == [(7, 8)]
+            got_grads = torch.autograd.grad(weighted_sum([got]), [z2, *mod.parameters()])
+        assert calls == [(7, m)]
         assert rel_err(got, want) < 1e-5
         for a, b in zip(got_grads, want_grads):
             assert rel_err(a, b, floor=1.0) < 1e-5
