@@ -420,6 +420,6 @@ def gate_channels_first(y: Tensor, mask: Optional[Tensor], n: int, m: int) -> Te
         raise ValueError(f"gate_channels_first: y must be a contiguous [B, N*N, 2*C2] tensor with n={n} <= m={m}; got "
                          f"shape {tuple(y.shape)}, strides {y.stride()}")
     if mask is not None and (mask.shape != (bsz, n * n) or not mask.is_contiguous()):
-        raise ValueError(f"gate_channels_first: mask must be a contiguous [B, N*N] = [{bsz}, {n * n}] tensor; got shape "
-                         f"{tuple(mask.shape)}, strides {mask.stride()}")
+        raise ValueError(f"gate_channels_first: mask must be a contiguous [B, N*N] = [{bsz}, {n * n}] tensor; got "
+                         f"shape {tuple(mask.shape)}, strides {mask.stride()}")
     return _GateChannelsFirst.apply(y, mask, n, m)

@@ -11,7 +11,7 @@ triton-backend block (where the block's time goes).
     python scripts/bench_blocks.py --cases pair384 --backends triton torch --breakdown pair384
     python scripts/bench_blocks.py --cases pair384 --backends triton+compile --compile-mode reduce-overhead
     python scripts/bench_blocks.py --cases pair384 pair299 --backends triton+compile --compile-dynamic
-    python scripts/bench_blocks.py --cases pair384 pair299 pair767 pair768 --backends boltz-cueq triton triton+compile --isolate
+    python scripts/bench_blocks.py --cases pair299 pair767 --backends boltz-cueq triton triton+compile --isolate
     python scripts/bench_blocks.py --varlen             # 40 new lengths in a row: per-step times, compile + tune
 
 ``--varlen``: one PairformerBlock (c_s 384, c_z 128) per backend, eager, stepping through ``--varlen-count``
