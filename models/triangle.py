@@ -144,10 +144,11 @@ class TriangleMultiplication(nn.Module):
         pad = None  # None: the plain product
         if compiling:
             pad = gemm_pad(n, zn.device, symbolic=True)
-        elif fused and zn[..., 0, 0, 0].numel() == 1:
+        elif fused and zn.shape[:-3].numel() == 1:
             pad = gemm_pad(n, zn.device)
         padded = pad is not None and (compiling or pad > 0)
-        ab = self._gated_channels_first(zn, pair_mask, (n + pad if padded else n) if fused else 0)  # [*, 2C, N', N']
+        m = n + pad if padded else n
+        ab = self._gated_channels_first(zn, pair_mask, m if fused else 0)  # [*, 2C, N', N'] (compiled: N, N)
         if padded and not fused:
             ab = nn.functional.pad(ab, (0, pad, 0, pad))
         a, b = ab.split(self.c_hidden, dim=-3)  # [*, C, N', N'] each, contiguous
