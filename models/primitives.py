@@ -171,9 +171,10 @@ nn.modules.module.register_module_parameter_registration_hook(_forget_linear_par
 
 def _cast_all(dtype: torch.dtype, params: Sequence[Tensor]) -> Tuple[Tensor, ...]:
     """``tuple(p.to(dtype) for p in params)`` by one multi-tensor copy into views of one new buffer."""
-    flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
-    outs = torch._utils._unflatten_dense_tensors(flat, params)
-    torch._foreach_copy_(list(outs), list(params))
+    sizes = [p.numel() for p in params]
+    flat = torch.empty(sum(sizes), dtype=dtype, device=params[0].device)
+    outs = [o if p.dim() == 1 else o.view(p.shape) for o, p in zip(flat.split(sizes), params)]
+    torch._foreach_copy_(outs, list(params))
     return tuple(outs)
 
 
@@ -182,6 +183,7 @@ class _CastParams(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, dtype, *params):
+        ctx.set_materialize_grads(False)  # a cast nothing used gets no gradient (not a zero one)
         return _cast_all(dtype, params)
 
     @staticmethod

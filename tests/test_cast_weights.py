@@ -154,3 +154,15 @@ def test_cast_param_outside_and_in_other_dtype(monkeypatch):
         with torch.autocast("cpu", dtype=torch.float16):
             assert primitives.cast_param(lin.weight) is lin.weight
     assert primitives.cast_param(lin.weight) is lin.weight
+
+
+def test_unused_weight_gets_no_gradient(monkeypatch):
+    """A linear inside the block that the forward does not use keeps ``grad`` None, as without the cast."""
+    monkeypatch.setattr(primitives, "CAST_WEIGHTS_DEVICES", ("cuda", "cpu"))
+    model = randomize_(_pairformer()).train()
+    model.unused = primitives.Linear(4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        s, z = model(*[x.requires_grad_() for x in _inputs("pairformer")], *_masks("pairformer"))
+    (s.float().sum() + z.float().sum()).backward()
+    assert model.unused.weight.grad is None and model.unused.bias.grad is None
+    assert model.tri_mul_out.linear_z.weight.grad is not None
