@@ -25,8 +25,6 @@ from .primitives import (
     Linear,
     SharedDropout,
     Transition,
-    call_with_cast_weights,
-    cast_param,
     chunk_rows,
     run_blocks,
 )
@@ -182,9 +180,8 @@ class OuterProductMean(nn.Module):
             # [B, Ni, C, N, D] -> [B, Ni, N, C, D] -> [B, Ni, N, C*D]
             outer = outer.transpose(-2, -3).flatten(-2)
             # Linear(sum / count) = (W sum) / count + bias: divide the c_z-wide result, not the C*D-wide sum
-            out = nn.functional.linear(outer, cast_param(self.linear_out.weight))  # [B, Ni, N, c_z]
-            bias = cast_param(self.linear_out.bias)
-            return out / (count_rows.unsqueeze(-1) + self.eps).to(out.dtype) + bias.to(out.dtype)
+            out = nn.functional.linear(outer, self.linear_out.weight)  # [B, Ni, N, c_z]
+            return out / (count_rows.unsqueeze(-1) + self.eps).to(out.dtype) + self.linear_out.bias.to(out.dtype)
 
         return chunk_rows(rows, [a, count], [-2, -2], chunk_size, out_dim=-3)
 
@@ -231,14 +228,8 @@ class _MSAPairBlock(nn.Module):
         pair_mask: Optional[Tensor] = None,
         chunk_size: Optional[int] = None,
     ) -> Tuple[Tensor, Tensor]:
-        """m ``[B, S, N, c_m]``, z ``[B, N, N, c_z]``, msa_mask ``[B, S, N]``, pair_mask ``[B, N, N]`` -> (m, z).
-
-        Under autocast in eager mode the linear weights are cast once per call (``primitives.cast_weights``)."""
+        """m ``[B, S, N, c_m]``, z ``[B, N, N, c_z]``, msa_mask ``[B, S, N]``, pair_mask ``[B, N, N]`` -> (m, z)."""
         msa_mask, pair_mask = _default_masks(m, z, msa_mask, pair_mask)
-        return call_with_cast_weights(self, self._forward, m, z, msa_mask, pair_mask, chunk_size)
-
-    def _forward(self, m: Tensor, z: Tensor, msa_mask: Tensor, pair_mask: Tensor,
-                 chunk_size: Optional[int]) -> Tuple[Tensor, Tensor]:
         c = chunk_size
         m = m + self.msa_dropout_row(self.msa_row_attention(m, z, msa_mask, c))
         m = m + self.msa_column_attention(m, msa_mask, c)

@@ -26,7 +26,6 @@ from .primitives import (
     Linear,
     SharedDropout,
     SwiGLUTransition,
-    call_with_cast_weights,
     chunk_rows,
     run_blocks,
 )
@@ -140,14 +139,8 @@ class PairformerBlock(nn.Module):
         pair_mask: Optional[Tensor] = None,
         chunk_size: Optional[int] = None,
     ) -> Tuple[Tensor, Tensor]:
-        """s ``[B, N, c_s]``, z ``[B, N, N, c_z]``, single_mask ``[B, N]``, pair_mask ``[B, N, N]`` -> (s, z).
-
-        Under autocast in eager mode the linear weights are cast once per call (``primitives.cast_weights``)."""
+        """s ``[B, N, c_s]``, z ``[B, N, N, c_z]``, single_mask ``[B, N]``, pair_mask ``[B, N, N]`` -> (s, z)."""
         single_mask, pair_mask = _default_masks(s, z, single_mask, pair_mask)
-        return call_with_cast_weights(self, self._forward, s, z, single_mask, pair_mask, chunk_size)
-
-    def _forward(self, s: Tensor, z: Tensor, single_mask: Tensor, pair_mask: Tensor,
-                 chunk_size: Optional[int]) -> Tuple[Tensor, Tensor]:
         c = chunk_size
         z = z + self.pair_dropout_row(self.tri_mul_out(z, pair_mask, c))
         z = z + self.pair_dropout_row(self.tri_mul_in(z, pair_mask, c))

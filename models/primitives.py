@@ -6,10 +6,7 @@ Shapes use ``*`` for any leading batch dims. Masks are bool with True = real pos
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 
@@ -149,128 +146,7 @@ class Linear(nn.Linear):
                 self.bias.fill_(1.0 if init == "gating" else 0.0)
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, cast_param(self.weight), cast_param(self.bias))
-
-
-# --------------------------------------------------------------------------------------------------
-# One cast of a block's linear weights per forward (eager autocast)
-# --------------------------------------------------------------------------------------------------
-# Devices where ``cast_weights`` casts (tests add "cpu"): on CUDA each eager cast is a launch plus host time.
-CAST_WEIGHTS_DEVICES = ("cuda",)
-_CAST_STATE = threading.local()  # .active: (device type, dtype, {id(param): cast tensor}) inside cast_weights
-_LINEAR_PARAMS: "weakref.WeakKeyDictionary[nn.Module, Tuple[Tensor, ...]]" = weakref.WeakKeyDictionary()
-
-
-def _forget_linear_params(*_args) -> None:
-    _LINEAR_PARAMS.clear()  # a module or parameter was (re)registered somewhere: collect again
-
-
-nn.modules.module.register_module_module_registration_hook(_forget_linear_params)
-nn.modules.module.register_module_parameter_registration_hook(_forget_linear_params)
-
-
-def _cast_all(dtype: torch.dtype, params: Sequence[Tensor]) -> Tuple[Tensor, ...]:
-    """``tuple(p.to(dtype) for p in params)`` by one multi-tensor copy into views of one new buffer."""
-    sizes = [p.numel() for p in params]
-    flat = torch.empty(sum(sizes), dtype=dtype, device=params[0].device)
-    outs = [o if p.dim() == 1 else o.view(p.shape) for o, p in zip(flat.split(sizes), params)]
-    torch._foreach_copy_(outs, list(params))
-    return tuple(outs)
-
-
-class _CastParams(torch.autograd.Function):
-    """``_cast_all`` with a backward that casts the gradients back to float32 the same way. First-order."""
-
-    @staticmethod
-    def forward(ctx, dtype, *params):
-        ctx.set_materialize_grads(False)  # a cast nothing used gets no gradient (not a zero one)
-        return _cast_all(dtype, params)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, *grads):
-        live = [i for i, g in enumerate(grads) if g is not None]
-        out = [None] * (len(grads) + 1)
-        if live:
-            for i, g in zip(live, _cast_all(torch.float32, [grads[i] for i in live])):
-                out[i + 1] = g
-        return tuple(out)
-
-
-def _linear_params(module: nn.Module) -> Tuple[Tensor, ...]:
-    """The weights and biases of ``module``'s ``nn.Linear`` layers (collected once per module)."""
-    params = _LINEAR_PARAMS.get(module)
-    if params is None:
-        seen, found = set(), []
-        for sub in module.modules():
-            if isinstance(sub, nn.Linear):
-                for p in (sub.weight, sub.bias):
-                    if p is not None and id(p) not in seen:
-                        seen.add(id(p))
-                        found.append(p)
-        params = _LINEAR_PARAMS[module] = tuple(found)
-    return params
-
-
-@contextlib.contextmanager
-def cast_weights(module: nn.Module):
-    """Within the block, ``module``'s ``Linear`` layers (and ``fused_linear``) use their float32 weights and biases
-    cast to the autocast dtype by one multi-tensor copy, instead of autocast's one cast per weight and one cast back
-    per gradient: the same values and gradients, fewer launches and less host time per step.
-
-    Active in eager mode under autocast on ``CAST_WEIGHTS_DEVICES``; elsewhere (``torch.compile``, which fuses its
-    own casts; no autocast; functorch transforms; forward-mode AD) it does nothing. Inside it, a region with autocast
-    off or another dtype gets the parameters themselves (:func:`cast_param`). Frozen parameters are cast without a
-    gradient, so no weight gradient is computed for them."""
-    table = None
-    params = _linear_params(module) if _kernels.eager_first_order() else ()
-    if params:
-        dev = params[0].device
-        if dev.type in CAST_WEIGHTS_DEVICES and torch.is_autocast_enabled(dev.type):
-            dtype = torch.get_autocast_dtype(dev.type)
-            targets = [p for p in params if p.dtype == torch.float32 and p.device == dev and
-                       type(p) in (nn.Parameter, torch.Tensor)] if dtype != torch.float32 else []
-            if targets:
-                grad = torch.is_grad_enabled()
-                train = [p for p in targets if p.requires_grad] if grad else []
-                frozen = [p for p in targets if not p.requires_grad] if grad else targets
-                table = {}
-                if train:
-                    table.update(zip(map(id, train), _CastParams.apply(dtype, *train)))
-                if frozen:
-                    table.update(zip(map(id, frozen), _cast_all(dtype, frozen)))
-    if table is None:
-        yield
-        return
-    prev = getattr(_CAST_STATE, "active", None)
-    _CAST_STATE.active = (dev.type, dtype, table)
-    try:
-        yield
-    finally:
-        _CAST_STATE.active = prev
-
-
-def call_with_cast_weights(module: nn.Module, fn: Callable, *args, **kwargs):
-    """``fn(*args, **kwargs)`` inside :func:`cast_weights` of ``module``; traced by ``torch.compile``, ``fn`` alone
-    (the blocks' forward: Dynamo sees no context manager)."""
-    if torch.compiler.is_compiling():
-        return fn(*args, **kwargs)
-    with cast_weights(module):
-        return fn(*args, **kwargs)
-
-
-def cast_param(p: Optional[Tensor]) -> Optional[Tensor]:
-    """``p`` as cast by the enclosing :func:`cast_weights` when autocast is on with that dtype here; else ``p``."""
-    if p is None or torch.compiler.is_compiling():
-        return p
-    active = getattr(_CAST_STATE, "active", None)
-    if active is None:
-        return p
-    dev, dtype, table = active
-    c = table.get(id(p))
-    if c is None or not torch.is_autocast_enabled(dev) or torch.get_autocast_dtype(dev) != dtype:
-        return p
-    return c
+        return linear(x, self.weight, self.bias)
 
 
 # Rows from which an eager CUDA linear with a bias takes ``_LinearBiasByMatmul`` (pair tensors of N >= 512, where the
@@ -348,14 +224,13 @@ def fused_linear(x: Tensor, layers: Sequence[nn.Linear]) -> Tuple[Tensor, ...]:
         return (layers[0](x),)
     sizes = [lin.out_features for lin in layers]
     pad = -sum(sizes) % 8
-    ws = [cast_param(lin.weight) for lin in layers]
-    w0 = ws[0]
+    w0 = layers[0].weight
     zero_rows = [_zeros(w0, pad, layers[0].in_features)] if pad else []
-    w = torch.cat(ws + zero_rows)  # [sum(out) + pad, in]
+    w = torch.cat([lin.weight for lin in layers] + zero_rows)  # [sum(out) + pad, in]
     b = None
     if any(lin.bias is not None for lin in layers):
         b = torch.cat([
-            cast_param(lin.bias) if lin.bias is not None else _zeros(w0, lin.out_features) for lin in layers
+            lin.bias if lin.bias is not None else _zeros(w0, lin.out_features) for lin in layers
         ] + ([_zeros(w0, pad)] if pad else []))
     y = linear(x, w, b)  # [*, sum(out) + pad]
     return y.split(sizes + ([pad] if pad else []), dim=-1)[: len(layers)]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .kernels import gate_channels_first, use_gate_kernel
-from .primitives import Attention, LayerNorm, Linear, cast_param, chunk_rows
+from .primitives import Attention, LayerNorm, Linear, chunk_rows
 
 Tensor = torch.Tensor
 
@@ -96,10 +96,10 @@ class TriangleMultiplication(nn.Module):
         - eager elsewhere: one channels-first GEMM ``W @ zn^T`` (``baddbmm``, bias fused) and elementwise gating in
           that layout; the channels-last form would cost eager PyTorch a strided transpose copy each way.
         """
-        w = torch.cat([cast_param(self.linear_ab_g.weight), cast_param(self.linear_ab_p.weight)], dim=0)  # [4C, c_z]
+        w = torch.cat([self.linear_ab_g.weight, self.linear_ab_p.weight], dim=0)  # [4C, c_z]
         bias = None
         if self.linear_ab_p.bias is not None:
-            bias = torch.cat([cast_param(self.linear_ab_g.bias), cast_param(self.linear_ab_p.bias)], dim=0)  # [4C]
+            bias = torch.cat([self.linear_ab_g.bias, self.linear_ab_p.bias], dim=0)  # [4C]
         c2 = 2 * self.c_hidden
         if m:
             lead, n = zn.shape[:-3], zn.shape[-2]
