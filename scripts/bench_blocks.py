@@ -66,9 +66,11 @@ CASES = {
     "pair299": ("pairformer", 299, None),  # an odd crop length (13 of it padded, as every case)
     "pair767": ("pairformer", 767, None),  # an odd length near 768 (rows of its [N, N] matrices not 16-byte aligned)
 }
-BACKENDS = ("triton", "triton+compile", "triton-atomic", "triton-atomic+compile", "flex", "flex+compile", "sdpa",
-            "torch", "torch+compile", "boltz", "boltz-cueq")
+BACKENDS = ("triton", "triton+compile", "triton+graphs", "triton-atomic", "triton-atomic+compile", "flex",
+            "flex+compile", "sdpa", "torch", "torch+compile", "boltz", "boltz-cueq")
 # "triton+compile": torch.compile of the whole triton-backend block (Inductor fuses the glue around the op)
+# "triton+graphs": the eager triton-backend block replayed as CUDA graphs (torch.cuda.make_graphed_callables at the
+#   first step; no compile), what a fixed crop size allows
 # "triton-atomic": the triton backend with deterministic=False (the pair bias's gradient summed by atomics)
 # flex's bias gradient and sdpa's CUDA backward use atomics: allowed explicitly
 BACKEND_OPTIONS = {"flex": {"deterministic": False}, "sdpa": {"deterministic": False},
@@ -129,10 +131,26 @@ def build_case(case: str, backend: str, dev, compile_mode: str | None = None, dy
         s = torch.randn(1, n, 384, device=dev, generator=g, requires_grad=True)
         z = torch.randn(1, n, n, 128, device=dev, generator=g, requires_grad=True)
         x, masks = [s, z], (single, pair)
+    if backend.endswith("+graphs"):
+        return mod, x, _graphed_step(mod, (*x, *masks))
     # the whole block, as a user would compile it
     run = torch.compile(mod, mode=compile_mode, dynamic=dynamic) if backend.endswith("+compile") else mod
     fwd = lambda: run(*x, *masks)  # noqa: E731
     return mod, x, fwd
+
+
+def _graphed_step(mod: torch.nn.Module, args: tuple):
+    """The forward callable of a "+graphs" row: ``mod`` made into CUDA graphs (forward and backward) at its first
+    call, in train mode with these inputs, then replayed. Autocast must not cache its casts inside graphs."""
+    done = []
+
+    def fwd():
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            if not done:
+                done.append(torch.cuda.make_graphed_callables(mod, args))  # replaces mod.forward
+            return mod(*args)
+
+    return fwd
 
 
 def _randomize(mod: torch.nn.Module):
@@ -553,7 +571,8 @@ def _run_item(case, backend, dev, args, t0):
     try:
         mod, inputs, fwd = build_case(case, backend, dev, args.compile_mode, args.compile_dynamic)
         _randomize(mod)
-        graphs = backend.endswith("+compile") and args.compile_mode in ("reduce-overhead", "max-autotune")
+        graphs = backend.endswith("+graphs") or (
+            backend.endswith("+compile") and args.compile_mode in ("reduce-overhead", "max-autotune"))
         row["ms"], row["peak_gib"] = measure(mod, inputs, fwd, args.iters, args.warmup, graph_pool=graphs)
         if backend.endswith("+compile") or backend == "flex":
             row["note"] = f"{time.time() - t1:.0f} s incl. compilation"

@@ -45,6 +45,23 @@ def test_compiled_block_rows_compile_for_one_length_unless_asked(monkeypatch, ar
     assert len(seen) == 1
 
 
+def test_graphed_block_rows_capture_once_with_uncached_autocast(monkeypatch):
+    """A +graphs row hands the block and its step's inputs to make_graphed_callables once, at the first step, inside
+    an autocast that does not cache casts (which CUDA graphs need), and calls the (graphed) block every step."""
+    import torch
+
+    captured, calls = [], []
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables",
+                        lambda mod, args: captured.append((mod, args, torch.is_autocast_cache_enabled())) or mod)
+    mod, x, fwd = bench_blocks.build_case("pair299", "triton+graphs", torch.device("cpu"))
+    monkeypatch.setattr(type(mod), "forward", lambda self, *a: calls.append(a) or a[:2])
+    for _ in range(3):
+        assert fwd() == tuple(x)
+    assert len(captured) == 1 and captured[0][0] is mod and captured[0][2] is False
+    assert len(captured[0][1]) == 4 and captured[0][1][:2] == tuple(x)
+    assert len(calls) == 3 and all(c == captured[0][1] for c in calls)
+
+
 def test_attention_bench_heads_last_inputs():
     """``--layout heads-last``: q, k, v are [B, R, H, L, D] views of [B, R, L, H, D] leaves (the blocks' layout); the
     step's gradients land on those leaves, and peers that cannot take the views are skipped, not failed."""
