@@ -51,6 +51,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attn_ops.triton.fastlaunch import wait_background  # noqa: E402
+from attn_zoo.models.graphs import CUDAGraphs  # noqa: E402
 from attn_zoo.models.evoformer import EvoformerBlock  # noqa: E402
 from attn_zoo.models.pairformer import PairformerBlock  # noqa: E402
 
@@ -69,7 +70,7 @@ CASES = {
 BACKENDS = ("triton", "triton+compile", "triton+graphs", "triton-atomic", "triton-atomic+compile", "flex",
             "flex+compile", "sdpa", "torch", "torch+compile", "boltz", "boltz-cueq")
 # "triton+compile": torch.compile of the whole triton-backend block (Inductor fuses the glue around the op)
-# "triton+graphs": the eager triton-backend block replayed as CUDA graphs (torch.cuda.make_graphed_callables at the
+# "triton+graphs": the eager triton-backend block replayed as CUDA graphs (models.graphs.CUDAGraphs: captured at the
 #   first step; no compile), what a fixed crop size allows
 # "triton-atomic": the triton backend with deterministic=False (the pair bias's gradient summed by atomics)
 # flex's bias gradient and sdpa's CUDA backward use atomics: allowed explicitly
@@ -140,17 +141,10 @@ def build_case(case: str, backend: str, dev, compile_mode: str | None = None, dy
 
 
 def _graphed_step(mod: torch.nn.Module, args: tuple):
-    """The forward callable of a "+graphs" row: ``mod`` made into CUDA graphs (forward and backward) at its first
-    call, in train mode with these inputs, then replayed. Autocast must not cache its casts inside graphs."""
-    done = []
-
-    def fwd():
-        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
-            if not done:
-                done.append(torch.cuda.make_graphed_callables(mod, args))  # replaces mod.forward
-            return mod(*args)
-
-    return fwd
+    """The forward callable of a "+graphs" row: ``mod`` in ``models.graphs.CUDAGraphs``, which captures its forward and
+    backward at the first step (train mode, these inputs) and replays them after."""
+    run = CUDAGraphs(mod)
+    return lambda: run(*args)
 
 
 def _randomize(mod: torch.nn.Module):

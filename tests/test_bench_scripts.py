@@ -46,20 +46,28 @@ def test_compiled_block_rows_compile_for_one_length_unless_asked(monkeypatch, ar
 
 
 def test_graphed_block_rows_capture_once_with_uncached_autocast(monkeypatch):
-    """A +graphs row hands the block and its step's inputs to make_graphed_callables once, at the first step, inside
-    an autocast that does not cache casts (which CUDA graphs need), and calls the (graphed) block every step."""
+    """A +graphs row hands the block and (copies of) its step's inputs to make_graphed_callables once, at the first
+    step, inside an autocast that does not cache casts (which CUDA graphs need), and replays every step."""
     import torch
+    from attn_zoo.models import graphs
 
-    captured, calls = [], []
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables",
-                        lambda mod, args: captured.append((mod, args, torch.is_autocast_cache_enabled())) or mod)
+    captured, replays = [], []
+
+    def stand_in(mod, args, num_warmup_iters):
+        captured.append((mod, args, torch.is_autocast_enabled("cpu") and torch.is_autocast_cache_enabled()))
+        mod.forward = lambda *a: replays.append(a) or (a[0] * 1.0, a[1] * 1.0)
+        return mod
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", stand_in)
+    monkeypatch.setattr(graphs, "CAPTURE_DEVICES", ("cpu",))
     mod, x, fwd = bench_blocks.build_case("pair299", "triton+graphs", torch.device("cpu"))
-    monkeypatch.setattr(type(mod), "forward", lambda self, *a: calls.append(a) or a[:2])
     for _ in range(3):
-        assert fwd() == tuple(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fwd()
+        assert torch.equal(out[1], x[1])
     assert len(captured) == 1 and captured[0][0] is mod and captured[0][2] is False
-    assert len(captured[0][1]) == 4 and captured[0][1][:2] == tuple(x)
-    assert len(calls) == 3 and all(c == captured[0][1] for c in calls)
+    assert [tuple(a.shape) for a in captured[0][1]] == [(1, 299, 384), (1, 299, 299, 128), (1, 299), (1, 299, 299)]
+    assert len(replays) == 3
 
 
 def test_attention_bench_heads_last_inputs():

@@ -1,0 +1,132 @@
+"""CUDA graphs for a block in eager mode: :class:`CUDAGraphs`.
+
+At a fixed crop size an eager block's training step is bound by PyTorch's per-op host time; replaying its forward and
+backward as CUDA graphs takes that out without ``torch.compile`` (an H200 Pairformer step at N=384: 18.6 -> 14.0 ms;
+docs/bench/issue20_h200.md, "Stop 42"). PyTorch's ``torch.cuda.make_graphed_callables`` captures the graphs; this
+wrapper keeps one capture per input signature and hands out results that behave like the plain module's: outputs and
+gradients in tensors of their own, not in the graphs' buffers (which the next replay rewrites).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Tuple
+
+import torch
+from torch import nn
+
+Tensor = torch.Tensor
+
+# devices whose tensors a capture takes (tests add "cpu", with make_graphed_callables replaced by a stand-in)
+CAPTURE_DEVICES = ("cuda",)
+
+
+class _OwnGrad(torch.autograd.Function):
+    """Identity whose backward hands on a copy of the gradient: an input's gradient from a replay would otherwise be
+    the graph's buffer."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.clone()
+
+
+class CUDAGraphs(nn.Module):
+    """``module`` (a block taking tensors: ``CUDAGraphs(block)(s, z, single_mask, pair_mask)``) with its forward and
+    backward replayed as CUDA graphs.
+
+    The first call with an input signature (shapes, dtypes, which inputs require grad, train/eval mode, the autocast
+    dtype) captures it with ``torch.cuda.make_graphed_callables`` (``warmup_iters`` eager steps on a side stream, then
+    the capture: about 0.1 s for a Pairformer block at N=384); later calls with that signature replay it. At most
+    ``max_graphs`` captures are kept, each with its own memory pool (about one step's activations); the least recently
+    used goes first. A new length is a new capture: use it where lengths repeat (a training crop size).
+
+    Differences from calling ``module`` (otherwise the same outputs and gradients: GPU test):
+    - under autocast, the module runs with ``cache_enabled=False`` (CUDA graphs need it);
+    - dropout draws new masks on every replay, from the graph-safe generator state, not the eager sequence;
+    - the captured step keeps the parameters' memory: in-place updates (optimizers, ``load_state_dict``) are seen,
+      a parameter replaced by another tensor is not; call :meth:`reset` after that.
+
+    Calls it cannot capture run ``module`` as is: tensors off CUDA or on several devices, non-tensor or keyword
+    arguments, autograd off (the graphs hold a backward), ``torch.compile`` tracing, an ongoing capture.
+    """
+
+    def __init__(self, module: nn.Module, max_graphs: int = 2, warmup_iters: int = 3):
+        super().__init__()
+        if not isinstance(max_graphs, int) or max_graphs < 1:
+            raise ValueError(f"max_graphs must be an int >= 1, got {max_graphs!r}")
+        if not isinstance(warmup_iters, int) or warmup_iters < 1:
+            raise ValueError(f"warmup_iters must be an int >= 1, got {warmup_iters!r}")
+        self.module = module
+        self.max_graphs, self.warmup_iters = max_graphs, warmup_iters
+        self._graphs: "OrderedDict[Tuple, Callable]" = OrderedDict()
+        self._hooks: list = []
+
+    def reset(self) -> None:
+        """Drop every capture (and its memory pool, once nothing refers to its outputs)."""
+        self._graphs.clear()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    @property
+    def num_graphs(self) -> int:
+        """How many captures are kept."""
+        return len(self._graphs)
+
+    def _can_capture(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+        if kwargs or not args or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return False
+        dev = args[0].device
+        if not all(type(a) in (Tensor, nn.Parameter) and a.device == dev for a in args):
+            return False
+        return dev.type in CAPTURE_DEVICES and not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+    def forward(self, *args, **kwargs):
+        if not self._can_capture(args, kwargs):
+            return self.module(*args, **kwargs)
+        dev = args[0].device.type
+        auto = torch.is_autocast_enabled(dev)
+        dtype = torch.get_autocast_dtype(dev) if auto else None
+        key = (self.module.training, dtype, tuple((a.shape, a.dtype, a.requires_grad, a.device) for a in args))
+        uncached = torch.autocast(dev, dtype=dtype, cache_enabled=False) if auto else contextlib.nullcontext()
+        with uncached:
+            replay = self._graphs.get(key)
+            if replay is None:
+                replay = self._capture(args)
+                self._graphs[key] = replay
+                while len(self._graphs) > self.max_graphs:
+                    self._graphs.popitem(last=False)
+            else:
+                self._graphs.move_to_end(key)
+            outs = replay(*(_OwnGrad.apply(a) if a.requires_grad else a for a in args))
+        # the replay's outputs are the graph's buffers: copies (autograd passes gradients through them)
+        return torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, outs)
+
+    def _capture(self, args: Tuple[Tensor, ...]) -> Callable:
+        """The graphed forward of ``module`` for inputs like ``args`` (``module`` itself is left as it was)."""
+        own = self.module.__dict__.get("forward")
+        # the graphs read their inputs from the sample tensors, into which each later call copies its own: private
+        # copies, not the caller's tensors
+        sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
+        torch.cuda.make_graphed_callables(self.module, sample, num_warmup_iters=self.warmup_iters)
+        replay = self.module.__dict__.pop("forward")  # make_graphed_callables sets the instance's forward
+        if own is not None:
+            self.module.forward = own
+        if not self._hooks:
+            # a parameter's first gradient of a step would be the graph's buffer (autograd keeps an incoming gradient
+            # as .grad when there is none): a copy instead, so that a second backward accumulates into it
+            for p in self.module.parameters():
+                if p.requires_grad:
+                    self._hooks.append(p.register_hook(_first_grad_copied(p)))
+        return replay
+
+
+def _first_grad_copied(p: Tensor) -> Callable[[Tensor], Tensor]:
+    def hook(g: Tensor) -> Tensor:
+        return g.clone() if p.grad is None else g
+
+    return hook

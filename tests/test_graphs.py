@@ -1,0 +1,200 @@
+"""models.graphs.CUDAGraphs: one capture per input signature, LRU eviction, results that behave like the module's.
+
+On the CPU a stand-in for ``torch.cuda.make_graphed_callables`` records each capture and, like the real one, sets the
+module's forward and hands out its outputs and gradients in buffers it rewrites at every call: the wrapper must give
+copies. The GPU test runs the real capture against the plain eager block."""
+import copy
+
+import pytest
+import torch
+
+from attn_zoo.models import graphs
+from attn_zoo.models.graphs import CUDAGraphs
+from attn_zoo.models.pairformer import PairformerBlock
+
+from test_primitives import randomize_
+
+W = dict(c_s=32, c_z=8, num_heads_single=2, num_heads_pair=2, c_hidden_pair=16, c_hidden_mul=8, transition_n=2)
+
+
+class _Reused(torch.autograd.Function):
+    """Identity whose outputs and input gradients are written into fixed buffers (as a replayed graph's are)."""
+
+    @staticmethod
+    def forward(ctx, bufs, *xs):
+        ctx.bufs = bufs
+        outs = []
+        for i, x in enumerate(xs):
+            key = ("out", i)
+            if key not in bufs or bufs[key].shape != x.shape:
+                bufs[key] = torch.empty_like(x)
+            bufs[key].copy_(x)
+            outs.append(bufs[key].detach())
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        res = []
+        for i, g in enumerate(gs):
+            key = ("grad", i)
+            if g is None:
+                res.append(None)
+                continue
+            if key not in ctx.bufs or ctx.bufs[key].shape != g.shape:
+                ctx.bufs[key] = torch.empty_like(g)
+            ctx.bufs[key].copy_(g)
+            res.append(ctx.bufs[key].detach())
+        return (None,) + tuple(res)
+
+
+class _StandIn:
+    """Records captures; sets ``module.forward`` to the module's own forward with every output and every parameter's
+    and input's gradient routed through reused buffers."""
+
+    def __init__(self):
+        self.captures = []
+
+    def __call__(self, module, args, num_warmup_iters=3):
+        assert not (torch.is_autocast_enabled("cpu") and torch.is_autocast_cache_enabled())  # as the real one checks
+        self.captures.append(tuple(a.shape for a in args))
+        bufs_in, bufs_out = {}, {}
+        names = [n for n, _ in module.named_parameters()]
+
+        def new_fwd(*a):
+            # the inputs and parameters enter through reused buffers, so their gradients come back in them;
+            # (the wrapper has put the module's own forward back by now: functional_call runs that one)
+            ins = iter(_Reused.apply(bufs_in, *[x for x in a if x.requires_grad], *module.parameters()))
+            xs = [next(ins) if x.requires_grad else x for x in a]
+            out = torch.func.functional_call(module, dict(zip(names, ins)), tuple(xs))
+            return _Reused.apply(bufs_out, *out)
+
+        module.forward = new_fwd
+        return module
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    s = _StandIn()
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", s)
+    monkeypatch.setattr(graphs, "CAPTURE_DEVICES", ("cuda", "cpu"))
+    return s
+
+
+def _inputs(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(1, n, W["c_s"], generator=g, requires_grad=True)
+    z = torch.randn(1, n, n, W["c_z"], generator=g, requires_grad=True)
+    real = torch.ones(1, n, dtype=torch.bool)
+    real[:, -2:] = False
+    return s, z, real, real[:, :, None] & real[:, None, :]
+
+
+def _step(block, n, seed, backward_passes=1):
+    """Outputs (copies), input gradients (copies) and parameter gradients after ``backward_passes`` passes."""
+    outs = []
+    for i in range(backward_passes):
+        s, z, single, pair = _inputs(n, seed + 100 * i)  # other inputs: gradients that differ between the passes
+        out = block(s, z, single, pair)
+        (out[0].square().sum() + out[1].sin().sum()).backward()
+        outs.append((out, s.grad, z.grad))
+    return outs, {k.removeprefix("module."): p.grad.clone() for k, p in block.named_parameters() if p.grad is not None}
+
+
+def test_captures_per_signature_with_lru_and_same_results(stand_in):
+    torch.manual_seed(0)
+    plain = randomize_(PairformerBlock(**W, pair_dropout=0.0, attention="torch"))
+    wrapped = CUDAGraphs(copy.deepcopy(plain), max_graphs=2)
+    for n in (9, 11, 9, 13, 9, 11):
+        plain.zero_grad(set_to_none=True)
+        wrapped.zero_grad(set_to_none=True)
+        (want, want_g), (got, got_g) = _step(plain, n, n), _step(wrapped, n, n)
+        for (wo, ws, wz), (go, gs, gz) in zip(want, got):
+            assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(wo + (ws, wz), go + (gs, gz)))
+        assert want_g.keys() == got_g.keys()
+        assert all(torch.allclose(want_g[k], got_g[k], atol=1e-6) for k in want_g)
+    # 9 and 11 captured; 9 replayed; 13 evicted 11 (least recently used); 9 replayed; 11 captured again
+    assert stand_in.captures == [((1, 9, 32), (1, 9, 9, 8), (1, 9), (1, 9, 9)),
+                                 ((1, 11, 32), (1, 11, 11, 8), (1, 11), (1, 11, 11)),
+                                 ((1, 13, 32), (1, 13, 13, 8), (1, 13), (1, 13, 13)),
+                                 ((1, 11, 32), (1, 11, 11, 8), (1, 11), (1, 11, 11))]
+    assert wrapped.num_graphs == 2
+    assert "forward" not in wrapped.module.__dict__  # the module's own forward is left in place
+
+
+def test_outputs_and_gradients_are_not_the_replay_buffers(stand_in):
+    """Outputs kept from one call survive the next; two backward passes accumulate (the buffers would double)."""
+    torch.manual_seed(0)
+    plain = randomize_(PairformerBlock(**W, pair_dropout=0.0, attention="torch"))
+    wrapped = CUDAGraphs(copy.deepcopy(plain))
+    want, want_g = _step(plain, 9, 1, backward_passes=2)
+    got, got_g = _step(wrapped, 9, 1, backward_passes=2)
+    first = got[0][0][1].detach().clone()
+    _step(wrapped, 9, 2)  # another replay rewrites the buffers
+    assert torch.equal(got[0][0][1].detach(), first)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(want[0][0] + want[0][1:], got[0][0] + got[0][1:]))
+    assert all(torch.allclose(want_g[k], got_g[k], atol=1e-6) for k in want_g)
+
+
+def test_train_eval_and_autocast_are_part_of_the_signature(stand_in):
+    wrapped = CUDAGraphs(randomize_(PairformerBlock(**W, pair_dropout=0.0, attention="torch")), max_graphs=4)
+    s, z, single, pair = _inputs(9, 0)
+    wrapped(s, z, single, pair)
+    wrapped.eval()
+    wrapped(s, z, single, pair)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = wrapped(s, z, single, pair)
+    assert out[1].dtype == torch.float32  # the block's residual stream keeps z's dtype
+    assert len(stand_in.captures) == 3 and wrapped.num_graphs == 3
+    wrapped.reset()
+    assert wrapped.num_graphs == 0
+
+
+def test_runs_the_module_where_it_cannot_capture(stand_in, monkeypatch):
+    wrapped = CUDAGraphs(randomize_(PairformerBlock(**W, pair_dropout=0.0, attention="torch")))
+    s, z, single, pair = _inputs(9, 0)
+    want = wrapped.module(s, z, single, pair)
+    with torch.no_grad():
+        got = wrapped(s, z, single, pair)  # no backward to capture
+    got2 = wrapped(s, z, single_mask=single, pair_mask=pair)  # keyword arguments
+    monkeypatch.setattr(graphs, "CAPTURE_DEVICES", ("cuda",))
+    got3 = wrapped(s, z, single, pair)  # a CPU tensor
+    assert stand_in.captures == []
+    for out in (got, got2, got3):
+        assert all(torch.equal(a, b) for a, b in zip(want, out))
+
+
+@pytest.mark.parametrize("kw", [{"max_graphs": 0}, {"max_graphs": 1.5}, {"warmup_iters": 0}])
+def test_bad_arguments(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        CUDAGraphs(torch.nn.Linear(2, 2), **kw)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_equal_the_eager_block():
+    """The real capture, bf16 autocast, the triton backend: outputs, input and parameter gradients bitwise the plain
+    eager block's, with two backward passes accumulating, over two lengths taking turns (one is evicted and captured
+    again); outputs kept from one step, and the inputs of every call, intact after the later replays."""
+    torch.manual_seed(0)
+    dev = "cuda"
+    eager = randomize_(PairformerBlock(**W, pair_dropout=0.0, attention="triton"), seed=3).to(dev)
+    wrapped = CUDAGraphs(copy.deepcopy(eager), max_graphs=1)
+    kept, inputs = [], []
+    for step, n in enumerate((37, 37, 45, 37)):
+        res = []
+        for block in (eager, wrapped):
+            block.zero_grad(set_to_none=True)
+            outs = []
+            for i in range(2):
+                s, z, single, pair = (t.to(dev) for t in _inputs(n, seed=10 * step + i))
+                s, z = s.detach().requires_grad_(), z.detach().requires_grad_()
+                inputs.append((z, z.detach().clone()))  # the caller's inputs stay theirs (no graph buffer)
+                with torch.autocast(dev, dtype=torch.bfloat16, cache_enabled=False):
+                    out_s, out_z = block(s, z, single, pair)
+                (out_s.float().square().sum() + out_z.float().sin().sum()).backward()
+                outs += [out_s.detach(), out_z.detach(), s.grad, z.grad]
+            res.append(outs + [p.grad for p in block.parameters()])
+        for i, (a, b) in enumerate(zip(*res)):
+            assert torch.equal(a, b), (step, i)
+        kept.append((res[1][1], res[1][1].clone()))
+    assert all(torch.equal(a, b) for a, b in kept + inputs)
+    assert wrapped.num_graphs == 1
