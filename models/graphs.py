@@ -9,8 +9,9 @@ gradients in tensors of their own, not in the graphs' buffers (which the next re
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch import nn
@@ -34,6 +35,34 @@ class _OwnGrad(torch.autograd.Function):
         return g.clone()
 
 
+class _Pending:
+    """Held by a replay's :class:`_Done` node: while it lives and its backward has not run, the replay's activations
+    in the capture's buffers are still needed (``live`` holds the ids of such replays)."""
+
+    def __init__(self, live: set):
+        self.live = live
+        live.add(id(self))
+
+    def release(self) -> None:
+        self.live.discard(id(self))
+
+    __del__ = release
+
+
+class _Done(torch.autograd.Function):
+    """Identity on a replay's outputs whose backward (or the end of its graph) releases the replay's activations."""
+
+    @staticmethod
+    def forward(ctx, live, *outs):
+        ctx.pending = _Pending(live)
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.pending.release()
+        return (None,) + grads
+
+
 class CUDAGraphs(nn.Module):
     """``module`` (a block taking tensors: ``CUDAGraphs(block)(s, z, single_mask, pair_mask)``) with its forward and
     backward replayed as CUDA graphs.
@@ -47,11 +76,17 @@ class CUDAGraphs(nn.Module):
     Differences from calling ``module`` (otherwise the same outputs and gradients: GPU test):
     - under autocast, the module runs with ``cache_enabled=False`` (CUDA graphs need it);
     - dropout draws new masks on every replay, from the graph-safe generator state, not the eager sequence;
-    - the captured step keeps the parameters' memory: in-place updates (optimizers, ``load_state_dict``) are seen,
-      a parameter replaced by another tensor is not; call :meth:`reset` after that.
+    - in-place parameter updates (optimizers, ``load_state_dict``) are seen by the captured steps.
 
     Calls it cannot capture run ``module`` as is: tensors off CUDA or on several devices, non-tensor or keyword
-    arguments, autograd off (the graphs hold a backward), ``torch.compile`` tracing, an ongoing capture.
+    arguments, autograd off (the graphs hold a backward), ``torch.compile`` tracing, an ongoing capture; and a call
+    whose capture still holds the activations of an earlier call that has not been backpropagated (two forwards before
+    one backward: weight sharing, recycling), which a replay would overwrite. A backward with ``retain_graph=True``
+    followed by another replay and a second backward of the first call is not detected.
+
+    Parameters are part of the signature by their memory and ``requires_grad``: one replaced (``.to()``,
+    ``load_state_dict(assign=True)``) or unfrozen gets a new capture. Copies (``copy.deepcopy``, pickling) start
+    without captures.
     """
 
     def __init__(self, module: nn.Module, max_graphs: int = 2, warmup_iters: int = 3):
@@ -62,15 +97,22 @@ class CUDAGraphs(nn.Module):
             raise ValueError(f"warmup_iters must be an int >= 1, got {warmup_iters!r}")
         self.module = module
         self.max_graphs, self.warmup_iters = max_graphs, warmup_iters
-        self._graphs: "OrderedDict[Tuple, Callable]" = OrderedDict()
-        self._hooks: list = []
+        self._graphs: "OrderedDict[Tuple, Tuple[Callable, set]]" = OrderedDict()
+        self._hooks: Dict[int, Any] = {}  # id(parameter) -> its hook handle
+
+    def __getstate__(self):
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        state = dict(state)
+        state["_graphs"], state["_hooks"] = OrderedDict(), {}  # captures belong to this object's parameters
+        return state
 
     def reset(self) -> None:
-        """Drop every capture (and its memory pool, once nothing refers to its outputs)."""
+        """Drop every capture (and its memory pool, once nothing refers to its outputs) and the gradient hooks."""
         self._graphs.clear()
-        for h in self._hooks:
+        for h in self._hooks.values():
             h.remove()
         self._hooks.clear()
+        gc.collect()  # a capture's autograd Function class refers to itself: only the cycle collector frees it
 
     @property
     def num_graphs(self) -> int:
@@ -88,25 +130,41 @@ class CUDAGraphs(nn.Module):
     def forward(self, *args, **kwargs):
         if not self._can_capture(args, kwargs):
             return self.module(*args, **kwargs)
-        dev = args[0].device.type
+        device = args[0].device
+        dev = device.type
         auto = torch.is_autocast_enabled(dev)
         dtype = torch.get_autocast_dtype(dev) if auto else None
-        key = (self.module.training, dtype, tuple((a.shape, a.dtype, a.requires_grad, a.device) for a in args))
+        params = list(self.module.parameters())
+        key = (self.module.training, dtype, tuple((a.shape, a.dtype, a.requires_grad, a.device) for a in args),
+               tuple((p.data_ptr(), p.requires_grad) for p in params))
+        entry = self._graphs.get(key)
+        if entry is not None and entry[1]:
+            return self.module(*args)  # its buffers hold an earlier call's activations, not yet backpropagated
         uncached = torch.autocast(dev, dtype=dtype, cache_enabled=False) if auto else contextlib.nullcontext()
-        with uncached:
-            replay = self._graphs.get(key)
-            if replay is None:
-                replay = self._capture(args)
-                self._graphs[key] = replay
-                while len(self._graphs) > self.max_graphs:
-                    self._graphs.popitem(last=False)
+        on_device = torch.cuda.device(device) if dev == "cuda" else contextlib.nullcontext()
+        with uncached, on_device:
+            if entry is None:
+                entry = self._capture(args, params), set()  # (replay, ids of replays awaiting their backward)
+                self._graphs[key] = entry
+                if len(self._graphs) > self.max_graphs:
+                    while len(self._graphs) > self.max_graphs:
+                        self._graphs.popitem(last=False)
+                    gc.collect()  # (see reset)
             else:
                 self._graphs.move_to_end(key)
+            replay, live = entry
             outs = replay(*(_OwnGrad.apply(a) if a.requires_grad else a for a in args))
-        # the replay's outputs are the graph's buffers: copies (autograd passes gradients through them)
-        return torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, outs)
+        flat, spec = torch.utils._pytree.tree_flatten(outs)
+        tensors = [i for i, t in enumerate(flat) if isinstance(t, Tensor)]
+        marked = [flat[i] for i in tensors]
+        if any(t.requires_grad for t in marked):
+            marked = list(_Done.apply(live, *marked))
+        for i, t in zip(tensors, marked):
+            # the replay's outputs are the graph's buffers: copies (autograd passes gradients through them)
+            flat[i] = t.clone()
+        return torch.utils._pytree.tree_unflatten(flat, spec)
 
-    def _capture(self, args: Tuple[Tensor, ...]) -> Callable:
+    def _capture(self, args: Tuple[Tensor, ...], params: List[Tensor]) -> Callable:
         """The graphed forward of ``module`` for inputs like ``args`` (``module`` itself is left as it was)."""
         own = self.module.__dict__.get("forward")
         # the graphs read their inputs from the sample tensors, into which each later call copies its own: private
@@ -116,12 +174,11 @@ class CUDAGraphs(nn.Module):
         replay = self.module.__dict__.pop("forward")  # make_graphed_callables sets the instance's forward
         if own is not None:
             self.module.forward = own
-        if not self._hooks:
-            # a parameter's first gradient of a step would be the graph's buffer (autograd keeps an incoming gradient
-            # as .grad when there is none): a copy instead, so that a second backward accumulates into it
-            for p in self.module.parameters():
-                if p.requires_grad:
-                    self._hooks.append(p.register_hook(_first_grad_copied(p)))
+        # a parameter's first gradient of a step would be the graph's buffer (autograd keeps an incoming gradient as
+        # .grad when there is none): a copy instead, so that a second backward accumulates into it
+        for p in params:
+            if p.requires_grad and id(p) not in self._hooks:
+                self._hooks[id(p)] = p.register_hook(_first_grad_copied(p))
         return replay
 
 

@@ -59,12 +59,21 @@ class _StandIn:
         self.captures.append(tuple(a.shape for a in args))
         bufs_in, bufs_out = {}, {}
         names = [n for n, _ in module.named_parameters()]
+        samples = list(args)
+        grad_idx = [i for i, x in enumerate(args) if x.requires_grad]
+        for j, i in enumerate(grad_idx):  # the graph's input buffers are the sample tensors themselves
+            bufs_in[("out", j)] = samples[i]
 
         def new_fwd(*a):
-            # the inputs and parameters enter through reused buffers, so their gradients come back in them;
-            # (the wrapper has put the module's own forward back by now: functional_call runs that one)
-            ins = iter(_Reused.apply(bufs_in, *[x for x in a if x.requires_grad], *module.parameters()))
-            xs = [next(ins) if x.requires_grad else x for x in a]
+            # later inputs are copied into the samples; the inputs and parameters enter through reused buffers, so
+            # their gradients come back in them (the wrapper has put the module's own forward back by now:
+            # functional_call runs that one)
+            with torch.no_grad():
+                for i, x in enumerate(a):
+                    if i not in grad_idx and samples[i].data_ptr() != x.data_ptr():
+                        samples[i].copy_(x)
+            ins = iter(_Reused.apply(bufs_in, *[a[i] for i in grad_idx], *module.parameters()))
+            xs = [next(ins) if i in grad_idx else samples[i] for i in range(len(a))]
             out = torch.func.functional_call(module, dict(zip(names, ins)), tuple(xs))
             return _Reused.apply(bufs_out, *out)
 
@@ -161,6 +170,48 @@ def test_runs_the_module_where_it_cannot_capture(stand_in, monkeypatch):
     assert stand_in.captures == []
     for out in (got, got2, got3):
         assert all(torch.equal(a, b) for a, b in zip(want, out))
+
+
+def test_inputs_stay_the_callers_and_two_forwards_before_a_backward(stand_in):
+    """Later calls do not write into the capture call's inputs; a second call while the first awaits its backward
+    runs the module itself (a replay would overwrite the first call's activations): gradients as without graphs."""
+    torch.manual_seed(0)
+    plain = randomize_(PairformerBlock(**W, pair_dropout=0.0, attention="torch"))
+    wrapped = CUDAGraphs(copy.deepcopy(plain))
+    first, second = _inputs(9, 1), _inputs(9, 2)
+    results = []
+    for block in (plain, wrapped):
+        block.zero_grad(set_to_none=True)
+        xs = [[t.detach().clone().requires_grad_(t.requires_grad) for t in inp] for inp in (first, second)]
+        outs = [block(*x) for x in xs]
+        sum(o[0].square().sum() + o[1].sin().sum() for o in outs).backward()
+        results.append([t.grad for x in xs for t in x[:2]] + [p.grad for p in block.parameters()])
+    assert len(stand_in.captures) == 1
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*results))
+    captured_with = xs[0]  # the wrapped block's capture call
+    kept = [t.detach().clone() for t in captured_with]
+    wrapped(*second)  # a replay with other inputs
+    assert all(torch.equal(a, b) for a, b in zip(captured_with, kept))
+
+
+def test_copies_start_without_captures_and_unfrozen_parameters_recapture(stand_in):
+    torch.manual_seed(0)
+    wrapped = CUDAGraphs(randomize_(PairformerBlock(**W, pair_dropout=0.0, attention="torch")))
+    lin = wrapped.module.single_transition.linear_out
+    lin.weight.requires_grad_(False)
+    _step(wrapped, 9, 0)
+    twin = copy.deepcopy(wrapped)
+    assert wrapped.num_graphs == 1 and twin.num_graphs == 0
+    _step(twin, 9, 0)  # its own capture, on its own parameters
+    assert all(p.grad is not None for p in twin.parameters() if p.requires_grad)
+    lin.weight.requires_grad_(True)
+    wrapped.zero_grad(set_to_none=True)
+    _, grads = _step(wrapped, 9, 0)
+    assert len(stand_in.captures) == 3 and "single_transition.linear_out.weight" in grads
+    plain = copy.deepcopy(wrapped.module)
+    plain.zero_grad(set_to_none=True)
+    _, want = _step(plain, 9, 0)
+    assert all(torch.allclose(want[k], grads[k], atol=1e-6) for k in want)
 
 
 @pytest.mark.parametrize("kw", [{"max_graphs": 0}, {"max_graphs": 1.5}, {"warmup_iters": 0}])
