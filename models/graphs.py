@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -99,6 +100,7 @@ class CUDAGraphs(nn.Module):
         self.max_graphs, self.warmup_iters = max_graphs, warmup_iters
         self._graphs: "OrderedDict[Tuple, Tuple[Callable, set]]" = OrderedDict()
         self._hooks: Dict[int, Any] = {}  # id(parameter) -> its hook handle
+        self._warned = False
 
     def __getstate__(self):
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
@@ -138,8 +140,12 @@ class CUDAGraphs(nn.Module):
         key = (self.module.training, dtype, tuple((a.shape, a.dtype, a.requires_grad, a.device) for a in args),
                tuple((p.data_ptr(), p.requires_grad) for p in params))
         entry = self._graphs.get(key)
-        if entry is not None and entry[1]:
-            return self.module(*args)  # its buffers hold an earlier call's activations, not yet backpropagated
+        if entry is not None and entry[1]:  # its buffers hold an earlier call's activations, not yet backpropagated
+            if not self._warned:
+                self._warned = True
+                warnings.warn("CUDAGraphs: a call before the backward of the previous call with these input shapes "
+                              "runs the module eagerly (the capture holds that call's activations)", stacklevel=2)
+            return self.module(*args)
         uncached = torch.autocast(dev, dtype=dtype, cache_enabled=False) if auto else contextlib.nullcontext()
         on_device = torch.cuda.device(device) if dev == "cuda" else contextlib.nullcontext()
         with uncached, on_device:
