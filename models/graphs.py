@@ -102,8 +102,7 @@ class CUDAGraphs(nn.Module):
         self._warned = False
 
     def __getstate__(self):
-        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
-        state = dict(state)
+        state = dict(super().__getstate__())
         state["_graphs"], state["_hooks"] = OrderedDict(), {}  # captures belong to this object's parameters
         return state
 
@@ -151,9 +150,8 @@ class CUDAGraphs(nn.Module):
             if entry is None:
                 entry = self._capture(args, params), set()  # (replay, ids of replays awaiting their backward)
                 self._graphs[key] = entry
-                if len(self._graphs) > self.max_graphs:
-                    while len(self._graphs) > self.max_graphs:
-                        self._graphs.popitem(last=False)
+                if len(self._graphs) > self.max_graphs:  # (one new entry: one to drop)
+                    self._graphs.popitem(last=False)
                     gc.collect()  # (see reset)
             else:
                 self._graphs.move_to_end(key)

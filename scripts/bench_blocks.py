@@ -132,19 +132,11 @@ def build_case(case: str, backend: str, dev, compile_mode: str | None = None, dy
         s = torch.randn(1, n, 384, device=dev, generator=g, requires_grad=True)
         z = torch.randn(1, n, n, 128, device=dev, generator=g, requires_grad=True)
         x, masks = [s, z], (single, pair)
-    if backend.endswith("+graphs"):
-        return mod, x, _graphed_step(mod, (*x, *masks))
-    # the whole block, as a user would compile it
-    run = torch.compile(mod, mode=compile_mode, dynamic=dynamic) if backend.endswith("+compile") else mod
+    # the whole block, as a user would compile it, or in CUDAGraphs (captured at the first step, replayed after)
+    run = torch.compile(mod, mode=compile_mode, dynamic=dynamic) if backend.endswith("+compile") else \
+        CUDAGraphs(mod) if backend.endswith("+graphs") else mod
     fwd = lambda: run(*x, *masks)  # noqa: E731
     return mod, x, fwd
-
-
-def _graphed_step(mod: torch.nn.Module, args: tuple):
-    """The forward callable of a "+graphs" row: ``mod`` in ``models.graphs.CUDAGraphs``, which captures its forward and
-    backward at the first step (train mode, these inputs) and replays them after."""
-    run = CUDAGraphs(mod)
-    return lambda: run(*args)
 
 
 def _randomize(mod: torch.nn.Module):

@@ -2,8 +2,6 @@
 triton under the interpreter; triton and flex on a GPU), checkpointed and chunked runs equal plain ones and
 really checkpoint / chunk, attention with pair bias against its definition; on a GPU, torch.compile(fullgraph=True)
 of a block with the triton backend."""
-import copy
-
 import pytest
 import torch
 
@@ -252,35 +250,3 @@ def test_flex_block_agrees_with_torch_on_gpu():
     torch._dynamo.reset()
     compare_backend_to_torch(lambda attn: PairformerBlock(**W, attention=FLEX if attn == "flex" else attn),
                              [s, z], [single_mask, pair_mask], "flex", seed=18, device="cuda")
-
-
-@pytest.mark.gpu
-def test_block_under_cuda_graphs_matches_eager():
-    """An eager triton-backed block replayed as CUDA graphs (``torch.cuda.make_graphed_callables``, a fixed crop, bf16
-    autocast without cast caching, as README's "CUDA graphs for eager training" shows): two steps on fresh inputs (the
-    graph copies them into its own buffers), outputs and every gradient equal to the plain eager block's."""
-    torch.manual_seed(0)
-    dev = "cuda"
-    eager = randomize_(PairformerBlock(**W, pair_dropout=0.0, attention="triton"), seed=3).to(dev)
-    graphed = copy.deepcopy(eager)
-    N = 37
-    results = {}
-    for name, block in (("eager", eager), ("graphs", graphed)):
-        steps = []
-        for step in range(3):  # step 0 captures the graphs (after make_graphed_callables' own warm-up)
-            s, z, single_mask, pair_mask = (t.to(dev) for t in _inputs(N=N, seed=10 + step, dtype=torch.float32))
-            s.requires_grad_()
-            z.requires_grad_()
-            block.zero_grad(set_to_none=True)
-            with torch.autocast(dev, dtype=torch.bfloat16, cache_enabled=False):
-                if name == "graphs" and step == 0:
-                    torch.cuda.make_graphed_callables(block, (s, z, single_mask, pair_mask))
-                out_s, out_z = block(s, z, single_mask, pair_mask)
-            (out_s.float().square().sum() + out_z.float().sin().sum()).backward()
-            # (clones: the graphs' outputs and gradients live in their buffers, rewritten at the next replay)
-            steps.append([out_s.detach().clone(), out_z.detach().clone(), s.grad.clone(), z.grad.clone()] +
-                         [p.grad.clone() for p in block.parameters()])
-        results[name] = steps
-    for step, (want, got) in enumerate(zip(results["eager"], results["graphs"])):
-        for i, (a, b) in enumerate(zip(want, got)):
-            assert torch.equal(a, b), (step, i, rel_err(b, a))
