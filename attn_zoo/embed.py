@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
 INCLUDE = ("mean", "per_tok", "contacts")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -88,15 +89,19 @@ def read_proteins(fasta: str | os.PathLike, truncate: Optional[int] = None) -> L
     return out
 
 
-def batches(proteins: Sequence[Tuple[str, str]], toks_per_batch: int) -> Iterator[List[Tuple[str, str]]]:
+def batches(proteins: Sequence[Tuple[str, str]], toks_per_batch: int,
+            length_multiple: int = 1) -> Iterator[List[Tuple[str, str]]]:
     """Length-sorted batches (longest first) of at most ``toks_per_batch`` padded tokens (``<cls>``/``<eos>``
-    counted); a protein longer than the budget forms a batch alone."""
+    counted, the width rounded up to ``length_multiple``); a protein longer than the budget forms a batch alone."""
     if toks_per_batch < 1:
         raise ValueError(f"toks_per_batch must be >= 1, got {toks_per_batch}")
+    from .models.primitives import round_up
+
+    round_up(1, length_multiple)  # checks it before any work
     batch: List[Tuple[str, str]] = []
     width = 0
     for item in sorted(proteins, key=lambda p: -len(p[1])):
-        n = len(item[1]) + 2
+        n = round_up(len(item[1]) + 2, length_multiple)
         if batch and max(width, n) * (len(batch) + 1) > toks_per_batch:
             yield batch
             batch, width = [], 0
@@ -140,9 +145,14 @@ def _progress(total: int, enabled: bool):
 
 def embed(model, proteins: Sequence[Tuple[str, str]], out: str | os.PathLike, *, repr_layers: Sequence[int] = (-1,),
           include: Sequence[str] = ("mean",), toks_per_batch: int = 4096, device: str | torch.device = "cpu",
-          dtype: torch.dtype = torch.float32, overwrite: bool = False, progress: bool = True) -> EmbedSummary:
-    """Embed ``proteins`` ``[(label, sequence)]`` with an ESM-2 ``model`` into ``out`` (one file per protein)."""
+          dtype: torch.dtype = torch.float32, overwrite: bool = False, progress: bool = True,
+          length_multiple: int = 1) -> EmbedSummary:
+    """Embed ``proteins`` ``[(label, sequence)]`` with an ESM-2 ``model`` into ``out`` (one file per protein).
+
+    ``length_multiple``: pad each batch's token width to a multiple (e.g. 32), so a file of many lengths runs
+    in a few shapes and per-shape first-call costs are paid once per multiple; embeddings do not change."""
     from .models.esm2 import ALPHABET
+    from .models.primitives import round_up
 
     unknown = sorted(set(include) - set(INCLUDE))
     if unknown or not include:
@@ -163,8 +173,10 @@ def embed(model, proteins: Sequence[Tuple[str, str]], out: str | os.PathLike, *,
     bar = _progress(len(todo), progress)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     with torch.no_grad():
-        for batch in batches(todo, toks_per_batch):
+        for batch in batches(todo, toks_per_batch, length_multiple):
             labels, seqs, tokens = converter(batch)
+            tokens = F.pad(tokens, (0, round_up(tokens.shape[1], length_multiple) - tokens.shape[1]),
+                           value=ALPHABET.padding_idx)
             with autocast:
                 result = model(tokens.to(device), repr_layers=layers, return_contacts="contacts" in include)
             for i, (label, seq) in enumerate(zip(labels, seqs)):
@@ -199,6 +211,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, or auto (cuda when there is one)")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="autocast dtype of the forward")
     p.add_argument("--attention", default="auto", help="attention backend: auto, triton, torch, chunked, sdpa, flex")
+    p.add_argument("--length-multiple", type=int, default=1,
+                   help="pad each batch's width to a multiple of this (e.g. 32): fewer shapes, fewer first-call costs")
     p.add_argument("--truncate", type=int, default=None, help="cut sequences to this many residues (default: none)")
     p.add_argument("--overwrite", action="store_true", help="recompute proteins whose file exists")
     p.add_argument("--no-progress", action="store_true")
@@ -211,12 +225,14 @@ def main(argv: Optional[Sequence[str]] = None) -> EmbedSummary:
     args = parser().parse_args(argv)
     if args.truncate is not None and args.truncate < 1:
         raise SystemExit(f"--truncate must be >= 1, got {args.truncate}")
+    if args.length_multiple < 1:
+        raise SystemExit(f"--length-multiple must be >= 1, got {args.length_multiple}")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     proteins = read_proteins(args.fasta, args.truncate)  # every FASTA error before the model loads
     model = load_esm2(args.model, attention=args.attention)
     summary = embed(model, proteins, args.out, repr_layers=args.repr_layers, include=args.include,
                     toks_per_batch=args.toks_per_batch, device=device, dtype=DTYPES[args.dtype],
-                    overwrite=args.overwrite, progress=not args.no_progress)
+                    overwrite=args.overwrite, progress=not args.no_progress, length_multiple=args.length_multiple)
     print(f"{len(summary.written)} written, {len(summary.skipped)} skipped (already in {summary.out})",
           file=sys.stderr)
     return summary

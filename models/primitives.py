@@ -88,6 +88,18 @@ class AttentionConfig:
         )
 
 
+def check_multiple(length_multiple: Any, name: str = "length_multiple") -> int:
+    """``length_multiple`` if it is an int >= 1, else a ValueError naming it."""
+    if isinstance(length_multiple, bool) or not isinstance(length_multiple, int) or length_multiple < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {length_multiple!r}")
+    return length_multiple
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is at least ``n`` (padding lengths to a few shapes)."""
+    return -(-n // check_multiple(multiple)) * multiple
+
+
 def at_least_fp32(x: Tensor) -> Tensor:
     """``x`` in float32 if it is a 16-bit float, else unchanged (float64 stays float64)."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x

@@ -19,6 +19,10 @@ distinct random lengths in [180, 520] (``--varlen-seed``); each length runs 3 fw
 compile / tuning at that length, steady = the faster of the other two. Each backend runs in a fresh process of its
 own (no backend inherits another's compiled kernels or cuBLAS's per-shape heuristics). Writes ``varlen.csv`` and ``varlen.md``.
 A fresh process with ``ATTN_ZOO_CACHE_DIR`` at an empty folder measures cold tuning; run it again for a warm cache.
+``--varlen-multiple M`` pads every length to a multiple of M (masked, as ``data.length_multiple`` does);
+``--varlen-warmup`` first runs one step at each padded length of the range (its time counts as compile + tune).
+
+    python scripts/bench_blocks.py --varlen --varlen-backends triton --varlen-multiple 32 --varlen-warmup
 
 Boltz-2 (``boltz.model.layers.pairformer.PairformerLayer``) and cuequivariance are optional imports
 (see ../shared/anchor-wheels/README.md); rows for them are skipped with the reason if they do not import.
@@ -54,6 +58,7 @@ from attn_ops.triton.fastlaunch import wait_background  # noqa: E402
 from attn_zoo.models.graphs import CUDAGraphs  # noqa: E402
 from attn_zoo.models.evoformer import EvoformerBlock  # noqa: E402
 from attn_zoo.models.pairformer import PairformerBlock  # noqa: E402
+from attn_zoo.models.primitives import round_up  # noqa: E402
 
 GIB = 2.0 ** 30
 PADDED = 13  # padded residues at the end of every sequence (real masks, not all-True)
@@ -87,8 +92,10 @@ def attention_config(backend: str) -> dict:
 # ------------------------------------------------------------------------------------------------
 # inputs and steps
 # ------------------------------------------------------------------------------------------------
-def _masks(n: int, dev):
-    real = torch.arange(n, device=dev) < n - PADDED  # [N]
+def _masks(n: int, dev, width: int | None = None):
+    """Single [1, W] and pair [1, W, W] masks of a length-``n`` sequence whose last PADDED residues are padding,
+    padded on to ``width`` (default ``n``)."""
+    real = torch.arange(n if width is None else width, device=dev) < n - PADDED  # [W]
     single = real[None].clone()  # [1, N]
     pair = single[:, :, None] & single[:, None, :]  # [1, N, N]
     return single, pair
@@ -288,7 +295,7 @@ VARLEN_RANGE = (180, 520)
 VARLEN_WARM = 3  # the ratio target applies after this many lengths
 VARLEN_RATIO_TARGET = 1.5
 VARLEN_TIME_LIMIT = 280.0
-VARLEN_FIELDS = ["backend", "step", "n", "first_ms", "steady_ms", "ratio", "overhead_s", "note"]
+VARLEN_FIELDS = ["backend", "step", "n", "width", "first_ms", "steady_ms", "ratio", "overhead_s", "note"]
 
 
 def varlen_lengths(count: int = 40, seed: int = 0, lo: int = VARLEN_RANGE[0], hi: int = VARLEN_RANGE[1]):
@@ -298,8 +305,9 @@ def varlen_lengths(count: int = 40, seed: int = 0, lo: int = VARLEN_RANGE[0], hi
     return random.Random(seed).sample(range(lo, hi + 1), count)
 
 
-def build_varlen(backend: str, dev, c_s: int = 384, c_z: int = 128):
-    """(module, make) for the varlen run; ``make(n)`` -> (float inputs requiring grad, forward callable)."""
+def build_varlen(backend: str, dev, c_s: int = 384, c_z: int = 128, multiple: int = 1):
+    """(module, make) for the varlen run; ``make(n)`` -> (float inputs requiring grad, forward callable), a
+    length-``n`` sequence padded to a multiple of ``multiple``."""
     g = torch.Generator(device=dev).manual_seed(0)
     if backend.startswith("boltz"):
         from boltz.model.layers.pairformer import PairformerLayer
@@ -310,9 +318,10 @@ def build_varlen(backend: str, dev, c_s: int = 384, c_z: int = 128):
         mod = PairformerBlock(c_s=c_s, c_z=c_z, attention=attention_config(backend)).to(dev)
 
     def make(n):
-        single, pair = _masks(n, dev)
-        s = torch.randn(1, n, c_s, device=dev, generator=g, requires_grad=True)
-        z = torch.randn(1, n, n, c_z, device=dev, generator=g, requires_grad=True)
+        w = round_up(n, multiple)
+        single, pair = _masks(n, dev, w)
+        s = torch.randn(1, w, c_s, device=dev, generator=g, requires_grad=True)
+        z = torch.randn(1, w, w, c_z, device=dev, generator=g, requires_grad=True)
         if backend.startswith("boltz"):
             use = backend == "boltz-cueq"
             return [s, z], lambda: mod(s, z, single.float(), pair.float(), use_kernels=use)
@@ -325,22 +334,54 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
+def _varlen_step(mod, inputs, fwd, dev, grads=None):
+    """One timed fwd+bwd step (ms) and the output gradients it used (random on the first call)."""
+    mod.zero_grad(set_to_none=True)
+    for t in inputs:
+        t.grad = None
+    _sync(dev)
+    a = time.perf_counter()
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        outs = fwd()
+    if grads is None:
+        grads = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, grads)
+    _sync(dev)
+    return (time.perf_counter() - a) * 1e3, grads
+
+
+def varlen_label(backend: str, multiple: int = 1, warmup: bool = False) -> str:
+    return backend + (f" /{multiple}" if multiple > 1 else "") + (" +warm-up" if warmup else "")
+
+
 def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z: int = 128, repeats: int = 3,
-               log=print, empty_cache: bool = False):
+               log=print, empty_cache: bool = False, multiple: int = 1, warmup=None):
     """Rows (VARLEN_FIELDS) of one backend stepping through ``lengths``: per length ``repeats`` fwd+bwd steps
     (bf16 autocast, train mode), wall time with a sync after each; first = the first step, steady = the fastest of
     the others. Lengths not started within ``budget_s`` get a "skipped: time limit" row. ``empty_cache``: hand the
     allocator's cached memory back to the driver after each length (a training loop does not: every first step
-    would then allocate from the driver; docs/bench/issue20_h200.md)."""
+    would then allocate from the driver; docs/bench/issue20_h200.md). ``multiple``: every length padded to a
+    multiple of it; ``warmup`` (lo, hi): first one step at each padded length of [lo, hi] (the range the lengths
+    come from), reported as a row with step -1 whose ``overhead_s`` is its time."""
     if repeats < 2:
         raise ValueError(f"varlen repeats must be >= 2 (a first and a steady step), got {repeats}")
     t0 = time.perf_counter()
-    mod, make = build_varlen(backend, dev, c_s, c_z)
+    mod, make = build_varlen(backend, dev, c_s, c_z, multiple)
     _randomize(mod)
     mod.train()
+    label = varlen_label(backend, multiple, warmup is not None)
     rows = []
+    if warmup is not None:
+        widths = sorted({round_up(n, multiple) for n in range(warmup[0], warmup[1] + 1)})
+        for w in widths:
+            _varlen_step(mod, *make(w), dev)
+        took = time.perf_counter() - t0
+        rows.append(dict(backend=label, step=-1, n=f"{widths[0]}-{widths[-1]}", width="", first_ms="",
+                         steady_ms="", ratio="", overhead_s=took, note=f"warm-up: {len(widths)} lengths"))
+        log(rows[-1], f"[{took:.0f} s]")
     for i, n in enumerate(lengths):
-        row = dict(backend=backend, step=i, n=n, first_ms="", steady_ms="", ratio="", overhead_s="", note="")
+        row = dict(backend=label, step=i, n=n, width=round_up(n, multiple), first_ms="", steady_ms="", ratio="",
+                   overhead_s="", note="")
         if time.perf_counter() - t0 > budget_s:
             row["note"] = "skipped: time limit"
             rows.append(row)
@@ -350,25 +391,15 @@ def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z:
             grads = None
             times = []
             for _ in range(repeats):
-                mod.zero_grad(set_to_none=True)
-                for t in inputs:
-                    t.grad = None
-                _sync(dev)
-                a = time.perf_counter()
-                with torch.autocast(dev.type, dtype=torch.bfloat16):
-                    outs = fwd()
-                if grads is None:
-                    grads = [torch.randn_like(o) for o in outs]
-                torch.autograd.backward(outs, grads)
-                _sync(dev)
-                times.append((time.perf_counter() - a) * 1e3)
+                ms, grads = _varlen_step(mod, inputs, fwd, dev, grads)
+                times.append(ms)
             first, steady = times[0], min(times[1:])
             row.update(first_ms=first, steady_ms=steady, ratio=first / steady, overhead_s=(first - steady) / 1e3)
         except Exception as exc:  # OOM, unsupported shape: record and go on
             row["note"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
             traceback.print_exc(limit=3)
         finally:
-            inputs = fwd = outs = grads = None
+            inputs = fwd = grads = None
             if empty_cache and dev.type == "cuda":
                 torch.cuda.empty_cache()
         log({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in row.items()},
@@ -386,12 +417,13 @@ def varlen_summary(rows, warm: int = VARLEN_WARM):
         rs = [r for r in rows if r["backend"] == be]
         done = [r for r in rs if r["ratio"] != ""]
         later = [r["ratio"] for r in done if int(r["step"]) >= warm]
+        warmups = [r["overhead_s"] for r in rs if int(r["step"]) < 0 and r["overhead_s"] != ""]
         out.append(dict(
-            backend=be, lengths=f"{len(done)} / {len(rs)}",
+            backend=be, lengths=f"{len(done)} / {len(rs) - len(warmups)}",
             steady_median_ms=statistics.median(r["steady_ms"] for r in done) if done else "",
             max_ratio=max(later) if later else "",
             over_target=sum(x > VARLEN_RATIO_TARGET for x in later) if later else "",
-            compile_tune_s=sum(r["overhead_s"] for r in done) if done else "",
+            compile_tune_s=sum(r["overhead_s"] for r in done) + sum(warmups) if done else "",
         ))
     return out
 
@@ -400,7 +432,7 @@ def _f(x, spec):
     return format(x, spec) if x != "" else "-"
 
 
-def write_varlen_markdown(path, rows, env, lengths, empty_cache: bool = False):
+def write_varlen_markdown(path, rows, env, lengths, empty_cache: bool = False, multiple: int = 1):
     """Summary per backend, then a row per length with first ms, steady ms and first/steady per backend."""
     backends = list(dict.fromkeys(r["backend"] for r in rows))
     lines = ["# Varlen block benchmark (scripts/bench_blocks.py --varlen)", "", *env,
@@ -411,7 +443,11 @@ def write_varlen_markdown(path, rows, env, lengths, empty_cache: bool = False):
              "  steady = the faster of the other two; the allocator's cache is "
              + ("emptied after each length (--varlen-empty-cache);" if empty_cache else "kept across lengths, as in training;"),
              f"  target (issue 20): first/steady <= {VARLEN_RATIO_TARGET}x after the first {VARLEN_WARM} lengths, "
-             "compile + tune (sum of first - steady) <= 20 s fresh, <= 2 s with a warm on-disk cache.", "",
+             "compile + tune (sum of first - steady) <= 20 s fresh, <= 2 s with a warm on-disk cache.",
+             *([f"- every length padded to a multiple of {multiple} (masked); N -> the padded length below"]
+               if multiple > 1 else []),
+             *[f"- {r['backend']}: {r['note']} ({r['n']}) before the timed steps, {r['overhead_s']:.2f} s "
+               "(counted in compile + tune)" for r in rows if int(r["step"]) < 0 and r["overhead_s"] != ""], "",
              "| backend | lengths run | steady median ms | max first/steady after 3 lengths | lengths over 1.5x | "
              "compile + tune s | target met |", "|---|---|---|---|---|---|---|"]
     for s in varlen_summary(rows):
@@ -427,7 +463,7 @@ def write_varlen_markdown(path, rows, env, lengths, empty_cache: bool = False):
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     by = {(r["backend"], int(r["step"])): r for r in rows}
     for i, n in enumerate(lengths):
-        cells = [str(i), str(n)]
+        cells = [str(i), str(n) if round_up(n, multiple) == n else f"{n} -> {round_up(n, multiple)}"]
         for b in backends:
             r = by.get((b, i))
             if r is None or r["ratio"] == "":
@@ -443,7 +479,8 @@ def write_varlen_markdown(path, rows, env, lengths, empty_cache: bool = False):
 _WORKER_TAG = "VARLEN_ROWS_JSON "
 
 
-def _varlen_worker(backend: str, lengths, budget: float, empty_cache: bool = False) -> None:
+def _varlen_worker(backend: str, lengths, budget: float, empty_cache: bool = False, multiple: int = 1,
+                   warmup: bool = False) -> None:
     """One backend's varlen run in this (fresh) process; rows printed as one tagged JSON line."""
     dev = torch.device("cuda")
     # CUDA context, cuBLAS handles and the glue kernels' first use are charged to no backend: one torch-backend step
@@ -451,7 +488,8 @@ def _varlen_worker(backend: str, lengths, budget: float, empty_cache: bool = Fal
         varlen_run("torch", [32], dev, float("inf"), log=lambda *a: None)
     except Exception:
         traceback.print_exc(limit=2)
-    rows = varlen_run(backend, lengths, dev, budget, empty_cache=empty_cache)
+    rows = varlen_run(backend, lengths, dev, budget, empty_cache=empty_cache, multiple=multiple,
+                      warmup=VARLEN_RANGE if warmup else None)
     print(_WORKER_TAG + json.dumps(rows), flush=True)
 
 
@@ -460,8 +498,9 @@ def _varlen_in_subprocess(backend: str, args, lengths, budget: float):
     heuristics (a new GEMM shape costs host time on its first call: docs/bench/issue20_h200.md) or allocator
     segments."""
     cmd = [sys.executable, os.path.abspath(__file__), "--varlen-worker", backend, "--varlen-count",
-           str(args.varlen_count), "--varlen-seed", str(args.varlen_seed), "--time-limit", str(budget)] + (
-        ["--varlen-empty-cache"] if args.varlen_empty_cache else [])
+           str(args.varlen_count), "--varlen-seed", str(args.varlen_seed), "--time-limit", str(budget),
+           "--varlen-multiple", str(args.varlen_multiple)] + (
+        ["--varlen-empty-cache"] if args.varlen_empty_cache else []) + (["--varlen-warmup"] if args.varlen_warmup else [])
     return _worker_result(cmd, _WORKER_TAG, budget + 300)
 
 
@@ -491,13 +530,14 @@ def run_varlen(args, dev, env):
             try:
                 got = _varlen_in_subprocess(backend, args, lengths, budget)
             except Exception as exc:  # a peer that does not import or build: one row with the reason
-                got = [dict(backend=backend, step=0, n=lengths[0], first_ms="", steady_ms="", ratio="",
+                got = [dict(backend=varlen_label(backend, args.varlen_multiple, args.varlen_warmup), step=0,
+                            n=lengths[0], width="", first_ms="", steady_ms="", ratio="",
                             overhead_s="", note=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")]
             rows += got
             for r in got:
                 w.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in r.items()})
             fcsv.flush()
-            write_varlen_markdown(path_md, rows, env, lengths, args.varlen_empty_cache)
+            write_varlen_markdown(path_md, rows, env, lengths, args.varlen_empty_cache, args.varlen_multiple)
     print(open(path_md).read())
     return rows
 
@@ -626,10 +666,16 @@ def parse_args(argv=None):
     p.add_argument("--varlen-seed", type=int, default=0)
     p.add_argument("--varlen-empty-cache", action="store_true",
                    help="empty the allocator's cache after each length (the runs before 2026-11-26 did)")
+    p.add_argument("--varlen-multiple", type=int, default=1,
+                   help="pad every varlen length to a multiple of this (masked), as data.length_multiple does")
+    p.add_argument("--varlen-warmup", action="store_true",
+                   help="one step at each padded length of the range before the timed steps (counted as compile)")
     p.add_argument("--varlen-worker", default=None, choices=list(VARLEN_CHOICES), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.time_limit is None:
         args.time_limit = VARLEN_TIME_LIMIT if args.varlen or args.varlen_worker else 400.0
+    if args.varlen_multiple < 1:
+        p.error(f"--varlen-multiple must be >= 1, got {args.varlen_multiple}")
     try:
         varlen_lengths(args.varlen_count, args.varlen_seed)
     except ValueError as exc:
@@ -643,7 +689,7 @@ def main(argv=None):
         sys.exit("bench_blocks.py needs a CUDA device")
     if args.varlen_worker:
         _varlen_worker(args.varlen_worker, varlen_lengths(args.varlen_count, args.varlen_seed), args.time_limit,
-                       empty_cache=args.varlen_empty_cache)
+                       empty_cache=args.varlen_empty_cache, multiple=args.varlen_multiple, warmup=args.varlen_warmup)
         return
     if args.row_worker:
         row = _run_item(*args.row_worker, torch.device("cuda"), args, time.time())

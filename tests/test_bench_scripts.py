@@ -286,6 +286,34 @@ def test_varlen_run_on_cpu_and_tables(tmp_path):
     assert steps == ["| 3 | 22 | 32.0 | 20.0 | 1.60 | skipped: time limit | - | - |"]
 
 
+def test_varlen_length_multiple_and_warmup_on_cpu(tmp_path):
+    """``--varlen-multiple`` pads each length to a multiple (rows keep the length and name the padded width);
+    ``--varlen-warmup`` first steps once through every padded length of the range, a step -1 row whose time counts
+    in compile + tune, and the tables say so."""
+    import torch
+
+    lengths = [15, 20, 17]
+    rows = bench_blocks.varlen_run("torch", lengths, torch.device("cpu"), 1e9, c_s=32, c_z=16, log=lambda *a: None,
+                                   multiple=8, warmup=(15, 22))
+    warm, timed = rows[0], rows[1:]
+    assert warm["step"] == -1 and warm["n"] == "16-24" and warm["note"] == "warm-up: 2 lengths"
+    assert warm["overhead_s"] > 0 and warm["ratio"] == ""
+    assert [(r["n"], r["width"]) for r in timed] == [(15, 16), (20, 24), (17, 24)]
+    assert {r["backend"] for r in rows} == {"torch /8 +warm-up"}
+    (summary,) = bench_blocks.varlen_summary(rows)
+    assert summary["lengths"] == "3 / 3"
+    assert summary["compile_tune_s"] == pytest.approx(warm["overhead_s"] + sum(r["overhead_s"] for r in timed))
+    path = tmp_path / "varlen.md"
+    bench_blocks.write_varlen_markdown(str(path), rows, ["- env"], lengths, multiple=8)
+    text = path.read_text()
+    assert "padded to a multiple of 8" in text and "warm-up: 2 lengths (16-24)" in text
+    assert "| 1 | 20 -> 24 |" in text
+    args = bench_blocks.parse_args(["--varlen", "--varlen-multiple", "32", "--varlen-warmup"])
+    assert args.varlen_multiple == 32 and args.varlen_warmup
+    with pytest.raises(SystemExit):
+        bench_blocks.parse_args(["--varlen", "--varlen-multiple", "0"])
+
+
 def test_varlen_backends_run_in_fresh_processes(monkeypatch):
     """Each backend's varlen rows come from a worker process of its own (tagged JSON on stdout); a worker that
     fails (here: no CUDA device) becomes an error naming its last stderr line."""
@@ -307,6 +335,9 @@ def test_varlen_backends_run_in_fresh_processes(monkeypatch):
     monkeypatch.setattr(subprocess, "run", fake_run)
     assert bench_blocks._varlen_in_subprocess("flex", args, [200], 7.0) == [{"backend": "flex", "step": 0, "n": 200}]
     assert seen[0][2:4] == ["--varlen-worker", "flex"] and "--time-limit" in seen[0]
+    args = bench_blocks.parse_args(["--varlen", "--varlen-count", "3", "--varlen-multiple", "16", "--varlen-warmup"])
+    bench_blocks._varlen_in_subprocess("triton", args, [200], 7.0)
+    assert seen[1][seen[1].index("--varlen-multiple") + 1] == "16" and "--varlen-warmup" in seen[1]
 
 
 def test_isolated_block_rows_run_in_fresh_processes(monkeypatch):

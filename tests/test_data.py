@@ -231,3 +231,32 @@ def test_structure_of_an_aligned_protein_joins_its_msa(tmp_path):
     e = entries[0]
     assert e.msa.shape[0] == 2 and e.distogram_mask.any()
     assert torch.equal(e.residue_index, s.residue_index)
+
+
+def test_collate_pads_to_a_length_multiple():
+    from attn_zoo.models.data.batching import collate_lm, pad_stack
+    from attn_zoo.models.primitives import round_up
+
+    def ex(s, n):
+        t = torch.randint(0, 20, (s, n))
+        return {"msa": t, "msa_target": t, "msa_loss_mask": torch.ones(s, n, dtype=torch.bool),
+                "residue_index": torch.arange(n), "distogram": torch.randint(0, 64, (n, n)),
+                "distogram_mask": torch.ones(n, n, dtype=torch.bool)}
+
+    exs = [ex(3, 5), ex(2, 7)]
+    plain, b = collate_msa(exs), collate_msa(exs, length_multiple=8)
+    assert b["msa"].shape == (2, 3, 8) and b["distogram"].shape == (2, 8, 8) and b["residue_index"].shape == (2, 8)
+    for k, v in plain.items():  # the padded batch is the plain one plus masked padding
+        assert torch.equal(b[k][tuple(slice(0, n) for n in v.shape)], v), k
+    assert not b["seq_mask"][:, 7:].any() and not b["pair_mask"][:, 7:].any() and not b["msa_loss_mask"][..., 7:].any()
+    assert collate_msa(exs, length_multiple=7)["msa"].shape[-1] == 7  # already a multiple: unchanged
+    lm = collate_lm([{"tokens": torch.arange(5), "target": torch.arange(5), "loss_mask": torch.ones(5, dtype=bool)}],
+                    length_multiple=4)
+    assert lm["tokens"].shape == (1, 8) and lm["pad_mask"].sum() == 5 and not lm["loss_mask"][0, 5:].any()
+    assert [round_up(n, 32) for n in (1, 32, 33)] == [32, 32, 64]
+    with pytest.raises(ValueError, match="length_multiple must be an int >= 1, got 0"):
+        collate_msa(exs, length_multiple=0)
+    with pytest.raises(ValueError, match=r"below the batch maximum \[3, 7\]"):
+        pad_stack([e["msa"] for e in exs], 0, (None, 6))
+    with pytest.raises(ValueError, match="do not match the tensors' rank 2"):
+        pad_stack([e["msa"] for e in exs], 0, (8,))

@@ -88,6 +88,26 @@ def test_batching_does_not_change_a_protein(ckpt, fasta, tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_length_multiple_pads_batches_and_keeps_embeddings(ckpt, fasta, tmp_path, monkeypatch):
+    """``--length-multiple 16``: every batch the model sees is a multiple of 16 wide; embeddings and contacts are
+    the unpadded run's."""
+    run(ckpt, fasta, tmp_path / "plain", "--include", "per_tok", "contacts")
+    widths = []
+    from attn_zoo.models.esm2 import ESM2
+
+    forward = ESM2.forward
+    monkeypatch.setattr(ESM2, "forward", lambda self, tokens, *a, **k: (widths.append(tokens.shape[1]),
+                                                                        forward(self, tokens, *a, **k))[1])
+    run(ckpt, fasta, tmp_path / "padded", "--include", "per_tok", "contacts", "--length-multiple", "16")
+    assert widths and all(w % 16 == 0 for w in widths)
+    for label, _ in PROTEINS:
+        a, b = (torch.load(tmp_path / d / E.file_name(label)) for d in ("plain", "padded"))
+        torch.testing.assert_close(b["representations"][2], a["representations"][2], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b["contacts"], a["contacts"], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="length_multiple must be an int >= 1, got 0"):
+        list(E.batches(PROTEINS, 128, length_multiple=0))
+
+
 def test_batches_respect_the_token_budget():
     proteins = [(str(i), "A" * n) for i, n in enumerate([5, 50, 7, 300, 31, 8, 8, 120])]
     got = list(E.batches(proteins, 128))
@@ -97,6 +117,8 @@ def test_batches_respect_the_token_budget():
         assert width * len(b) <= 128 or len(b) == 1
     assert got[0] == [("3", "A" * 300)]  # longer than the budget: alone, first (longest first)
     assert len(got) < len(proteins)  # the short ones share batches
+    for b in E.batches(proteins, 128, length_multiple=32):  # the budget counts the rounded width
+        assert -(-(max(len(s) for _, s in b) + 2) // 32) * 32 * len(b) <= 128 or len(b) == 1
 
 
 def test_resume_skips_written_proteins(ckpt, fasta, tmp_path):

@@ -163,3 +163,41 @@ def test_packing_flag_trains(experiment, tmp_path):
         TransformerLM.forward = net_forward
     assert objs["trainer"].global_step == 1 and seen and all(seen)
     assert math.isfinite(metrics["val/loss"])
+
+
+@pytest.mark.parametrize("experiment", ["pairformer_msa", "esm2_mlm"])
+def test_length_multiple_pads_batches_and_keeps_the_loss(experiment, tmp_path):
+    """``data.length_multiple``: every batch's length is a multiple of it, and the task's loss on a batch is the
+    unpadded batch's (padding is masked everywhere)."""
+    import hydra
+
+    over = [f"experiment={experiment}", "attention=torch"] + EXPERIMENTS[experiment]
+    key = "msa" if experiment == "pairformer_msa" else "tokens"
+
+    def val_batch(multiple):
+        cfg = make_cfg(over + [f"data.length_multiple={multiple}"], tmp_path)
+        dm = hydra.utils.instantiate(cfg.data)
+        dm.setup("fit")
+        return cfg, next(iter(dm.val_dataloader()))  # the val set is seeded: the same examples every time
+
+    cfg, plain = val_batch(1)
+    n = plain[key].shape[-1]
+    _, padded = val_batch(n + 3)  # padded to n + 3: three masked positions more
+    assert padded[key].shape[-1] == n + 3
+    torch.manual_seed(0)
+    task = hydra.utils.instantiate(cfg.model).eval()
+    with torch.no_grad():
+        (loss1, logs1, _), (loss2, logs2, _) = task.step(plain), task.step(padded)
+    torch.testing.assert_close(loss2, loss1, rtol=1e-5, atol=1e-6)
+    for name in logs1:
+        torch.testing.assert_close(torch.as_tensor(logs2[name]), torch.as_tensor(logs1[name]), rtol=1e-5, atol=1e-6)
+
+
+def test_length_multiple_is_checked():
+    from attn_zoo.models.data import MaskedLMDataModule, MSADataModule
+
+    for bad in (0, -8, 2.0, True):
+        with pytest.raises(ValueError, match="length_multiple must be an int >= 1"):
+            MSADataModule(length_multiple=bad)
+    with pytest.raises(ValueError, match="no effect with packing"):
+        MaskedLMDataModule(packing=True, length_multiple=8)

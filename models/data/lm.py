@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .alphabet import GAP, encode
 from .base import SplitDataModule
+from ..primitives import check_multiple
 from .packing import TokenBudgetSampler, collate_packed, collate_with_segments
 from .parsers import read_a3m, read_fasta
 from .sources import DataReport, gather_sources, protein_name, read_clusters, split_proteins
@@ -166,7 +167,8 @@ class _LMDataModule(SplitDataModule):
             sampler = TokenBudgetSampler(ds.lengths(), h.batch_size, h.max_len, shuffle=shuffle, seed=h.split_seed)
             return DataLoader(ds, batch_sampler=sampler, collate_fn=functools.partial(
                 collate_packed, rows=h.batch_size, width=h.max_len), **workers)
-        return DataLoader(ds, batch_size=h.batch_size, shuffle=shuffle, collate_fn=collate_with_segments, **workers)
+        collate = functools.partial(collate_with_segments, length_multiple=h.get("length_multiple", 1))
+        return DataLoader(ds, batch_size=h.batch_size, shuffle=shuffle, collate_fn=collate, **workers)
 
     def _samples(self, kind):
         h = self.hparams
@@ -186,8 +188,11 @@ class MaskedLMDataModule(_LMDataModule):
     def __init__(self, fasta="sample", msa_dir="sample", msa_rows="query", max_len=128, mask_prob=0.15,
                  batch_size=8, train_samples=512, val_samples=64, test_samples=None, val_fraction=0.2,
                  test_fraction=0.1, val_names=None, test_names=None, cluster_file=None, split_seed=0, num_workers=0,
-                 packing=False):
+                 packing=False, length_multiple=1):
         super().__init__()
+        if check_multiple(length_multiple) > 1 and packing:
+            raise ValueError(f"length_multiple={length_multiple} has no effect with packing=True (packed rows are "
+                             f"max_len={max_len} tokens wide): set one of them")
         self.save_hyperparameters(logger=False)
         self.train_set = self.val_set = self.test_set = None
         self.report = DataReport()

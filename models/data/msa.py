@@ -4,6 +4,8 @@ so an example has either MSA depth or a structure, and the task weighs each loss
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -12,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .alphabet import encode, encode_msa
 from .base import SplitDataModule
+from ..primitives import check_multiple
 from .batching import collate_msa
 from .parsers import read_a3m
 from .sources import DataReport, check_disjoint, gather_sources, protein_name, read_clusters, split_proteins
@@ -158,8 +161,10 @@ class MSADataModule(SplitDataModule):
         cluster_file: str | None = None,
         split_seed: int = 0,
         num_workers: int = 0,
+        length_multiple: int = 1,
     ):
         super().__init__()
+        check_multiple(length_multiple)
         self.save_hyperparameters(logger=False)
         self.train_set = self.val_set = self.test_set = None
         self.report = DataReport()
@@ -193,7 +198,8 @@ class MSADataModule(SplitDataModule):
         if ds is None:
             return []
         return DataLoader(
-            ds, batch_size=self.hparams.batch_size, shuffle=shuffle, collate_fn=collate_msa,
+            ds, batch_size=self.hparams.batch_size, shuffle=shuffle,
+            collate_fn=functools.partial(collate_msa, length_multiple=self.hparams.length_multiple),
             num_workers=self.hparams.num_workers, persistent_workers=self.hparams.num_workers > 0,
         )
 

@@ -62,11 +62,11 @@ def collate_packed(examples: List[dict], rows: int, width: int, pad: int = PAD) 
     return batch
 
 
-def collate_with_segments(examples: List[dict]) -> dict:
+def collate_with_segments(examples: List[dict], length_multiple: int = 1) -> dict:
     """``collate_lm`` that also stacks the examples' ``segment_ids`` (padding -1) and their positions."""
-    batch = collate_lm(examples)
+    batch = collate_lm(examples, length_multiple)
     if "segment_ids" in examples[0]:
-        batch["segment_ids"] = pad_stack([e["segment_ids"] for e in examples], -1)
+        batch["segment_ids"] = pad_stack([e["segment_ids"] for e in examples], -1, (batch["tokens"].shape[1],))
         batch["positions"] = segment_positions(batch["segment_ids"])
     return batch
 
