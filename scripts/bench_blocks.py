@@ -373,11 +373,13 @@ def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z:
     rows = []
     if warmup is not None:
         widths = sorted({round_up(n, multiple) for n in range(warmup[0], warmup[1] + 1)})
+        each = []
         for w in widths:
-            _varlen_step(mod, *make(w), dev)
+            each.append(_varlen_step(mod, *make(w), dev)[0] / 1e3)
         took = time.perf_counter() - t0
         rows.append(dict(backend=label, step=-1, n=f"{widths[0]}-{widths[-1]}", width="", first_ms="",
-                         steady_ms="", ratio="", overhead_s=took, note=f"warm-up: {len(widths)} lengths"))
+                         steady_ms="", ratio="", overhead_s=took, note=f"warm-up: {len(widths)} lengths; s each: "
+                         + " ".join(f"{w}: {t:.2f}" for w, t in zip(widths, each))))
         log(rows[-1], f"[{took:.0f} s]")
     for i, n in enumerate(lengths):
         row = dict(backend=label, step=i, n=n, width=round_up(n, multiple), first_ms="", steady_ms="", ratio="",
@@ -446,7 +448,7 @@ def write_varlen_markdown(path, rows, env, lengths, empty_cache: bool = False, m
              "compile + tune (sum of first - steady) <= 20 s fresh, <= 2 s with a warm on-disk cache.",
              *([f"- every length padded to a multiple of {multiple} (masked); N -> the padded length below"]
                if multiple > 1 else []),
-             *[f"- {r['backend']}: {r['note']} ({r['n']}) before the timed steps, {r['overhead_s']:.2f} s "
+             *[f"- {r['backend']}: {r['overhead_s']:.2f} s before the timed steps ({r['note']}) "
                "(counted in compile + tune)" for r in rows if int(r["step"]) < 0 and r["overhead_s"] != ""], "",
              "| backend | lengths run | steady median ms | max first/steady after 3 lengths | lengths over 1.5x | "
              "compile + tune s | target met |", "|---|---|---|---|---|---|---|"]

@@ -296,7 +296,7 @@ def test_varlen_length_multiple_and_warmup_on_cpu(tmp_path):
     rows = bench_blocks.varlen_run("torch", lengths, torch.device("cpu"), 1e9, c_s=32, c_z=16, log=lambda *a: None,
                                    multiple=8, warmup=(15, 22))
     warm, timed = rows[0], rows[1:]
-    assert warm["step"] == -1 and warm["n"] == "16-24" and warm["note"] == "warm-up: 2 lengths"
+    assert warm["step"] == -1 and warm["n"] == "16-24" and warm["note"].startswith("warm-up: 2 lengths; s each: 16: ")
     assert warm["overhead_s"] > 0 and warm["ratio"] == ""
     assert [(r["n"], r["width"]) for r in timed] == [(15, 16), (20, 24), (17, 24)]
     assert {r["backend"] for r in rows} == {"torch /8 +warm-up"}
@@ -306,7 +306,7 @@ def test_varlen_length_multiple_and_warmup_on_cpu(tmp_path):
     path = tmp_path / "varlen.md"
     bench_blocks.write_varlen_markdown(str(path), rows, ["- env"], lengths, multiple=8)
     text = path.read_text()
-    assert "padded to a multiple of 8" in text and "warm-up: 2 lengths (16-24)" in text
+    assert "padded to a multiple of 8" in text and "warm-up: 2 lengths; s each: 16: " in text
     assert "| 1 | 20 -> 24 |" in text
     args = bench_blocks.parse_args(["--varlen", "--varlen-multiple", "32", "--varlen-warmup"])
     assert args.varlen_multiple == 32 and args.varlen_warmup
