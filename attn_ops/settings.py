@@ -15,6 +15,8 @@ seen; call :func:`reload_from_env` to read it again):
 - ``ATTN_ZOO_TUNE_LOG=1`` -> ``tune_log=True``: print each timed candidate
 - ``ATTN_ZOO_PLAIN_LAUNCH=1`` -> ``fast_launch=False``: Triton's own launch path on every call
 - ``ATTN_ZOO_NO_TMA=1`` -> ``tma=False``: pointer loads and per-element atomics, no TMA descriptors
+- ``ATTN_ZOO_NO_TILE_VARIANTS=1`` -> ``tile_variants=False``: no kernel variants for lengths that are a multiple of
+  a tile (fewer compiles where many such lengths come, e.g. lengths padded to a multiple)
 - ``ATTN_ZOO_CACHE_DIR=DIR`` -> ``cache_dir``: the on-disk tuning cache (default ``~/.cache/attn_zoo``; empty: none)
 - ``ATTN_ZOO_COMPILE_THREADS=N`` -> ``compile_threads``: threads compiling a tuning key's candidates at once
   (default 8; 1: one after another)
@@ -24,7 +26,8 @@ seen; call :func:`reload_from_env` to read it again):
 
 Every field that changes which kernel or tile config runs is part of the cache keys it affects: ``tune`` of the
 tuner's (untuned picks are cached apart), ``tma`` of the launchers' tuning key and, through the kernels' arguments
-(a descriptor vs a tensor, HAS_BIAS), of the direct-launch cache's.
+(a descriptor vs a tensor, HAS_BIAS), of the direct-launch cache's; ``tile_variants`` of the launch plans' (the
+constexprs it sets are part of the direct-launch cache's key).
 """
 from __future__ import annotations
 
@@ -47,6 +50,8 @@ class KernelSettings:
     (None: no disk cache). compile_threads: on a tuning miss, the candidates compile on this many threads at once
     before they are timed (Triton's asynchronous compile mode; 1: one by one as they are timed). compile_processes:
     worker processes that compile a tuning miss's candidates instead (``triton/precompile.py``; 0: the threads).
+    tile_variants: a length that is a multiple of a kernel's tile runs a variant compiled for it (EVEN_M / EVEN_N:
+    no load masks); False: every length runs the general variant, so fewer kernels compile.
     """
 
     tune: bool = True
@@ -57,9 +62,10 @@ class KernelSettings:
     cache_dir: Optional[str] = None
     compile_threads: int = 8
     compile_processes: int = 0
+    tile_variants: bool = True
 
     def __post_init__(self):
-        for f in ("tune", "shipped_configs", "tune_log", "fast_launch", "tma"):
+        for f in ("tune", "shipped_configs", "tune_log", "fast_launch", "tma", "tile_variants"):
             if not isinstance(getattr(self, f), bool):
                 raise TypeError(f"KernelSettings.{f} must be a bool, got {getattr(self, f)!r}")
         if isinstance(self.compile_threads, bool) or not isinstance(self.compile_threads, int) or \
@@ -91,6 +97,7 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> KernelSettings:
         cache_dir=cache_dir or None,
         compile_threads=_env_int(env, "ATTN_ZOO_COMPILE_THREADS", 8),
         compile_processes=_env_int(env, "ATTN_ZOO_COMPILE_PROCESSES", 0, least=0),
+        tile_variants=env.get("ATTN_ZOO_NO_TILE_VARIANTS") != "1",
     )
 
 

@@ -28,6 +28,8 @@ def test_environment_gives_the_initial_values():
     assert settings.from_env({"ATTN_ZOO_COMPILE_THREADS": "3"}).compile_threads == 3
     assert settings.from_env({"ATTN_ZOO_COMPILE_PROCESSES": "0"}).compile_processes == 0
     assert settings.from_env({"ATTN_ZOO_COMPILE_PROCESSES": "6"}).compile_processes == 6
+    assert settings.from_env({"ATTN_ZOO_NO_TILE_VARIANTS": "1"}).tile_variants is False
+    assert settings.from_env({}).tile_variants is True
 
 
 @pytest.mark.parametrize("raw", ["0", "-2", "many"])

@@ -729,3 +729,31 @@ def test_which_shared_biases_are_copied_for_pointer_loads():
         assert launch.bias_for_tiles(full, q, 40, 130) == (full, None, False)
         key_bias = torch.zeros(1, 1, 2, 1, 130)  # broadcast over Lq: read as it is
         assert launch.bias_for_tiles(key_bias, q, 40, 130) == (key_bias, None, False)
+
+
+def test_tile_variants_off_runs_the_general_variant_with_the_same_results(monkeypatch):
+    """``tile_variants=False``: at a length that is a multiple of every tile (32 here) no launch asks for an EVEN_M /
+    EVEN_N variant, and outputs and every gradient are the tile variants' bits."""
+    from attn_ops.triton import launch
+
+    q, k, v, bias, mask = make_inputs((1, 3), 2, 32, 32, 16, bias_shape=(1, 1, 2, 32, 32), mask_shape=(1, 3, 1, 1, 32))
+    g = torch.randn(q.shape[:-1] + v.shape[-1:], generator=torch.Generator().manual_seed(5))
+    real, flags = launch._launch, []
+
+    def spy(kernel, grid, args, num_warps, num_stages, **constexprs):
+        flags.append((constexprs.get("EVEN_M"), constexprs.get("EVEN_N")))
+        real(kernel, grid, args, num_warps, num_stages, **constexprs)
+
+    monkeypatch.setattr(launch, "_launch", spy)
+    results = {}
+    for on in (True, False):
+        flags.clear()
+        with kernel_settings(tile_variants=on):
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
+            out, lse = triton_attention(*leaves[:3], leaves[3], mask, 0.3, False)
+            torch.autograd.backward((out, lse), (g, torch.ones_like(lse)))
+        results[on] = [out, lse] + [t.grad for t in leaves]
+        evens = {f for f in flags if f != (None, None)}
+        assert (True, True) in evens if on else evens == {(False, False)}, (on, evens)
+    for a, b in zip(results[True], results[False]):
+        assert torch.equal(a, b)

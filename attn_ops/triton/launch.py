@@ -87,6 +87,12 @@ def _align(*tensors: Tensor) -> int:
     return 16 if g == 0 else min(16, g & -g)
 
 
+def _even(length: int, block: int) -> bool:
+    """Whether a launch asks for the variant of a length that is a multiple of the tile (EVEN_M / EVEN_N: no load
+    masks); ``settings.tile_variants`` False: never, every length runs the general variant (fewer compiles)."""
+    return length % block == 0 and _settings.get().tile_variants
+
+
 def _bias_align(bias: Optional[Tensor], has_bias: int, in_range: bool) -> int:
     """The kernels' BIAS_ALIGN: 16 bytes in elements where bias tiles are read by pointer loads that carry no column
     masks (HAS_BIAS 1 with ``in_range``: EVEN_M and EVEN_N, every tile inside [Lq, Lk]; HAS_BIAS 3, rows read in
@@ -505,10 +511,10 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
                    (0, 1, 2, arg, 4 if m8 is not None else 0, o, lse, 5 if seg else lse, 6 if seg else lse),
                    (*rows, *sb, *sm, *_rows(out), *ss, R, H, Lq, Lk, scale),
                    c.num_warps, c.num_stages, HAS_BIAS=has_bias, **flags,
-                   EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
+                   EVEN_M=_even(Lq, c.block_m), EVEN_N=_even(Lk, c.block_n),
                    BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), D=D, Dv=Dv,
                    ALIGN=align,
-                   BIAS_ALIGN=_bias_align(bias_t, has_bias, Lq % c.block_m == 0 and Lk % c.block_n == 0))
+                   BIAS_ALIGN=_bias_align(bias_t, has_bias, _even(Lq, c.block_m) and _even(Lk, c.block_n)))
 
     rec.tuned("fwd", _key(q, v, bias_t, m8, causal, seg, tma is None), _width(q, D, Dv), Lq, Lk, run,
               device=q.device.index)
@@ -644,7 +650,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
         order) of a launch with c's tiles (only a bias descriptor's block shape depends on them)."""
         arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=_Q,
                                                whole_rows=whole_rows)
-        bias_align = _bias_align(bias_t, has_bias, Lq % c.block_m == 0 and Lk % c.block_n == 0)
+        bias_align = _bias_align(bias_t, has_bias, _even(Lq, c.block_m) and _even(Lk, c.block_n))
         return arg, (*rows, *sb, *sm, *do_rows), dict(HAS_BIAS=has_bias, **flags), bias_align
 
     # 2. dK, dV (+ dQ by atomics when fused, + dBias when it is unbroadcast or accumulated by atomics)
@@ -664,7 +670,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
                    (*strides, *gs, *tail), c.num_warps, c.num_stages, **kflags,
                    FUSED_DQ=(2 if tma_dq else 1) if fused else 0, DIRECT_DBIAS=direct_dbias and fused,
                    ATOMIC_DBIAS=(2 if tma_dbias else 1) if atomic and not dq_atomic else 0,
-                   EVEN_M=Lq % bm == 0, EVEN_N=Lk % bn == 0, ROWS=c.rows,
+                   EVEN_M=_even(Lq, bm), EVEN_N=_even(Lk, bn), ROWS=c.rows,
                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BD, BLOCK_DV=BDV, D=D, Dv=Dv, ALIGN=align, BIAS_ALIGN=bias_align)
 
     rec.tuned("dkdv", key, _width(q, D, Dv), Lq, Lk, run_dkdv,
@@ -690,7 +696,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
                        (_Q, _K, _V, arg, mask_slot, _DO, _LSE, delta, dq, _Q if dbias is None else dbias, *seg_slots),
                        (*strides, *gs, *tail), c.num_warps, c.num_stages, **kflags,
                        DIRECT_DBIAS=2 if dq_atomic else direct_dbias,
-                       EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
+                       EVEN_M=_even(Lq, c.block_m), EVEN_N=_even(Lk, c.block_n),
                        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV, D=D, Dv=Dv, ALIGN=align,
                        BIAS_ALIGN=bias_align)
 
@@ -739,7 +745,7 @@ def _record_dbias_reduce(rec: Recorder, b: int, mask_slot: int, sm, seg_slots, s
                    (*strides, *ss, R, H, BR, BH, lr_n, lh_n, total, Lq, Lk, scale * LOG2E, per),
                    c.num_warps, c.num_stages,
                    HAS_MASK=_mask_kind(rec.env[_MASK]), CAUSAL=causal, HAS_SEG=seg_slots[0] == _QS, LOOP_M=loop_m,
-                   LOOP_N=loop_n, LOOP_B=B // BB > 1, EVEN_M=Lq % c.block_m == 0, EVEN_N=Lk % c.block_n == 0,
+                   LOOP_N=loop_n, LOOP_B=B // BB > 1, EVEN_M=_even(Lq, c.block_m), EVEN_N=_even(Lk, c.block_n),
                    BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D),
                    BLOCK_DV=_pow2(Dv), D=D, Dv=Dv, ALIGN=_align(q, k, v, do))
         # The sum over the splits is part of the launch, so the tuner times a split count with its cost: one
