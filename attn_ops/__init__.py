@@ -7,11 +7,12 @@ Public API:
     backends(): the backends usable here.
     settings, kernel_settings(...): the triton kernels' switches (tuning, TMA, direct launch, cache folder).
     pretune(shapes, ...): time the triton kernels' tile configs for some shapes ahead of a run.
+    compile_ahead(): a context in which throwaway calls compile the triton kernels of a run's shapes, all at once.
 """
 from . import registry, settings
 from .api import attention
 from .merge import blockwise_attention, merge_partials
-from .pretune import pretune
+from .pretune import compile_ahead, pretune
 from .reference import attention_reference
 from .ring import ring_attention, ring_positions, shard_sequence, unshard_sequence, zigzag_merge, zigzag_split
 from .settings import kernel_settings
@@ -26,7 +27,8 @@ def backends():
 
 
 __all__ = [
-    "attention", "attention_reference", "backends", "blockwise_attention", "kernel_settings", "merge_partials",
+    "attention", "attention_reference", "backends", "blockwise_attention", "compile_ahead", "kernel_settings",
+    "merge_partials",
     "pretune", "registry", "ring_attention", "ring_positions", "settings", "shard_sequence", "unshard_sequence",
     "zigzag_merge", "zigzag_split",
 ]

@@ -2,7 +2,8 @@
 on-disk tuning caches), so that the run itself never stops to tune."""
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+import contextlib
+from typing import Dict, Iterable, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -64,3 +65,28 @@ def pretune(shapes: Iterable[Sequence[int]], *, dtype: torch.dtype = torch.bfloa
             if backward:
                 (out.float().square().sum() + lse.sum()).backward()
     return tuning.chosen()
+
+
+@contextlib.contextmanager
+def compile_ahead(threads: Optional[int] = None) -> Iterator[None]:
+    """Compile the triton backend's kernels for throwaway calls, all at once, instead of one after another as a run
+    meets them::
+
+        with attn_ops.compile_ahead():
+            for n in lengths_the_run_will_meet:   # e.g. every multiple of 32 of a length range
+                step(make_batch(n))               # outputs are garbage here: nothing is launched
+
+    Inside the block (process-wide, so a backward on autograd's threads counts too) a launch whose kernel is not
+    compiled submits its compile to ``threads`` threads (default ``settings.compile_threads``) and runs nothing;
+    the block ends when every compile has. No launch plan is kept and no tuning is timed (a tuning miss compiles its
+    candidates; the first real call times them). Everything else in the step runs (cuBLAS meets its GEMM shapes),
+    on garbage values. On the CPU interpreter, without Triton or with ``settings.fast_launch`` off it does nothing.
+    Not during a CUDA graph capture (RuntimeError): run the plain module, then capture.
+    """
+    try:
+        from .triton.fastlaunch import compile_ahead as _ahead
+    except ImportError:  # no Triton: nothing to compile
+        yield
+        return
+    with _ahead(threads):
+        yield

@@ -54,6 +54,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import attn_ops  # noqa: E402
 from attn_ops.triton.fastlaunch import wait_background  # noqa: E402
 from attn_zoo.models.graphs import CUDAGraphs  # noqa: E402
 from attn_zoo.models.evoformer import EvoformerBlock  # noqa: E402
@@ -321,7 +322,7 @@ def build_varlen(backend: str, dev, c_s: int = 384, c_z: int = 128, multiple: in
         if backend.endswith("+graphs"):
             mod = CUDAGraphs(mod, max_graphs=VARLEN_MAX_GRAPHS, warmup_iters=VARLEN_GRAPH_WARMUP)
 
-    def make(n):
+    def make(n, module=None):
         w = round_up(n, multiple)
         single, pair = _masks(n, dev, w)
         s = torch.randn(1, w, c_s, device=dev, generator=g, requires_grad=True)
@@ -329,7 +330,7 @@ def build_varlen(backend: str, dev, c_s: int = 384, c_z: int = 128, multiple: in
         if backend.startswith("boltz"):
             use = backend == "boltz-cueq"
             return [s, z], lambda: mod(s, z, single.float(), pair.float(), use_kernels=use)
-        return [s, z], lambda: mod(s, z, single, pair)
+        return [s, z], lambda: (module or mod)(s, z, single, pair)
     return mod, make
 
 
@@ -366,7 +367,9 @@ def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z:
     allocator's cached memory back to the driver after each length (a training loop does not: every first step
     would then allocate from the driver; docs/bench/issue20_h200.md). ``multiple``: every length padded to a
     multiple of it; ``warmup`` (lo, hi): first one step at each padded length of [lo, hi] (the range the lengths
-    come from), reported as a row with step -1 whose ``overhead_s`` is its time."""
+    come from), reported as a row with step -1 whose ``overhead_s`` is its time; triton backends first run those
+    steps under ``attn_ops.compile_ahead()`` (the plain block, not its CUDA graphs), so their kernels compile at
+    once."""
     if repeats < 2:
         raise ValueError(f"varlen repeats must be >= 2 (a first and a steady step), got {repeats}")
     t0 = time.perf_counter()
@@ -378,11 +381,18 @@ def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z:
     if warmup is not None:
         widths = sorted({round_up(n, multiple) for n in range(warmup[0], warmup[1] + 1)})
         each = []
+        if backend.startswith("triton"):
+            with attn_ops.compile_ahead():
+                for w in widths:
+                    inputs, fwd = make(w, getattr(mod, "module", mod))  # (CUDAGraphs: the block it wraps)
+                    _varlen_step(mod, inputs, fwd, dev)
+            ahead = time.perf_counter() - t0
         for w in widths:
             each.append(_varlen_step(mod, *make(w), dev)[0] / 1e3)
         took = time.perf_counter() - t0
         rows.append(dict(backend=label, step=-1, n=f"{widths[0]}-{widths[-1]}", width="", first_ms="",
-                         steady_ms="", ratio="", overhead_s=took, note=f"warm-up: {len(widths)} lengths; s each: "
+                         steady_ms="", ratio="", overhead_s=took, note=f"warm-up: {len(widths)} lengths; "
+                         + (f"compiles ahead {ahead:.2f} s; " if backend.startswith("triton") else "") + "s each: "
                          + " ".join(f"{w}: {t:.2f}" for w, t in zip(widths, each))))
         log(rows[-1], f"[{took:.0f} s]")
     for i, n in enumerate(lengths):

@@ -140,15 +140,16 @@ def step(kind: str, n: int) -> None:
 
 
 def run(lengths: Sequence[int], kinds: Sequence[str] = KINDS, tune: bool = True, threads: int = 8,
-        processes: int = 0, arch: int = 90, triton_cache: str = None) -> Tuple[List[dict], dict]:
+        processes: int = 0, arch: int = 90, triton_cache: str = None, ahead: bool = False) -> Tuple[List[dict], dict]:
     """(per length: dict(n, wall_s, compiles, by_kernel (Counter), records); totals: dict(binaries in Triton's cache
     at the end, worker_jobs, worker_binaries: what the jobs added to this process's Triton cache before anything
     here loaded them)), with the tuner's settings as given. Compiles done in worker processes (``processes``) count
-    where this process loads their binaries."""
+    where this process loads their binaries. ``ahead``: the lengths' steps run first under
+    ``attn_ops.compile_ahead()`` (rows with ``pass`` "ahead"), then as usual (rows with ``pass`` "after")."""
     from triton import knobs
 
     from attn_ops import settings
-    from attn_ops.triton import precompile
+    from attn_ops.triton import fastlaunch, precompile
 
     totals = dict(worker_jobs=0, worker_binaries=0)
 
@@ -169,13 +170,24 @@ def run(lengths: Sequence[int], kinds: Sequence[str] = KINDS, tune: bool = True,
     try:
         with settings.kernel_settings(tune=tune, compile_threads=threads, compile_processes=processes), \
                 cross_compile(arch, triton_cache) as log:
-            for n in lengths:
-                start, t0 = len(log), time.perf_counter()
-                for kind in kinds:
-                    step(kind, n)
-                records = log[start:]
-                rows.append(dict(n=n, wall_s=time.perf_counter() - t0, compiles=len(records),
-                                 by_kernel=Counter(r["kernel"] for r in records), records=records))
+            passes = ["ahead", "after"] if ahead else ["plain"]
+            for which in passes:
+                for n in lengths:
+                    start, t0 = len(log), time.perf_counter()
+                    if which == "ahead":  # launches submit compiles (not the stand-in's compile-only launches)
+                        token = fastlaunch._WARMUP_ONLY.set(False)
+                        try:
+                            with fastlaunch.compile_ahead(threads):
+                                for kind in kinds:
+                                    step(kind, n)
+                        finally:
+                            fastlaunch._WARMUP_ONLY.reset(token)
+                    else:
+                        for kind in kinds:
+                            step(kind, n)
+                    records = log[start:]
+                    rows.append(dict(n=n, wall_s=time.perf_counter() - t0, compiles=len(records), which=which,
+                                     by_kernel=Counter(r["kernel"] for r in records), records=records))
             totals["binaries"] = binaries()
     finally:
         precompile.run_jobs = real_jobs
@@ -214,6 +226,8 @@ def main(argv=None):
                     help="settings.compile_processes (worker processes compiling a tuning miss; 0: the threads)")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability to compile for (90: H100/H200)")
     ap.add_argument("--triton-cache", help="Triton's cache folder (default: a new empty one, i.e. a cold start)")
+    ap.add_argument("--ahead", action="store_true",
+                    help="run the lengths under attn_ops.compile_ahead() first, then as usual (two tables)")
     args = ap.parse_args(argv)
     if args.varlen is not None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -230,13 +244,16 @@ def main(argv=None):
     if bad:
         ap.error(f"--kinds: unknown {bad}; known: {list(KINDS)}")
     rows, totals = run(lengths, kinds, tune=not args.no_tune, threads=args.threads, processes=args.processes,
-                       arch=args.arch, triton_cache=args.triton_cache)
+                       arch=args.arch, triton_cache=args.triton_cache, ahead=args.ahead)
     import triton
 
     print(f"compiles for sm_{args.arch} (triton {triton.__version__}, {os.cpu_count()} CPUs, "
           f"tune={not args.no_tune}, compile_threads={args.threads}, compile_processes={args.processes}, "
           f"kinds={','.join(kinds)})")
-    print(table(rows))
+    for which in dict.fromkeys(r["which"] for r in rows):
+        if which != "plain":
+            print(f"{which} compile_ahead():")
+        print(table([r for r in rows if r["which"] == which]))
     from attn_ops.triton import precompile
 
     print(f"binaries in Triton's cache: {totals['binaries']}; worker jobs: {totals['worker_jobs']}, binaries they "

@@ -84,3 +84,24 @@ def test_the_hook_is_installed_only_while_capturing():
         assert precompile.capture([1, 2], lambda c: None) == [] and knobs.runtime.jit_cache_hook is theirs
     finally:
         knobs.runtime.jit_cache_hook = before
+
+
+@needs_ptxas
+def test_compile_ahead_compiles_what_a_run_then_needs():
+    """Steps under ``attn_ops.compile_ahead()`` (sm_90 cross-compiles, on threads) compile at least what the plain
+    steps compile (those leave a tile-multiple length's variant to a background compile, still pending when the
+    row is counted; compile_ahead asks for it at once), and the same steps run after it compile nothing."""
+    def tables(out):
+        got, which = {}, "plain"
+        for line in out.splitlines():
+            if line.endswith("compile_ahead():"):
+                which = line.split()[0]
+            elif line.startswith("| all |"):
+                got[which] = int(line.split("|")[2])
+        return got
+
+    args = ("--lengths", "40,64", "--kinds", "triangle,single", "--threads", "2")
+    _, _, plain = _compile_cost(*args)
+    _, _, ahead = _compile_cost(*args, "--ahead")
+    p, a = tables(plain), tables(ahead)
+    assert p["plain"] > 10 and p["plain"] <= a["ahead"] <= p["plain"] + 2 and a["after"] == 0, (plain, ahead)

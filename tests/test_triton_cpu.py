@@ -757,3 +757,29 @@ def test_tile_variants_off_runs_the_general_variant_with_the_same_results(monkey
         assert (True, True) in evens if on else evens == {(False, False)}, (on, evens)
     for a, b in zip(results[True], results[False]):
         assert torch.equal(a, b)
+
+
+def test_compile_ahead_times_and_keeps_nothing(monkeypatch):
+    """Under ``compile_ahead`` (here its state set by hand: on the interpreter the block itself does nothing) a tuning
+    miss launches every candidate once (their compiles), times none and caches nothing, and no launch plan is kept;
+    on the interpreter the block is a no-op (calls inside compute as outside)."""
+    from attn_ops.triton import fastlaunch, launch, tuning
+
+    q, k, v, bias, mask = make_inputs((2,), 2, 20, 20, 16, bias_shape=(2, 2, 20, 20), mask_shape=None)
+    with attn_ops.compile_ahead():
+        inside = triton_attention(q, k, v, bias, mask, 0.3, False)[0]
+    torch.testing.assert_close(inside, triton_attention(q, k, v, bias, mask, 0.3, False)[0], rtol=0, atol=0)
+
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning, "measure", lambda *a, **kw: pytest.fail("timed under compile_ahead"))
+    monkeypatch.setattr(fastlaunch, "_AHEAD", [None, {}])
+    launched = []
+    with kernel_settings(cache_dir=None, shipped_configs=False):
+        cfg = tuning.pick("fwd", ("k",), 64, 256, 256, launched.append)
+    cands = tuning.candidates("fwd", 64, 256, 256)
+    assert len(cands) > 1 and launched == cands and cfg == cands[0] and tuning._CACHE == {}
+    plans = dict(launch._PLANS)
+    launch._keep(("a key",), launch.Recorder([]), (0,))
+    assert launch._PLANS == plans
+    assert fastlaunch.bound(None, (1,), (), 4, 1, 0) is None

@@ -569,3 +569,46 @@ def test_replayed_launch_plans_match_fresh_calls_gpu(variant, tma, n, monkeypatc
             assert torch.equal(a, b)
         else:
             torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("tune", [False, True])
+def test_compile_ahead_then_real_calls_are_exact_gpu(tune, monkeypatch):
+    """Throwaway fwd + bwd calls under ``compile_ahead`` (at lengths no other test uses, so their kernels compile
+    there, the backward's from autograd's device thread), then real calls: these compile nothing, match the float64
+    reference, and give the bits of the same calls made again with no launch plan or direct-launch entry kept."""
+    import attn_ops
+    from attn_ops.triton import fastlaunch, launch, triton_attention
+    from triton.runtime.jit import JITFunction
+
+    lengths = (77, 141) if tune else (75, 139)
+    cases = [make_inputs((1, 3), 2, n, n, 32, dtype=torch.bfloat16, bias_shape=(1, 1, 2, n, n),
+                         mask_shape=(1, 3, 1, 1, n), device="cuda") for n in lengths]
+
+    def call(q, k, v, bias, mask):
+        out, lse = triton_attention(q, k, v, bias, mask, 32 ** -0.5, False)
+        return [out, lse, *torch.autograd.grad((out.float() ** 2).sum() + lse.sum(), (q, k, v, bias))]
+
+    compiles = []
+    real_compile = JITFunction._do_compile
+
+    def counted(self, *a, **kw):
+        compiles.append(self.fn.__name__)
+        return real_compile(self, *a, **kw)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", counted)
+    with kernel_settings(tune=tune, cache_dir=None):
+        with attn_ops.compile_ahead():
+            for c in cases:
+                call(*c)
+        assert not fastlaunch.compiling_ahead() and compiles
+        compiles.clear()
+        got = [call(*c) for c in cases]
+        assert compiles == []
+        for c in cases:
+            check_against_reference("triton", *c)
+        launch.clear_plans()
+        fastlaunch._EXACT.clear()
+        again = [call(*c) for c in cases]
+    for g, a in zip(got, again):
+        for x, y in zip(g, a):
+            assert torch.equal(x, y)

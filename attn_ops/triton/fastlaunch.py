@@ -116,12 +116,76 @@ def compile_only() -> Iterator[None]:
         _WARMUP_ONLY.reset(token)
 
 
+# Set by compile_ahead() for the whole process (autograd runs a CUDA backward on threads of its own): [the thread
+# pool, {signature key: Future}]; empty when off.
+_AHEAD: list = []
+
+
+def compiling_ahead() -> bool:
+    """Whether :func:`compile_ahead` is active: launches submit their kernel's compile and run nothing."""
+    return bool(_AHEAD)
+
+
+@contextlib.contextmanager
+def compile_ahead(threads: Optional[int] = None) -> Iterator[None]:
+    """Inside the block every kernel launch (this module's :func:`launch`, in any thread) runs nothing: a kernel not
+    compiled yet is compiled on one of ``threads`` threads (default ``settings.compile_threads``), all at once.
+    The block ends when every compile has. Outputs of the calls inside are garbage: run throwaway steps there (one
+    per input shape a run will meet) so the run itself compiles nothing. A tuning miss inside submits every
+    candidate's compile and times nothing (the real call times them). A no-op on the CPU interpreter and with
+    ``settings.fast_launch`` off (Triton compiles where it launches). Not during a CUDA graph capture (the graph
+    would lack the kernels): RuntimeError."""
+    if not background_compiles():
+        yield
+        return
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("compile_ahead() during a CUDA graph capture: the graph would hold no kernel launches")
+    if _AHEAD:
+        raise RuntimeError("compile_ahead() is already active")
+    from concurrent.futures import ThreadPoolExecutor, wait
+
+    pool = ThreadPoolExecutor(threads or _settings.get().compile_threads, thread_name_prefix="attn_zoo_ahead")
+    jobs: Dict[Tuple, object] = {}
+    _AHEAD[:] = [pool, jobs]
+    try:
+        yield
+    finally:
+        _AHEAD.clear()
+        wait(list(jobs.values()))
+        pool.shutdown()
+
+
+def _compile_job(kernel, grid, args, num_warps: int, num_stages: int, constexprs: dict, key: Tuple) -> Callable:
+    """The work of compiling one launch's kernel off the caller's thread; remembered for direct launches."""
+    device = key[1]
+
+    def work():
+        if device >= 0 and torch.cuda.is_available():
+            torch.cuda.set_device(device)  # the compile's target and cache are the caller's device's
+        result = kernel.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **constexprs)
+        if _direct_ok(kernel, args, constexprs, result):
+            _COMPILED[key] = result
+    return work
+
+
+def _submit_ahead(kernel, grid, args: Sequence, num_warps: int, num_stages: int, constexprs: dict) -> None:
+    key = _signature_key(kernel, args, num_warps, num_stages, constexprs)
+    if key in _COMPILED:
+        return
+    ahead = _AHEAD
+    if len(ahead) == 2 and key not in ahead[1]:
+        ahead[1][key] = ahead[0].submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key))
+
+
 def launch(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int, **constexprs) -> None:
     """``kernel[grid](*args, num_warps=.., num_stages=.., **constexprs)``, directly on a remembered compiled kernel
     when this launch signature was seen before. ``args`` are the runtime params in order; ``constexprs`` must be
     exactly the kernel's trailing constexpr params, in order."""
     if _WARMUP_ONLY.get():
         kernel.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **constexprs)
+        return
+    if _AHEAD and background_compiles():
+        _submit_ahead(kernel, grid, args, num_warps, num_stages, constexprs)
         return
     if interpreting() or not _settings.get().fast_launch:
         kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
@@ -191,16 +255,7 @@ def compile_in_background(kernel, grid: Tuple[int, ...], args: Sequence, num_war
             from concurrent.futures import ThreadPoolExecutor
 
             _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="attn_zoo_compile"))
-        device = key[1]
-
-        def work():
-            if device >= 0 and torch.cuda.is_available():
-                torch.cuda.set_device(device)  # the compile's target and cache are the caller's device's
-            result = kernel.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **constexprs)
-            if _direct_ok(kernel, args, constexprs, result):
-                _COMPILED[key] = result
-
-        _BACKGROUND[key] = _POOL[0].submit(work)
+        _BACKGROUND[key] = _POOL[0].submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key))
         return "pending"
     if not job.done():
         return "pending"
@@ -234,7 +289,7 @@ def bound(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_sta
     ``settings.fast_launch`` False, a kernel whose constexprs are not trailing): the caller keeps calling
     :func:`launch`. The leading arguments must have the dtypes and 16-byte alignment of those given here, and the
     current device must stay the same (the plan's key holds both)."""
-    if _WARMUP_ONLY.get() or interpreting() or not _settings.get().fast_launch:
+    if _WARMUP_ONLY.get() or _AHEAD or interpreting() or not _settings.get().fast_launch:
         return None
     head = (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()))
     compiled = _EXACT.get((head, _exact_key(args)))

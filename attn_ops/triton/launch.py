@@ -27,6 +27,7 @@ from .fastlaunch import background_compiles as _background_compiles
 from .fastlaunch import bound as _bound
 from .fastlaunch import background_job as _background_job
 from .fastlaunch import compile_in_background as _compile_in_background
+from .fastlaunch import compiling_ahead as _compiling_ahead
 from .fastlaunch import is_compiled as _is_compiled
 from .fastlaunch import launch as _launch
 from .forward import attn_fwd_kernel
@@ -328,6 +329,8 @@ def _replay(key: Tuple, env: list) -> Optional[Plan]:
 
 
 def _keep(key: Tuple, rec: "Recorder", outputs: Tuple[Optional[int], ...]) -> None:
+    if _compiling_ahead():  # its launches ran nothing: no plan
+        return
     if key not in _PLANS and len(_PLANS) >= _PLANS_MAX:  # many geometries seen: drop the oldest plan
         del _PLANS[next(iter(_PLANS))]
     _PLANS[key] = Plan(tuple(rec.steps), outputs, rec.guard, tuple(rec.pending))
@@ -367,7 +370,7 @@ class Recorder:
                **constexprs) -> None:
         get, rest = _getter(leading), tuple(rest)
         args = get(self.env) + rest
-        if self.recording:
+        if self.recording and not _compiling_ahead():
             constexprs = self._ready_variant(kernel, grid, args, num_warps, num_stages, constexprs)
         _launch(kernel, grid, args, num_warps, num_stages, **constexprs)
         if not self.recording:

@@ -132,6 +132,16 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
         cfg = shipped(device).get(DiskCache._name((kernel, pair) + key))
         if cfg is not None:  # (launched once: a kernel changed since the table was made may not fit it)
             cfg = _first_that_launches([cfg] + [c for c in cands if c != cfg], launch) if cfg in cands else None
+    if cfg is None and len(cands) > 1 and s.tune:
+        from .fastlaunch import compiling_ahead
+
+        if compiling_ahead():  # nothing runs: submit every candidate's compile, time and cache nothing
+            for c in cands:
+                try:
+                    launch(c)
+                except Exception:  # noqa: BLE001 - reported when the candidate is timed
+                    pass
+            return cands[0]
     if cfg is None:
         if len(cands) == 1 or not s.tune:
             cfg = _first_that_launches(cands, launch)
