@@ -360,7 +360,7 @@ def varlen_label(backend: str, multiple: int = 1, warmup: bool = False) -> str:
 
 
 def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z: int = 128, repeats: int = 3,
-               log=print, empty_cache: bool = False, multiple: int = 1, warmup=None):
+               log=print, empty_cache: bool = False, multiple: int = 1, warmup=None, ahead: bool = True):
     """Rows (VARLEN_FIELDS) of one backend stepping through ``lengths``: per length ``repeats`` fwd+bwd steps
     (bf16 autocast, train mode), wall time with a sync after each; first = the first step, steady = the fastest of
     the others. Lengths not started within ``budget_s`` get a "skipped: time limit" row. ``empty_cache``: hand the
@@ -369,7 +369,7 @@ def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z:
     multiple of it; ``warmup`` (lo, hi): first one step at each padded length of [lo, hi] (the range the lengths
     come from), reported as a row with step -1 whose ``overhead_s`` is its time; triton backends first run those
     steps under ``attn_ops.compile_ahead()`` (the plain block, not its CUDA graphs), so their kernels compile at
-    once."""
+    once (``ahead`` False: not)."""
     if repeats < 2:
         raise ValueError(f"varlen repeats must be >= 2 (a first and a steady step), got {repeats}")
     t0 = time.perf_counter()
@@ -381,18 +381,19 @@ def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z:
     if warmup is not None:
         widths = sorted({round_up(n, multiple) for n in range(warmup[0], warmup[1] + 1)})
         each = []
-        if backend.startswith("triton"):
+        ahead = ahead and backend.startswith("triton")
+        if ahead:
             with attn_ops.compile_ahead():
                 for w in widths:
                     inputs, fwd = make(w, getattr(mod, "module", mod))  # (CUDAGraphs: the block it wraps)
                     _varlen_step(mod, inputs, fwd, dev)
-            ahead = time.perf_counter() - t0
+            ahead_s = time.perf_counter() - t0
         for w in widths:
             each.append(_varlen_step(mod, *make(w), dev)[0] / 1e3)
         took = time.perf_counter() - t0
         rows.append(dict(backend=label, step=-1, n=f"{widths[0]}-{widths[-1]}", width="", first_ms="",
                          steady_ms="", ratio="", overhead_s=took, note=f"warm-up: {len(widths)} lengths; "
-                         + (f"compiles ahead {ahead:.2f} s; " if backend.startswith("triton") else "") + "s each: "
+                         + (f"compiles ahead {ahead_s:.2f} s; " if ahead else "") + "s each: "
                          + " ".join(f"{w}: {t:.2f}" for w, t in zip(widths, each))))
         log(rows[-1], f"[{took:.0f} s]")
     for i, n in enumerate(lengths):
@@ -496,7 +497,7 @@ _WORKER_TAG = "VARLEN_ROWS_JSON "
 
 
 def _varlen_worker(backend: str, lengths, budget: float, empty_cache: bool = False, multiple: int = 1,
-                   warmup: bool = False) -> None:
+                   warmup: bool = False, ahead: bool = True) -> None:
     """One backend's varlen run in this (fresh) process; rows printed as one tagged JSON line."""
     dev = torch.device("cuda")
     # CUDA context, cuBLAS handles and the glue kernels' first use are charged to no backend: one torch-backend step
@@ -505,7 +506,7 @@ def _varlen_worker(backend: str, lengths, budget: float, empty_cache: bool = Fal
     except Exception:
         traceback.print_exc(limit=2)
     rows = varlen_run(backend, lengths, dev, budget, empty_cache=empty_cache, multiple=multiple,
-                      warmup=VARLEN_RANGE if warmup else None)
+                      warmup=VARLEN_RANGE if warmup else None, ahead=ahead)
     print(_WORKER_TAG + json.dumps(rows), flush=True)
 
 
@@ -516,7 +517,8 @@ def _varlen_in_subprocess(backend: str, args, lengths, budget: float):
     cmd = [sys.executable, os.path.abspath(__file__), "--varlen-worker", backend, "--varlen-count",
            str(args.varlen_count), "--varlen-seed", str(args.varlen_seed), "--time-limit", str(budget),
            "--varlen-multiple", str(args.varlen_multiple)] + (
-        ["--varlen-empty-cache"] if args.varlen_empty_cache else []) + (["--varlen-warmup"] if args.varlen_warmup else [])
+        ["--varlen-empty-cache"] if args.varlen_empty_cache else []) + (
+        ["--varlen-warmup"] if args.varlen_warmup else []) + (["--varlen-no-ahead"] if args.varlen_no_ahead else [])
     return _worker_result(cmd, _WORKER_TAG, budget + 300)
 
 
@@ -686,6 +688,8 @@ def parse_args(argv=None):
                    help="pad every varlen length to a multiple of this (masked), as data.length_multiple does")
     p.add_argument("--varlen-warmup", action="store_true",
                    help="one step at each padded length of the range before the timed steps (counted as compile)")
+    p.add_argument("--varlen-no-ahead", action="store_true",
+                   help="--varlen-warmup without attn_ops.compile_ahead (kernels compile one by one as met)")
     p.add_argument("--varlen-worker", default=None, choices=list(VARLEN_CHOICES), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.time_limit is None:
@@ -705,7 +709,8 @@ def main(argv=None):
         sys.exit("bench_blocks.py needs a CUDA device")
     if args.varlen_worker:
         _varlen_worker(args.varlen_worker, varlen_lengths(args.varlen_count, args.varlen_seed), args.time_limit,
-                       empty_cache=args.varlen_empty_cache, multiple=args.varlen_multiple, warmup=args.varlen_warmup)
+                       empty_cache=args.varlen_empty_cache, multiple=args.varlen_multiple, warmup=args.varlen_warmup,
+                       ahead=not args.varlen_no_ahead)
         return
     if args.row_worker:
         row = _run_item(*args.row_worker, torch.device("cuda"), args, time.time())

@@ -338,6 +338,10 @@ def test_varlen_backends_run_in_fresh_processes(monkeypatch):
     args = bench_blocks.parse_args(["--varlen", "--varlen-count", "3", "--varlen-multiple", "16", "--varlen-warmup"])
     bench_blocks._varlen_in_subprocess("triton", args, [200], 7.0)
     assert seen[1][seen[1].index("--varlen-multiple") + 1] == "16" and "--varlen-warmup" in seen[1]
+    assert "--varlen-no-ahead" not in seen[1]
+    args = bench_blocks.parse_args(["--varlen", "--varlen-warmup", "--varlen-no-ahead"])
+    bench_blocks._varlen_in_subprocess("triton", args, [200], 7.0)
+    assert "--varlen-no-ahead" in seen[2]
 
 
 def test_isolated_block_rows_run_in_fresh_processes(monkeypatch):
