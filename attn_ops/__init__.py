@@ -12,7 +12,7 @@ Public API:
 from . import registry, settings
 from .api import attention
 from .merge import blockwise_attention, merge_partials
-from .pretune import compile_ahead, pretune
+from .pretune import compile_ahead, compiling_ahead, pretune
 from .reference import attention_reference
 from .ring import ring_attention, ring_positions, shard_sequence, unshard_sequence, zigzag_merge, zigzag_split
 from .settings import kernel_settings
@@ -27,7 +27,8 @@ def backends():
 
 
 __all__ = [
-    "attention", "attention_reference", "backends", "blockwise_attention", "compile_ahead", "kernel_settings",
+    "attention", "attention_reference", "backends", "blockwise_attention", "compile_ahead", "compiling_ahead",
+    "kernel_settings",
     "merge_partials",
     "pretune", "registry", "ring_attention", "ring_positions", "settings", "shard_sequence", "unshard_sequence",
     "zigzag_merge", "zigzag_split",

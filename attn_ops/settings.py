@@ -26,8 +26,9 @@ seen; call :func:`reload_from_env` to read it again):
 
 Every field that changes which kernel or tile config runs is part of the cache keys it affects: ``tune`` of the
 tuner's (untuned picks are cached apart), ``tma`` of the launchers' tuning key and, through the kernels' arguments
-(a descriptor vs a tensor, HAS_BIAS), of the direct-launch cache's; ``tile_variants`` of the launch plans' (the
-constexprs it sets are part of the direct-launch cache's key).
+(a descriptor vs a tensor, HAS_BIAS), of the direct-launch cache's; ``tile_variants`` of the launch plans' and,
+through the EVEN_M / EVEN_N constexprs, of the direct-launch cache's (not of the tuner's: a tile config suits
+either variant).
 """
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 from torch import nn
 
+import attn_ops
+
 Tensor = torch.Tensor
 
 # devices whose tensors a capture takes (tests add "cpu", with make_graphed_callables replaced by a stand-in)
@@ -120,7 +122,8 @@ class CUDAGraphs(nn.Module):
         return len(self._graphs)
 
     def _can_capture(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
-        if kwargs or not args or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if kwargs or not args or not torch.is_grad_enabled() or torch.compiler.is_compiling() or \
+                attn_ops.compiling_ahead():  # (its calls launch no kernel: a capture would hold none)
             return False
         dev = args[0].device
         if not all(type(a) in (Tensor, nn.Parameter) and a.device == dev for a in args):

@@ -292,7 +292,7 @@ def kernel_profile(case: str, dev, path: str, backend: str = "triton", steps: in
 # ------------------------------------------------------------------------------------------------
 VARLEN_BACKENDS = ("triton", "flex", "boltz-cueq")
 VARLEN_CHOICES = ("triton", "triton+graphs", "triton-atomic", "flex", "sdpa", "torch", "boltz", "boltz-cueq")
-VARLEN_MAX_GRAPHS = 64  # triton+graphs: a capture per padded length, none evicted within the run
+VARLEN_MAX_GRAPHS = 64  # triton+graphs: a capture per padded length (none evicted for multiples >= 8 of the range)
 VARLEN_GRAPH_WARMUP = 1  # eager steps before each capture (CUDAGraphs' default 3: cuBLAS settles in one)
 VARLEN_RANGE = (180, 520)
 VARLEN_WARM = 3  # the ratio target applies after this many lengths
@@ -379,6 +379,7 @@ def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z:
     label = varlen_label(backend, multiple, warmup is not None)
     rows = []
     if warmup is not None:
+        t_warm = time.perf_counter()
         widths = sorted({round_up(n, multiple) for n in range(warmup[0], warmup[1] + 1)})
         each = []
         ahead = ahead and backend.startswith("triton")
@@ -387,10 +388,10 @@ def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z:
                 for w in widths:
                     inputs, fwd = make(w, getattr(mod, "module", mod))  # (CUDAGraphs: the block it wraps)
                     _varlen_step(mod, inputs, fwd, dev)
-            ahead_s = time.perf_counter() - t0
+            ahead_s = time.perf_counter() - t_warm
         for w in widths:
             each.append(_varlen_step(mod, *make(w), dev)[0] / 1e3)
-        took = time.perf_counter() - t0
+        took = time.perf_counter() - t_warm
         rows.append(dict(backend=label, step=-1, n=f"{widths[0]}-{widths[-1]}", width="", first_ms="",
                          steady_ms="", ratio="", overhead_s=took, note=f"warm-up: {len(widths)} lengths; "
                          + (f"compiles ahead {ahead_s:.2f} s; " if ahead else "") + "s each: "
@@ -696,6 +697,8 @@ def parse_args(argv=None):
         args.time_limit = VARLEN_TIME_LIMIT if args.varlen or args.varlen_worker else 400.0
     if args.varlen_multiple < 1:
         p.error(f"--varlen-multiple must be >= 1, got {args.varlen_multiple}")
+    if args.varlen_no_ahead and not args.varlen_warmup:
+        p.error("--varlen-no-ahead changes --varlen-warmup: give both")
     try:
         varlen_lengths(args.varlen_count, args.varlen_seed)
     except ValueError as exc:

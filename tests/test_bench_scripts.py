@@ -310,8 +310,9 @@ def test_varlen_length_multiple_and_warmup_on_cpu(tmp_path):
     assert "| 1 | 20 -> 24 |" in text
     args = bench_blocks.parse_args(["--varlen", "--varlen-multiple", "32", "--varlen-warmup"])
     assert args.varlen_multiple == 32 and args.varlen_warmup
-    with pytest.raises(SystemExit):
-        bench_blocks.parse_args(["--varlen", "--varlen-multiple", "0"])
+    for bad in (["--varlen", "--varlen-multiple", "0"], ["--varlen", "--varlen-no-ahead"]):
+        with pytest.raises(SystemExit):
+            bench_blocks.parse_args(bad)
 
 
 def test_varlen_backends_run_in_fresh_processes(monkeypatch):

@@ -779,7 +779,36 @@ def test_compile_ahead_times_and_keeps_nothing(monkeypatch):
         cfg = tuning.pick("fwd", ("k",), 64, 256, 256, launched.append)
     cands = tuning.candidates("fwd", 64, 256, 256)
     assert len(cands) > 1 and launched == cands and cfg == cands[0] and tuning._CACHE == {}
+    launched.clear()  # a shipped config: only it compiles, and it is not cached unchecked either
+    monkeypatch.setattr(tuning, "shipped", lambda device: {tuning.DiskCache._name(("fwd", False, "k")): cands[1]})
+    with kernel_settings(cache_dir=None):
+        assert tuning.pick("fwd", ("k",), 64, 256, 256, launched.append) == cands[1]
+    assert launched == [cands[1]] and tuning._CACHE == {}
+    with kernel_settings(cache_dir=None, tune=False):  # untuned: the first candidate
+        assert tuning.pick("fwd", ("k",), 64, 256, 256, launched.append) == cands[0]
+    assert launched == [cands[1], cands[0]] and tuning._CACHE == {}
     plans = dict(launch._PLANS)
     launch._keep(("a key",), launch.Recorder([]), (0,))
     assert launch._PLANS == plans
     assert fastlaunch.bound(None, (1,), (), 4, 1, 0) is None
+    assert attn_ops.compiling_ahead()
+
+
+def test_compile_ahead_keeps_no_segment_tables_and_no_graph_capture(monkeypatch):
+    """Under compile_ahead the segment tables (built by a kernel that then runs nothing) are not cached for the ids,
+    and a CUDAGraphs-wrapped module runs its module instead of capturing (a capture would hold no kernel)."""
+    from attn_ops.triton import fastlaunch, op
+    from attn_zoo.models.graphs import CUDAGraphs
+
+    ids = torch.tensor([[[0, 0, 1, 1, 1]]])
+    op.clear_segment_tables()
+    monkeypatch.setattr(fastlaunch, "_AHEAD", [None, {}])
+    op.segment_tables(ids, ids)
+    assert op._TABLES == []
+    lin = torch.nn.Linear(3, 3)
+    wrapped = CUDAGraphs(lin)
+    assert not wrapped._can_capture((torch.zeros(2, 3, requires_grad=True),), {})
+    monkeypatch.setattr(fastlaunch, "_AHEAD", [])
+    op.segment_tables(ids, ids)
+    assert len(op._TABLES) == 1
+    op.clear_segment_tables()

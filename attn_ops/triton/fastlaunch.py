@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import threading
 from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
@@ -117,8 +118,9 @@ def compile_only() -> Iterator[None]:
 
 
 # Set by compile_ahead() for the whole process (autograd runs a CUDA backward on threads of its own): [the thread
-# pool, {signature key: Future}]; empty when off.
+# pool, {signature key: Future}]; empty when off. _AHEAD_LOCK: submitting against the block's end.
 _AHEAD: list = []
+_AHEAD_LOCK = threading.Lock()
 
 
 def compiling_ahead() -> bool:
@@ -146,11 +148,13 @@ def compile_ahead(threads: Optional[int] = None) -> Iterator[None]:
 
     pool = ThreadPoolExecutor(threads or _settings.get().compile_threads, thread_name_prefix="attn_zoo_ahead")
     jobs: Dict[Tuple, object] = {}
-    _AHEAD[:] = [pool, jobs]
+    with _AHEAD_LOCK:
+        _AHEAD[:] = [pool, jobs]
     try:
         yield
     finally:
-        _AHEAD.clear()
+        with _AHEAD_LOCK:
+            _AHEAD.clear()
         wait(list(jobs.values()))
         pool.shutdown()
 
@@ -168,13 +172,19 @@ def _compile_job(kernel, grid, args, num_warps: int, num_stages: int, constexprs
     return work
 
 
-def _submit_ahead(kernel, grid, args: Sequence, num_warps: int, num_stages: int, constexprs: dict) -> None:
+def _submit_ahead(kernel, grid, args: Sequence, num_warps: int, num_stages: int, constexprs: dict) -> bool:
+    """Submit this launch's compile (once per signature) if compile_ahead is active; False if it is not (any more)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a kernel launch inside compile_ahead() during a CUDA graph capture: the graph would "
+                           "hold no launch (capture outside the block)")
     key = _signature_key(kernel, args, num_warps, num_stages, constexprs)
-    if key in _COMPILED:
-        return
-    ahead = _AHEAD
-    if len(ahead) == 2 and key not in ahead[1]:
-        ahead[1][key] = ahead[0].submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key))
+    with _AHEAD_LOCK:
+        if not _AHEAD:
+            return False
+        pool, jobs = _AHEAD
+        if key not in _COMPILED and key not in jobs:
+            jobs[key] = pool.submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key))
+    return True
 
 
 def launch(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int, **constexprs) -> None:
@@ -184,8 +194,7 @@ def launch(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_st
     if _WARMUP_ONLY.get():
         kernel.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **constexprs)
         return
-    if _AHEAD and background_compiles():
-        _submit_ahead(kernel, grid, args, num_warps, num_stages, constexprs)
+    if _AHEAD and background_compiles() and _submit_ahead(kernel, grid, args, num_warps, num_stages, constexprs):
         return
     if interpreting() or not _settings.get().fast_launch:
         kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)

@@ -16,6 +16,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from .fastlaunch import compiling_ahead as _compiling_ahead
 from .launch import attn_backward, attn_forward, empty_in_order
 from .segtable import segment_tables_flat, split_tables
 
@@ -99,7 +100,7 @@ def segment_tables(q_ids: Tensor, k_ids: Tensor) -> Tuple[Tensor, Tensor]:
     Lq, Lk = q_ids.shape[-1], k_ids.shape[-1]
     if _through_custom_op(q_ids):
         return split_tables(torch.ops.attn_zoo.triton_segment_tables(q_ids, k_ids, shared), Lq, Lk, shared)
-    key = _tables_key(q_ids, k_ids, shared)
+    key = None if _compiling_ahead() else _tables_key(q_ids, k_ids, shared)  # (ahead: the tables are garbage)
     if key is not None:
         for entry_key, refs, flat in _TABLES:
             if entry_key == key and refs[0]() is _root(q_ids) and refs[1]() is _root(k_ids):

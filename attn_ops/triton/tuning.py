@@ -128,20 +128,24 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
         cfg = disk.get((kernel, pair) + key)
         if cfg is not None and cfg not in cands:
             cfg = None  # a config the current candidate lists no longer offer
+    if cfg is None:
+        from .fastlaunch import compiling_ahead
+
+        if compiling_ahead():  # nothing runs: submit the compiles the real call will want (the shipped config, else
+            # every candidate to time, else the first); check, time and cache nothing (the real call does)
+            first = shipped(device).get(DiskCache._name((kernel, pair) + key)) if s.tune and s.shipped_configs \
+                else None
+            first = first if first in cands else None
+            for c in [first] if first is not None else (cands if s.tune else cands[:1]):
+                try:
+                    launch(c)
+                except Exception:  # noqa: BLE001 - reported by the real call
+                    pass
+            return first or cands[0]
     if cfg is None and s.tune and s.shipped_configs:
         cfg = shipped(device).get(DiskCache._name((kernel, pair) + key))
         if cfg is not None:  # (launched once: a kernel changed since the table was made may not fit it)
             cfg = _first_that_launches([cfg] + [c for c in cands if c != cfg], launch) if cfg in cands else None
-    if cfg is None and len(cands) > 1 and s.tune:
-        from .fastlaunch import compiling_ahead
-
-        if compiling_ahead():  # nothing runs: submit every candidate's compile, time and cache nothing
-            for c in cands:
-                try:
-                    launch(c)
-                except Exception:  # noqa: BLE001 - reported when the candidate is timed
-                    pass
-            return cands[0]
     if cfg is None:
         if len(cands) == 1 or not s.tune:
             cfg = _first_that_launches(cands, launch)
