@@ -95,9 +95,9 @@ def batches(proteins: Sequence[Tuple[str, str]], toks_per_batch: int,
     counted, the width rounded up to ``length_multiple``); a protein longer than the budget forms a batch alone."""
     if toks_per_batch < 1:
         raise ValueError(f"toks_per_batch must be >= 1, got {toks_per_batch}")
-    from .models.primitives import round_up
+    from .models.primitives import check_multiple, round_up
 
-    round_up(1, length_multiple)  # checks it before any work
+    check_multiple(length_multiple)  # before any work
     batch: List[Tuple[str, str]] = []
     width = 0
     for item in sorted(proteins, key=lambda p: -len(p[1])):

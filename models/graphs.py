@@ -1,9 +1,10 @@
 """CUDA graphs for a block in eager mode: :class:`CUDAGraphs`.
 
 At a fixed crop size an eager block's training step is bound by PyTorch's per-op host time; replaying its forward and
-backward as CUDA graphs takes that out without ``torch.compile`` (docs/bench/issue20_h200.md, "Stop 42"). PyTorch's ``torch.cuda.make_graphed_callables`` captures the graphs; this
-wrapper keeps one capture per input signature and hands out results that behave like the plain module's: outputs and
-gradients in tensors of their own, not in the graphs' buffers (which the next replay rewrites).
+backward as CUDA graphs takes that out without ``torch.compile`` (docs/bench/issue20_h200.md, "Stop 42"). PyTorch's
+``torch.cuda.make_graphed_callables`` captures the graphs; this wrapper keeps one capture per input signature and
+hands out results that behave like the plain module's: outputs and gradients in tensors of their own, not in the
+graphs' buffers (which the next replay rewrites).
 """
 from __future__ import annotations
 
@@ -71,9 +72,8 @@ class CUDAGraphs(nn.Module):
 
     The first call with an input signature (shapes, dtypes, which inputs require grad, train/eval mode, the autocast
     dtype) captures it with ``torch.cuda.make_graphed_callables`` (``warmup_iters`` eager steps on a side stream, then
-    the capture); later calls with that signature replay it. At most
-    ``max_graphs`` captures are kept, each with its own memory pool (about one step's activations); the least recently
-    used goes first. A new length is a new capture: use it where lengths repeat (a training crop size).
+    the capture); later calls with that signature replay it. At most ``max_graphs`` captures are kept, each with its
+    own memory pool (about one step's activations); the least recently used goes first. A new length is a new capture: use it where lengths repeat (a training crop size).
 
     Differences from calling ``module`` (otherwise the same outputs and gradients: GPU test):
     - under autocast, the module runs with ``cache_enabled=False`` (CUDA graphs need it);

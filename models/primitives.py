@@ -88,10 +88,10 @@ class AttentionConfig:
         )
 
 
-def check_multiple(length_multiple: Any, name: str = "length_multiple") -> int:
+def check_multiple(length_multiple: Any) -> int:
     """``length_multiple`` if it is an int >= 1, else a ValueError naming it."""
     if isinstance(length_multiple, bool) or not isinstance(length_multiple, int) or length_multiple < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {length_multiple!r}")
+        raise ValueError(f"length_multiple must be an int >= 1, got {length_multiple!r}")
     return length_multiple
 
 

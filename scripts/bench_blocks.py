@@ -293,7 +293,7 @@ def kernel_profile(case: str, dev, path: str, backend: str = "triton", steps: in
 VARLEN_BACKENDS = ("triton", "flex", "boltz-cueq")
 VARLEN_CHOICES = ("triton", "triton+graphs", "triton-atomic", "flex", "sdpa", "torch", "boltz", "boltz-cueq")
 VARLEN_MAX_GRAPHS = 64  # triton+graphs: a capture per padded length (none evicted for multiples >= 8 of the range)
-VARLEN_GRAPH_WARMUP = 1  # eager steps before each capture (CUDAGraphs' default 3: cuBLAS settles in one)
+VARLEN_GRAPH_WARMUP = 1  # eager steps before each capture (CUDAGraphs' default 3; one gave the same replays)
 VARLEN_RANGE = (180, 520)
 VARLEN_WARM = 3  # the ratio target applies after this many lengths
 VARLEN_RATIO_TARGET = 1.5

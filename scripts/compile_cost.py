@@ -139,17 +139,31 @@ def step(kind: str, n: int) -> None:
     torch.autograd.grad((out,), (q, k, v, bias), (torch.zeros_like(out),))  # (q, k, v: views, grads of the leaves)
 
 
+@contextlib.contextmanager
+def _ahead(threads: int):
+    """``compile_ahead`` inside :func:`cross_compile`: launches submit compiles instead of the stand-in's
+    compile-only launches."""
+    from attn_ops.triton import fastlaunch
+
+    token = fastlaunch._WARMUP_ONLY.set(False)
+    try:
+        with fastlaunch.compile_ahead(threads):
+            yield
+    finally:
+        fastlaunch._WARMUP_ONLY.reset(token)
+
+
 def run(lengths: Sequence[int], kinds: Sequence[str] = KINDS, tune: bool = True, threads: int = 8,
         processes: int = 0, arch: int = 90, triton_cache: str = None, ahead: bool = False) -> Tuple[List[dict], dict]:
     """(per length: dict(n, wall_s, compiles, by_kernel (Counter), records); totals: dict(binaries in Triton's cache
     at the end, worker_jobs, worker_binaries: what the jobs added to this process's Triton cache before anything
     here loaded them)), with the tuner's settings as given. Compiles done in worker processes (``processes``) count
     where this process loads their binaries. ``ahead``: the lengths' steps run first under
-    ``attn_ops.compile_ahead()`` (rows with ``pass`` "ahead"), then as usual (rows with ``pass`` "after")."""
+    ``attn_ops.compile_ahead()`` (rows with ``which`` "ahead"), then as usual ("after"; else "plain")."""
     from triton import knobs
 
     from attn_ops import settings
-    from attn_ops.triton import fastlaunch, precompile
+    from attn_ops.triton import precompile
 
     totals = dict(worker_jobs=0, worker_binaries=0)
 
@@ -174,15 +188,7 @@ def run(lengths: Sequence[int], kinds: Sequence[str] = KINDS, tune: bool = True,
             for which in passes:
                 for n in lengths:
                     start, t0 = len(log), time.perf_counter()
-                    if which == "ahead":  # launches submit compiles (not the stand-in's compile-only launches)
-                        token = fastlaunch._WARMUP_ONLY.set(False)
-                        try:
-                            with fastlaunch.compile_ahead(threads):
-                                for kind in kinds:
-                                    step(kind, n)
-                        finally:
-                            fastlaunch._WARMUP_ONLY.reset(token)
-                    else:
+                    with _ahead(threads) if which == "ahead" else contextlib.nullcontext():
                         for kind in kinds:
                             step(kind, n)
                     records = log[start:]

@@ -790,6 +790,7 @@ def test_compile_ahead_times_and_keeps_nothing(monkeypatch):
     plans = dict(launch._PLANS)
     launch._keep(("a key",), launch.Recorder([]), (0,))
     assert launch._PLANS == plans
+    monkeypatch.setattr(fastlaunch, "interpreting", lambda: False)  # (the interpreter alone makes bound() None)
     assert fastlaunch.bound(None, (1,), (), 4, 1, 0) is None
     assert attn_ops.compiling_ahead()
 
@@ -798,6 +799,7 @@ def test_compile_ahead_keeps_no_segment_tables_and_no_graph_capture(monkeypatch)
     """Under compile_ahead the segment tables (built by a kernel that then runs nothing) are not cached for the ids,
     and a CUDAGraphs-wrapped module runs its module instead of capturing (a capture would hold no kernel)."""
     from attn_ops.triton import fastlaunch, op
+    from attn_zoo.models import graphs
     from attn_zoo.models.graphs import CUDAGraphs
 
     ids = torch.tensor([[[0, 0, 1, 1, 1]]])
@@ -805,10 +807,11 @@ def test_compile_ahead_keeps_no_segment_tables_and_no_graph_capture(monkeypatch)
     monkeypatch.setattr(fastlaunch, "_AHEAD", [None, {}])
     op.segment_tables(ids, ids)
     assert op._TABLES == []
-    lin = torch.nn.Linear(3, 3)
-    wrapped = CUDAGraphs(lin)
-    assert not wrapped._can_capture((torch.zeros(2, 3, requires_grad=True),), {})
+    monkeypatch.setattr(graphs, "CAPTURE_DEVICES", ("cuda", "cpu"))  # (otherwise no CPU call is ever captured)
+    wrapped, x = CUDAGraphs(torch.nn.Linear(3, 3)), torch.zeros(2, 3, requires_grad=True)
+    assert not wrapped._can_capture((x,), {})
     monkeypatch.setattr(fastlaunch, "_AHEAD", [])
+    assert wrapped._can_capture((x,), {})
     op.segment_tables(ids, ids)
     assert len(op._TABLES) == 1
     op.clear_segment_tables()
