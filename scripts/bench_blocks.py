@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import gc
 import json
 import os
 import platform
@@ -360,7 +361,8 @@ def varlen_label(backend: str, multiple: int = 1, warmup: bool = False) -> str:
 
 
 def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z: int = 128, repeats: int = 3,
-               log=print, empty_cache: bool = False, multiple: int = 1, warmup=None, ahead: bool = True):
+               log=print, empty_cache: bool = False, multiple: int = 1, warmup=None, ahead: bool = True,
+               ahead_processes=None):
     """Rows (VARLEN_FIELDS) of one backend stepping through ``lengths``: per length ``repeats`` fwd+bwd steps
     (bf16 autocast, train mode), wall time with a sync after each; first = the first step, steady = the fastest of
     the others. Lengths not started within ``budget_s`` get a "skipped: time limit" row. ``empty_cache``: hand the
@@ -369,7 +371,8 @@ def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z:
     multiple of it; ``warmup`` (lo, hi): first one step at each padded length of [lo, hi] (the range the lengths
     come from), reported as a row with step -1 whose ``overhead_s`` is its time; triton backends first run those
     steps under ``attn_ops.compile_ahead()`` (the plain block, not its CUDA graphs), so their kernels compile at
-    once (``ahead`` False: not)."""
+    once (``ahead`` False: not; ``ahead_processes``: its worker processes, default ``settings.compile_processes``).
+    Python's full (generation 2) garbage collections during a length's first step are named in its row's note."""
     if repeats < 2:
         raise ValueError(f"varlen repeats must be >= 2 (a first and a steady step), got {repeats}")
     t0 = time.perf_counter()
@@ -384,7 +387,7 @@ def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z:
         each = []
         ahead = ahead and backend.startswith("triton")
         if ahead:
-            with attn_ops.compile_ahead():
+            with attn_ops.compile_ahead(processes=ahead_processes):
                 for w in widths:
                     inputs, fwd = make(w, getattr(mod, "module", mod))  # (CUDAGraphs: the block it wraps)
                     _varlen_step(mod, inputs, fwd, dev)
@@ -397,6 +400,27 @@ def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z:
                          + (f"compiles ahead {ahead_s:.2f} s; " if ahead else "") + "s each: "
                          + " ".join(f"{w}: {t:.2f}" for w, t in zip(widths, each))))
         log(rows[-1], f"[{took:.0f} s]")
+    full_gc = []  # [start, [ms of each full collection]] while a first step runs
+
+    def on_gc(phase, info):
+        if full_gc and info.get("generation") == 2:
+            if phase == "start":
+                full_gc[0] = time.perf_counter()
+            else:
+                full_gc[1].append((time.perf_counter() - full_gc[0]) * 1e3)
+
+    gc.callbacks.append(on_gc)
+    try:
+        _varlen_lengths(rows, lengths, label, mod, make, dev, repeats, multiple, budget_s, t0, empty_cache, log,
+                        full_gc)
+    finally:
+        gc.callbacks.remove(on_gc)
+    return rows
+
+
+def _varlen_lengths(rows, lengths, label, mod, make, dev, repeats, multiple, budget_s, t0, empty_cache, log,
+                    full_gc):
+    """varlen_run's timed steps: a row per length appended to ``rows``."""
     for i, n in enumerate(lengths):
         row = dict(backend=label, step=i, n=n, width=round_up(n, multiple), first_ms="", steady_ms="", ratio="",
                    overhead_s="", note="")
@@ -408,9 +432,13 @@ def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z:
             inputs, fwd = make(n)
             grads = None
             times = []
-            for _ in range(repeats):
+            for r in range(repeats):
+                full_gc[:] = [0.0, []] if r == 0 else []
                 ms, grads = _varlen_step(mod, inputs, fwd, dev, grads)
                 times.append(ms)
+                if r == 0 and full_gc[1]:
+                    row["note"] = "first step: full gc " + ", ".join(f"{t:.0f} ms" for t in full_gc[1])
+            full_gc[:] = []
             first, steady = times[0], min(times[1:])
             row.update(first_ms=first, steady_ms=steady, ratio=first / steady, overhead_s=(first - steady) / 1e3)
         except Exception as exc:  # OOM, unsupported shape: record and go on
@@ -423,7 +451,6 @@ def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z:
         log({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in row.items()},
             f"[{time.perf_counter() - t0:.0f} s]")
         rows.append(row)
-    return rows
 
 
 def varlen_summary(rows, warm: int = VARLEN_WARM):
@@ -490,6 +517,9 @@ def write_varlen_markdown(path, rows, env, lengths, empty_cache: bool = False, m
             else:
                 cells += [f"{r['first_ms']:.1f}", f"{r['steady_ms']:.1f}", f"{r['ratio']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    noted = [r for r in rows if r["ratio"] != "" and r["note"] and int(r["step"]) >= 0]
+    if noted:
+        lines += [""] + [f"- step {r['step']} ({r['backend']}, first/steady {r['ratio']:.2f}): {r['note']}" for r in noted]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -498,7 +528,7 @@ _WORKER_TAG = "VARLEN_ROWS_JSON "
 
 
 def _varlen_worker(backend: str, lengths, budget: float, empty_cache: bool = False, multiple: int = 1,
-                   warmup: bool = False, ahead: bool = True) -> None:
+                   warmup: bool = False, ahead: bool = True, ahead_processes=None) -> None:
     """One backend's varlen run in this (fresh) process; rows printed as one tagged JSON line."""
     dev = torch.device("cuda")
     # CUDA context, cuBLAS handles and the glue kernels' first use are charged to no backend: one torch-backend step
@@ -507,7 +537,7 @@ def _varlen_worker(backend: str, lengths, budget: float, empty_cache: bool = Fal
     except Exception:
         traceback.print_exc(limit=2)
     rows = varlen_run(backend, lengths, dev, budget, empty_cache=empty_cache, multiple=multiple,
-                      warmup=VARLEN_RANGE if warmup else None, ahead=ahead)
+                      warmup=VARLEN_RANGE if warmup else None, ahead=ahead, ahead_processes=ahead_processes)
     print(_WORKER_TAG + json.dumps(rows), flush=True)
 
 
@@ -519,7 +549,8 @@ def _varlen_in_subprocess(backend: str, args, lengths, budget: float):
            str(args.varlen_count), "--varlen-seed", str(args.varlen_seed), "--time-limit", str(budget),
            "--varlen-multiple", str(args.varlen_multiple)] + (
         ["--varlen-empty-cache"] if args.varlen_empty_cache else []) + (
-        ["--varlen-warmup"] if args.varlen_warmup else []) + (["--varlen-no-ahead"] if args.varlen_no_ahead else [])
+        ["--varlen-warmup"] if args.varlen_warmup else []) + (["--varlen-no-ahead"] if args.varlen_no_ahead else []) + (
+        [] if args.varlen_ahead_processes is None else ["--varlen-ahead-processes", str(args.varlen_ahead_processes)])
     return _worker_result(cmd, _WORKER_TAG, budget + 300)
 
 
@@ -691,6 +722,9 @@ def parse_args(argv=None):
                    help="one step at each padded length of the range before the timed steps (counted as compile)")
     p.add_argument("--varlen-no-ahead", action="store_true",
                    help="--varlen-warmup without attn_ops.compile_ahead (kernels compile one by one as met)")
+    p.add_argument("--varlen-ahead-processes", type=int, default=None, metavar="N",
+                   help="worker processes compiling --varlen-warmup's kernels ahead (default: settings.compile_processes; "
+                        "0: threads)")
     p.add_argument("--varlen-worker", default=None, choices=list(VARLEN_CHOICES), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.time_limit is None:
@@ -699,6 +733,10 @@ def parse_args(argv=None):
         p.error(f"--varlen-multiple must be >= 1, got {args.varlen_multiple}")
     if args.varlen_no_ahead and not args.varlen_warmup:
         p.error("--varlen-no-ahead changes --varlen-warmup: give both")
+    if args.varlen_ahead_processes is not None and (args.varlen_ahead_processes < 0 or args.varlen_no_ahead
+                                                    or not args.varlen_warmup):
+        p.error(f"--varlen-ahead-processes must be >= 0 and goes with --varlen-warmup, not --varlen-no-ahead; got "
+                f"{args.varlen_ahead_processes}")
     try:
         varlen_lengths(args.varlen_count, args.varlen_seed)
     except ValueError as exc:
@@ -713,7 +751,7 @@ def main(argv=None):
     if args.varlen_worker:
         _varlen_worker(args.varlen_worker, varlen_lengths(args.varlen_count, args.varlen_seed), args.time_limit,
                        empty_cache=args.varlen_empty_cache, multiple=args.varlen_multiple, warmup=args.varlen_warmup,
-                       ahead=not args.varlen_no_ahead)
+                       ahead=not args.varlen_no_ahead, ahead_processes=args.varlen_ahead_processes)
         return
     if args.row_worker:
         row = _run_item(*args.row_worker, torch.device("cuda"), args, time.time())

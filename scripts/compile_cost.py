@@ -28,6 +28,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from typing import Iterator, List, Sequence, Tuple
@@ -140,43 +141,51 @@ def step(kind: str, n: int) -> None:
 
 
 @contextlib.contextmanager
-def _ahead(threads: int):
+def _ahead(threads: int, processes=None):
     """``compile_ahead`` inside :func:`cross_compile`: launches submit compiles instead of the stand-in's
-    compile-only launches."""
+    compile-only launches (to worker processes where ``settings.compile_processes`` says so)."""
     from attn_ops.triton import fastlaunch
 
     token = fastlaunch._WARMUP_ONLY.set(False)
     try:
-        with fastlaunch.compile_ahead(threads):
+        with fastlaunch.compile_ahead(threads, processes):
             yield
     finally:
         fastlaunch._WARMUP_ONLY.reset(token)
 
 
 def run(lengths: Sequence[int], kinds: Sequence[str] = KINDS, tune: bool = True, threads: int = 8,
-        processes: int = 0, arch: int = 90, triton_cache: str = None, ahead: bool = False) -> Tuple[List[dict], dict]:
+        processes: int = 0, arch: int = 90, triton_cache: str = None, ahead: bool = False,
+        ahead_processes=None) -> Tuple[List[dict], dict]:
     """(per length: dict(n, wall_s, compiles, by_kernel (Counter), records); totals: dict(binaries in Triton's cache
     at the end, worker_jobs, worker_binaries: what the jobs added to this process's Triton cache before anything
     here loaded them)), with the tuner's settings as given. Compiles done in worker processes (``processes``) count
     where this process loads their binaries. ``ahead``: the lengths' steps run first under
-    ``attn_ops.compile_ahead()`` (rows with ``which`` "ahead"), then as usual ("after"; else "plain")."""
+    ``attn_ops.compile_ahead()`` (rows with ``which`` "ahead"), then as usual ("after"; else "plain");
+    ``ahead_processes``: its worker processes (default: ``processes``). ``totals["workers_left"]``: worker processes
+    still running at the end."""
     from triton import knobs
 
     from attn_ops import settings
     from attn_ops.triton import precompile
 
     totals = dict(worker_jobs=0, worker_binaries=0)
+    written = set()  # binaries that appeared while worker jobs ran (a set: compile_ahead's jobs overlap in time)
+    lock = threading.Lock()
 
-    def binaries():
-        return sum(1 for entry in os.scandir(knobs.cache.dir) if entry.is_dir())
+    def binaries():  # folders holding a compiled kernel's group file (a cache lookup may leave an empty folder)
+        return {entry.name for entry in os.scandir(knobs.cache.dir)
+                if entry.is_dir() and any(f.startswith("__grp__") for f in os.listdir(entry.path))}
 
     real_jobs = precompile.run_jobs
 
     def counted_jobs(jobs, n):
         before = binaries()
         failed = real_jobs(jobs, n)
-        totals["worker_jobs"] += len(jobs)
-        totals["worker_binaries"] += binaries() - before
+        with lock:
+            totals["worker_jobs"] += len(jobs)
+            written.update(binaries() - before)
+            totals["worker_binaries"] = len(written)
         return failed
 
     rows = []
@@ -188,13 +197,14 @@ def run(lengths: Sequence[int], kinds: Sequence[str] = KINDS, tune: bool = True,
             for which in passes:
                 for n in lengths:
                     start, t0 = len(log), time.perf_counter()
-                    with _ahead(threads) if which == "ahead" else contextlib.nullcontext():
+                    with _ahead(threads, ahead_processes) if which == "ahead" else contextlib.nullcontext():
                         for kind in kinds:
                             step(kind, n)
                     records = log[start:]
                     rows.append(dict(n=n, wall_s=time.perf_counter() - t0, compiles=len(records), which=which,
                                      by_kernel=Counter(r["kernel"] for r in records), records=records))
-            totals["binaries"] = binaries()
+            totals["binaries"] = len(binaries())
+            totals["workers_left"] = sum(1 for p in precompile._PROCS if p.poll() is None)
     finally:
         precompile.run_jobs = real_jobs
     return rows, totals
@@ -234,6 +244,8 @@ def main(argv=None):
     ap.add_argument("--triton-cache", help="Triton's cache folder (default: a new empty one, i.e. a cold start)")
     ap.add_argument("--ahead", action="store_true",
                     help="run the lengths under attn_ops.compile_ahead() first, then as usual (two tables)")
+    ap.add_argument("--ahead-processes", type=int, default=None,
+                    help="with --ahead: compile_ahead's worker processes (default: --processes); 0: threads")
     args = ap.parse_args(argv)
     if args.varlen is not None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -250,7 +262,8 @@ def main(argv=None):
     if bad:
         ap.error(f"--kinds: unknown {bad}; known: {list(KINDS)}")
     rows, totals = run(lengths, kinds, tune=not args.no_tune, threads=args.threads, processes=args.processes,
-                       arch=args.arch, triton_cache=args.triton_cache, ahead=args.ahead)
+                       arch=args.arch, triton_cache=args.triton_cache, ahead=args.ahead,
+                       ahead_processes=args.ahead_processes)
     import triton
 
     print(f"compiles for sm_{args.arch} (triton {triton.__version__}, {os.cpu_count()} CPUs, "
@@ -263,7 +276,8 @@ def main(argv=None):
     from attn_ops.triton import precompile
 
     print(f"binaries in Triton's cache: {totals['binaries']}; worker jobs: {totals['worker_jobs']}, binaries they "
-          f"wrote: {totals['worker_binaries']}, failed there: {precompile.COUNTS['failed']}")
+          f"wrote: {totals['worker_binaries']}, failed there: {precompile.COUNTS['failed']}; workers left: "
+          f"{totals['workers_left']}")
 
 
 if __name__ == "__main__":

@@ -310,9 +310,35 @@ def test_varlen_length_multiple_and_warmup_on_cpu(tmp_path):
     assert "| 1 | 20 -> 24 |" in text
     args = bench_blocks.parse_args(["--varlen", "--varlen-multiple", "32", "--varlen-warmup"])
     assert args.varlen_multiple == 32 and args.varlen_warmup
-    for bad in (["--varlen", "--varlen-multiple", "0"], ["--varlen", "--varlen-no-ahead"]):
+    for bad in (["--varlen", "--varlen-multiple", "0"], ["--varlen", "--varlen-no-ahead"],
+                ["--varlen", "--varlen-ahead-processes", "4"],
+                ["--varlen", "--varlen-warmup", "--varlen-no-ahead", "--varlen-ahead-processes", "4"],
+                ["--varlen", "--varlen-warmup", "--varlen-ahead-processes", "-1"]):
         with pytest.raises(SystemExit):
             bench_blocks.parse_args(bad)
+
+
+def test_varlen_names_full_collections(tmp_path, monkeypatch):
+    """A full (generation 2) collection during a length's first step is named in its row's note and listed under
+    the markdown table; other rows have no note."""
+    import gc
+
+    import torch
+
+    real_step, calls = bench_blocks._varlen_step, []
+
+    def step(*a, **kw):  # a full collection inside the first step of the second length
+        calls.append(1)
+        if len(calls) == 4:
+            gc.collect()
+        return real_step(*a, **kw)
+
+    monkeypatch.setattr(bench_blocks, "_varlen_step", step)
+    rows = bench_blocks.varlen_run("torch", [9, 11], torch.device("cpu"), 1e9, c_s=32, c_z=16, log=lambda *a: None)
+    assert rows[0]["note"] == "" and rows[1]["note"].startswith("first step: full gc ") and "ms" in rows[1]["note"]
+    path = tmp_path / "varlen.md"
+    bench_blocks.write_varlen_markdown(str(path), rows, ["- env"], [9, 11])
+    assert "- step 1 (torch, first/steady " in path.read_text()
 
 
 def test_varlen_backends_run_in_fresh_processes(monkeypatch):
@@ -342,7 +368,10 @@ def test_varlen_backends_run_in_fresh_processes(monkeypatch):
     assert "--varlen-no-ahead" not in seen[1]
     args = bench_blocks.parse_args(["--varlen", "--varlen-warmup", "--varlen-no-ahead"])
     bench_blocks._varlen_in_subprocess("triton", args, [200], 7.0)
-    assert "--varlen-no-ahead" in seen[2]
+    assert "--varlen-no-ahead" in seen[2] and "--varlen-ahead-processes" not in seen[2]
+    args = bench_blocks.parse_args(["--varlen", "--varlen-warmup", "--varlen-ahead-processes", "6"])
+    bench_blocks._varlen_in_subprocess("triton", args, [200], 7.0)
+    assert seen[3][seen[3].index("--varlen-ahead-processes") + 1] == "6"
 
 
 def test_isolated_block_rows_run_in_fresh_processes(monkeypatch):

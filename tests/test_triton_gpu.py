@@ -571,16 +571,17 @@ def test_replayed_launch_plans_match_fresh_calls_gpu(variant, tma, n, monkeypatc
             torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("tune", [False, True])
-def test_compile_ahead_then_real_calls_are_exact_gpu(tune, monkeypatch):
+@pytest.mark.parametrize("tune,processes", [(False, 0), (True, 0), (True, 2)])
+def test_compile_ahead_then_real_calls_are_exact_gpu(tune, processes, monkeypatch):
     """Throwaway fwd + bwd calls under ``compile_ahead`` (the backward's kernels launched from autograd's device
-    thread), then real calls: these compile nothing, match the float64 reference, and give the bits of the same
+    thread; compiled on threads, or in worker processes), then real calls: every kernel it compiled has its launcher
+    and module loaded, these calls compile nothing, match the float64 reference, and give the bits of the same
     calls made again with no launch plan or direct-launch entry kept."""
     import attn_ops
     from attn_ops.triton import fastlaunch, launch, triton_attention
     from triton.runtime.jit import JITFunction
 
-    lengths = (77, 141) if tune else (75, 139)
+    lengths = ((77, 141) if tune else (75, 139)) if not processes else (79, 143)
     cases = [make_inputs((1, 3), 2, n, n, 32, dtype=torch.bfloat16, bias_shape=(1, 1, 2, n, n),
                          mask_shape=(1, 3, 1, 1, n), device="cuda") for n in lengths]
 
@@ -597,10 +598,11 @@ def test_compile_ahead_then_real_calls_are_exact_gpu(tune, monkeypatch):
 
     monkeypatch.setattr(JITFunction, "_do_compile", counted)
     with kernel_settings(tune=tune, cache_dir=None):
-        with attn_ops.compile_ahead():
+        with attn_ops.compile_ahead(processes=processes):
             for c in cases:
                 call(*c)
         assert not fastlaunch.compiling_ahead()  # (other tests may have compiled these variants already)
+        assert all(getattr(k, "module", True) is not None for k in fastlaunch._COMPILED.values())
         compiles.clear()
         got = [call(*c) for c in cases]
         assert compiles == []

@@ -129,10 +129,12 @@ def compiling_ahead() -> bool:
 
 
 @contextlib.contextmanager
-def compile_ahead(threads: Optional[int] = None) -> Iterator[None]:
+def compile_ahead(threads: Optional[int] = None, processes: Optional[int] = None) -> Iterator[None]:
     """Inside the block every kernel launch (this module's :func:`launch`, in any thread) runs nothing: a kernel not
-    compiled yet is compiled on one of ``threads`` threads (default ``settings.compile_threads``), all at once.
-    The block ends when every compile has. Outputs of the calls inside are garbage: run throwaway steps there (one
+    compiled yet is compiled on one of ``threads`` threads (default ``settings.compile_threads``), all at once, or,
+    with ``processes`` > 0 (default ``settings.compile_processes``), in that many worker processes
+    (``precompile.py``: not bound by the GIL; this process then loads each binary from Triton's cache). The block
+    ends when every compile has. Outputs of the calls inside are garbage: run throwaway steps there (one
     per input shape a run will meet) so the run itself compiles nothing. A tuning miss inside submits every
     candidate's compile and times nothing (the real call times them). A no-op on the CPU interpreter and with
     ``settings.fast_launch`` off (Triton compiles where it launches). Not during a CUDA graph capture (the graph
@@ -146,10 +148,19 @@ def compile_ahead(threads: Optional[int] = None) -> Iterator[None]:
         raise RuntimeError("compile_ahead() is already active")
     from concurrent.futures import ThreadPoolExecutor, wait
 
-    pool = ThreadPoolExecutor(threads or _settings.get().compile_threads, thread_name_prefix="attn_zoo_ahead")
+    s = _settings.get()
+    processes = s.compile_processes if processes is None else processes
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 0:
+        raise ValueError(f"compile_ahead: processes must be an int >= 0, got {processes!r}")
+    from . import precompile
+
+    if processes and not precompile._supported():
+        processes = 0  # this Triton cannot hand compiles to workers: threads
+    # (with workers, each thread waits on one worker's compile and then loads its binary here)
+    pool = ThreadPoolExecutor(processes or threads or s.compile_threads, thread_name_prefix="attn_zoo_ahead")
     jobs: Dict[Tuple, object] = {}
     with _AHEAD_LOCK:
-        _AHEAD[:] = [pool, jobs]
+        _AHEAD[:] = [pool, jobs, processes]
     try:
         yield
     finally:
@@ -157,16 +168,37 @@ def compile_ahead(threads: Optional[int] = None) -> Iterator[None]:
             _AHEAD.clear()
         wait(list(jobs.values()))
         pool.shutdown()
+        if processes and not _settings.get().compile_processes:
+            precompile.shutdown()  # the workers were for this block only (tuning misses compile in threads)
 
 
-def _compile_job(kernel, grid, args, num_warps: int, num_stages: int, constexprs: dict, key: Tuple) -> Callable:
-    """The work of compiling one launch's kernel off the caller's thread; remembered for direct launches."""
+def _compile_job(kernel, grid, args, num_warps: int, num_stages: int, constexprs: dict, key: Tuple,
+                 processes: int = 0) -> Callable:
+    """The work of compiling one launch's kernel off the caller's thread; remembered for direct launches.
+    ``processes`` > 0: compiled in one of that many worker processes first (``precompile.run_jobs``), so the compile
+    here only loads the binary from Triton's cache (a worker's failure leaves the compile to this thread)."""
     device = key[1]
+
+    def warmup():
+        return kernel.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **constexprs)
 
     def work():
         if device >= 0 and torch.cuda.is_available():
             torch.cuda.set_device(device)  # the compile's target and cache are the caller's device's
-        result = kernel.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **constexprs)
+        if processes:
+            from . import precompile
+
+            specs = precompile.capture([None], lambda _: warmup())
+            if specs:
+                precompile.run_jobs(specs, processes)
+        result = warmup()
+        if device >= 0 and torch.cuda.is_available() and hasattr(result, "_init_handles"):
+            # Triton's launcher for this signature (a C compile on a cold cache) and the module's load, here rather
+            # than in the first real launch
+            try:
+                result._init_handles()
+            except Exception:  # noqa: BLE001 - e.g. out of resources: the launch raises it again
+                pass
         if _direct_ok(kernel, args, constexprs, result):
             _COMPILED[key] = result
     return work
@@ -181,9 +213,10 @@ def _submit_ahead(kernel, grid, args: Sequence, num_warps: int, num_stages: int,
     with _AHEAD_LOCK:
         if not _AHEAD:
             return False
-        pool, jobs = _AHEAD
+        pool, jobs, processes = _AHEAD
         if key not in _COMPILED and key not in jobs:
-            jobs[key] = pool.submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key))
+            jobs[key] = pool.submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key,
+                                                 processes))
     return True
 
 

@@ -50,9 +50,36 @@ def _hook(**kw):
     sink = _CAPTURE.get()
     if sink is None:  # another thread's compile during a capture: as if our hook were not there
         return _PREVIOUS_HOOK(**kw) if _PREVIOUS_HOOK is not None else None
+    if cached(kw):
+        return None  # only a load from Triton's cache: done here (milliseconds; no worker need start)
     fn = kw["fn"]
     sink.append((fn.module, fn.name, kw["compile"]["specialization_data"]))
     return True  # compiled by a worker, not here
+
+
+def cached(hook_kw: dict) -> bool:
+    """Whether Triton's on-disk cache holds the binary of the compile that ``jit_cache_hook`` was called with
+    (``hook_kw``): the lookup ``triton.compile`` makes (its key from the kernel source, the backend, the options as
+    ``JITFunction.preload`` rebuilds them from the specialization data, and the environment). False where it cannot
+    tell (another Triton's internals): the compile then goes to a worker, which finds the binary itself."""
+    try:
+        import hashlib
+
+        from triton.runtime.cache import get_cache_key, get_cache_manager
+        from triton.runtime.jit import get_cache_invalidating_env_vars
+
+        fn, spec = hook_kw["fn"].jit_function, hook_kw["compile"]
+        backend = fn.device_caches[spec["device"]][3]
+        options = {k: tuple(v) if isinstance(v, list) else v
+                   for k, v in json.loads(spec["specialization_data"])["options"].items()}
+        src = fn.ASTSource(fn, spec["signature"], spec["constants"], spec["configs"][0])
+        options = backend.parse_options(dict(backend.parse_options(options).__dict__, **src.parse_options()))
+        key = get_cache_key(src, backend, options, get_cache_invalidating_env_vars())
+        name = f"{src.name[:150]}.json"
+        group = get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest()).get_group(name)
+        return bool(group) and name in group
+    except Exception:  # noqa: BLE001 - not knowing costs only a worker's time
+        return False
 
 
 def _supported() -> bool:
@@ -227,10 +254,39 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _stop_all() -> None:
+    """Stop every worker: all are told at once (their stdin closes), then each is waited for (killed after 5 s in
+    all), so the interpreters exit side by side rather than one after another."""
+    import time
+
     with _PROCS_LOCK:
         procs = list(_PROCS)
     for proc in procs:
-        _stop(proc)
+        for stream in (proc.stdin, proc.stdout):
+            try:
+                stream.close()
+            except Exception:  # noqa: BLE001 - a broken pipe is already closed enough
+                pass
+    deadline = time.monotonic() + 5
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - a worker that will not stop is killed
+            proc.kill()
+            proc.wait()
+    with _PROCS_LOCK:
+        for proc in procs:
+            if proc in _PROCS:
+                _PROCS.remove(proc)
+
+
+def shutdown() -> None:
+    """Stop the worker processes and their pool (the next job starts new ones)."""
+    global _POOL, _POOL_SIZE
+    with _POOL_LOCK:
+        pool, _POOL, _POOL_SIZE = _POOL, None, 0
+    if pool is not None:
+        pool.shutdown(wait=True)
+    _stop_all()
 
 
 atexit.register(_stop_all)
