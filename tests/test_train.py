@@ -201,3 +201,80 @@ def test_length_multiple_is_checked():
             MSADataModule(length_multiple=bad)
     with pytest.raises(ValueError, match="no effect with packing"):
         MaskedLMDataModule(packing=True, length_multiple=8)
+
+
+@pytest.mark.parametrize("experiment", ["pairformer_msa", "esm2_mlm"])
+def test_warmup_batches_cover_every_width_the_loader_makes(experiment, tmp_path):
+    """``warmup_batches``: one batch of ``batch_size`` rows per multiple the training examples pad to, each exactly
+    that wide, in increasing order; none with ``length_multiple`` 1; a cap on the number of widths is an error."""
+    import hydra
+
+    from attn_zoo.models.primitives import round_up
+
+    key = "msa" if experiment == "pairformer_msa" else "tokens"
+    lengths = ["data.train_samples=64"] + (["data.crop_size=100"] if experiment == "pairformer_msa" else
+                                            ["data.max_len=200"])
+
+    def module(multiple):
+        cfg = make_cfg([f"experiment={experiment}"] + EXPERIMENTS[experiment] + lengths
+                       + [f"data.length_multiple={multiple}"], tmp_path)
+        dm = hydra.utils.instantiate(cfg.data)
+        dm.setup("fit")
+        return cfg, dm
+
+    cfg, dm = module(32)
+    widths = sorted({round_up(n, 32) for n in dm.train_set.lengths()})
+    got = dm.warmup_batches()
+    assert [w for w, _ in got] == widths and len(widths) >= 2
+    for w, batch in got:
+        assert batch[key].shape[0] == cfg.data.batch_size and batch[key].shape[-1] == w
+    assert module(1)[1].warmup_batches() == []
+    with pytest.raises(ValueError, match="max_widths=1"):
+        dm.warmup_batches(max_widths=1)
+
+
+def test_length_warmup_steps_every_width_and_changes_nothing(tmp_path, monkeypatch):
+    """The ``length_warmup`` callback (in the default callbacks) runs a training step at every width the data pads
+    to, first under ``compile_ahead`` and then for real, before the first optimizer step, and the run's losses and
+    weights are exactly those of the same run without it (gradients dropped, random generators restored)."""
+    import contextlib
+
+    import attn_ops
+    from attn_zoo.models.tasks import callbacks as cb
+
+    ahead, seen, inside = [], [], []
+    real_step = cb.LengthWarmup._step
+
+    @contextlib.contextmanager
+    def compile_ahead():  # (the real block does nothing on the CPU interpreter)
+        inside.append(True)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(attn_ops, "compile_ahead", compile_ahead)
+
+    def step(trainer, pl_module, batch):
+        ahead.append(bool(inside))
+        seen.append((batch["msa"].shape[-1], trainer.global_step))
+        real_step(trainer, pl_module, batch)
+
+    monkeypatch.setattr(cb.LengthWarmup, "_step", staticmethod(step))
+    runs = {}
+    for enabled in (True, False):
+        out = tmp_path / f"warmup-{enabled}"
+        cfg = make_cfg(["experiment=pairformer_msa", "attention=torch", "logger=csv", "test=false",
+                        "trainer.max_steps=2", "trainer.limit_val_batches=0", "trainer.log_every_n_steps=1",
+                        "data.length_multiple=32", "data.crop_size=100", f"callbacks.length_warmup.enabled={enabled}"]
+                       + EXPERIMENTS["pairformer_msa"][1:], out)
+        _, objs = train.train(cfg)
+        warm = next(c for c in objs["trainer"].callbacks if isinstance(c, cb.LengthWarmup))
+        runs[enabled] = (_step_losses(out), {k: v.clone() for k, v in objs["model"].state_dict().items()}, warm)
+    widths = runs[True][2].summary["widths"]
+    assert len(widths) >= 2 and all(w % 32 == 0 for w in widths)
+    assert seen == [(w, 0) for w in widths] * 2 and ahead == [True] * len(widths) + [False] * len(widths)
+    assert runs[False][2].summary == {}
+    assert runs[True][0] == runs[False][0] and len(runs[True][0]) == 2
+    for name, value in runs[True][1].items():
+        assert torch.equal(value, runs[False][1][name]), name

@@ -23,6 +23,30 @@ class SplitDataModule(L.LightningDataModule):
     def _loader(self, ds, shuffle):
         raise NotImplementedError
 
+    def warmup_batches(self, max_widths: int = 64) -> list:
+        """[(width, batch)]: one training batch for each width the training loader can produce when lengths are
+        padded to ``length_multiple`` > 1, in increasing width: ``batch_size`` copies of one example whose length
+        pads to that width, collated as the loader collates (``callbacks.LengthWarmup`` steps through them before
+        training). Empty when ``length_multiple`` is 1 (a width per length: nothing bounds them) or the training set
+        cannot tell its examples' lengths (``lengths()``). More than ``max_widths`` widths: ValueError."""
+        from ..primitives import round_up
+
+        multiple = self.hparams.get("length_multiple", 1)
+        if multiple <= 1:
+            return []
+        self.setup("fit")
+        ds = self.train_set
+        if ds is None or not hasattr(ds, "lengths"):
+            return []
+        first = {}  # width -> the first example of that width
+        for i, n in enumerate(ds.lengths()):
+            first.setdefault(round_up(n, multiple), i)
+        if len(first) > max_widths:
+            raise ValueError(f"warmup_batches: the training set pads to {len(first)} widths (multiples of "
+                             f"{multiple} from {min(first)} to {max(first)}), more than max_widths={max_widths}")
+        collate = self._loader(ds, shuffle=False).collate_fn
+        return [(w, collate([ds[i]] * self.hparams.batch_size)) for w, i in sorted(first.items())]
+
     def train_dataloader(self):
         return self._loader(self.train_set, shuffle=True)
 

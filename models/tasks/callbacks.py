@@ -151,3 +151,66 @@ class ReportingEarlyStopping(EarlyStopping):
             )
             if trainer.is_global_zero:
                 print(f"[train] {self.report}", flush=True)
+
+
+class LengthWarmup(L.Callback):
+    """Before the first training step, one throwaway training step per batch width the data can produce (with
+    ``data.length_multiple`` > 1: ``datamodule.warmup_batches()``), first inside ``attn_ops.compile_ahead()`` (every
+    Triton kernel those steps need compiles at once, on threads) and then for real (cuBLAS meets each GEMM shape once,
+    the tuner times any key it has no config for), so that the run does not stall at its first batch of each width.
+
+    Nothing is learned: the steps' gradients are dropped, no optimizer step runs, and the random number generators
+    are restored afterwards (a run with the warm-up takes the steps one without it takes). Not in a run of several
+    processes (skipped with a warning: the warm-up's backward would not pass through the distributed wrapper).
+    ``enabled`` False: off. ``max_widths``: more widths than this is an error (a multiple too small for the data).
+    After the warm-up, ``summary`` holds the widths and the seconds it took.
+    """
+
+    def __init__(self, enabled: bool = True, max_widths: int = 64):
+        super().__init__()
+        if max_widths < 1:
+            raise ValueError(f"LengthWarmup: max_widths must be >= 1, got {max_widths}")
+        self.enabled, self.max_widths = enabled, max_widths
+        self.summary: dict = {}
+
+    def on_train_start(self, trainer, pl_module):
+        warmup = getattr(trainer.datamodule, "warmup_batches", None)
+        if not self.enabled or warmup is None:
+            return
+        import attn_ops
+
+        device = pl_module.device
+        t0 = time.perf_counter()
+        # (the examples' random crops and masks draw from the generators too)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            batches = warmup(self.max_widths)
+            if not batches:
+                return
+            if trainer.world_size > 1:
+                import warnings
+
+                warnings.warn(f"LengthWarmup: skipped in a run of {trainer.world_size} processes", RuntimeWarning)
+                return
+            with attn_ops.compile_ahead():
+                for _, batch in batches:
+                    self._step(trainer, pl_module, batch)
+            ahead = time.perf_counter() - t0
+            for _, batch in batches:
+                self._step(trainer, pl_module, batch)
+        self._sync(pl_module)
+        self.summary = dict(widths=[w for w, _ in batches], seconds=time.perf_counter() - t0, compile_ahead_s=ahead)
+        print(f"length warm-up: {len(batches)} widths ({', '.join(str(w) for w, _ in batches)}) in "
+              f"{self.summary['seconds']:.1f} s (kernels compiled ahead in {ahead:.1f} s)", flush=True)
+
+    @staticmethod
+    def _step(trainer, pl_module, batch):
+        batch = pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
+        with trainer.precision_plugin.forward_context():
+            loss = pl_module.step(batch)[0]
+        loss.backward()
+        pl_module.zero_grad(set_to_none=True)
+
+    @staticmethod
+    def _sync(pl_module):
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
