@@ -234,9 +234,10 @@ def test_warmup_batches_cover_every_width_the_loader_makes(experiment, tmp_path)
 
 
 def test_length_warmup_steps_every_width_and_changes_nothing(tmp_path, monkeypatch):
-    """The ``length_warmup`` callback (in the default callbacks) runs a training step at every width the data pads
-    to, first under ``compile_ahead`` and then for real, before the first optimizer step, and the run's losses and
-    weights are exactly those of the same run without it (gradients dropped, random generators restored)."""
+    """The ``length_warmup`` callback (in the default callbacks, off unless enabled) runs a training step at every
+    width the data pads to, first under ``compile_ahead`` and then for real, before the first optimizer step, and
+    the run's losses and weights are exactly those of the same run without it (gradients dropped, random
+    generators restored)."""
     import contextlib
 
     import attn_ops

@@ -162,8 +162,10 @@ class LengthWarmup(L.Callback):
     Nothing is learned: the steps' gradients are dropped, no optimizer step runs, and the random number generators
     are restored afterwards (a run with the warm-up takes the steps one without it takes). Not in a run of several
     processes (skipped with a warning: the warm-up's backward would not pass through the distributed wrapper).
-    ``enabled`` False: off. ``max_widths``: more widths than this is an error (a multiple too small for the data).
-    After the warm-up, ``summary`` holds the widths and the seconds it took.
+    Each width's batch repeats one example, so other batch dimensions (an MSA batch's row count is its deepest
+    example's) may still meet new values in training. ``enabled`` False: off. ``max_widths``: more widths than this
+    is an error (a multiple too small for the data). After the warm-up, ``summary`` holds the widths and the
+    seconds it took.
     """
 
     def __init__(self, enabled: bool = True, max_widths: int = 64):
