@@ -109,27 +109,18 @@ def test_compile_ahead_compiles_what_a_run_then_needs():
 
 
 @needs_ptxas
-def test_compile_ahead_in_worker_processes_loads_their_binaries():
+def test_compile_ahead_in_worker_processes_then_a_warm_cache_needs_none(tmp_path):
     """``compile_ahead`` with worker processes: every compile it asks for is a worker's job (none fails), this
     process then loads each binary the workers wrote (one binary per compile in the cache: a compile here under
     another key would add a second), the same steps compile nothing after the block, and the workers are stopped
-    at its end (``settings.compile_processes`` is 0 outside it)."""
-    rows, n, out = _compile_cost("--lengths", "40", "--kinds", "triangle", "--threads", "2", "--ahead",
-                                 "--ahead-processes", "2")
+    at its end (``settings.compile_processes`` is 0 outside it). A second run on that Triton cache finds every
+    compile there (``precompile.cached``): it loads them in this process and gives no worker a job, under
+    ``compile_ahead`` and for a tuning miss's candidates alike."""
+    base = ("--lengths", "40", "--kinds", "triangle", "--threads", "2", "--triton-cache", str(tmp_path / "triton"))
+    rows, n, out = _compile_cost(*base, "--ahead", "--ahead-processes", "2")
     ahead = next(int(line.split("|")[2]) for line in out.splitlines() if line.startswith("| all |"))
     assert ahead > 6 and n["failed"] == 0 and n["jobs"] == ahead and n["written"] == ahead, out
     assert n["binaries"] == ahead and int(rows[40][1]) == 0, out  # (the "after" row: nothing left to compile)
     assert n["workers_left"] == 0, out
-
-
-@needs_ptxas
-def test_compiles_already_in_tritons_cache_load_here_without_workers(tmp_path):
-    """A second run on the Triton cache the first filled: every compile the workers would get is found in the cache
-    (``precompile.cached``), so it loads in this process and no job goes to a worker, under ``compile_ahead`` and
-    for a tuning miss's candidates alike; nothing compiles again (the cache keeps one binary per compile)."""
-    cache = str(tmp_path / "triton")
-    base = ("--lengths", "40", "--kinds", "triangle", "--threads", "2", "--triton-cache", cache)
-    _, first, out1 = _compile_cost(*base, "--processes", "2")
-    assert first["jobs"] > 0 and first["failed"] == 0, out1
     _, again, out2 = _compile_cost(*base, "--processes", "2", "--ahead")
-    assert again["jobs"] == 0 and again["binaries"] == first["binaries"], (out1, out2)
+    assert again["jobs"] == 0 and again["binaries"] == n["binaries"], (out, out2)
