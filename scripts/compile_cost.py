@@ -247,6 +247,8 @@ def main(argv=None):
     ap.add_argument("--ahead-processes", type=int, default=None,
                     help="with --ahead: compile_ahead's worker processes (default: --processes); 0: threads")
     args = ap.parse_args(argv)
+    if args.ahead_processes is not None and (args.ahead_processes < 0 or not args.ahead):
+        ap.error(f"--ahead-processes must be >= 0 and goes with --ahead, got {args.ahead_processes}")
     if args.varlen is not None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_blocks import varlen_lengths

@@ -124,3 +124,5 @@ def test_compile_ahead_in_worker_processes_then_a_warm_cache_needs_none(tmp_path
     assert n["workers_left"] == 0, out
     _, again, out2 = _compile_cost(*base, "--processes", "2", "--ahead")
     assert again["jobs"] == 0 and again["binaries"] == n["binaries"], (out, out2)
+    _, tuned, out3 = _compile_cost(*base, "--processes", "2")  # tuning misses alone (no compile_ahead)
+    assert tuned["jobs"] == 0 and tuned["binaries"] == n["binaries"], (out, out3)

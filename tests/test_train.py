@@ -279,3 +279,22 @@ def test_length_warmup_steps_every_width_and_changes_nothing(tmp_path, monkeypat
     assert runs[True][0] == runs[False][0] and len(runs[True][0]) == 2
     for name, value in runs[True][1].items():
         assert torch.equal(value, runs[False][1][name]), name
+
+
+def test_length_warmup_skips_a_wrapped_module():
+    """Where the strategy wraps the module (DDP, FSDP) or several processes run, the warm-up is skipped with a
+    warning naming the strategy, before any step or data preparation."""
+    import types
+
+    from attn_zoo.models.tasks.callbacks import LengthWarmup
+
+    asked = []
+    module = torch.nn.Linear(2, 2)
+    for world, wrapped in ((1, object()), (2, module)):
+        trainer = types.SimpleNamespace(world_size=world, strategy=types.SimpleNamespace(model=wrapped),
+                                        datamodule=types.SimpleNamespace(warmup_batches=asked.append))
+        with pytest.warns(RuntimeWarning, match=f"skipped under SimpleNamespace \\(world size {world}\\)"):
+            LengthWarmup(enabled=True).on_train_start(trainer, module)
+    assert asked == []
+    with pytest.raises(ValueError, match="max_widths must be >= 1, got 0"):
+        LengthWarmup(max_widths=0)

@@ -795,6 +795,26 @@ def test_compile_ahead_times_and_keeps_nothing(monkeypatch):
     assert attn_ops.compiling_ahead()
 
 
+def test_compile_ahead_warns_of_compiles_that_failed(monkeypatch):
+    """A compile that fails inside ``compile_ahead`` is reported once at the block's end (count and first error);
+    the block itself completes (the kernel compiles again at its first real launch)."""
+    from attn_ops.triton import fastlaunch
+
+    monkeypatch.setattr(fastlaunch, "background_compiles", lambda: True)  # (the interpreter turns the block off)
+    monkeypatch.setattr(fastlaunch, "_device", lambda: -1)
+
+    class Broken:
+        params = ()
+
+        def warmup(self, *args, **kwargs):
+            raise RuntimeError("no such kernel")
+
+    with pytest.warns(RuntimeWarning, match=r"compile_ahead: 1 of 1 compiles failed .*no such kernel"):
+        with fastlaunch.compile_ahead(threads=1, processes=0):
+            fastlaunch.launch(Broken(), (1,), [], 4, 3)
+    assert not fastlaunch.compiling_ahead()
+
+
 def test_compile_ahead_keeps_no_segment_tables_and_no_graph_capture(monkeypatch):
     """Under compile_ahead the segment tables (built by a kernel that then runs nothing) are not cached for the ids,
     and a CUDAGraphs-wrapped module runs its module instead of capturing (a capture would hold no kernel)."""

@@ -572,21 +572,28 @@ def test_replayed_launch_plans_match_fresh_calls_gpu(variant, tma, n, monkeypatc
 
 
 @pytest.mark.parametrize("tune,processes", [(False, 0), (True, 0), (True, 2)])
-def test_compile_ahead_then_real_calls_are_exact_gpu(tune, processes, monkeypatch):
+def test_compile_ahead_then_real_calls_are_exact_gpu(tune, processes, monkeypatch, tmp_path):
     """Throwaway fwd + bwd calls under ``compile_ahead`` (the backward's kernels launched from autograd's device
-    thread; compiled on threads, or in worker processes), then real calls: every kernel it compiled has its launcher
+    thread; compiled on threads, or in worker processes: fp16 and head width 40, which no other test compiles, into
+    an empty Triton cache, so the workers have jobs), then real calls: every kernel it compiled has its launcher
     and module loaded, these calls compile nothing, match the float64 reference, and give the bits of the same
     calls made again with no launch plan or direct-launch entry kept."""
     import attn_ops
     from attn_ops.triton import fastlaunch, launch, triton_attention
     from triton.runtime.jit import JITFunction
 
+    from attn_ops.triton import precompile
+    from triton import knobs
+
     lengths = ((77, 141) if tune else (75, 139)) if not processes else (79, 143)
-    cases = [make_inputs((1, 3), 2, n, n, 32, dtype=torch.bfloat16, bias_shape=(1, 1, 2, n, n),
+    dtype, width = (torch.float16, 40) if processes else (torch.bfloat16, 32)
+    if processes:
+        monkeypatch.setattr(knobs.cache, "dir", str(tmp_path))
+    cases = [make_inputs((1, 3), 2, n, n, width, dtype=dtype, bias_shape=(1, 1, 2, n, n),
                          mask_shape=(1, 3, 1, 1, n), device="cuda") for n in lengths]
 
     def call(q, k, v, bias, mask):
-        out, lse = triton_attention(q, k, v, bias, mask, 32 ** -0.5, False)
+        out, lse = triton_attention(q, k, v, bias, mask, width ** -0.5, False)
         return [out, lse, *torch.autograd.grad((out.float() ** 2).sum() + lse.sum(), (q, k, v, bias))]
 
     compiles = []
@@ -598,9 +605,11 @@ def test_compile_ahead_then_real_calls_are_exact_gpu(tune, processes, monkeypatc
 
     monkeypatch.setattr(JITFunction, "_do_compile", counted)
     with kernel_settings(tune=tune, cache_dir=None):
+        worker_compiles = precompile.COUNTS["compiled"]
         with attn_ops.compile_ahead(processes=processes):
             for c in cases:
                 call(*c)
+        assert (precompile.COUNTS["compiled"] > worker_compiles) == bool(processes)
         assert not fastlaunch.compiling_ahead()  # (other tests may have compiled these variants already)
         assert all(getattr(k, "module", True) is not None for k in fastlaunch._COMPILED.values())
         compiles.clear()

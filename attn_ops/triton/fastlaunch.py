@@ -118,7 +118,8 @@ def compile_only() -> Iterator[None]:
 
 
 # Set by compile_ahead() for the whole process (autograd runs a CUDA backward on threads of its own): [the thread
-# pool, {signature key: Future}]; empty when off. _AHEAD_LOCK: submitting against the block's end.
+# pool, {signature key: Future}, worker processes (0: compiles on the threads)]; empty when off. _AHEAD_LOCK:
+# submitting against the block's end.
 _AHEAD: list = []
 _AHEAD_LOCK = threading.Lock()
 
@@ -170,13 +171,22 @@ def compile_ahead(threads: Optional[int] = None, processes: Optional[int] = None
         pool.shutdown()
         if processes and not _settings.get().compile_processes:
             precompile.shutdown()  # the workers were for this block only (tuning misses compile in threads)
+        failed = [f.exception() for f in jobs.values() if f.exception() is not None]
+        if failed:
+            import warnings
+
+            warnings.warn(f"compile_ahead: {len(failed)} of {len(jobs)} compiles failed (each compiles again at its "
+                          f"first real launch, which raises if it fails there too): {failed[0]!r}", RuntimeWarning,
+                          stacklevel=3)
 
 
 def _compile_job(kernel, grid, args, num_warps: int, num_stages: int, constexprs: dict, key: Tuple,
-                 processes: int = 0) -> Callable:
+                 processes: int = 0, load: bool = False) -> Callable:
     """The work of compiling one launch's kernel off the caller's thread; remembered for direct launches.
     ``processes`` > 0: compiled in one of that many worker processes first (``precompile.run_jobs``), so the compile
-    here only loads the binary from Triton's cache (a worker's failure leaves the compile to this thread)."""
+    here only loads the binary from Triton's cache (a worker's failure leaves the compile to this thread). ``load``:
+    also build Triton's launcher and load the module (only where no launch of the kernel can run meanwhile: a
+    launch would race the loading; ``compile_ahead``, where launches only submit)."""
     device = key[1]
 
     def warmup():
@@ -188,11 +198,14 @@ def _compile_job(kernel, grid, args, num_warps: int, num_stages: int, constexprs
         if processes:
             from . import precompile
 
-            specs = precompile.capture([None], lambda _: warmup())
-            if specs:
-                precompile.run_jobs(specs, processes)
+            try:
+                specs = precompile.capture([None], lambda _: warmup())
+                if specs:
+                    precompile.run_jobs(specs, processes)
+            except Exception:  # noqa: BLE001 - the workers are an optimisation: compiled here below
+                pass
         result = warmup()
-        if device >= 0 and torch.cuda.is_available() and hasattr(result, "_init_handles"):
+        if load and device >= 0 and torch.cuda.is_available() and hasattr(result, "_init_handles"):
             # Triton's launcher for this signature (a C compile on a cold cache) and the module's load, here rather
             # than in the first real launch
             try:
@@ -216,7 +229,7 @@ def _submit_ahead(kernel, grid, args: Sequence, num_warps: int, num_stages: int,
         pool, jobs, processes = _AHEAD
         if key not in _COMPILED and key not in jobs:
             jobs[key] = pool.submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key,
-                                                 processes))
+                                                 processes, load=True))
     return True
 
 

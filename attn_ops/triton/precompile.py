@@ -1,17 +1,18 @@
-"""A tuning miss's candidate compiles, done in worker processes.
+"""Triton compiles done in worker processes: a tuning miss's candidates, and ``compile_ahead(processes=N)``'s jobs.
 
-Part of every Triton compile holds the GIL (its Python front end and more), so the tuner's compile threads overlap
-only partly on a many-core host (docs/bench/varlen_h100.md); worker processes are not bound by it. Here the
-candidates' launches run compile-only in this process while Triton's ``jit_cache_hook`` captures each compile's
-specialization and skips it; worker processes compile them (``JITFunction.preload``) into Triton's on-disk cache,
-and the timing launches that follow load the binaries from there.
+Part of every Triton compile holds the GIL (its Python front end and more), so compile threads overlap only partly
+on a many-core host (docs/bench/varlen_h100.md); worker processes are not bound by it. Here the launches run
+compile-only in this process while Triton's ``jit_cache_hook`` captures each compile's specialization and skips it
+(unless Triton's cache already holds the binary: :func:`cached`, then it loads here); worker processes compile them
+(``JITFunction.preload``) into Triton's on-disk cache, and the launches that follow load the binaries from there.
 
 Workers are plain subprocesses (``python -c``, so a user's script is never re-imported as with multiprocessing's
-spawn), one per thread of a small pool, started at the first miss and kept for the process's life. They never
-touch a GPU: Triton's driver there is a stand-in that reports this process's compile target. Anything that fails
-leaves the compile to the timing launch, as without workers (one warning says why). Off by default
-(``settings.compile_processes`` 0): on the 16-core H100 host, 8 workers made a cold varlen run slower than 8
-threads (docs/bench/varlen_h100.md).
+spawn), one per thread of a small pool, started at the first job and kept until :func:`shutdown` (which
+``compile_ahead`` calls at its end unless ``settings.compile_processes`` keeps them for tuning misses) or the
+process's exit. They never touch a GPU: Triton's driver there is a stand-in that reports this process's compile
+target. Anything that fails leaves the compile to this process, as without workers (one warning says why). Off by
+default (``settings.compile_processes`` 0): worker processes did not beat 8 threads on the H100 host measured
+(docs/bench/varlen_h100.md, docs/bench/issue20_h200.md).
 """
 from __future__ import annotations
 
@@ -65,9 +66,13 @@ def cached(hook_kw: dict) -> bool:
     try:
         import hashlib
 
+        from triton import knobs
         from triton.runtime.cache import get_cache_key, get_cache_manager
         from triton.runtime.jit import get_cache_invalidating_env_vars
 
+        if getattr(knobs.compilation, "always_compile", False) or \
+                getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None:
+            return False  # triton.compile would compile anyway
         fn, spec = hook_kw["fn"].jit_function, hook_kw["compile"]
         backend = fn.device_caches[spec["device"]][3]
         options = {k: tuple(v) if isinstance(v, list) else v
@@ -180,8 +185,9 @@ def run_jobs(jobs: Sequence[Tuple[str, str, str]], processes: int) -> int:
         for f in futures:
             f.cancel()
         raise
-    COUNTS["compiled"] += len(futures) - len(errors)
-    COUNTS["failed"] += len(errors)
+    with _POOL_LOCK:
+        COUNTS["compiled"] += len(futures) - len(errors)
+        COUNTS["failed"] += len(errors)
     if errors and not _WARNED:
         _WARNED = True
         warnings.warn(f"attn_ops: {len(errors)} of {len(futures)} candidate compiles failed in worker processes "

@@ -156,12 +156,13 @@ class ReportingEarlyStopping(EarlyStopping):
 class LengthWarmup(L.Callback):
     """Before the first training step, one throwaway training step per batch width the data can produce (with
     ``data.length_multiple`` > 1: ``datamodule.warmup_batches()``), first inside ``attn_ops.compile_ahead()`` (every
-    Triton kernel those steps need compiles at once, on threads) and then for real (cuBLAS meets each GEMM shape once,
+    Triton kernel those steps need compiles at once) and then for real (cuBLAS meets each GEMM shape once,
     the tuner times any key it has no config for), so that the run does not stall at its first batch of each width.
 
     Nothing is learned: the steps' gradients are dropped, no optimizer step runs, and the random number generators
-    are restored afterwards (a run with the warm-up takes the steps one without it takes). Not in a run of several
-    processes (skipped with a warning: the warm-up's backward would not pass through the distributed wrapper).
+    are restored afterwards (a run with the warm-up takes the steps one without it takes). Not where the strategy
+    wraps the module (DDP, FSDP, several processes: skipped with a warning, as the warm-up's steps would not pass
+    through the wrapper).
     Each width's batch repeats one example, so other batch dimensions (an MSA batch's row count is its deepest
     example's) may still meet new values in training. ``enabled`` False: off. ``max_widths``: more widths than this
     is an error (a multiple too small for the data). After the warm-up, ``summary`` holds the widths and the
@@ -179,21 +180,25 @@ class LengthWarmup(L.Callback):
         warmup = getattr(trainer.datamodule, "warmup_batches", None)
         if not self.enabled or warmup is None:
             return
+        if trainer.world_size > 1 or trainer.strategy.model is not pl_module:
+            import warnings
+
+            warnings.warn(f"LengthWarmup: skipped under {type(trainer.strategy).__name__} (world size "
+                          f"{trainer.world_size}): its steps would not pass through the strategy's wrapper",
+                          RuntimeWarning)
+            return
         import attn_ops
 
         device = pl_module.device
-        t0 = time.perf_counter()
+        rng = dict(devices=[]) if device.type == "cpu" else dict(devices=[device], device_type=device.type)
         # (the examples' random crops and masks draw from the generators too)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.random.fork_rng(**rng):
             batches = warmup(self.max_widths)
             if not batches:
                 return
-            if trainer.world_size > 1:
-                import warnings
-
-                warnings.warn(f"LengthWarmup: skipped in a run of {trainer.world_size} processes", RuntimeWarning)
-                return
-            with attn_ops.compile_ahead():
+            t0 = time.perf_counter()
+            # (the throwaway steps' values are garbage: no anomaly check there)
+            with attn_ops.compile_ahead(), torch.autograd.set_detect_anomaly(False):
                 for _, batch in batches:
                     self._step(trainer, pl_module, batch)
             ahead = time.perf_counter() - t0
@@ -206,8 +211,11 @@ class LengthWarmup(L.Callback):
 
     @staticmethod
     def _step(trainer, pl_module, batch):
+        # the fit loop's way into a training step: the module's transfer hooks, the precision plugin's input cast
+        batch = pl_module.on_before_batch_transfer(batch, 0)
         batch = pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
-        with trainer.precision_plugin.forward_context():
+        batch = trainer.precision_plugin.convert_input(pl_module.on_after_batch_transfer(batch, 0))
+        with trainer.precision_plugin.train_step_context():
             loss = pl_module.step(batch)[0]
         loss.backward()
         pl_module.zero_grad(set_to_none=True)
