@@ -47,7 +47,7 @@ def test_workers_compile_what_this_process_then_loads():
     # the tuned keys' candidates went to the workers (kernels with a single candidate at this length compile here)
     assert n["failed"] == 0 and compiles > n["jobs"] >= compiles // 2 and n["written"] == n["jobs"], out
     assert n["binaries"] == compiles, out
-    rows0, n0, out0 = _compile_cost("--lengths", "40", "--kinds", "triangle", "--threads", "1")
+    rows0, n0, out0 = _compile_cost("--lengths", "40", "--kinds", "triangle", "--threads", "2")
     assert n0["jobs"] == 0 and n0["binaries"] == n["binaries"], out0
     assert rows0[40][1] == rows[40][1] and rows0[40][3] == rows[40][3], (out0, out)
 
@@ -101,11 +101,12 @@ def test_compile_ahead_compiles_what_a_run_then_needs():
                 got[which] = int(line.split("|")[2])
         return got
 
-    args = ("--lengths", "40,64", "--kinds", "triangle", "--threads", "2")  # (64: a tile multiple)
+    # (64: a tile multiple; untuned: one config per kernel, the tuned path is the worker test's below)
+    args = ("--lengths", "40,64", "--kinds", "triangle", "--threads", "2", "--no-tune")
     _, _, plain = _compile_cost(*args)
     _, _, ahead = _compile_cost(*args, "--ahead")
     p, a = tables(plain), tables(ahead)
-    assert p["plain"] > 10 and p["plain"] <= a["ahead"] <= p["plain"] + 2 and a["after"] == 0, (plain, ahead)
+    assert p["plain"] >= 8 and p["plain"] <= a["ahead"] <= p["plain"] + 2 and a["after"] == 0, (plain, ahead)
 
 
 @needs_ptxas
