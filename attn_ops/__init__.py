@@ -28,6 +28,7 @@ def backends():
 
 __all__ = [
     "attention", "attention_reference", "backends", "blockwise_attention", "compile_ahead", "compiling_ahead",
-    "kernel_settings", "merge_partials", "pretune", "registry", "ring_attention", "ring_positions", "settings", "shard_sequence", "unshard_sequence",
+    "kernel_settings", "merge_partials", "pretune", "registry", "ring_attention", "ring_positions", "settings",
+    "shard_sequence", "unshard_sequence",
     "zigzag_merge", "zigzag_split",
 ]

@@ -73,7 +73,8 @@ class CUDAGraphs(nn.Module):
     The first call with an input signature (shapes, dtypes, which inputs require grad, train/eval mode, the autocast
     dtype) captures it with ``torch.cuda.make_graphed_callables`` (``warmup_iters`` eager steps on a side stream, then
     the capture); later calls with that signature replay it. At most ``max_graphs`` captures are kept, each with its
-    own memory pool (about one step's activations); the least recently used goes first. A new length is a new capture: use it where lengths repeat (a training crop size).
+    own memory pool (about one step's activations); the least recently used goes first. A new length is a new
+    capture: use it where lengths repeat (a training crop size).
 
     Differences from calling ``module`` (otherwise the same outputs and gradients: GPU test):
     - under autocast, the module runs with ``cache_enabled=False`` (CUDA graphs need it);

@@ -519,7 +519,8 @@ def write_varlen_markdown(path, rows, env, lengths, empty_cache: bool = False, m
         lines.append("| " + " | ".join(cells) + " |")
     noted = [r for r in rows if r["ratio"] != "" and r["note"] and int(r["step"]) >= 0]
     if noted:
-        lines += [""] + [f"- step {r['step']} ({r['backend']}, first/steady {r['ratio']:.2f}): {r['note']}" for r in noted]
+        lines += [""] + [f"- step {r['step']} ({r['backend']}, first/steady {r['ratio']:.2f}): {r['note']}"
+                         for r in noted]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -723,8 +724,8 @@ def parse_args(argv=None):
     p.add_argument("--varlen-no-ahead", action="store_true",
                    help="--varlen-warmup without attn_ops.compile_ahead (kernels compile one by one as met)")
     p.add_argument("--varlen-ahead-processes", type=int, default=None, metavar="N",
-                   help="worker processes compiling --varlen-warmup's kernels ahead (default: settings.compile_processes; "
-                        "0: threads)")
+                   help="worker processes compiling --varlen-warmup's kernels ahead (default: "
+                        "settings.compile_processes; 0: threads)")
     p.add_argument("--varlen-worker", default=None, choices=list(VARLEN_CHOICES), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.time_limit is None:

@@ -171,7 +171,7 @@ def compile_ahead(threads: Optional[int] = None, processes: Optional[int] = None
         pool.shutdown()
         if processes and not _settings.get().compile_processes:
             precompile.shutdown()  # the workers were for this block only (tuning misses compile in threads)
-        failed = [f.exception() for f in jobs.values() if f.exception() is not None]
+        failed = [e for e in (f.exception() for f in jobs.values()) if e is not None]
         if failed:
             import warnings
 

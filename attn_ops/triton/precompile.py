@@ -243,29 +243,11 @@ def _start(setup: Tuple) -> subprocess.Popen:
     return proc
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    for stream in (proc.stdin, proc.stdout):
-        try:
-            stream.close()
-        except Exception:  # noqa: BLE001 - a broken pipe is already closed enough
-            pass
-    try:
-        proc.wait(timeout=5)
-    except Exception:  # noqa: BLE001 - a worker that will not stop is killed
-        proc.kill()
-        proc.wait()
-    with _PROCS_LOCK:
-        if proc in _PROCS:
-            _PROCS.remove(proc)
-
-
-def _stop_all() -> None:
-    """Stop every worker: all are told at once (their stdin closes), then each is waited for (killed after 5 s in
+def _stop(*procs: subprocess.Popen) -> None:
+    """Stop these workers: all are told at once (their stdin closes), then each is waited for (killed after 5 s in
     all), so the interpreters exit side by side rather than one after another."""
     import time
 
-    with _PROCS_LOCK:
-        procs = list(_PROCS)
     for proc in procs:
         for stream in (proc.stdin, proc.stdout):
             try:
@@ -283,6 +265,12 @@ def _stop_all() -> None:
         for proc in procs:
             if proc in _PROCS:
                 _PROCS.remove(proc)
+
+
+def _stop_all() -> None:
+    with _PROCS_LOCK:
+        procs = list(_PROCS)
+    _stop(*procs)
 
 
 def shutdown() -> None:
