@@ -233,6 +233,27 @@ def test_warmup_batches_cover_every_width_the_loader_makes(experiment, tmp_path)
         dm.warmup_batches(max_widths=1)
 
 
+def test_warmup_batches_take_the_deepest_msa_of_each_width():
+    """A batch has as many MSA rows as its deepest example, so the warm-up batch of a width repeats that width's
+    deepest example (its attention calls then have the row count most training batches of that width get), even
+    where a shallower example of the width comes first."""
+    from attn_zoo.models.data.msa import MSADataModule
+    from attn_zoo.models.primitives import round_up
+
+    dm = MSADataModule(crop_size=100, train_samples=16, length_multiple=32, batch_size=2)
+    dm.setup("fit")
+    ds = dm.train_set
+    ds.entries = sorted(ds.entries, key=lambda e: e.msa.shape[0])  # the shallowest first
+    deepest = {}
+    for n, d in zip(ds.lengths(), ds.depths()):
+        deepest.setdefault(round_up(n, 32), set()).add(d)
+    assert any(len(d) > 1 for d in deepest.values()), deepest  # a width whose first example is not its deepest
+    got = dm.warmup_batches()
+    assert [w for w, _ in got] == sorted(deepest)
+    for w, batch in got:
+        assert batch["msa"].shape == (2, max(deepest[w]), w)
+
+
 def test_length_warmup_steps_every_width_and_changes_nothing(tmp_path, monkeypatch):
     """The ``length_warmup`` callback (in the default callbacks, off unless enabled) runs a training step at every
     width the data pads to, first under ``compile_ahead`` and then for real, before the first optimizer step, and

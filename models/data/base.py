@@ -27,8 +27,11 @@ class SplitDataModule(L.LightningDataModule):
         """[(width, batch)]: one training batch for each width the training loader can produce when lengths are
         padded to ``length_multiple`` > 1, in increasing width: ``batch_size`` copies of one example whose length
         pads to that width, collated as the loader collates (``callbacks.LengthWarmup`` steps through them before
-        training). Empty when ``length_multiple`` is 1 (a width per length: nothing bounds them) or the training set
-        cannot tell its examples' lengths (``lengths()``). More than ``max_widths`` widths: ValueError."""
+        training). Where the training set tells each example's MSA rows (``depths()``), the example is the deepest
+        of its width: a batch has as many rows as its deepest example, so this is the row count most training
+        batches of that width get (the attention kernels' tuning keys include it). Empty when ``length_multiple``
+        is 1 (a width per length: nothing bounds them) or the training set cannot tell its examples' lengths
+        (``lengths()``). More than ``max_widths`` widths: ValueError."""
         from ..primitives import round_up
 
         multiple = self.hparams.get("length_multiple", 1)
@@ -38,14 +41,17 @@ class SplitDataModule(L.LightningDataModule):
         ds = self.train_set
         if ds is None or not hasattr(ds, "lengths"):
             return []
-        first = {}  # width -> the first example of that width
+        depths = ds.depths() if hasattr(ds, "depths") else None
+        pick = {}  # width -> the first of its deepest examples
         for i, n in enumerate(ds.lengths()):
-            first.setdefault(round_up(n, multiple), i)
-        if len(first) > max_widths:
-            raise ValueError(f"warmup_batches: the training set pads to {len(first)} widths (multiples of "
-                             f"{multiple} from {min(first)} to {max(first)}), more than max_widths={max_widths}")
+            w = round_up(n, multiple)
+            if w not in pick or (depths is not None and depths[i] > depths[pick[w]]):
+                pick[w] = i
+        if len(pick) > max_widths:
+            raise ValueError(f"warmup_batches: the training set pads to {len(pick)} widths (multiples of "
+                             f"{multiple} from {min(pick)} to {max(pick)}), more than max_widths={max_widths}")
         collate = self._loader(ds, shuffle=False).collate_fn
-        return [(w, collate([ds[i]] * self.hparams.batch_size)) for w, i in sorted(first.items())]
+        return [(w, collate([ds[i]] * self.hparams.batch_size)) for w, i in sorted(pick.items())]
 
     def train_dataloader(self):
         return self._loader(self.train_set, shuffle=True)

@@ -117,6 +117,11 @@ class MSADataset(Dataset):
         per_entry = [min(e.msa.shape[1], self.crop_size or e.msa.shape[1]) for e in self.entries]
         return [per_entry[i % len(per_entry)] for i in range(self.num_samples)]
 
+    def depths(self) -> list[int]:
+        """Each example's MSA row count (at most ``msa_depth``): a batch has the most of its examples'."""
+        per_entry = [min(e.msa.shape[0], self.msa_depth) for e in self.entries]
+        return [per_entry[i % len(per_entry)] for i in range(self.num_samples)]
+
     def __getitem__(self, i: int) -> dict:
         e = self.entries[i % len(self.entries)]
         g = None if self.seed is None else torch.Generator().manual_seed(self.seed * 1_000_003 + i)
