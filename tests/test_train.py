@@ -234,24 +234,37 @@ def test_warmup_batches_cover_every_width_the_loader_makes(experiment, tmp_path)
 
 
 def test_warmup_batches_take_the_deepest_msa_of_each_width():
-    """A batch has as many MSA rows as its deepest example, so the warm-up batch of a width repeats that width's
-    deepest example (its attention calls then have the row count most training batches of that width get), even
-    where a shallower example of the width comes first."""
+    """A batch has as many MSA rows as its deepest example, narrower ones included, so the warm-up batch of a width
+    holds that width's deepest example and, in its other places, the deepest example of that width or narrower: the
+    row count a training batch of that width most likely gets, even where a shallower example of the width comes
+    first, and for a width of shallow examples only (the sample's structure-only proteins have one row)."""
+    import dataclasses
+
     from attn_zoo.models.data.msa import MSADataModule
     from attn_zoo.models.primitives import round_up
 
     dm = MSADataModule(crop_size=100, train_samples=16, length_multiple=32, batch_size=2)
     dm.setup("fit")
     ds = dm.train_set
-    ds.entries = sorted(ds.entries, key=lambda e: e.msa.shape[0])  # the shallowest first
+    # the shallowest first, and one deep alignment cut short: a narrow width with a deep MSA below a wider one of
+    # single sequences (the sample's structure-only proteins)
+    ds.entries = sorted(ds.entries, key=lambda e: e.msa.shape[0])
+    cut = next(i for i, e in enumerate(ds.entries) if e.msa.shape[0] >= 32)
+    e = ds.entries[cut]
+    ds.entries[cut] = dataclasses.replace(e, msa=e.msa[:, :60], distogram=e.distogram[:60, :60],
+                                          distogram_mask=e.distogram_mask[:60, :60],
+                                          residue_index=None if e.residue_index is None else e.residue_index[:60])
     deepest = {}
     for n, d in zip(ds.lengths(), ds.depths()):
         deepest.setdefault(round_up(n, 32), set()).add(d)
     assert any(len(d) > 1 for d in deepest.values()), deepest  # a width whose first example is not its deepest
+    assert any(max(deepest[v]) > max(deepest[w]) for v in deepest for w in deepest if v < w), deepest
     got = dm.warmup_batches()
     assert [w for w, _ in got] == sorted(deepest)
     for w, batch in got:
-        assert batch["msa"].shape == (2, max(deepest[w]), w)
+        rows = max(d for v, ds_ in deepest.items() if v <= w for d in ds_)
+        assert batch["msa"].shape == (2, rows, w)
+        assert round_up(int(batch["seq_mask"][0].sum()), 32) == w  # the first example is of this width
 
 
 def test_length_warmup_steps_every_width_and_changes_nothing(tmp_path, monkeypatch):

@@ -25,13 +25,14 @@ class SplitDataModule(L.LightningDataModule):
 
     def warmup_batches(self, max_widths: int = 64) -> list:
         """[(width, batch)]: one training batch for each width the training loader can produce when lengths are
-        padded to ``length_multiple`` > 1, in increasing width: ``batch_size`` copies of one example whose length
-        pads to that width, collated as the loader collates (``callbacks.LengthWarmup`` steps through them before
-        training). Where the training set tells each example's MSA rows (``depths()``), the example is the deepest
-        of its width: a batch has as many rows as its deepest example, so this is the row count most training
-        batches of that width get (the attention kernels' tuning keys include it). Empty when ``length_multiple``
-        is 1 (a width per length: nothing bounds them) or the training set cannot tell its examples' lengths
-        (``lengths()``). More than ``max_widths`` widths: ValueError."""
+        padded to ``length_multiple`` > 1, in increasing width, collated as the loader collates
+        (``callbacks.LengthWarmup`` steps through them before training): ``batch_size`` examples, the first of
+        which pads to that width. Where the training set tells each example's MSA rows (``depths()``), a batch has
+        as many rows as the deepest of its examples, narrower ones included, so the first is the width's deepest
+        example and the others are the deepest example of that width or narrower: the row count a training batch
+        of that width most likely gets (the attention kernels' tuning keys include it); else all are copies of the
+        width's first example. Empty when ``length_multiple`` is 1 (a width per length: nothing bounds them) or the training set cannot
+        tell its examples' lengths (``lengths()``). More than ``max_widths`` widths: ValueError."""
         from ..primitives import round_up
 
         multiple = self.hparams.get("length_multiple", 1)
@@ -41,17 +42,22 @@ class SplitDataModule(L.LightningDataModule):
         ds = self.train_set
         if ds is None or not hasattr(ds, "lengths"):
             return []
-        depths = ds.depths() if hasattr(ds, "depths") else None
+        widths = [round_up(n, multiple) for n in ds.lengths()]
+        depths = ds.depths() if hasattr(ds, "depths") else [0] * len(widths)
         pick = {}  # width -> the first of its deepest examples
-        for i, n in enumerate(ds.lengths()):
-            w = round_up(n, multiple)
-            if w not in pick or (depths is not None and depths[i] > depths[pick[w]]):
+        for i, w in enumerate(widths):
+            if w not in pick or depths[i] > depths[pick[w]]:
                 pick[w] = i
         if len(pick) > max_widths:
             raise ValueError(f"warmup_batches: the training set pads to {len(pick)} widths (multiples of "
                              f"{multiple} from {min(pick)} to {max(pick)}), more than max_widths={max_widths}")
         collate = self._loader(ds, shuffle=False).collate_fn
-        return [(w, collate([ds[i]] * self.hparams.batch_size)) for w, i in sorted(pick.items())]
+        out, deepest = [], None  # deepest: the first of the deepest examples up to this width
+        for w, i in sorted(pick.items()):
+            if deepest is None or depths[i] > depths[deepest]:
+                deepest = i
+            out.append((w, collate([ds[i]] + [ds[deepest]] * (self.hparams.batch_size - 1))))
+        return out
 
     def train_dataloader(self):
         return self._loader(self.train_set, shuffle=True)

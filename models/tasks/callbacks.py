@@ -162,9 +162,9 @@ class LengthWarmup(L.Callback):
     Nothing is learned: the steps' gradients are dropped, no optimizer step runs, and the random number generators
     are restored afterwards (a run with the warm-up takes the steps one without it takes). Not where the strategy
     wraps the module (DDP, FSDP, several processes: skipped with a warning, as the warm-up's steps would not pass
-    through the wrapper). Each width's batch repeats one example, the deepest of its width where the data tells MSA
-    depths (an MSA batch's row count is its deepest example's); a training batch whose examples are all shallower
-    still meets a new row count. ``enabled`` False: off.
+    through the wrapper). Where the data tells MSA depths, each width's batch has the row count a training batch of
+    that width most likely gets (the deepest of that width and narrower, ``warmup_batches``); a training batch whose
+    examples are all shallower still meets a new row count. ``enabled`` False: off.
     ``max_widths``: more widths than this is an error (a multiple too small for the data). After the warm-up,
     ``summary`` holds the widths and the seconds it took.
     """
