@@ -204,9 +204,10 @@ def attn_bwd_dkdv_kernel(
         dQ_r = dQacc + q_off
     keep = key_rows(Mask_r, offs_n, s_mn, Lk, HAS_MASK)
     # A key mask fixes this program's masked keys, and the query loop never mixes key rows: where no dS leaves the
-    # program (no fused dQ, no dBias written here), their dK and dV rows are zeroed once at the end instead of a
-    # select on every score (garbage in a masked key's v or bias stays in its own rows); else they get -inf logits.
-    MASK_AFTER: tl.constexpr = HAS_MASK == 1 and not FUSED_DQ and not DIRECT_DBIAS and not ATOMIC_DBIAS
+    # program (no fused dQ, no dBias written here; two rows per program come only with the atomic dBias), their dK
+    # and dV rows are zeroed once at the end instead of a select on every score (garbage in a masked key's v or bias
+    # stays in its own rows); else they get -inf logits.
+    MASK_AFTER: tl.constexpr = HAS_MASK == 1 and not FUSED_DQ and not DIRECT_DBIAS and not ATOMIC_DBIAS and ROWS == 1
     LOOP_MASK: tl.constexpr = HAS_MASK - MASK_AFTER  # the key mask as the query loop applies it
     k = load_rows(K + k_off, offs_n, s_kn, offs_d, D, keep)  # [BN, BD]
     v = load_rows(V + v_off, offs_n, s_vn, offs_dv, Dv, n_ok)  # [BN, BDV]
@@ -245,22 +246,19 @@ def attn_bwd_dkdv_kernel(
             if HAS_BIAS:
                 # once for both rows
                 biasT = tl.trans(bias_f32(Bias, bg, m0, n0, offs_m, offs_n, s_bm, s_bn, Lq, Lk, CHECK, HAS_BIAS))
-            baddT = key_terms_t(biasT, keep, HAS_BIAS, LOOP_MASK)
+            baddT = key_terms_t(biasT, keep, HAS_BIAS, HAS_MASK)
             dk, dv, dsT = _dkdv_step(dk, dv, k, v, Q_r, dO_r, Lse + row, Delta + row, Mask_r, dQ_r, zq, baddT,
                                      m0, offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm, s_mn, scale,
-                                     HAS_BIAS, LOOP_MASK, False, CHECK, FUSED_DQ, EVEN_D, BLOCK_D, BLOCK_DV,
+                                     HAS_BIAS, HAS_MASK, False, CHECK, FUSED_DQ, EVEN_D, BLOCK_D, BLOCK_DV,
                                      QSeg_r, kid, False)
-            baddT2 = key_terms_t(biasT, keep2, HAS_BIAS, LOOP_MASK)  # the second row's own key mask
+            baddT2 = key_terms_t(biasT, keep2, HAS_BIAS, HAS_MASK)  # the second row's own key mask
             dk2, dv2, dsT2 = _dkdv_step(dk2, dv2, k2, v2, Q + q_off2, dO2, Lse + row2, Delta + row2, Mask2,
                                         dQ_r, zq, baddT2, m0, offs_m, offs_n, Lq, Lk, D, Dv, s_qm, s_dm, s_mm,
-                                        s_mn, scale, HAS_BIAS, LOOP_MASK, False, CHECK,
+                                        s_mn, scale, HAS_BIAS, HAS_MASK, False, CHECK,
                                         FUSED_DQ, EVEN_D, BLOCK_D, BLOCK_DV, QSeg_r, kid, False)
             if ATOMIC_DBIAS:
                 _store_dbias_t(dBias, gz, dsT + dsT2 * w2, m0, n0, offs_m, offs_n, Lq, Lk, s_gm, s_gn, ATOMIC_DBIAS)
         if r + 1 < R:
-            if MASK_AFTER:
-                dk2 = tl.where(keep2[:, None], dk2, 0.0)
-                dv2 = tl.where(keep2[:, None], dv2, 0.0)
             _store_dkdv(dK + k_off2, dV + v_off2, dk2, dv2, offs_n, s_kn, s_vn, Lk, D, Dv, scale, BLOCK_D, BLOCK_DV)
     elif CAUSAL:
         # query m sees key n iff m >= n - (Lk - Lq): tiles from lo hold the diagonal up to m_full; after, no test
