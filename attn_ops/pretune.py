@@ -81,9 +81,10 @@ def compile_ahead(threads: Optional[int] = None, processes: Optional[int] = None
     with ``processes`` > 0 (default ``settings.compile_processes``) the compiles run in that many worker processes,
     which the GIL does not hold back (the workers stop at the block's end unless ``settings.compile_processes`` keeps
     them for tuning misses). The block ends when every compile has. No launch plan is kept and no tuning is timed
-    (a tuning miss compiles its candidates; the first real call times them). Everything else in the step runs (cuBLAS meets its GEMM shapes),
-    on garbage values. On the CPU interpreter, without Triton or with ``settings.fast_launch`` off it does nothing.
-    Not during a CUDA graph capture (RuntimeError): run the plain module, then capture.
+    (a tuning miss compiles its candidates; the first real call times them). Everything else in the step runs
+    (cuBLAS meets its GEMM shapes), on garbage values. On the CPU interpreter, without Triton or with
+    ``settings.fast_launch`` off it does nothing. Not during a CUDA graph capture (RuntimeError): run the plain
+    module, then capture.
     """
     try:
         from .triton.fastlaunch import compile_ahead as _ahead

@@ -268,6 +268,7 @@ def _stop(*procs: subprocess.Popen) -> None:
 
 
 def _stop_all() -> None:
+    """Stop every worker this process started (:func:`_stop`)."""
     with _PROCS_LOCK:
         procs = list(_PROCS)
     _stop(*procs)

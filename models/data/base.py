@@ -31,8 +31,8 @@ class SplitDataModule(L.LightningDataModule):
         as many rows as the deepest of its examples, narrower ones included, so the first is the width's deepest
         example and the others are the deepest example of that width or narrower: the row count a training batch
         of that width most likely gets (the attention kernels' tuning keys include it); else all are copies of the
-        width's first example. Empty when ``length_multiple`` is 1 (a width per length: nothing bounds them) or the training set cannot
-        tell its examples' lengths (``lengths()``). More than ``max_widths`` widths: ValueError."""
+        width's first example. Empty when ``length_multiple`` is 1 (a width per length: nothing bounds them) or the
+        training set cannot tell its examples' lengths (``lengths()``). More than ``max_widths`` widths: ValueError."""
         from ..primitives import round_up
 
         multiple = self.hparams.get("length_multiple", 1)

@@ -112,15 +112,17 @@ class MSADataset(Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
+    def _per_example(self, per_entry: list[int]) -> list[int]:
+        """A value per entry -> one per example (examples cycle over the entries)."""
+        return [per_entry[i % len(per_entry)] for i in range(self.num_samples)]
+
     def lengths(self) -> list[int]:
         """Each example's residue count (crops are at most ``crop_size``)."""
-        per_entry = [min(e.msa.shape[1], self.crop_size or e.msa.shape[1]) for e in self.entries]
-        return [per_entry[i % len(per_entry)] for i in range(self.num_samples)]
+        return self._per_example([min(e.msa.shape[1], self.crop_size or e.msa.shape[1]) for e in self.entries])
 
     def depths(self) -> list[int]:
         """Each example's MSA row count (at most ``msa_depth``): a batch has the most of its examples'."""
-        per_entry = [min(e.msa.shape[0], self.msa_depth) for e in self.entries]
-        return [per_entry[i % len(per_entry)] for i in range(self.num_samples)]
+        return self._per_example([min(e.msa.shape[0], self.msa_depth) for e in self.entries])
 
     def __getitem__(self, i: int) -> dict:
         e = self.entries[i % len(self.entries)]
