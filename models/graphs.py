@@ -79,7 +79,12 @@ class CUDAGraphs(nn.Module):
     Differences from calling ``module`` (otherwise the same outputs and gradients: GPU test):
     - under autocast, the module runs with ``cache_enabled=False`` (CUDA graphs need it);
     - dropout draws new masks on every replay, from the graph-safe generator state, not the eager sequence;
-    - in-place parameter updates (optimizers, ``load_state_dict``) are seen by the captured steps.
+    - in-place parameter updates (optimizers, ``load_state_dict``) are seen by the captured steps;
+    - recent PyTorch (2.11 measured) warns once that "The AccumulateGrad node's stream does not match the stream of
+      the node that produced the incoming gradient": ``make_graphed_callables`` keeps the parameters' gradient
+      accumulators of its capture, made on its side stream, so each backward syncs that stream per parameter.
+      Harmless: no measurable step time (docs/bench/issue20_h200.md, "Stop 46"); accumulators made on the caller's
+      stream instead break the capture.
 
     Calls it cannot capture run ``module`` as is: tensors off CUDA or on several devices, non-tensor or keyword
     arguments, autograd off (the graphs hold a backward), ``torch.compile`` tracing, an ongoing capture; and a call
