@@ -11,6 +11,24 @@ from .inputs import check_inputs, check_segment_ids, describe
 Tensor = torch.Tensor
 
 
+class _Empty(torch.autograd.Function):
+    """Attention with Lq = 0 or Lk = 0: out zeros ``[*batch, H, Lq, Dv]`` (empty when Lq = 0; every row has no key
+    when Lk = 0), lse -inf ``[*batch, H, Lq]``; gradients zeros shaped as q, k, v and the bias."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor]):
+        ctx.shapes = [None if t is None else (t.shape, t.dtype, t.device) for t in (q, k, v, bias)]
+        out = q.new_zeros(q.shape[:-1] + v.shape[-1:])  # [*batch, H, Lq, Dv]
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=lse_dtype, device=q.device)  # [*batch, H, Lq]
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        return tuple(None if sh is None or not need else torch.zeros(sh[0], dtype=sh[1], device=sh[2])
+                     for sh, need in zip(ctx.shapes, ctx.needs_input_grad))
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -56,7 +74,12 @@ def attention(
         out ``[*batch, H, Lq, Dv]`` in q's dtype; with ``return_lse``, also lse ``[*batch, H, Lq]`` float32
         (float64 for float64 inputs): the natural log of the softmax denominator of the scaled, biased,
         masked logits. lse is differentiable (d lse / d logits = softmax). A query row with no key to attend
-        gives out 0, lse -inf and zero gradients.
+        gives out 0, lse -inf and zero gradients. Lq = 0 gives empty out and lse; Lk = 0 makes every row such a row
+        (out 0, lse -inf), as SDPA; the gradients are zeros shaped as q, k, v and the bias, for every backend.
+
+    Bias values: -inf masks a key; +inf is invalid (softmax would be inf/inf: NaN out, lse and gradients).
+    A ValueError naming ``bias`` reports a +inf on the CPU (one reduction, no device sync); on an accelerator
+    it is not checked (a check would cost a host sync per call) and gives NaN. Nor under torch.compile.
     """
     bias, mask, scale = check_inputs(q, k, v, bias, mask, scale)
     if not isinstance(causal, bool):
@@ -70,6 +93,9 @@ def attention(
             f"backend {chosen.name!r} got unknown option(s) {sorted(unknown)}; "
             f"it accepts {sorted(chosen.options) or 'none'}"
         )
+    if q.shape[-2] == 0 or k.shape[-2] == 0:  # one answer for every backend, before any kernel sees a 0 length
+        out, lse = _Empty.apply(q, k, v, bias)
+        return (out, lse) if return_lse else out
     if segment_ids is not None:  # backends that declare segment_ids take them as a keyword
         options["segment_ids"] = segment_ids
     out, lse = chosen.load()(q, k, v, bias, mask, scale, causal, deterministic, **options)

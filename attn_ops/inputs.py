@@ -86,8 +86,8 @@ def check_inputs(q, k, v, bias, mask, scale):
         raise ValueError(f"q and k head dims differ: q {_shape(q)} vs k {_shape(k)}")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"k and v must have the same key length Lk: k {_shape(k)} vs v {_shape(v)}")
-    for name, size in (("head dim D of q", q.shape[-1]), ("head dim of v", v.shape[-1]),
-                       ("query length Lq", q.shape[-2]), ("key length Lk", k.shape[-2])):
+    # (Lq = 0 or Lk = 0 are valid: attention() answers them before any backend, as SDPA does)
+    for name, size in (("head dim D of q", q.shape[-1]), ("head dim of v", v.shape[-1])):
         if size == 0:
             raise ValueError(f"{name} is 0 (q {_shape(q)}, k {_shape(k)}, v {_shape(v)}): nothing to attend")
     target = tuple(q.shape[:-1]) + (k.shape[-2],)
@@ -97,6 +97,7 @@ def check_inputs(q, k, v, bias, mask, scale):
         if bias.device != q.device:
             raise ValueError(f"bias is on {bias.device} but q is on {q.device}")
         _check_broadcast("bias", bias, target)
+        check_bias_values(bias)
         bias = _pad_dims(bias, q.ndim)
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
@@ -114,6 +115,30 @@ def check_inputs(q, k, v, bias, mask, scale):
         if not (scale > 0 and scale < float("inf")):
             raise ValueError(f"scale must be a positive finite number, got {scale}")
     return bias, mask, scale
+
+
+def check_bias_values(bias: Tensor) -> None:
+    """Raise a ValueError naming ``bias`` if it holds +inf, where that costs no device sync.
+
+    +inf is not a valid bias: softmax over a row holding it is inf/inf, so out, lse and the gradients would be
+    NaN (-inf is valid: that key is masked). Checked for CPU tensors, one reduction over the bias (which every
+    CPU backend reads in full anyway), outside torch.compile and functorch transforms; not on accelerators,
+    where the answer would cost a host sync per call: there a +inf gives NaN.
+    """
+    if bias.device.type != "cpu" or bias.numel() == 0:
+        return
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return
+    with torch.no_grad():
+        if not bool(torch.isposinf(bias.amax())):
+            return
+        bad = torch.isposinf(bias)
+        where = tuple(bad.nonzero()[0].tolist())
+        count = int(bad.sum())
+    raise ValueError(
+        f"bias of shape {_shape(bias)} holds +inf ({count} entries, the first at index {where}): +inf is not a "
+        "valid bias (softmax gives NaN); mask keys with mask=False or a -inf bias"
+    )
 
 
 def describe(q, k, v, bias, mask, causal, return_lse, deterministic, segment_ids=None) -> AttnInputs:
@@ -203,7 +228,7 @@ def segment_order_violation(ids: Tensor) -> Tensor:
 def _check_order(name: str, ids: Tensor) -> None:
     """Raise if ``ids`` is not contiguous per row; checked once per tensor object and version (one host sync in
     eager mode; skipped under torch.compile / CUDA graph capture and inside :func:`segments_checked`)."""
-    if _TRUSTED[0] or _needs_sync_free() or type(ids) is not torch.Tensor:
+    if _TRUSTED[0] or _needs_sync_free() or type(ids) is not torch.Tensor or ids.numel() == 0:
         return
     inference = ids.is_inference()  # inference tensors have no version counter: checked on every call
     for ref, version in _CHECKED:

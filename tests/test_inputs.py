@@ -58,12 +58,81 @@ def test_mask_and_bias_on_another_device():
         attn_ops.attention(q, k, v, bias=torch.ones(5, 6, device="meta"))
 
 
-@pytest.mark.parametrize("shape_kw,what", [(dict(d=0), "head dim D of q is 0"), (dict(lq=0), "query length Lq is 0"),
-                                          (dict(lk=0), "key length Lk is 0")])
-def test_empty_sizes(shape_kw, what):
-    q, k, v = qkv(**shape_kw)
-    with pytest.raises(ValueError, match=what):
+def test_empty_head_dim():
+    q, k, v = qkv(d=0)
+    with pytest.raises(ValueError, match="head dim D of q is 0"):
         attn_ops.attention(q, k, v)
+
+
+def _sdpa(q, k, v, bias):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "chunked", "sdpa", "flex", "triton"])
+@pytest.mark.parametrize("lq,lk", [(0, 6), (5, 0), (0, 0)])
+def test_empty_lengths_as_sdpa(backend, lq, lk):
+    """Lq = 0: empty out and lse; Lk = 0: out zeros and lse -inf (every row has no key), as SDPA gives; zero
+    gradients shaped as q, k, v and the broadcast bias, through out and through lse."""
+    if backend not in attn_ops.backends() + ["auto"]:
+        pytest.skip(f"{backend} not available")
+    q, k, v = qkv(b=(2, 3), lq=lq, lk=lk, d=16, dv=24)
+    bias = torch.randn(3, 2, lq, lk, requires_grad=True)  # shared over the first batch dim
+    mask = torch.rand(2, 3, 1, 1, lk) > 0.5
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    needs_grad = backend != "flex"  # flex has no CPU backward: it refuses inputs that need one
+    if not needs_grad:
+        q, k, v, bias = (t.detach() for t in (q, k, v, bias))
+    with torch.set_grad_enabled(needs_grad):
+        out, lse = attn_ops.attention(q, k, v, bias, mask, return_lse=backend != "sdpa", backend=backend) \
+            if backend != "sdpa" else (attn_ops.attention(q, k, v, bias, mask, backend=backend), None)
+    want = _sdpa(q.detach(), k.detach(), v.detach(), bias.detach())
+    assert out.shape == want.shape == (2, 3, 2, lq, 24) and out.dtype == q.dtype
+    assert torch.equal(out, want) and torch.equal(out, torch.zeros_like(out))
+    if lse is not None:
+        assert lse.shape == (2, 3, 2, lq) and lse.dtype == torch.float32
+        assert bool((lse == float("-inf")).all())
+    if needs_grad:
+        loss = out.sum() + (0 if lse is None else lse.clamp(min=-1.0).sum())
+        loss.backward()
+        for t in (q, k, v, bias):
+            assert t.grad is not None and t.grad.shape == t.shape and not t.grad.any()
+
+
+def test_empty_lengths_with_segments_causal_and_float64():
+    q, k, v = qkv(lq=0, lk=4, dtype=torch.float64)
+    ids = (torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long))
+    out, lse = attn_ops.attention(q, k, v, causal=True, segment_ids=ids, return_lse=True)
+    assert out.shape == (2, 2, 0, 8) and out.dtype == lse.dtype == torch.float64
+    q, k, v = qkv(lq=0, lk=0)
+    out = attn_ops.attention(q, k, v, segment_ids=torch.zeros(2, 0, dtype=torch.long))
+    assert out.shape == (2, 2, 0, 8)
+
+
+@pytest.mark.parametrize("backend", ["torch", "chunked", "sdpa"])
+def test_positive_inf_bias_is_refused_on_cpu(backend):
+    """+inf is not a valid bias: on the CPU the op names it (where it is, how many), -inf stays a valid mask."""
+    q, k, v = qkv()
+    bias = torch.randn(2, 5, 6)
+    bias[1, 3, 2] = float("-inf")
+    attn_ops.attention(q, k, v, bias, backend=backend)  # -inf: masked key, fine
+    bias[0, 4, 1] = float("inf")
+    with pytest.raises(ValueError, match=r"bias of shape \(2, 5, 6\) holds \+inf \(1 entries, the first at "
+                                         r"index \(0, 4, 1\)\): \+inf is not a valid bias"):
+        attn_ops.attention(q, k, v, bias, backend=backend)
+
+
+def test_positive_inf_bias_gives_nan_where_unchecked():
+    """What the docstring says happens where the check does not run: the ground truth gives NaN out and lse for
+    the row holding +inf (softmax is inf/inf there), and NaN gradients."""
+    q, k, v = qkv()
+    bias = torch.randn(2, 5, 6)
+    bias[0, 4, 1] = float("inf")
+    bias.requires_grad_()
+    out, lse = attn_ops.attention_reference(q, k, v, bias)
+    assert torch.isnan(out[:, 0, 4]).all() and not torch.isnan(out[:, 0, :4]).any()
+    assert not torch.isfinite(lse[:, 0, 4]).any()
+    out.sum().backward()
+    assert torch.isnan(bias.grad).any()
 
 
 def test_too_few_dims_and_non_tensors():
