@@ -14,168 +14,28 @@ that declares ``lse_backward`` (triton, chunked) runs its backward with the merg
 backend recomputes the call and receives the upstream gradients that the lse merge sends it
 (see :func:`_call_grads`).
 
-Layouts (positions of the local shard in the full sequence):
-    ``contiguous``: rank r holds ``[r n, (r+1) n)``.
-    ``zigzag``: the sequence is cut in 2W chunks of ``c = n / 2``; rank r holds chunks r and 2W-1-r, so
-    causal work is the same on every rank. :func:`zigzag_split` / :func:`zigzag_merge` convert.
+The plan (layouts and shard maps, the parts and calls of every step, what each rank sends when) is pure and
+lives in ``ring_plan.py``; this module runs it over the process group.
 """
 from __future__ import annotations
 
 import functools
 import zlib
 from dataclasses import dataclass, replace
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .inputs import check_inputs, narrow_bcast, segment_order_violation, segments_checked
+from .ring_plan import (LAYOUTS, Call, Part, block_parts, call_keys, check_layout, ids_meet, local_segments,
+                        plan_part, ring_positions, ring_schedule, shard_sequence, split_rows, unshard_sequence,
+                        zigzag_merge, zigzag_split)
+
+__all__ = ["LAYOUTS", "block_parts", "local_segments", "plan_part", "ring_attention", "ring_positions",
+           "shard_sequence", "split_rows", "unshard_sequence", "zigzag_merge", "zigzag_split"]
 
 Tensor = torch.Tensor
-LAYOUTS = ("contiguous", "zigzag")
-
-
-# ----------------------------------------------------------------------------------------------------
-# Layout helpers
-# ----------------------------------------------------------------------------------------------------
-def _check_layout(layout) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    return layout
-
-
-def local_segments(layout: str, world: int, rank: int, n_local: int) -> List[Tuple[int, int]]:
-    """``[(global_start, length), ...]`` of the local shard, in local order."""
-    _check_layout(layout)
-    if layout == "contiguous":
-        return [(rank * n_local, n_local)]
-    if n_local % 2:
-        raise ValueError(f"zigzag layout needs an even local length, got {n_local}")
-    c = n_local // 2
-    return [(rank * c, c), ((2 * world - 1 - rank) * c, c)]
-
-
-def ring_positions(n_local: int, world: int, rank: int, layout: str = "contiguous", device=None) -> Tensor:
-    """Long ``[n_local]``: global sequence positions of rank ``rank``'s local shard, in local order."""
-    segs = local_segments(layout, world, rank, n_local)
-    return torch.cat([torch.arange(s, s + n, device=device) for s, n in segs])
-
-
-def zigzag_split(x: Tensor, dim: int, world: int, rank: int) -> Tensor:
-    """Rank ``rank``'s zigzag shard of ``x`` along ``dim``: chunks ``rank`` and ``2*world-1-rank`` of 2*world.
-
-    ``x.shape[dim]`` must be divisible by ``2 * world``. Returns a new tensor of length ``shape[dim] / world``.
-    """
-    size = x.shape[dim]
-    if size % (2 * world):
-        raise ValueError(f"zigzag_split: x.shape[{dim}] = {size} is not divisible by 2 * world = {2 * world}")
-    chunks = x.chunk(2 * world, dim)
-    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim)
-
-
-def zigzag_merge(shards: Sequence[Tensor], dim: int) -> Tensor:
-    """Inverse of :func:`zigzag_split`: ``shards[r]`` is rank r's shard; returns the full tensor in order."""
-    world = len(shards)
-    halves = [s.chunk(2, dim) for s in shards]
-    ordered = [halves[r][0] for r in range(world)] + [halves[r][1] for r in reversed(range(world))]
-    return torch.cat(ordered, dim)
-
-
-def shard_sequence(x: Tensor, dim: int, world: int, rank: int, layout: str = "contiguous") -> Tensor:
-    """Rank ``rank``'s shard of a full-sequence tensor in ``layout`` (contiguous: plain ``chunk``)."""
-    if _check_layout(layout) == "zigzag":
-        return zigzag_split(x, dim, world, rank)
-    if x.shape[dim] % world:
-        raise ValueError(f"shard_sequence: x.shape[{dim}] = {x.shape[dim]} is not divisible by world = {world}")
-    return x.chunk(world, dim)[rank].contiguous()
-
-
-def unshard_sequence(shards: Sequence[Tensor], dim: int, layout: str = "contiguous") -> Tensor:
-    """Inverse of :func:`shard_sequence` given every rank's shard."""
-    if _check_layout(layout) == "zigzag":
-        return zigzag_merge(shards, dim)
-    return torch.cat(list(shards), dim)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Planning: the K/V parts that visit a rank, and the attention calls one part needs
-# ----------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Part:
-    lo: int  # local rows [lo, hi) of the owner's K/V block
-    hi: int
-    start: int  # global position of row lo (a part never crosses a segment, so it is contiguous)
-
-
-@dataclass(frozen=True)
-class _Call:
-    q_lo: int  # local query rows [q_lo, q_hi)
-    q_hi: int
-    causal: bool  # bottom-right aligned: query i sees part key j iff j <= i + (Lk - Lq)
-    k_len: Optional[int] = None  # use only the part's first k_len keys (None: all)
-
-
-def block_parts(layout: str, world: int, rank: int, n_local: int, kv_parts: int) -> List[_Part]:
-    """Rank ``rank``'s K/V block cut into parts: every segment split into ``kv_parts`` near-equal pieces."""
-    parts, pos = [], 0
-    for start, length in local_segments(layout, world, rank, n_local):
-        cuts = [length * i // kv_parts for i in range(kv_parts + 1)]
-        for a, b in zip(cuts[:-1], cuts[1:]):
-            if b > a:
-                parts.append(_Part(pos + a, pos + b, start + a))
-        pos += length
-    return parts
-
-
-def split_rows(calls: List[_Call], part: _Part, q_chunk: Optional[int]) -> List[_Call]:
-    """Cut every call into calls of at most ``q_chunk`` query rows (smaller per-call temporaries).
-
-    A bottom-right aligned causal call keeps its alignment: rows [s, e) of a call with Lq rows and kl keys
-    need the first ``e + kl - Lq`` keys.
-    """
-    if not q_chunk:
-        return calls
-    out = []
-    for c in calls:
-        nq = c.q_hi - c.q_lo
-        kl = part.hi - part.lo if c.k_len is None else c.k_len
-        for s in range(0, nq, q_chunk):
-            e = min(nq, s + q_chunk)
-            if c.causal:
-                out.append(_Call(c.q_lo + s, c.q_lo + e, True, e + kl - nq))
-            else:
-                out.append(_Call(c.q_lo + s, c.q_lo + e, False, c.k_len))
-    return out
-
-
-def plan_part(q_segs, part: _Part, causal: bool) -> List[_Call]:
-    """Attention calls of the local queries (segments ``(global_start, length)`` in local order) against one
-    contiguous K/V part. Non-causal: one call over all rows. Causal, per query segment: rows before the part
-    see nothing; rows inside it see the part's keys up to themselves (one bottom-right aligned causal call
-    over the keys before them); rows after it see the whole part. Adjacent whole-part calls are merged.
-    """
-    k0, k1 = part.start, part.start + part.hi - part.lo
-    total = sum(n for _, n in q_segs)
-    if not causal:
-        return [_Call(0, total, False)]
-    calls: List[_Call] = []
-    pos = 0
-    for qs, qn in q_segs:
-        qe = qs + qn
-        o0, o1 = max(qs, k0), min(qe, k1)  # query rows at positions inside the part
-        if o0 < o1:
-            # rows [o0, o1) vs part keys [k0, o1) (later keys are in their future): query i sees k0 + j iff
-            # k0 + j <= o0 + i, i.e. j <= i + (o1 - k0) - (o1 - o0): bottom-right aligned causal.
-            calls.append(_Call(pos + o0 - qs, pos + o1 - qs, True, o1 - k0))
-        a = max(qs, k1)  # rows after the part see all of it
-        if a < qe:
-            lo, hi = pos + a - qs, pos + qn
-            if calls and not calls[-1].causal and calls[-1].q_hi == lo and calls[-1].k_len is None:
-                calls[-1] = _Call(calls[-1].q_lo, hi, False)
-            else:
-                calls.append(_Call(lo, hi, False))
-        pos += qn
-    return calls
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -218,34 +78,23 @@ def _positions(spec: _Spec, n: int, rank: int, device) -> Optional[Tensor]:
     return ring_positions(n, spec.world, rank % spec.world, spec.layout, device=device)
 
 
-def _keys(call: _Call, part: _Part) -> int:
-    return part.hi - part.lo if call.k_len is None else call.k_len
-
-
-def _id_range(ids: Tensor) -> Tuple[Tensor, Tensor]:
-    valid = ids >= 0
-    return (torch.where(valid, ids, torch.full_like(ids, 2 ** 62)).amin(-1),
-            torch.where(valid, ids, torch.full_like(ids, -1)).amax(-1))
-
-
-def _call_ids(spec: _Spec, t: int, part: _Part, call: _Call):
+def _call_ids(spec: _Spec, t: int, part: Part, call: Call):
     """(q ids, k ids) of one call on the device, or None without segment ids; "skip" when no batch row's query
     ids meet its key ids (decided on the host copies: no device sync per step)."""
     if spec.seg_all is None:
         return None
     owner = (spec.rank - t) % spec.world
-    kl = _keys(call, part)
+    kl = call_keys(call, part)
     qh = spec.seg_host[spec.rank][..., call.q_lo:call.q_hi]
     kh = spec.seg_host[owner][..., part.lo:part.lo + kl]
-    (q_lo, q_hi), (k_lo, k_hi) = _id_range(qh), _id_range(kh)
-    if not bool(((q_lo <= k_hi) & (k_lo <= q_hi)).any()):
+    if not ids_meet(qh, kh):
         return "skip"
     return spec.seg_all[spec.rank][..., call.q_lo:call.q_hi], spec.seg_all[owner][..., part.lo:part.lo + kl]
 
 
-def _tiles(spec: _Spec, bias, mask, q_pos, k_pos, part: _Part, call: _Call):
+def _tiles(spec: _Spec, bias, mask, q_pos, k_pos, part: Part, call: Call):
     """(bias tile, mask tile) for one call; the bias tile comes from ``bias_fn`` when one is given."""
-    kl = _keys(call, part)
+    kl = call_keys(call, part)
     k0, k1 = part.start, part.start + kl
     if spec.bias_fn is not None:
         b = spec.bias_fn(q_pos[call.q_lo:call.q_hi], k_pos[part.lo:part.lo + kl])
@@ -255,65 +104,54 @@ def _tiles(spec: _Spec, bias, mask, q_pos, k_pos, part: _Part, call: _Call):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The K/V stream: which part every rank computes at each virtual step, and the prefetch of the next one
+# The K/V stream: runs a rank's RingSchedule (ring_plan.py) with point-to-point ops
 # ----------------------------------------------------------------------------------------------------
 class _KVStream:
-    """Visits (block t = 0..W-1, part p) in order; block t comes from rank r - t.
+    """Holds the K/V parts of :class:`ring_plan.RingSchedule` and posts its exchanges: one grouped batch
+    ``{send to r+1, receive from r-1}`` per step, prefetching step i+1's part while step i computes.
 
-    Block 0 (this rank's own K/V) needs no communication and is visited one whole segment at a time; every
-    other block travels in ``kv_parts`` parts per segment. Before step i computes, step i + 1's part is
-    requested: every rank posts one grouped batch ``{send to r+1 the part it will need, receive its own next
-    part from r-1}`` at the same step index, so the pairing is symmetric (no deadlock under NCCL's in-order
-    p2p) and a part is sent just before its receiver needs it. A rank holds the part being computed, the one
-    arriving and, for W > 2, the previous block (which it forwards one part at a time); for W = 2 only two
-    parts are alive beyond its own K/V.
+    A rank holds the part being computed, the one arriving and, for W > 2, the previous block (which it forwards
+    one part at a time); for W = 2 only two parts are alive beyond its own K/V.
     """
 
     def __init__(self, spec: _Spec, k: Tensor, v: Tensor):
         self.spec, self.k, self.v = spec, k, v
-        W, r, n = spec.world, spec.rank, k.shape[-2]
-        # the partition parts travel in (the same for every block's owner), and the one block 0 is computed in
-        self.wire = {t: block_parts(spec.layout, W, (r - t) % W, n, spec.kv_parts) for t in range(W)}
-        self.parts = dict(self.wire)
-        self.parts[0] = block_parts(spec.layout, W, r, n, 1)
-        self.steps = [(t, p) for t in range(W) for p in range(len(self.parts[t]))]
-        self.held = {}  # block t >= 1 -> list of received (k, v) parts
+        self.plan = ring_schedule(spec.layout, spec.world, spec.rank, k.shape[-2], spec.kv_parts)
+        self.steps = self.plan.steps
+        self.held = {}  # (block t >= 1, part p) -> received (k, v)
         self.pending = None
 
-    def _own(self, part: _Part):
+    def _own(self, part: Part):
         return self.k[..., part.lo:part.hi, :], self.v[..., part.lo:part.hi, :]
 
     def prefetch(self, i: int) -> None:
         """Post the exchange that brings step i+1's part (if it comes from another rank)."""
-        if i + 1 >= len(self.steps) or self.steps[i + 1][0] == 0:
+        nxt = self.plan.prefetch(i)
+        if nxt is None:
             self.pending = None
             return
-        t, p = self.steps[i + 1]
-        # r+1 needs, at its block t, the block this rank had at block t-1 (its own K/V when t = 1)
-        send = self._own(self.wire[0][p]) if t == 1 else self.held[t - 1][p]
+        st, sp = self.plan.sends(*nxt)
+        send = self._own(self.plan.wire[0][sp]) if st == 0 else self.held[st, sp]
         recv = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in send]
         ops = [dist.P2POp(dist.isend, x.contiguous(), self.spec.peer(self.spec.rank + 1), self.spec.group)
                for x in send]
         ops += [dist.P2POp(dist.irecv, x, self.spec.peer(self.spec.rank - 1), self.spec.group) for x in recv]
-        self.pending = (dist.batch_isend_irecv(ops), t, p, recv, ops)
+        self.pending = (dist.batch_isend_irecv(ops), nxt, recv, ops)
 
     def finish(self, i: int) -> None:
         """Wait for the prefetch of step i+1 and drop what no later step needs."""
         if self.pending is not None:
-            reqs, t, p, recv, _ = self.pending
+            reqs, nxt, recv, _ = self.pending
             _wait(reqs)
-            self.held.setdefault(t, [None] * len(self.parts[t]))[p] = tuple(recv)
-            if t - 1 > 0:
-                self.held[t - 1][p] = None  # forwarded: no longer needed
+            self.held[nxt] = tuple(recv)
             self.pending = None
-        t, p = self.steps[i]
-        if t == self.spec.world - 1 and t > 0:
-            self.held[t][p] = None  # the last block is never forwarded
+        for done in self.plan.freed_after(i):
+            self.held.pop(done, None)
 
     def part(self, i: int):
         t, p = self.steps[i]
-        part = self.parts[t][p]
-        return t, p, part, (self._own(part) if t == 0 else self.held[t][p])
+        part = self.plan.part(i)
+        return t, p, part, (self._own(part) if t == 0 else self.held[t, p])
 
 
 def _wait(reqs) -> None:
@@ -419,7 +257,7 @@ class _RingAttention(torch.autograd.Function):
                 b, m = _tiles(spec, bias, mask, q_pos, k_pos, part, call)
                 rows = slice(call.q_lo, call.q_hi)
                 with torch.no_grad():
-                    kl = _keys(call, part)
+                    kl = call_keys(call, part)
                     o_c, l_c = _attention(spec, q[..., rows, :], k_p[..., :kl, :], v_p[..., :kl, :], b, m,
                                           call.causal, seg)
                 _merge_into(out[..., rows, :], lse[..., rows], o_c, l_c)
@@ -477,7 +315,7 @@ class _RingAttention(torch.autograd.Function):
                 with torch.enable_grad() if need_params else torch.no_grad():
                     b, m = _tiles(spec, bias, mask, q_pos, k_pos, part, call)
                 need_b = need_b_tensor or (need_params and b is not None and b.requires_grad)
-                kl = _keys(call, part)
+                kl = call_keys(call, part)
                 g_q, g_k, g_v, g_b = _call_grads(spec, q[..., rows, :], k_p[..., :kl, :], v_p[..., :kl, :], b, m,
                                                  call.causal,
                                                  out[..., rows, :], lse[..., rows], d_out[..., rows, :],
@@ -501,7 +339,7 @@ class _RingAttention(torch.autograd.Function):
                 # Send this part's dK/dV contribution to its owner r - t; receive the contribution of rank r + t
                 # to this rank's own part p (every rank posts this pair at the same step index).
                 _finish_sent(sent, dk, dv)
-                sent = _send_contribution(spec, t, stream.wire[0][p], dk_p, dv_p)
+                sent = _send_contribution(spec, stream.plan.contribution(i), dk_p, dv_p)
             stream.finish(i)
         _finish_sent(sent, dk, dv)
         grads = [None, dq.to(q.dtype), None if dk is None else dk.to(k.dtype),
@@ -509,12 +347,13 @@ class _RingAttention(torch.autograd.Function):
         return tuple(grads + (list(dparams) if dparams is not None else [None] * len(bias_params)))
 
 
-def _send_contribution(spec: _Spec, t: int, own_part: _Part, dk_p: Tensor, dv_p: Tensor):
+def _send_contribution(spec: _Spec, contribution, dk_p: Tensor, dv_p: Tensor):
+    to, frm, own_part = contribution  # group ranks (ring_plan.RingSchedule.contribution)
     shape_k = dk_p.shape[:-2] + (own_part.hi - own_part.lo,) + dk_p.shape[-1:]
     shape_v = dv_p.shape[:-2] + (own_part.hi - own_part.lo,) + dv_p.shape[-1:]
     recv = [torch.empty(shape_k, dtype=dk_p.dtype, device=dk_p.device),
             torch.empty(shape_v, dtype=dv_p.dtype, device=dv_p.device)]
-    to, frm = spec.peer(spec.rank - t), spec.peer(spec.rank + t)
+    to, frm = spec.peer(to), spec.peer(frm)
     ops = [dist.P2POp(dist.isend, dk_p, to, spec.group), dist.P2POp(dist.isend, dv_p, to, spec.group),
            dist.P2POp(dist.irecv, recv[0], frm, spec.group), dist.P2POp(dist.irecv, recv[1], frm, spec.group)]
     return dist.batch_isend_irecv(ops), own_part, recv, (dk_p, dv_p)
@@ -683,7 +522,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, bias=None, mask: Optional[Te
     bias_fn = None
     error, meta = None, None
     try:
-        _check_layout(layout)
+        check_layout(layout)
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {causal!r}")
         _, _, scale = check_inputs(q, k, v, None, None, scale)
