@@ -1,0 +1,568 @@
+"""The Pairformer stack over the ranks of a ``torch.distributed`` process group: the pair tensor split by rows.
+
+Each of the ``P`` ranks holds rows ``I_r = [r n, (r+1) n)`` of the pair tensor, ``z_r [B, n, N', c_z]``, and the
+same rows of the single representation, ``s_r [B, n, c_s]``; ``N' = P n`` is N padded up to a multiple of P (the
+padding is masked out, so real positions are exact). The masks ``single_mask [B, N']`` and ``pair_mask [B, N', N']``
+are passed whole to every rank (one byte a pair). The blocks and their parameters are the stack's own: one
+``state_dict`` serves the single-process and the sharded stack, and the blocks know nothing of the group.
+
+Per block, in the order it runs (1-D row sharding, FastFold's DAP scheme):
+- triangle multiplication outgoing ``x_ij = sum_k a_ik b_jk``: rows i of ``a`` are local, ``b`` is all-gathered;
+- incoming ``x_ij = sum_k a_ki b_kj``: the columns ``I_r`` of ``a`` by an all-to-all, ``b`` all-gathered;
+- triangle attention around the starting node: rows attend along themselves, the bias ``[H, N', N']`` (H channels)
+  all-gathered;
+- around the ending node and the pair transition: on the transposed pair tensor (an all-to-all puts columns on
+  ranks as rows), then transposed back;
+- attention with pair bias: query rows ``I_r`` with their bias rows (local), keys and values from the gathered
+  ``LN(s)``; the single transition on local rows.
+The local contribution of each product is computed while the gather is in flight.
+
+Gradients are exact: every collective is an ``autograd.Function`` whose backward is its adjoint (all-gather ->
+reduce-scatter, the transposing all-to-all -> itself), and the products' Functions keep only local operands,
+gathering again in the backward. The loss is the sum of the ranks' losses on their shards; each rank's parameter
+gradients are its share, summed over the group by :meth:`ShardedPairformerStack.reduce_gradients`. Dropout masks are
+drawn whole and sliced, so every rank of the group must start from the same RNG state.
+
+Without autograd in eval mode the stack runs the memory-bounded path of ``attn_zoo.models.inference`` on each rank:
+every module updates the local rows of z in place by chunks; a rank holds its rows, the gathered projection of a
+triangle multiplication ``[C, N', N']`` and, for the transposes and the incoming product, two buffers of its
+rows' size.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import inference
+from .inference import _gated_projection, _spans, _transition_fn, pair_bias, rows_update_
+from .kernels import layer_norm_rows
+from .pairformer import PairformerStack
+from .primitives import LineDropout, SharedDropout, at_least_fp32, chunk_rows, run_blocks
+
+Tensor = torch.Tensor
+
+
+# --------------------------------------------------------------------------------------------------
+# Collectives: a buffer with the group's ranks as its leading dim
+# --------------------------------------------------------------------------------------------------
+# (newer PyTorch renames the flat-buffer collectives; the old names warn there)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _gather_into(buf: Tensor, x: Tensor, group, async_op: bool = False):
+    """Every rank's ``x`` into ``buf [P, *x.shape]`` (``x`` may be this rank's entry of ``buf``)."""
+    flat = buf.view(buf.shape[0] * buf.shape[1], *buf.shape[2:]) if x.ndim else buf
+    return _ALL_GATHER(flat, x, group=group, async_op=async_op)
+
+
+def _gather(x: Tensor, group, async_op: bool = False):
+    """``[P, *x.shape]``: every rank's ``x`` (with ``async_op`` also the work handle)."""
+    world = dist.get_world_size(group)
+    x = x.contiguous()
+    buf = x.new_empty(world, *x.shape)
+    work = _gather_into(buf, x, group, async_op)
+    return (buf, work) if async_op else buf
+
+
+def _exchange(send: Tensor, group, async_op: bool = False):
+    """All-to-all of ``send [P, ...]``: entry s goes to rank s; entry s of the result came from rank s."""
+    send = send.contiguous()
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+    return (recv, work) if async_op else recv
+
+
+def _reduce_scatter(blocks: Tensor, group) -> Tensor:
+    """``sum over ranks of blocks[rank]`` for ``blocks [P, ...]``."""
+    blocks = blocks.contiguous()
+    out = blocks.new_empty(blocks.shape[1:])
+    _REDUCE_SCATTER(out, blocks.flatten(0, 1), group=group)
+    return out
+
+
+class _AllGather(torch.autograd.Function):
+    """The ranks' ``x`` concatenated along ``dim``; backward: the reduce-scatter of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group) -> Tensor:
+        ctx.dim, ctx.group = dim % x.ndim, group
+        return _gather(x, group).movedim(0, ctx.dim).flatten(ctx.dim, ctx.dim + 1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        world = dist.get_world_size(ctx.group)
+        blocks = grad.unflatten(ctx.dim, (world, -1)).movedim(ctx.dim, 0)  # [P, *x.shape]
+        return _reduce_scatter(blocks, ctx.group), None, None
+
+
+def _transpose_blocks(z: Tensor, group) -> Tensor:
+    """Rows of ``z^T`` from rows of ``z``: ``z_r [*, n, N', c] -> zt_r [*, n, N', c]`` with ``zt_r[*, j, i] =
+    z[*, i, r n + j]`` (one all-to-all)."""
+    world = dist.get_world_size(group)
+    n = z.shape[-3]
+    send = z.unflatten(-2, (world, n)).movedim(-3, 0).transpose(-2, -3)  # [P, *, n_j, n_i, c]
+    recv = _exchange(send, group)  # entry s: [*, n_j (mine), n_i (rank s's rows), c]
+    return recv.movedim(0, -3).flatten(-3, -2)  # [*, n_j, P n_i, c]
+
+
+class _Transpose(torch.autograd.Function):
+    """:func:`_transpose_blocks` with its adjoint (the inverse permutation: itself) as backward."""
+
+    @staticmethod
+    def forward(ctx, z: Tensor, group) -> Tensor:
+        ctx.group = group
+        return _transpose_blocks(z, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _transpose_blocks(grad, ctx.group), None
+
+
+# --------------------------------------------------------------------------------------------------
+# The triangle products over sharded rows
+# --------------------------------------------------------------------------------------------------
+class _OutgoingProduct(torch.autograd.Function):
+    """``x[*, c, i, j] = sum_k a[*, c, i, k] b[*, c, j, k]`` for local rows i of ``a, b [*, C, n, N']`` and all j
+    (``b`` gathered). Only the local operands are saved: the backward gathers ``b`` again."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor, group) -> Tensor:
+        ctx.group = group
+        ctx.save_for_backward(a, b)
+        rank = dist.get_rank(group)
+        bs, work = _gather(b, group, async_op=True)
+        local = torch.matmul(a, b.transpose(-1, -2))  # computed while b travels
+        work.wait()
+        return torch.cat([local if s == rank else torch.matmul(a, bs[s].transpose(-1, -2))
+                          for s in range(bs.shape[0])], dim=-1)  # [*, C, n, N']
+
+    @staticmethod
+    def backward(ctx, dx: Tensor):
+        a, b = ctx.saved_tensors
+        dx = dx.to(a.dtype)
+        bs = _gather(b, ctx.group)  # [P, *, C, n, N']
+        n = a.shape[-2]
+        da = sum(torch.matmul(dx[..., s * n:(s + 1) * n], bs[s]) for s in range(bs.shape[0]))
+        db = torch.stack([torch.matmul(dx[..., s * n:(s + 1) * n].transpose(-1, -2), a)
+                          for s in range(bs.shape[0])])  # [P, *, C, n_j, N']: rank s's rows j
+        return da, _reduce_scatter(db, ctx.group), None
+
+
+def _incoming_operands(a: Tensor, b: Tensor, group, async_op: bool = False):
+    """Columns ``I_r`` of ``a`` from every rank (entry s: ``a[K_s, I_r]``, ``[*, C, n_k, n_i]``) and every rank's
+    ``b`` (entry s: ``b[K_s, :]``)."""
+    world = dist.get_world_size(group)
+    send = a.unflatten(-1, (world, a.shape[-2])).movedim(-2, 0)  # [P, *, C, n_k, n_i]: columns I_s to rank s
+    if async_op:  # (a_cols, work, b_all, work)
+        return _exchange(send, group, True) + _gather(b, group, True)
+    return _exchange(send, group), _gather(b, group)
+
+
+class _IncomingProduct(torch.autograd.Function):
+    """``x[*, c, i, j] = sum_k a[*, c, k, i] b[*, c, k, j]`` for local rows i and all j, from local rows k of
+    ``a, b [*, C, n, N']``: ``a``'s columns ``I_r`` by an all-to-all, ``b`` gathered."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor, group) -> Tensor:
+        ctx.group = group
+        ctx.save_for_backward(a, b)
+        rank, n = dist.get_rank(group), a.shape[-2]
+        ar, w1, bs, w2 = _incoming_operands(a, b, group, async_op=True)
+        x = torch.matmul(a[..., rank * n:(rank + 1) * n].transpose(-1, -2), b)  # the local k while data travels
+        w1.wait()
+        w2.wait()
+        for s in range(bs.shape[0]):
+            if s != rank:
+                x = x + torch.matmul(ar[s].transpose(-1, -2), bs[s])  # [*, C, n_i, N']
+        return x
+
+    @staticmethod
+    def backward(ctx, dx: Tensor):
+        a, b = ctx.saved_tensors
+        dx = dx.to(a.dtype)
+        ar, bs = _incoming_operands(a, b, ctx.group)
+        dar = torch.matmul(bs, dx.transpose(-1, -2))  # [P, *, C, n_k, n_i]: gradient of a[K_s, I_r]
+        db = torch.matmul(ar, dx)  # [P, *, C, n_k, N']: gradient of b[K_s, :]
+        da = _exchange(dar, ctx.group).movedim(0, -2).flatten(-2)  # entry s: my a[K_r, I_s]
+        return da, _reduce_scatter(db, ctx.group), None
+
+
+# --------------------------------------------------------------------------------------------------
+# The group and the rows a rank holds
+# --------------------------------------------------------------------------------------------------
+class _Shard:
+    """A process group, this rank's place in it and the local row count ``n`` of a padded length ``N' = P n``."""
+
+    def __init__(self, group, n: int):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.n = n
+
+    def rows(self, t: Tensor, dim: int = -2) -> Tensor:
+        """This rank's rows of a whole (replicated) tensor along ``dim``."""
+        return t.narrow(dim, self.rank * self.n, self.n)
+
+
+def _dropout(mod: nn.Module, x: Tensor, sh: _Shard) -> Tensor:
+    """The block's pair dropout on local rows ``x [B, n, N', C]``, for a module that drops along rows (a row-wise
+    one on z, or a column-wise one on z^T): the full mask is drawn (the same on every rank) and sliced."""
+    if not mod.training or mod.p == 0.0:
+        return x
+    if isinstance(mod, SharedDropout):  # one mask shared by all rows: [B, 1, N', C]
+        shape = (x.shape[0], 1, x.shape[-2], x.shape[-1])
+        keep = torch.empty(shape, device=x.device, dtype=x.dtype).bernoulli_(1.0 - mod.p)
+    elif isinstance(mod, LineDropout):  # one draw per row: [B, N', 1, 1], this rank's rows
+        shape = (x.shape[0], sh.world * sh.n, 1, 1)
+        keep = sh.rows(torch.empty(shape, device=x.device, dtype=x.dtype).bernoulli_(1.0 - mod.p), -3)
+    else:
+        raise TypeError(f"sharded pair dropout supports SharedDropout and LineDropout, got {type(mod).__name__}")
+    return x * keep.div_(1.0 - mod.p)
+
+
+# --------------------------------------------------------------------------------------------------
+# One Pairformer block on local rows, with autograd
+# --------------------------------------------------------------------------------------------------
+def _gated_ab(mod: nn.Module, zn: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
+    """``a, b = sigmoid(Linear_g(zn)) * Linear_p(zn)``, zeroed at masked pairs, channels-first ``[*, C, n, N']``."""
+    y = (mod.linear_ab_g(zn).sigmoid() * mod.linear_ab_p(zn)) * mask.unsqueeze(-1).to(zn.dtype)  # [*, n, N', 2C]
+    a, b = y.movedim(-1, -3).split(mod.c_hidden, dim=-3)
+    return a.contiguous(), b.contiguous()
+
+
+def triangle_multiplication(mod: nn.Module, z: Tensor, mask_rows: Tensor, sh: _Shard,
+                            chunk_size: Optional[int]) -> Tensor:
+    """``mod``'s update of local rows ``z [B, n, N', c_z]`` (``mask_rows [B, n, N']``)."""
+    zn = mod.layer_norm_in(z)
+    a, b = _gated_ab(mod, zn, mask_rows)
+    product = _OutgoingProduct if mod.outgoing else _IncomingProduct
+    x = product.apply(a, b, sh.group).movedim(-3, -1)  # [B, n, N', C]
+    g = mod.linear_g(zn)
+
+    def out(x_rows: Tensor, g_rows: Tensor) -> Tensor:
+        return mod.linear_z(mod.layer_norm_out(x_rows)) * torch.sigmoid(g_rows)
+
+    return chunk_rows(out, [x, g], [-3, -3], chunk_size, out_dim=-3)
+
+
+def triangle_attention(mod: nn.Module, z: Tensor, mask_rows: Tensor, sh: _Shard, chunk_size: Optional[int]) -> Tensor:
+    """``mod``'s update of local rows attending along themselves (z for the starting node, z^T for the ending
+    node); the pair bias of all rows gathered."""
+    zn = mod.layer_norm(z)
+    q, k, v, g, bias = mod.mha.project(zn, zn, extra=[mod.linear_bias])  # [B, n, N', H*C] / [B, n, N', H]
+    bias = _AllGather.apply(bias.movedim(-1, -3).contiguous(), -2, sh.group).unsqueeze(-4)  # [B, 1, H, N', N']
+    mask = mask_rows[..., :, None, None, :]  # [B, n, 1, 1, N']
+    return chunk_rows(lambda q, k, v, g, m: mod.mha.attend(q, k, v, g, bias, m),
+                      [q, k, v, g, mask], [-3, -3, -3, -3, -4], chunk_size, out_dim=-3)
+
+
+def attention_pair_bias(mod: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor, sh: _Shard,
+                        chunk_size: Optional[int]) -> Tensor:
+    """AF3 Alg. 24 for the local query rows ``s [B, n, c_s]``: bias rows from local ``z``, keys from all of LN(s)."""
+    sn = mod.layer_norm_s(s)
+    sn_all = _AllGather.apply(sn, -2, sh.group)  # [B, N', c_s]
+    bias = mod.linear_z(mod.layer_norm_z(z)).movedim(-1, -3)  # [B, H, n, N']
+    mask = single_mask[:, None, None, :]  # [B, 1, 1, N']
+    return chunk_rows(lambda q, b: mod.mha(q, sn_all, bias=b, mask=mask), [sn, bias], [-2, -2], chunk_size,
+                      out_dim=-2)
+
+
+def pairformer_block(blk: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor, pair_mask: Tensor, sh: _Shard,
+                     chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """``PairformerBlock.forward`` on local rows: ``s [B, n, c_s]``, ``z [B, n, N', c_z]``, whole masks."""
+    c = chunk_size
+    rows, cols = sh.rows(pair_mask), sh.rows(pair_mask.transpose(-1, -2))  # [B, n, N'] of z and z^T
+    z = z + _dropout(blk.pair_dropout_row, triangle_multiplication(blk.tri_mul_out, z, rows, sh, c), sh)
+    z = z + _dropout(blk.pair_dropout_row, triangle_multiplication(blk.tri_mul_in, z, rows, sh, c), sh)
+    z = z + _dropout(blk.pair_dropout_row, triangle_attention(blk.tri_att_start, z, rows, sh, c), sh)
+    zt = _Transpose.apply(z, sh.group)  # rows of z^T: columns of z
+    zt = zt + _dropout(blk.pair_dropout_col, triangle_attention(blk.tri_att_end, zt, cols, sh, c), sh)
+    zt = zt + blk.pair_transition(zt, c)
+    z = _Transpose.apply(zt, sh.group)
+    with torch.autocast(s.device.type, enabled=False) if blk.single_fp32 else contextlib.nullcontext():
+        if blk.single_fp32:  # Boltz-2: the single track in float32, autocast off
+            s, z = at_least_fp32(s), at_least_fp32(z)
+        s = s + attention_pair_bias(blk.attention_pair_bias, s, z, single_mask, sh, c)
+        s = s + blk.single_transition(s, c)
+        if blk.post_norm_s is not None:
+            s = blk.post_norm_s(s)
+    return s, z
+
+
+# --------------------------------------------------------------------------------------------------
+# One Pairformer block on local rows, in place without autograd
+# --------------------------------------------------------------------------------------------------
+def _gated_rows(zn: Tensor, wb, mask: Tensor, c: int, out: Optional[Tensor] = None) -> Tensor:
+    return inference._gated_channels_first(zn, wb, mask, c, out=out)
+
+
+def triangle_multiplication_(mod: nn.Module, z: Tensor, pair_mask: Tensor, sh: _Shard, chunk: int) -> Tensor:
+    """``z += mod(z)`` on the local rows ``z [B, n, N', c_z]`` in place (``pair_mask [B, N', N']`` whole).
+
+    Every operand a rank's output rows need is gathered before any row is written: ``b`` whole (outgoing and
+    incoming) and, incoming, ``a``'s columns ``I_r``."""
+    for bi in range(z.shape[0]):
+        _triangle_multiplication_one_(mod, z[bi], sh.rows(pair_mask[bi]), sh, chunk)
+    return z
+
+
+def _triangle_multiplication_one_(mod: nn.Module, z: Tensor, mask: Tensor, sh: _Shard, chunk: int) -> None:
+    c, n, world = mod.c_hidden, z.shape[0], sh.world
+    w_a, w_b = _gated_projection(mod, 0), _gated_projection(mod, 1)
+    dev = z.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else z.dtype
+    bs = z.new_empty(world, c, n, z.shape[1], dtype=dtype)  # [P, C, n, N']: b of every rank's rows
+    send = None if mod.outgoing else z.new_empty(world, c, n, n, dtype=dtype)  # a[K_r, I_s] for rank s
+    for idx in _spans(n, chunk):
+        zn = layer_norm_rows(z[idx], mod.layer_norm_in)
+        _gated_rows(zn, w_b, mask[idx], c, out=bs[sh.rank, :, idx].view(c, -1))
+        if send is not None:
+            a = _gated_rows(zn, w_a, mask[idx], c).view(c, -1, world, n)  # [C, R, P, n_i]
+            send[:, :, idx] = a.permute(2, 0, 1, 3)
+            del a
+        del zn
+    works = [_gather_into(bs, bs[sh.rank], sh.group, async_op=True)]
+    ar = None
+    if send is not None:
+        ar, w = _exchange(send, sh.group, async_op=True)  # entry s: a[K_s, I_r], [C, n_k, n_i]
+        works.append(w)
+    for w in works:
+        w.wait()
+    del send
+    for idx in _spans(n, chunk):
+        zc = z[idx]  # [R, N', c_z]
+        zn = layer_norm_rows(zc, mod.layer_norm_in)
+        g = mod.linear_g(zn).sigmoid_()
+        if mod.outgoing:
+            p = _gated_rows(zn, w_a, mask[idx], c).view(c, zc.shape[0], -1)  # a of rows i: [C, R, N']
+            x = torch.cat([torch.matmul(p, bs[s].transpose(-1, -2)) for s in range(world)], dim=-1)  # [C, R, N']
+            del p
+        else:
+            x = None
+            for s in range(world):
+                term = torch.matmul(ar[s][:, :, idx].transpose(-1, -2), bs[s])  # [C, R, N']
+                x = term if x is None else x.add_(term)
+                del term
+        del zn
+        upd = mod.linear_z(layer_norm_rows(x, mod.layer_norm_out, channels_first=True))  # [R, N', c_z]
+        del x
+        zc.addcmul_(upd, g)
+        del upd, g
+
+
+def _gathered_bias(z: Tensor, layer_norm: nn.Module, linear: nn.Module, sh: _Shard, chunk: int) -> Tensor:
+    """The pair bias of all rows, ``[B, H, N', N']``, from the local rows ``z``."""
+    local = pair_bias(z, layer_norm, linear, chunk)  # [B, H, n, N']
+    return _gather(local, sh.group).permute(1, 2, 0, 3, 4).flatten(2, 3)
+
+
+def triangle_attention_(mod: nn.Module, z: Tensor, mask_rows: Tensor, sh: _Shard, chunk: int) -> Tensor:
+    """``z += update`` in place for local rows attending along themselves (z: starting node, z^T: ending)."""
+    bias = _gathered_bias(z, mod.layer_norm, mod.linear_bias, sh, chunk).unsqueeze(-4)  # [B, 1, H, N', N']
+    for idx in _spans(z.shape[-3], chunk):
+        zr = z[..., idx, :, :]
+        zn = layer_norm_rows(zr, mod.layer_norm)
+        q, k, v, g = mod.mha.project(zn, zn)
+        del zn
+        zr += mod.mha.attend(q, k, v, g, bias, mask_rows[..., idx, None, None, :])
+    return z
+
+
+def _transpose_(z: Tensor, sh: _Shard) -> Tensor:
+    """``z`` overwritten with its transposed rows (:func:`_transpose_blocks`); two buffers of z's size on the way."""
+    zt = _transpose_blocks(z, sh.group)
+    return z.copy_(zt)
+
+
+def pairformer_block_(blk: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor, pair_mask: Tensor, sh: _Shard,
+                      chunk: int) -> Tuple[Tensor, Tensor]:
+    """:func:`pairformer_block` without autograd, ``z`` updated in place by chunks; returns ``(s, z)``."""
+    rows, cols = sh.rows(pair_mask), sh.rows(pair_mask.transpose(-1, -2))
+    triangle_multiplication_(blk.tri_mul_out, z, pair_mask, sh, chunk)
+    triangle_multiplication_(blk.tri_mul_in, z, pair_mask, sh, chunk)
+    triangle_attention_(blk.tri_att_start, z, rows, sh, chunk)
+    _transpose_(z, sh)
+    triangle_attention_(blk.tri_att_end, z, cols, sh, chunk)
+    rows_update_(z, -3, chunk, _transition_fn(blk.pair_transition))
+    _transpose_(z, sh)
+    fp32 = blk.single_fp32
+    with torch.autocast(s.device.type, enabled=False) if fp32 else contextlib.nullcontext():
+        s = at_least_fp32(s) if fp32 else s
+        mod = blk.attention_pair_bias
+        bias = pair_bias(z, mod.layer_norm_z, mod.linear_z, chunk, fp32)  # [B, H, n, N']
+        sn = mod.layer_norm_s(s)
+        sn_all = _gather(sn, sh.group).movedim(0, 1).flatten(1, 2)  # [B, N', c_s]
+        mask = single_mask[:, None, None, :]
+        s = s + chunk_rows(lambda q, b: mod.mha(q, sn_all, bias=b, mask=mask), [sn, bias], [-2, -2], chunk,
+                           out_dim=-2)
+        s = s + blk.single_transition(s, chunk)
+        if blk.post_norm_s is not None:
+            s = blk.post_norm_s(s)
+    return s, z
+
+
+# --------------------------------------------------------------------------------------------------
+# The wrapper
+# --------------------------------------------------------------------------------------------------
+class ShardedPairformerStack(nn.Module):
+    """A :class:`PairformerStack` run over the ranks of ``group`` (None: the default group), the pair tensor
+    split by rows. ``stack`` is used as is (its blocks, parameters, checkpointing, chunk size and inference
+    settings); every rank builds it the same way and loads the same weights.
+
+    Use::
+
+        sharded = ShardedPairformerStack(stack, group)
+        s_r, z_r, single_mask, pair_mask = sharded.shard(s, z, single_mask, pair_mask)  # pad, take this rank's rows
+        s_r, z_r = sharded(s_r, z_r, single_mask, pair_mask)
+        s, z = sharded.gather(s_r, z_r, n=N)  # whole tensors on every rank (differentiable)
+        loss_r.backward(); sharded.reduce_gradients()  # sum the ranks' parameter gradients
+
+    A model that builds z already split can pass its rows directly (``padded_length`` gives N').
+    """
+
+    def __init__(self, stack: PairformerStack, group=None):
+        super().__init__()
+        if not isinstance(stack, PairformerStack):
+            raise TypeError(f"stack must be a PairformerStack, got {type(stack).__name__}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ShardedPairformerStack needs an initialised torch.distributed process group")
+        self.stack = stack
+        self.group = group
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def padded_length(self, n: int) -> int:
+        """N rounded up to a multiple of the group size."""
+        return -(-n // self.world) * self.world
+
+    def shard(self, s: Tensor, z: Tensor, single_mask: Optional[Tensor] = None,
+              pair_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Whole inputs ``s [B, N, c_s]``, ``z [B, N, N, c_z]`` (masks as ``PairformerStack``) -> this rank's rows
+        ``s_r [B, n, c_s]``, ``z_r [B, n, N', c_z]`` and the whole masks padded to ``N'`` (padding False)."""
+        from .pairformer import _default_masks
+
+        single_mask, pair_mask = _default_masks(s, z, single_mask, pair_mask)
+        n_all = z.shape[1]
+        pad = self.padded_length(n_all) - n_all
+        if pad:
+            s = nn.functional.pad(s, (0, 0, 0, pad))
+            z = nn.functional.pad(z, (0, 0, 0, pad, 0, pad))
+            single_mask = nn.functional.pad(single_mask, (0, pad))
+            pair_mask = nn.functional.pad(pair_mask, (0, pad, 0, pad))
+        sh = _Shard(self.group, (n_all + pad) // self.world)
+        return sh.rows(s, -2), sh.rows(z, -3), single_mask, pair_mask
+
+    def gather(self, s: Tensor, z: Tensor, n: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+        """Every rank's rows concatenated (differentiable: the gradient goes back to the rows' owners); ``n``
+        crops the padding."""
+        s_all = _AllGather.apply(s, -2, self.group)
+        z_all = _AllGather.apply(z, -3, self.group)
+        if n is not None:
+            s_all, z_all = s_all[:, :n], z_all[:, :n, :n]
+        return s_all, z_all
+
+    def _check(self, s: Tensor, z: Tensor, single_mask: Optional[Tensor], pair_mask: Optional[Tensor]):
+        if s.ndim != 3 or z.ndim != 4 or s.shape[:2] != z.shape[:2] or z.shape[2] != self.world * z.shape[1]:
+            raise ValueError(f"s {tuple(s.shape)} must be this rank's rows [B, n, c_s] and z {tuple(z.shape)} "
+                             f"[B, n, N', c_z] with N' = {self.world} * n (use shard())")
+        n_all = z.shape[2]
+        if single_mask is None:
+            single_mask = torch.ones(z.shape[0], n_all, dtype=torch.bool, device=z.device)
+        if pair_mask is None:
+            pair_mask = single_mask[:, :, None] & single_mask[:, None, :]
+        want = {"single_mask": (z.shape[0], n_all), "pair_mask": (z.shape[0], n_all, n_all)}
+        for name, t in (("single_mask", single_mask), ("pair_mask", pair_mask)):
+            if t.dtype != torch.bool:
+                raise TypeError(f"{name} must be bool (True = real position), got {t.dtype}")
+            if tuple(t.shape) != want[name]:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected the whole padded mask {want[name]}")
+        return single_mask.to(z.device), pair_mask.to(z.device)
+
+    def forward(self, s: Tensor, z: Tensor, single_mask: Optional[Tensor] = None,
+                pair_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """This rank's rows ``s [B, n, c_s]``, ``z [B, n, N', c_z]`` and the whole masks ``[B, N']``,
+        ``[B, N', N']`` -> the rows of the stack's output (s, z)."""
+        single_mask, pair_mask = self._check(s, z, single_mask, pair_mask)
+        stack = self.stack
+        if _inference_path(stack):
+            return self.forward_inference(s, z, single_mask, pair_mask)
+        sh = _Shard(self.group, z.shape[1])
+        blocks = [_BlockCall(blk, sh) for blk in stack.blocks]
+        return run_blocks(blocks, s, z, (single_mask, pair_mask), stack.checkpoint_every, stack.chunk_size,
+                          stack.training)
+
+    def forward_inference(self, s: Tensor, z: Tensor, single_mask: Optional[Tensor] = None,
+                          pair_mask: Optional[Tensor] = None, *, inplace: bool = False) -> Tuple[Tensor, Tensor]:
+        """The memory-bounded path on each rank: no autograd, local z updated in place block by block
+        (``inplace``: the caller's z itself). Chunk sizes from the stack's settings or planned for a rank's memory."""
+        single_mask, pair_mask = self._check(s, z, single_mask, pair_mask)
+        stack = self.stack
+        if stack.training:
+            raise ValueError("the sharded inference path applies no dropout: call .eval() first")
+        settings = stack.inference_settings
+        if settings.offload:
+            raise ValueError("the sharded stack keeps z on the device (offload=False); each rank holds 1/P of it")
+        if len(stack.blocks) == 0:
+            return s, z
+        sh = _Shard(self.group, z.shape[1])
+        with torch.no_grad():
+            chunk = self.plan_chunk(z)
+            z = z if inplace else z.clone()
+            for blk in stack.blocks:
+                s, z = pairformer_block_(blk, s, z, single_mask, pair_mask, sh, chunk)
+        return s, z
+
+    def plan_chunk(self, z: Tensor) -> int:
+        """Pair rows per chunk for local rows ``z [B, n, N', c_z]``: the settings' or stack's chunk size, else the
+        largest one whose single-device estimate at N' fits the free memory less the two row-sized buffers the
+        incoming product and the transposes add (``inference.plan_inference``)."""
+        stack, settings = self.stack, self.stack.inference_settings
+        chunk = settings.chunk_size if settings.chunk_size is not None else stack.chunk_size
+        if chunk is not None:
+            return chunk
+        budget = settings.memory_budget
+        if budget is None:
+            free = inference.free_device_memory(z.device)
+            budget = None if free is None else int(0.95 * free)
+        if budget is not None:
+            budget = max(1, budget - 2 * z.numel() * z.element_size())
+        dims = stack.inference_dims()
+        return inference.plan_inference(dims, z.shape[2], budget, batch=z.shape[0], dtype=z.dtype,
+                                        inplace=True).chunk_size
+
+    def reduce_gradients(self) -> None:
+        """Sum every parameter's gradient over the group: each rank holds the gradient of its own rows' loss."""
+        for p in self.stack.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.group)
+
+
+def _inference_path(stack: nn.Module) -> bool:
+    """Whether the stack's settings send a call to the in-place path: ``mode="bounded"``, or ``"auto"`` without
+    grad in eval mode (``"plain"``: the autograd path)."""
+    mode = stack.inference_settings.mode
+    if mode != "auto":
+        return mode != "plain"
+    return not torch.is_grad_enabled() and not stack.training
+
+
+class _BlockCall:
+    """``block(s, z, *masks, chunk_size=...)`` on local rows, for ``run_blocks`` (checkpointing)."""
+
+    def __init__(self, blk: nn.Module, sh: _Shard):
+        self.blk, self.sh = blk, sh
+
+    def __call__(self, s: Tensor, z: Tensor, single_mask: Tensor, pair_mask: Tensor,
+                 chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+        return pairformer_block(self.blk, s, z, single_mask, pair_mask, self.sh, chunk_size)

@@ -1,0 +1,124 @@
+"""The row-sharded Pairformer stack on gloo (2 and 4 CPU ranks) against the single-process stack in float64.
+
+Each rank builds the same stack and inputs from a shared seed, runs the single-process stack on the whole
+inputs (the reference), then the sharded stack on its rows of the inputs padded to a multiple of the ranks
+(N = 11 and 13: padding on every world size), with masks that have holes. The outputs, the input gradients
+(summed over ranks: each rank holds its rows') and every parameter gradient (``reduce_gradients``) must equal
+the reference to 1e-10 relative; the memory-bounded inference path likewise.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from gloo_harness import spawn_gloo
+from test_primitives import randomize_, rel_err
+
+from attn_zoo.models.pairformer import PairformerStack
+from attn_zoo.models.sharding import ShardedPairformerStack
+
+W = dict(c_s=8, c_z=8, num_heads_single=2, num_heads_pair=2, c_hidden_pair=4, c_hidden_mul=8, transition_n=2,
+         pair_dropout=0.0, attention="torch")
+TOL = 1e-10
+
+CASES = [
+    # N, batch, blocks, checkpoint_every, training chunk_size, variant, post_norm_s
+    (11, 1, 2, 1, None, "default", False),
+    (13, 2, 1, 0, 4, "boltz2", True),
+]
+
+
+def _inputs(n, batch, seed):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(batch, n, W["c_s"], generator=g, dtype=torch.float64)
+    z = torch.randn(batch, n, n, W["c_z"], generator=g, dtype=torch.float64)
+    single_mask = torch.rand(batch, n, generator=g) > 0.2
+    single_mask[:, :2] = True
+    single_mask[:, -1] = False  # a masked residue at the end, next to the padding
+    pair_mask = single_mask[:, :, None] & single_mask[:, None, :] & (torch.rand(batch, n, n, generator=g) > 0.15)
+    ds = torch.randn(s.shape, generator=g, dtype=torch.float64)
+    dz = torch.randn(z.shape, generator=g, dtype=torch.float64)
+    return s, z, single_mask, pair_mask, ds, dz
+
+
+def _stack(case, seed):
+    n, batch, blocks, every, chunk, variant, post = case
+    stack = PairformerStack(**W, num_blocks=blocks, checkpoint_every=every, chunk_size=chunk, variant=variant,
+                            post_norm_s=post)
+    return randomize_(stack, seed=seed).double()
+
+
+def _check_case(case, rank, world, seed):
+    n = case[0]
+    # the single-process reference
+    ref = _stack(case, seed)
+    s, z, single_mask, pair_mask, ds, dz = _inputs(n, case[1], seed + 1)
+    s.requires_grad_(), z.requires_grad_()
+    s_ref, z_ref = ref(s, z, single_mask, pair_mask)
+    ((s_ref * ds).sum() + (z_ref * dz).sum()).backward()
+    grads_ref = {k: p.grad.clone() for k, p in ref.named_parameters()}
+    ds_ref, dz_ref = s.grad.clone(), z.grad.clone()
+
+    # the sharded stack: this rank's rows, loss on its rows
+    stack = _stack(case, seed)
+    sharded = ShardedPairformerStack(stack)
+    s2, z2 = s.detach().clone().requires_grad_(), z.detach().clone().requires_grad_()
+    s_r, z_r, sm, pm = sharded.shard(s2, z2, single_mask, pair_mask)
+    assert z_r.shape[1] * world == z_r.shape[2] >= n and z_r.shape[2] < n + world
+    out_s, out_z = sharded(s_r, z_r, sm, pm)
+    ds_r, dz_r, _, _ = sharded.shard(ds, dz)
+    ((out_s * ds_r).sum() + (out_z * dz_r).sum()).backward()
+    sharded.reduce_gradients()
+    for t in (s2, z2):
+        dist.all_reduce(t.grad)
+    with torch.no_grad():
+        s_all, z_all = sharded.gather(out_s, out_z, n=n)
+    errs = {"s": rel_err(s_all, s_ref), "z": rel_err(z_all, z_ref), "grad s": rel_err(s2.grad, ds_ref),
+            "grad z": rel_err(z2.grad, dz_ref)}
+    names = dict(stack.named_parameters())
+    assert set(names) == set(grads_ref)
+    # relative to the largest parameter gradient where a tensor's own is analytically zero (the single attention's
+    # layer_norm_z.bias: a per-head shift of all logits, which the softmax ignores)
+    scale = max(g.abs().max().item() for g in grads_ref.values())
+    errs.update({k: rel_err(names[k].grad, g, floor=scale) for k, g in grads_ref.items()})
+    bad = {k: v for k, v in errs.items() if not v < TOL}
+    assert not bad, f"world {world} case {case}: {bad}"
+
+    # inference: the in-place chunked path on each rank
+    stack.eval().configure_inference(chunk_size=2)
+    with torch.no_grad():
+        out_s, out_z = sharded(s_r.detach(), z_r.detach(), sm, pm)
+        s_all, z_all = sharded.gather(out_s, out_z, n=n)
+    errs = {"s": rel_err(s_all, s_ref), "z": rel_err(z_all, z_ref)}
+    assert all(v < TOL for v in errs.values()), f"inference, world {world} case {case}: {errs}"
+
+
+def _check(rank, world):
+    torch.manual_seed(0)
+    for i, case in enumerate(CASES):
+        _check_case(case, rank, world, seed=10 * i)
+    if world == 2:
+        _check_errors()
+
+
+def _check_errors():
+    stack = PairformerStack(**W, num_blocks=1).double()
+    sharded = ShardedPairformerStack(stack)
+    s, z = torch.randn(1, 3, 8, dtype=torch.float64), torch.randn(1, 3, 5, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"z \(1, 3, 5, 8\) \[B, n, N', c_z\] with N' = 2 \* n"):
+        sharded(s, z)
+    z = torch.randn(1, 3, 6, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match="pair_mask must be bool"):
+        sharded(s, z, None, torch.ones(1, 6, 6))
+    with pytest.raises(ValueError, match=r"single_mask has shape \(1, 5\), expected the whole padded mask \(1, 6\)"):
+        sharded(s, z, torch.ones(1, 5, dtype=torch.bool))
+    with pytest.raises(TypeError, match="stack must be a PairformerStack"):
+        ShardedPairformerStack(torch.nn.Linear(2, 2))
+
+
+def test_sharded_pairformer_two_ranks():
+    spawn_gloo(_check, 2)
+
+
+@pytest.mark.slow
+def test_sharded_pairformer_four_ranks():
+    spawn_gloo(_check, 4)
