@@ -52,6 +52,12 @@ class Backend:
     # "module:function" computing (dq, dk, dv, dbias) from saved (out, lse): lets ring attention run each
     # step's backward against the merged out/lse without recomputing the forward. None: not offered.
     lse_backward: Optional[str] = None
+    # Forward memory beyond inputs and outputs, for planners (attn_zoo's inference path): ``score_buffers`` float32
+    # tiles of ``[*batch, H, Lq, keys]`` held at once, keys = Lk or, with ``score_chunk``, that option's value
+    # (default ``score_chunk_default``). 0: a fused kernel that holds no scores.
+    score_buffers: int = 0
+    score_chunk: Optional[str] = None
+    score_chunk_default: Optional[int] = None
     # Tests bound this backend's error vs a float64 reference by tolerance * (plain PyTorch's error in the
     # same dtype) + a floor of a few ulps; see tests/helpers.py.
     tolerance: Dict[torch.dtype, float] = field(default_factory=lambda: dict(DEFAULT_TOLERANCE))
@@ -113,12 +119,14 @@ def _registry() -> Dict[str, Backend]:
             name="torch", entry="reference:attention_reference_backend",
             description="plain PyTorch reference; materialises [*batch, H, Lq, Lk] scores",
             devices=frozenset({"cpu", "cuda"}), dtypes=FLOATS, segment_ids=True,
+            score_buffers=3,  # biased logits, masked logits, probabilities
         ),
         "chunked": Backend(
             name="chunked", entry="chunked:chunked_attention",
             description="online softmax over key chunks in PyTorch; memory O(Lq * chunk)",
             devices=frozenset({"cpu", "cuda"}), dtypes=FLOATS, options=frozenset({"chunk_size"}),
             lse_backward="chunked:chunked_lse_backward", segment_ids=True,
+            score_buffers=4, score_chunk="chunk_size", score_chunk_default=256,  # logits, biased, exp, p @ v input
         ),
         "triton": Backend(
             name="triton", entry="triton:triton_attention",
@@ -134,6 +142,7 @@ def _registry() -> Dict[str, Backend]:
             devices=frozenset({"cpu", "cuda"}), dtypes=FLOATS, lse=False, lse_grad=False,
             # its flash / memory-efficient CUDA backwards accumulate dq with atomics
             deterministic_devices=frozenset({"cpu"}), segment_ids=True,
+            score_buffers=2,  # the bias-and-mask attn_mask broadcast to the scores, and the math kernel's logits
         ),
         "flex": Backend(
             name="flex", entry="flex:flex_attention",
@@ -262,6 +271,24 @@ def unsupported_message(name: str, inputs: AttnInputs, rejected: Dict[str, List[
     if cannot:
         msg += " Others: " + "; ".join(f"{n}: {', '.join(not_supported_reasons(n, inputs))}" for n in cannot) + "."
     return msg
+
+
+def forward_scratch_bytes(name: str, *, device: str, dtype: torch.dtype, head_dim: int, batch: int, lq: int,
+                          lk: int, has_bias: bool = True, has_mask: bool = True, options=None) -> int:
+    """Upper estimate of the bytes backend ``name`` (``auto``: as resolved for these inputs, without gradients)
+    holds during a forward beyond its inputs and outputs: its score tiles for ``batch`` (batch dims times heads)
+    attention problems of ``lq`` queries and ``lk`` keys. 0 when no backend can serve the inputs."""
+    inputs = AttnInputs(device=device, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, has_bias=has_bias,
+                        has_mask=has_mask, causal=False, needs_lse=False, needs_grad=False, bias_needs_grad=False,
+                        bias_is_broadcast=has_bias, lse_needs_grad=False, deterministic=True)
+    try:
+        b = select(name, inputs)
+    except UnsupportedInputs:
+        return 0
+    keys = lk
+    if b.score_chunk is not None:
+        keys = min(lk, int((options or {}).get(b.score_chunk, b.score_chunk_default)))
+    return b.score_buffers * 4 * batch * lq * keys
 
 
 def available() -> List[str]:

@@ -245,13 +245,16 @@ class _MSAPairBlock(nn.Module):
     def forward_inference(
         self, m: Tensor, z: Tensor, msa_mask: Optional[Tensor] = None, pair_mask: Optional[Tensor] = None,
         *, chunk_size: Optional[int] = None, memory_budget: Optional[int] = None, inplace: bool = False,
+        mode: str = "auto",
     ) -> Tuple[Tensor, Tensor]:
-        """The block without autograd, by chunks, updating m and z in place (``attn_zoo.models.inference``): equal
-        to ``forward`` in eval mode. ``chunk_size`` None: planned from ``memory_budget`` (bytes beyond the inputs;
-        None: the free device memory). ``inplace``: m and z are overwritten with the result."""
+        """The block without autograd (``attn_zoo.models.inference``), equal to ``forward`` in eval mode. ``mode``
+        ``auto``: ``forward`` itself when its estimated memory fits ``memory_budget`` (bytes beyond the inputs;
+        None: the free device memory), else the memory-bounded path, by chunks updating m and z in place;
+        ``plain`` / ``bounded`` force one (the choice: ``self.last_inference``). ``chunk_size``: rows per chunk
+        (bounded: None = planned from the budget). ``inplace``: m and z are overwritten with the result."""
         msa_mask, pair_mask = _default_masks(m, z, msa_mask, pair_mask)
         return inference.run_block(self, inference.msa_pair_block_, m, z, (msa_mask, pair_mask), chunk_size,
-                                   memory_budget, n_seq=m.shape[-3], inplace=inplace)
+                                   memory_budget, n_seq=m.shape[-3], inplace=inplace, mode=mode)
 
 
 class EvoformerBlock(_MSAPairBlock):
@@ -292,8 +295,9 @@ class _Stack(inference.StackInference, nn.Module):
     """Blocks run in order, with activation checkpointing every ``checkpoint_every`` blocks (training
     only) and inference chunking over rows (``chunk_size``; None = off).
 
-    Without autograd in eval mode the stack takes the memory-bounded path (``attn_zoo.models.inference``):
-    see ``configure_inference``, ``plan_inference`` and ``forward_inference``."""
+    Without autograd in eval mode the stack runs ``forward_inference``: the plain path when its estimated memory
+    fits the budget, else the memory-bounded one (``attn_zoo.models.inference``): see ``configure_inference``,
+    ``inference_choice``, ``plan_inference`` and ``last_inference``."""
 
     def __init__(self, blocks, checkpoint_every: int, chunk_size: Optional[int]):
         super().__init__()
@@ -310,7 +314,7 @@ class _Stack(inference.StackInference, nn.Module):
     ) -> Tuple[Tensor, Tensor]:
         """m ``[B, S, N, c_m]``, z ``[B, N, N, c_z]``, msa_mask ``[B, S, N]``, pair_mask ``[B, N, N]`` -> (m, z)."""
         msa_mask, pair_mask = _default_masks(m, z, msa_mask, pair_mask)
-        if inference.use_bounded_path(self, self.inference_settings):
+        if inference.use_inference_path(self, self.inference_settings):
             return self.forward_inference(m, z, msa_mask, pair_mask)
         return run_blocks(
             self.blocks, m, z, (msa_mask, pair_mask), self.checkpoint_every, self.chunk_size, self.training
@@ -319,14 +323,17 @@ class _Stack(inference.StackInference, nn.Module):
 
     def forward_inference(
         self, m: Tensor, z: Tensor, msa_mask: Optional[Tensor] = None, pair_mask: Optional[Tensor] = None,
-        *, inplace: bool = False,
+        *, inplace: bool = False, mode: Optional[str] = None,
     ) -> Tuple[Tensor, Tensor]:
-        """The stack without autograd, block by block in place on one copy of m and z (``inplace``: on them), chunk
-        sizes from ``inference_settings`` / ``chunk_size`` or planned; with ``offload`` z waits on the host."""
+        """The stack without autograd on the path ``mode`` (None: ``inference_settings.mode``) picks: plain (the
+        blocks' forward) or memory-bounded (block by block in place on one copy of m and z, chunk sizes from
+        ``inference_settings`` / ``chunk_size`` or planned; with ``offload`` z waits on the host). ``inplace``: the
+        result is written into m and z. The choice: ``self.last_inference``."""
         msa_mask, pair_mask = _default_masks(m, z, msa_mask, pair_mask)
+        settings = self.inference_settings if mode is None else inference.configure(self.inference_settings,
+                                                                                      mode=mode)
         return inference.run_stack(self, inference.msa_pair_block_, m, z, (msa_mask, pair_mask),
-                                   self.inference_settings, n_seq=m.shape[-3], inplace=inplace,
-                                   default_chunk=self.chunk_size)
+                                   settings, n_seq=m.shape[-3], inplace=inplace, default_chunk=self.chunk_size)
 
 
 class EvoformerStack(_Stack):

@@ -23,11 +23,22 @@ copy is page-locked by torch's caching host allocator in a power-of-two block) a
 the available host memory (``available_host_memory``: MemAvailable), falling back to a pageable copy (slower,
 synchronous transfers) when the pinned block does not fit.
 Dropout is not applied (inference); the stacks' training path is untouched.
+
+Which path runs (``InferenceSettings.mode``): ``auto`` (the default) runs the plain path (the blocks' own
+``forward`` without autograd, rows chunked only by the stack's ``chunk_size``), which is the faster one, whenever
+its estimated extra memory (``estimate_plain_memory``) fits the budget, and the memory-bounded path only when it
+does not, or when ``offload`` asks for it; ``plain`` / ``bounded`` force one. The budget is ``memory_budget``
+when given, else 95% of the free memory of a CUDA device, else on the CPU half of the available host memory
+(``available_host_memory``; the host's other users and the allocator's caching get the other half). Both
+estimates count the attention backend's score tiles (``attn_ops.registry.forward_scratch_bytes``: none for the
+fused kernels). The choice is kept in the module's ``last_inference`` (an ``InferenceChoice``) and logged at
+DEBUG level by the ``attn_zoo.models.inference`` logger.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import os
 from dataclasses import dataclass, field, replace
@@ -35,6 +46,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+
+from attn_ops import registry as _attn_registry
 
 from .kernels import layer_norm_rows
 from .primitives import at_least_fp32, chunk_rows
@@ -49,6 +62,18 @@ _RESERVE_BYTES = 256 * 2 ** 20
 # full matmul efficiency; larger ones only cost memory
 _CHUNK_FRACTION_OF_Z = 0.5
 _MIN_CHUNK_BYTES = 256 * 2 ** 20
+# ... unless the budget leaves room: then chunk temporaries may take this fraction of what the budget leaves beyond
+# chunks of one row (fewer, larger chunks: fewer launches and host round trips per block)
+_SPARE_FRACTION = 0.5
+# the CPU has no free-memory query of its own: the auto choice's default budget is this fraction of MemAvailable
+_CPU_BUDGET_FRACTION = 0.5
+_LOG = logging.getLogger(__name__)
+# bytes an attention backend holds beyond its inputs and outputs: (problems = batch dims * heads, Lq, Lk) -> bytes
+ScoreBytes = Callable[[int, int, int], int]
+
+
+def _no_scores(problems: int, lq: int, lk: int) -> int:
+    return 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -78,13 +103,15 @@ def _check_budget(value: Any, name: str = "memory_budget") -> Optional[int]:
 class InferenceSettings:
     """How a stack runs when it runs without autograd.
 
-    mode: ``auto`` (default): the memory-bounded path when grad is disabled and the stack is in eval mode,
-        today's path otherwise; ``bounded``: always the memory-bounded path (no gradients; eval mode only);
-        ``plain``: always today's path.
+    mode: ``auto`` (default): without grad in eval mode, the plain path (the blocks' ``forward``) when its
+        estimated memory fits the budget, else the memory-bounded path (always with ``offload``); with grad or in
+        train mode the plain path. ``bounded``: always the memory-bounded path (no gradients; eval mode only);
+        ``plain``: always the plain path.
     chunk_size / msa_chunk_size: pair rows (columns) and MSA rows (columns) per chunk; None = planned from
         ``memory_budget``. A stack's own ``chunk_size`` is used for the pair chunk when this one is None.
     memory_budget: bytes the block may allocate beyond the parameters and the inputs (None: on CUDA the free
-        device memory, on the CPU a chunk whose temporaries are a fraction of z).
+        device memory; on the CPU half the available host memory for the auto choice, and for the bounded
+        path's chunks a size whose temporaries are a fraction of z).
     offload: keep the pair tensor in host memory between blocks (each block copies it in and out; pinned when
         the power-of-two pinned block fits the available host memory, else pageable). Saves device memory when
         ``z`` is passed on the host; the result then stays on the host. The host holds the caller's z and one
@@ -246,7 +273,7 @@ def available_host_memory() -> Optional[int]:
 def estimate_inference_memory(
     dims: Dims, n: int, chunk_size: int, *, n_seq: int = 0, msa_chunk_size: Optional[int] = None,
     batch: int = 1, dtype: torch.dtype = torch.bfloat16, inplace: bool = False, offload: bool = False,
-    z_on_host: bool = True, pin: bool = True,
+    z_on_host: bool = True, pin: bool = True, scores: Optional[ScoreBytes] = None,
 ) -> MemoryEstimate:
     """Upper estimate of the device bytes of one block of the memory-bounded path, and of the host bytes of the
     stack's offload (``host``).
@@ -256,8 +283,8 @@ def estimate_inference_memory(
     ``dtype``: the activations' dtype; ``inplace``: the block writes into the caller's z (and m), no working
     copy; ``offload``: z (and the result) live on the host between blocks: one device copy per block, and one
     host copy of z (none when ``inplace`` and the caller's z is on the host, ``z_on_host``), page-locked in a
-    power-of-two block when ``pin`` (``pinned_host_bytes``). Assumes a fused attention backend (triton, flex,
-    cuequivariance) that holds no ``[..., L, L]`` scores.
+    power-of-two block when ``pin`` (``pinned_host_bytes``). ``scores``: the attention backend's score bytes
+    (``score_bytes_of``); None: a fused backend (triton, flex, cuequivariance) that holds no ``[..., L, L]`` scores.
     """
     n = _check_chunk("n", n)
     chunk = _check_chunk("chunk_size", chunk_size)
@@ -271,6 +298,7 @@ def estimate_inference_memory(
         msa_chunk = chunk
     r = min(chunk, n)
     e = torch.empty((), dtype=dtype).element_size()
+    sc = scores or _no_scores
     B = batch
     cz, C, H, hc = dims.c_z, dims.c_hidden_mul, dims.num_heads_pair, dims.num_heads_pair * dims.c_hidden_pair
     tn = dims.transition_n
@@ -283,7 +311,8 @@ def estimate_inference_memory(
         ("triangle_multiplication", nn2 * C * e + rows * e * (3 * cz + 6 * C)),
         # pair bias + (LN(z), fused q|k|v|g|pad, contiguous q, k, v for the op, o, o flat, gated o, output)
         # of one chunk, and its fp32 lse
-        ("triangle_attention", nn2 * H * e + rows * e * (2 * cz + 4 * hc + H + 8 + 3 * hc + 3 * hc) + rows * H * 4),
+        ("triangle_attention", nn2 * H * e + rows * e * (2 * cz + 4 * hc + H + 8 + 3 * hc + 3 * hc) + rows * H * 4
+         + sc(B * r * H, n, n)),
         # LN, [a|b], silu(a), silu(a)*b, output
         ("pair_transition", rows * e * cz * (2 + 4 * tn)),
     ]
@@ -292,7 +321,8 @@ def estimate_inference_memory(
         cs, hs = dims.c_s, dims.num_heads_single
         s_bytes = B * n * cs * e
         # pair bias + its build chunk (LN(z) rows, H) + the single attention's projections, o, lse
-        mods.append(("attention_pair_bias", nn2 * hs * e + rows * e * (cz + hs) + B * n * e * 10 * cs + B * hs * n * 4))
+        mods.append(("attention_pair_bias", nn2 * hs * e + rows * e * (cz + hs) + B * n * e * 10 * cs + B * hs * n * 4
+                     + sc(B * hs, r, n)))
         mods.append(("single_transition", B * n * e * cs * (2 + 4 * tn)))
     if msa:
         cm, hm, hcm, co = dims.c_m, dims.num_heads_msa, dims.num_heads_msa * dims.c_hidden_msa, dims.c_hidden_opm
@@ -300,8 +330,10 @@ def estimate_inference_memory(
         rs = min(msa_chunk, n_seq)
         rc = min(msa_chunk, n)
         att = e * (2 * cm + 4 * hcm + 6 * hcm)  # per MSA entry of a chunk: LN, q|k|v|g, op copies, o, output
-        mods.append(("msa_row_attention", nn2 * hm * e + rows * e * (cz + hm) + B * rs * n * (att + hm * 4)))
-        mods.append(("msa_column_attention", B * rc * n_seq * (att + 4 * hm) + B * rc * n_seq * cm * e))
+        mods.append(("msa_row_attention", nn2 * hm * e + rows * e * (cz + hm) + B * rs * n * (att + hm * 4)
+                     + sc(B * rs * hm, n, n)))
+        mods.append(("msa_column_attention", B * rc * n_seq * (att + 4 * hm) + B * rc * n_seq * cm * e
+                     + sc(B * rc * hm, n_seq, n_seq)))
         mods.append(("msa_transition", B * rs * n * e * cm * (2 + 4 * tn)))
         # a, b (fp32-safe: activations' dtype) + the build chunk of LN(m) + one row chunk's outer products
         # (outer, its transposed copy), outputs and counts
@@ -316,6 +348,98 @@ def estimate_inference_memory(
     if offload and not (inplace and z_on_host):
         host = pinned_host_bytes(z_bytes) if pin else z_bytes
     return MemoryEstimate(n, chunk, msa_chunk, z_bytes, inputs, working, transient, tuple(mods), host)
+
+
+def estimate_plain_memory(
+    dims: Dims, n: int, chunk_size: Optional[int] = None, *, n_seq: int = 0, batch: int = 1,
+    dtype: torch.dtype = torch.bfloat16, scores: Optional[ScoreBytes] = None, single_fp32: bool = False,
+) -> MemoryEstimate:
+    """Upper estimate of the device bytes of one block of the plain path: the block's ``forward`` without autograd,
+    rows chunked by ``chunk_size`` (None: whole), as a stack runs it block after block.
+
+    Each module holds its full-size intermediates (normalised input, projections, the triangle product, the pair
+    bias) plus one chunk's; the update is concatenated from its chunks and added to a new z (or m), so a block
+    holds the current z, the update and the new z at once (``working``: the current z and m, which from the second
+    block on are not the caller's). ``scores``: the attention backend's score bytes (``score_bytes_of``; None: a
+    fused backend). ``single_fp32``: Boltz-2's single track, which reads a float32 copy of z. Same fields as
+    :func:`estimate_inference_memory` (``chunk_size`` reports the row chunk, N when whole).
+    """
+    n = _check_chunk("n", n)
+    chunk = _check_chunk("chunk_size", chunk_size)
+    if n is None:
+        raise ValueError("n must be a positive int")
+    msa = dims.c_m > 0
+    if msa and (isinstance(n_seq, bool) or not isinstance(n_seq, int) or n_seq <= 0):
+        raise ValueError(f"an Evoformer estimate needs n_seq (MSA sequences) > 0, got {n_seq!r}")
+    r = n if chunk is None else min(chunk, n)
+    e = torch.empty((), dtype=dtype).element_size()
+    sc = scores or _no_scores
+    B = batch
+    cz, C, H, hc = dims.c_z, dims.c_hidden_mul, dims.num_heads_pair, dims.num_heads_pair * dims.c_hidden_pair
+    tn = dims.transition_n
+    nn2 = B * n * n
+    z_bytes = nn2 * cz * e
+    rows = B * r * n  # pair entries of one chunk
+    cat = z_bytes if r < n else 0  # chunk_rows concatenates the chunks' outputs into one more update
+    mods = [
+        # LN(z), the [g|p] GEMM output, sigmoid, gated and masked products; then LN(z), [a|b], x, the gate and
+        # one chunk's LN(x), output, sigmoid and product
+        ("triangle_multiplication", max(nn2 * e * (cz + 8 * C), nn2 * e * (2 * cz + 3 * C) + rows * e * (C + 3 * cz)
+                                        + cat)),
+        # LN(z), fused q|k|v|g|bias, the contiguous bias; one chunk's op copies of q, k, v, o, o flat, sigmoid,
+        # gated o, output, lse and the backend's scores
+        ("triangle_attention", nn2 * e * (cz + 4 * hc + 2 * H) + rows * e * (7 * hc + cz) + rows * H * 4
+         + sc(B * r * H, n, n) + cat),
+        # one chunk's LN, [a|b], silu(a), product, output
+        ("pair_transition", rows * e * cz * (2 + 4 * tn) + cat),
+        # the update and the new z while the current one lives
+        ("residual", 2 * z_bytes),
+    ]
+    m_bytes = s_bytes = 0
+    if dims.c_s:
+        cs, hs = dims.c_s, dims.num_heads_single
+        es = 4 if single_fp32 else e
+        s_bytes = B * n * cs * e
+        z32 = nn2 * cz * 4 if single_fp32 and e < 4 else 0  # Boltz-2: the single track reads z as float32
+        # LN(z) and the bias (then its contiguous copy), the single attention's projections, o, and its scores
+        mods.append(("attention_pair_bias", z32 + nn2 * es * (cz + hs) + B * n * es * 10 * cs + B * hs * n * 4
+                     + sc(B * hs, r, n)))
+        mods.append(("single_transition", z32 + B * n * es * cs * (2 + 4 * tn)))
+    if msa:
+        cm, hm, hcm, co = dims.c_m, dims.num_heads_msa, dims.num_heads_msa * dims.c_hidden_msa, dims.c_hidden_opm
+        ms = B * n_seq * n  # MSA entries
+        m_bytes = ms * cm * e
+        rs, rc = min(r, n_seq), r
+        mcat = m_bytes if r < max(n, n_seq) else 0
+        att = e * (4 * hcm + 7 * hcm + cm)  # per MSA entry of a chunk: q|k|v|g, op copies, o, gate, output
+        mods.append(("msa_row_attention", nn2 * e * (cz + 2 * hm) + m_bytes + B * rs * n * (att + hm * 4)
+                     + sc(B * rs * hm, n, n) + mcat))
+        mods.append(("msa_column_attention", m_bytes + B * rc * n_seq * (att + 4 * hm) + sc(B * rc * hm, n_seq, n_seq)
+                     + mcat))
+        mods.append(("msa_transition", B * rs * n * e * cm * (2 + 2 * tn) + mcat))
+        # LN(m), a, b, counts; one row chunk's outer products (and their transposed copy), output
+        mods.append(("outer_product_mean", m_bytes + 2 * ms * co * e + nn2 * 4 + rows * e * (2 * co * co + 2 * cz)
+                     + cat))
+        mods.append(("msa_residual", 2 * m_bytes))
+    mask_bytes = nn2 + (B * n_seq * n if msa else 0) + B * n
+    inputs = z_bytes + s_bytes + m_bytes + mask_bytes
+    working = z_bytes + m_bytes
+    transient = max(v for _, v in mods) + _RESERVE_BYTES
+    return MemoryEstimate(n, r, r if msa else None, z_bytes, inputs, working, transient, tuple(mods))
+
+
+def score_bytes_of(blk: nn.Module, device: torch.device, dtype: torch.dtype) -> ScoreBytes:
+    """The score bytes of the attention backend a block's modules call (they share one attention config), as
+    ``attn_ops.registry.forward_scratch_bytes`` resolves it for ``device`` and ``dtype``."""
+    mha = blk.tri_att_start.mha
+    cfg = mha.attention
+    dev = torch.device(device).type
+
+    def scores(problems: int, lq: int, lk: int) -> int:
+        return _attn_registry.forward_scratch_bytes(cfg.backend, device=dev, dtype=dtype, head_dim=mha.c_hidden,
+                                                    batch=problems, lq=lq, lk=lk, options=cfg.options)
+
+    return scores
 
 
 def _candidates(n: int) -> list:
@@ -333,12 +457,14 @@ def plan_inference(
     dtype: torch.dtype = torch.bfloat16, inplace: bool = False, offload: bool = False,
     chunk_size: Optional[int] = None, msa_chunk_size: Optional[int] = None,
     host_budget: Optional[int] = None, z_on_host: bool = True, pin: bool = True,
+    scores: Optional[ScoreBytes] = None,
 ) -> InferencePlan:
     """Chunk sizes for ``n`` residues within ``budget`` bytes beyond the parameters and inputs.
 
     The pair chunk is the largest candidate (``n``, then powers of two) whose estimate fits the budget and whose
-    chunk temporaries stay under half of z (larger chunks gain no matmul efficiency); then likewise the MSA
-    chunk. A ``chunk_size`` / ``msa_chunk_size`` given is kept as is. ``budget`` None: only the size rule.
+    chunk temporaries stay under the larger of half of z, 256 MiB and half of what the budget leaves beyond
+    chunks of one row (a large budget buys fewer chunks: fewer launches per block); then likewise the MSA
+    chunk. ``scores``: the attention backend's score bytes (``score_bytes_of``; None: a fused backend). A ``chunk_size`` / ``msa_chunk_size`` given is kept as is. ``budget`` None: only the size rule.
     With ``offload`` the host copy of z (``MemoryEstimate.host``) must fit ``host_budget`` (None: the available
     host memory, ``available_host_memory``): pinned (``pin``) when its power-of-two block fits, else pageable.
     Raises ``ValueError`` when even chunks of 1 do not fit the device budget, or the host copy the host budget,
@@ -352,7 +478,8 @@ def plan_inference(
     if n is None:
         raise ValueError("n must be a positive int")
     msa = dims.c_m > 0
-    kw = dict(n_seq=n_seq, batch=batch, dtype=dtype, inplace=inplace, offload=offload, z_on_host=z_on_host)
+    kw = dict(n_seq=n_seq, batch=batch, dtype=dtype, inplace=inplace, offload=offload, z_on_host=z_on_host,
+              scores=scores)
     z_bytes = batch * n * n * dims.c_z * torch.empty((), dtype=dtype).element_size()
     size_cap = max(_CHUNK_FRACTION_OF_Z * z_bytes, _MIN_CHUNK_BYTES)
 
@@ -394,6 +521,8 @@ def plan_inference(
             + ("use inplace=True, " if not inplace and not offload else "")
             + ("offload z to the host, " if not offload else "") + "or a smaller N"
         )
+    if budget is not None:
+        size_cap = max(size_cap, _SPARE_FRACTION * (budget - base.extra))
     pair_choices = [chunk_size] if chunk_size is not None else _candidates(n)
     chosen = None
     for c in pair_choices:
@@ -656,13 +785,70 @@ def msa_pair_block_(blk: nn.Module, m: Tensor, z: Tensor, msa_mask: Tensor, pair
 # --------------------------------------------------------------------------------------------------
 # Running blocks and stacks
 # --------------------------------------------------------------------------------------------------
-def use_bounded_path(module: nn.Module, settings: InferenceSettings) -> bool:
-    """Whether a stack's forward takes the memory-bounded path."""
+def use_inference_path(module: nn.Module, settings: InferenceSettings) -> bool:
+    """Whether a stack's forward goes through ``forward_inference`` (which then picks the plain or the bounded
+    path): with ``mode="bounded"``, or ``auto`` without grad in eval mode."""
     if settings.mode == "plain":
         return False
     if settings.mode == "bounded":
         return True
     return not torch.is_grad_enabled() and not module.training
+
+
+@dataclass(frozen=True)
+class InferenceChoice:
+    """The path an inference call took: ``path`` ``"plain"`` or ``"bounded"``, and ``reason``. ``plain``: the plain
+    path's estimate and ``budget`` the bytes it was held against (None where the choice needed neither);
+    ``plan``: the bounded path's plan when that path ran."""
+
+    path: str
+    reason: str
+    plain: Optional[MemoryEstimate] = None
+    budget: Optional[int] = None
+    plan: Optional[InferencePlan] = None
+
+
+def inference_budget(device: torch.device, memory_budget: Optional[int] = None) -> Optional[int]:
+    """The auto choice's budget: ``memory_budget`` when given; else 95% of a CUDA device's free memory; else on the
+    CPU half of the available host memory; None when unknown."""
+    if memory_budget is not None:
+        return memory_budget
+    device = torch.device(device)
+    free = free_device_memory(device)
+    if free is not None:
+        return int(0.95 * free)
+    if device.type == "cpu":
+        avail = available_host_memory()
+        return None if avail is None else int(_CPU_BUDGET_FRACTION * avail)
+    return None
+
+
+def choose_path(blk: nn.Module, settings: InferenceSettings, n: int, device: torch.device, dtype: torch.dtype,
+                *, n_seq: int = 0, batch: int = 1, plain_chunk: Optional[int] = None) -> InferenceChoice:
+    """Plain or bounded for a run of ``blk`` (a stack's first block) at ``n`` residues: as ``settings.mode`` says;
+    ``auto``: bounded with offload, else plain when the plain path's estimate (rows chunked by ``plain_chunk``)
+    fits :func:`inference_budget`, else bounded."""
+    if settings.mode != "auto":
+        return InferenceChoice(settings.mode, f"mode={settings.mode!r}")
+    if settings.offload:
+        return InferenceChoice("bounded", "offload runs on the memory-bounded path")
+    budget = inference_budget(device, settings.memory_budget)
+    fp32 = bool(getattr(blk, "single_fp32", False))
+    # Boltz-2's plain block returns z as float32: from the second block on the pair track runs in float32
+    est_dtype = torch.promote_types(dtype, torch.float32) if fp32 else dtype
+    plain = estimate_plain_memory(Dims.of(blk), n, plain_chunk, n_seq=n_seq, batch=batch, dtype=est_dtype,
+                                  scores=score_bytes_of(blk, device, dtype), single_fp32=fp32)
+    if budget is None:
+        return InferenceChoice("plain", "no memory budget known", plain, None)
+    verdict = "fits" if plain.extra <= budget else "does not fit"
+    reason = (f"the plain path's estimated extra {plain.extra / GIB:.2f} GiB {verdict} the budget "
+              f"{budget / GIB:.2f} GiB")
+    return InferenceChoice("plain" if plain.extra <= budget else "bounded", reason, plain, budget)
+
+
+def _record(module: nn.Module, choice: InferenceChoice, n: int) -> None:
+    module.last_inference = choice  # a debug hook: benchmarks and tests read which path ran
+    _LOG.debug("%s N=%d: %s path (%s)", type(module).__name__, n, choice.path, choice.reason)
 
 
 def make_plan(blk: nn.Module, settings: InferenceSettings, n: int, device: torch.device, dtype: torch.dtype,
@@ -681,20 +867,23 @@ def make_plan(blk: nn.Module, settings: InferenceSettings, n: int, device: torch
     chunk = settings.chunk_size if settings.chunk_size is not None else default_chunk
     return plan_inference(Dims.of(blk), n, budget, n_seq=n_seq, batch=batch, dtype=dtype, inplace=inplace,
                           offload=offload, chunk_size=chunk, msa_chunk_size=settings.msa_chunk_size,
-                          host_budget=host_budget, z_on_host=z_on_host, pin=device.type == "cuda")
+                          host_budget=host_budget, z_on_host=z_on_host, pin=device.type == "cuda",
+                          scores=score_bytes_of(blk, device, dtype))
 
 
 def _check_inference(module: nn.Module) -> None:
     if module.training:
-        raise ValueError(f"the memory-bounded path of {type(module).__name__} applies no dropout: call .eval() first "
-                         "(or configure_inference(mode='plain') to run today's path)")
+        raise ValueError(f"the inference path of {type(module).__name__} applies no dropout: call .eval() first "
+                         "(or configure_inference(mode='plain') and call the module, to run the training path)")
 
 
 def run_stack(
     stack: nn.Module, block_fn: Callable, x: Tensor, z: Tensor, masks: Sequence[Tensor],
     settings: InferenceSettings, *, n_seq: int = 0, inplace: bool = False, default_chunk: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Run every block of ``stack`` by ``block_fn(blk, x, z, *masks, plan)`` without autograd.
+    """Run every block of ``stack`` without autograd: the plain path (the blocks' forward, rows chunked by
+    ``default_chunk``) or the memory-bounded one (``block_fn(blk, x, z, *masks, plan)``), as :func:`choose_path`
+    picks (recorded in ``stack.last_inference``). ``n_seq`` > 0: an MSA stack (m is updated in place too).
 
     ``x`` (s or m) lives on the parameters' device. Without offload z is copied once (not with ``inplace``)
     and updated in place block after block. With ``settings.offload`` z lives in host memory between blocks: one
@@ -708,10 +897,21 @@ def run_stack(
     dev = x.device
     masks = [t.to(dev, non_blocking=True) for t in masks]
     offload = settings.offload
+    n = z.shape[-2]
+    choice = choose_path(stack.blocks[0], settings, n, dev, z.dtype, n_seq=n_seq, batch=z.shape[0],
+                         plain_chunk=default_chunk)
+    if choice.path == "plain":
+        _record(stack, choice, n)
+        with torch.no_grad():
+            out = x, z.to(dev, non_blocking=True)
+            for blk in stack.blocks:
+                out = blk(*out, *masks, chunk_size=default_chunk)
+        return _write_back(x, z, out, inplace, n_seq > 0)
     with torch.no_grad():
-        plan = make_plan(stack.blocks[0], settings, z.shape[-2], dev, z.dtype, n_seq=n_seq, batch=z.shape[0],
+        plan = make_plan(stack.blocks[0], settings, n, dev, z.dtype, n_seq=n_seq, batch=z.shape[0],
                          inplace=inplace, offload=offload, default_chunk=default_chunk,
                          z_on_host=z.device.type == "cpu")
+        _record(stack, replace(choice, plan=plan), n)
         x = x if inplace else x.clone()  # the MSA blocks update m in place
         if not offload:
             work = z if inplace else z.clone()
@@ -745,15 +945,37 @@ def run_stack(
         return x, (z.copy_(host) if inplace else host.to(z.device))
 
 
+def _write_back(x: Tensor, z: Tensor, out: Tuple[Tensor, Tensor], inplace: bool, x_inplace: bool
+                ) -> Tuple[Tensor, Tensor]:
+    """The plain path's result where the caller wants it: z's device; with ``inplace`` in the caller's z (and, for
+    the MSA blocks, ``x_inplace``, in m)."""
+    x_new, z_new = out
+    if not inplace:
+        return x_new, z_new.to(z.device)
+    z.copy_(z_new)
+    if x_inplace:
+        x.copy_(x_new)
+        x_new = x
+    return x_new, z
+
+
 def run_block(blk: nn.Module, block_fn: Callable, x: Tensor, z: Tensor, masks: Sequence[Tensor],
               chunk_size: Optional[int], memory_budget: Optional[int], *, n_seq: int = 0,
-              inplace: bool = False) -> Tuple[Tensor, Tensor]:
-    """One block's memory-bounded forward (``inplace``: z, and m for the MSA blocks, are updated in place)."""
+              inplace: bool = False, mode: str = "auto") -> Tuple[Tensor, Tensor]:
+    """One block's forward without autograd, on the path :func:`choose_path` picks (``mode``; recorded in
+    ``blk.last_inference``); ``inplace``: z, and m for the MSA blocks, are updated in place."""
     _check_inference(blk)
-    settings = InferenceSettings(mode="bounded", chunk_size=chunk_size, memory_budget=memory_budget)
+    settings = InferenceSettings(mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)
+    n = z.shape[-2]
+    choice = choose_path(blk, settings, n, z.device, z.dtype, n_seq=n_seq, batch=z.shape[0], plain_chunk=chunk_size)
+    if choice.path == "plain":
+        _record(blk, choice, n)
+        with torch.no_grad():
+            out = blk(x, z, *masks, chunk_size=chunk_size)
+        return _write_back(x, z, out, inplace, n_seq > 0)
     with torch.no_grad():
-        plan = make_plan(blk, settings, z.shape[-2], z.device, z.dtype, n_seq=n_seq, batch=z.shape[0],
-                         inplace=inplace)
+        plan = make_plan(blk, settings, n, z.device, z.dtype, n_seq=n_seq, batch=z.shape[0], inplace=inplace)
+        _record(blk, replace(choice, plan=plan), n)
         if not inplace:
             x, z = x.clone(), z.clone()
         return block_fn(blk, x, z, *masks, plan)
@@ -775,6 +997,7 @@ class StackInference:
     """
 
     inference_settings: InferenceSettings = InferenceSettings()
+    last_inference: Optional[InferenceChoice] = None  # the path the last inference call took (a debug hook)
 
     def configure_inference(self, **changes: Any):
         """Set ``InferenceSettings`` fields (mode, chunk_size, msa_chunk_size, memory_budget, offload); returns self."""
@@ -800,7 +1023,20 @@ class StackInference:
             p = next(self.parameters(), None)
             budget = None if p is None else free_device_memory(p.device)
         kwargs.setdefault("offload", self.inference_settings.offload)
+        p = next(self.parameters(), None)
         if "pin" not in kwargs:
-            p = next(self.parameters(), None)
             kwargs["pin"] = p is not None and p.device.type == "cuda"
+        if "scores" not in kwargs and p is not None:
+            kwargs["scores"] = score_bytes_of(self.blocks[0], p.device, kwargs.get("dtype", torch.bfloat16))
         return plan_inference(self.inference_dims(), n, budget, **kwargs)
+
+    def inference_choice(self, n: int, *, batch: int = 1, dtype: torch.dtype = torch.bfloat16, n_seq: int = 0,
+                         device: Optional[torch.device] = None, **changes: Any) -> InferenceChoice:
+        """The path an inference call at ``n`` residues would take with ``inference_settings`` (and ``changes``
+        to them), without running it; ``device``: the parameters' by default."""
+        settings = configure(self.inference_settings, **changes)
+        if device is None:
+            p = next(self.parameters(), None)
+            device = torch.device("cpu") if p is None else p.device
+        return choose_path(self.blocks[0], settings, n, torch.device(device), dtype, n_seq=n_seq, batch=batch,
+                           plain_chunk=self.chunk_size)

@@ -159,13 +159,16 @@ class PairformerBlock(nn.Module):
     def forward_inference(
         self, s: Tensor, z: Tensor, single_mask: Optional[Tensor] = None, pair_mask: Optional[Tensor] = None,
         *, chunk_size: Optional[int] = None, memory_budget: Optional[int] = None, inplace: bool = False,
+        mode: str = "auto",
     ) -> Tuple[Tensor, Tensor]:
-        """The block without autograd, by chunks, updating z in place (``attn_zoo.models.inference``): equal to
-        ``forward`` in eval mode. ``chunk_size`` None: planned from ``memory_budget`` (bytes beyond the inputs;
-        None: the free device memory). ``inplace``: z is overwritten with the result (no copy of z)."""
+        """The block without autograd (``attn_zoo.models.inference``), equal to ``forward`` in eval mode. ``mode``
+        ``auto``: ``forward`` itself when its estimated memory fits ``memory_budget`` (bytes beyond the inputs;
+        None: the free device memory), else the memory-bounded path, by chunks updating z in place; ``plain`` /
+        ``bounded`` force one (the choice: ``self.last_inference``). ``chunk_size``: rows per chunk (bounded:
+        None = planned from the budget). ``inplace``: z is overwritten with the result."""
         single_mask, pair_mask = _default_masks(s, z, single_mask, pair_mask)
         return inference.run_block(self, inference.pairformer_block_, s, z, (single_mask, pair_mask), chunk_size,
-                                   memory_budget, inplace=inplace)
+                                   memory_budget, inplace=inplace, mode=mode)
 
 
 class PairformerStack(inference.StackInference, nn.Module):
@@ -173,8 +176,9 @@ class PairformerStack(inference.StackInference, nn.Module):
     ``checkpoint_every`` blocks (training only) and inference chunking over rows (``chunk_size``).
     ``variant`` and ``post_norm_s``: see ``PairformerBlock``.
 
-    Without autograd in eval mode the stack takes the memory-bounded path (``attn_zoo.models.inference``):
-    see ``configure_inference``, ``plan_inference`` and ``forward_inference``."""
+    Without autograd in eval mode the stack runs ``forward_inference``: the plain path when its estimated memory
+    fits the budget, else the memory-bounded one (``attn_zoo.models.inference``): see ``configure_inference``,
+    ``inference_choice``, ``plan_inference`` and ``last_inference``."""
 
     def __init__(
         self, c_s: int = 384, c_z: int = 128, num_blocks: int = 48, num_heads_single: int = 16,
@@ -203,7 +207,7 @@ class PairformerStack(inference.StackInference, nn.Module):
     ) -> Tuple[Tensor, Tensor]:
         """s ``[B, N, c_s]``, z ``[B, N, N, c_z]``, single_mask ``[B, N]``, pair_mask ``[B, N, N]`` -> (s, z)."""
         single_mask, pair_mask = _default_masks(s, z, single_mask, pair_mask)
-        if inference.use_bounded_path(self, self.inference_settings):
+        if inference.use_inference_path(self, self.inference_settings):
             return self.forward_inference(s, z, single_mask, pair_mask)
         return run_blocks(
             self.blocks, s, z, (single_mask, pair_mask), self.checkpoint_every, self.chunk_size, self.training
@@ -211,10 +215,14 @@ class PairformerStack(inference.StackInference, nn.Module):
 
     def forward_inference(
         self, s: Tensor, z: Tensor, single_mask: Optional[Tensor] = None, pair_mask: Optional[Tensor] = None,
-        *, inplace: bool = False,
+        *, inplace: bool = False, mode: Optional[str] = None,
     ) -> Tuple[Tensor, Tensor]:
-        """The stack without autograd, block by block in place on one copy of z (``inplace``: on z itself), chunk
-        sizes from ``inference_settings`` / ``chunk_size`` or planned; with ``offload`` z waits on the host."""
+        """The stack without autograd on the path ``mode`` (None: ``inference_settings.mode``) picks: plain (the
+        blocks' forward) or memory-bounded (block by block in place on one copy of z, chunk sizes from
+        ``inference_settings`` / ``chunk_size`` or planned; with ``offload`` z waits on the host). ``inplace``: the
+        result is written into z. The choice: ``self.last_inference``."""
         single_mask, pair_mask = _default_masks(s, z, single_mask, pair_mask)
+        settings = self.inference_settings if mode is None else inference.configure(self.inference_settings,
+                                                                                      mode=mode)
         return inference.run_stack(self, inference.pairformer_block_, s, z, (single_mask, pair_mask),
-                                   self.inference_settings, inplace=inplace, default_chunk=self.chunk_size)
+                                   settings, inplace=inplace, default_chunk=self.chunk_size)

@@ -67,7 +67,7 @@ def test_pairformer_stack_inplace_equals_plain(chunk, monkeypatch):
     with torch.no_grad():
         want = stack.configure_inference(mode="plain")(s, z, res, pair)
         calls = _spy_spans(monkeypatch)
-        got = stack.configure_inference(mode="auto", chunk_size=chunk)(s, z, res, pair)
+        got = stack.configure_inference(mode="bounded", chunk_size=chunk)(s, z, res, pair)
     assert rel_err(got[0], want[0]) < 1e-12 and rel_err(got[1], want[1]) < 1e-12
     assert torch.equal(s, s0) and torch.equal(z, z0)  # the inputs are untouched
     # every pair loop ran over the 7 rows in chunks of `chunk`: 2 blocks x (2 x 2 triangle multiplication loops
@@ -108,7 +108,7 @@ def test_blocks_forward_inference(inplace):
     with torch.no_grad():
         want = blk(s, z, res, pair)
     z_in = z.clone()
-    got = blk.forward_inference(s, z_in, res, pair, chunk_size=4, inplace=inplace)
+    got = blk.forward_inference(s, z_in, res, pair, chunk_size=4, inplace=inplace, mode="bounded")
     assert rel_err(got[0], want[0]) < 1e-12 and rel_err(got[1], want[1]) < 1e-12
     assert (got[1].data_ptr() == z_in.data_ptr()) == inplace
     assert torch.equal(z_in, got[1] if inplace else z)
@@ -118,7 +118,7 @@ def test_blocks_forward_inference(inplace):
     with torch.no_grad():
         want = blk(m, z, msa, pair)
     m_in, z_in = m.clone(), z.clone()
-    got = blk.forward_inference(m_in, z_in, msa, pair, chunk_size=5, inplace=inplace)
+    got = blk.forward_inference(m_in, z_in, msa, pair, chunk_size=5, inplace=inplace, mode="bounded")
     assert rel_err(got[0], want[0]) < 1e-12 and rel_err(got[1], want[1]) < 1e-12
     assert torch.equal(m_in, got[0] if inplace else m) and torch.equal(z_in, got[1] if inplace else z)
 
@@ -134,7 +134,7 @@ def test_triton_block_inplace_within_dtype_rounding(dtype):
     with torch.no_grad():
         exact = ref(s, z, res, pair)
         plain = blk(s.to(dtype), z.to(dtype), res, pair)
-        got = blk.forward_inference(s.to(dtype), z.to(dtype), res, pair, chunk_size=4)
+        got = blk.forward_inference(s.to(dtype), z.to(dtype), res, pair, chunk_size=4, mode="bounded")
     eps = torch.finfo(dtype).eps
     for g, p, e in zip(got, plain, exact):
         assert rel_err(g, e) <= 2 * rel_err(p, e) + 4 * eps, (rel_err(g, e), rel_err(p, e))
@@ -150,7 +150,7 @@ def test_autocast_bf16_within_dtype_rounding():
         exact = ref(s, z, res, pair)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             plain = stack.configure_inference(mode="plain")(s.float(), z.float(), res, pair)
-            got = stack.configure_inference(mode="auto", chunk_size=4)(s.float(), z.float(), res, pair)
+            got = stack.configure_inference(mode="bounded", chunk_size=4)(s.float(), z.float(), res, pair)
     for g, p, e in zip(got, plain, exact):
         assert g.dtype == p.dtype
         assert rel_err(g, e) <= 2 * rel_err(p, e) + 1e-3, (rel_err(g, e), rel_err(p, e))
@@ -164,7 +164,14 @@ def test_stack_takes_the_bounded_path_only_without_grad_in_eval(monkeypatch):
     monkeypatch.setattr(inference, "pairformer_block_", lambda *a: runs.append(1) or real(*a))
     stack.eval()
     with torch.no_grad():
+        stack(s, z, res, pair)  # auto: the plain path fits
+        assert not runs and stack.last_inference.path == "plain"
+        scores = inference.score_bytes_of(stack.blocks[0], z.device, z.dtype)
+        budget = estimate_inference_memory(stack.inference_dims(), 5, 1, batch=2, dtype=z.dtype, scores=scores).extra
+        stack.configure_inference(memory_budget=budget)  # the bounded path's chunks of one row: plain does not fit
         stack(s, z, res, pair)
+        assert stack.last_inference.path == "bounded"
+    stack.configure_inference(memory_budget=None)
     assert len(runs) == 2
     stack(s, z, res, pair)  # grad enabled: today's path
     stack.train()
@@ -375,7 +382,9 @@ def test_auto_plan_uses_the_settings_budget(monkeypatch):
     s, z, res, pair = _pair_inputs(N=16, seed=15, dtype=torch.float32)
     stack = randomize_(PairformerStack(**PW, num_blocks=1, attention="torch"), seed=16).eval()
     d = stack.inference_dims()
-    budgets = [estimate_inference_memory(d, 16, c, batch=2, dtype=torch.float32).extra for c in (2, 8)]
+    scores = inference.score_bytes_of(stack.blocks[0], torch.device("cpu"), torch.float32)
+    budgets = [estimate_inference_memory(d, 16, c, batch=2, dtype=torch.float32, scores=scores).extra
+               for c in (2, 8)]
     seen = []
     for budget in budgets:
         calls = _spy_spans(monkeypatch)
@@ -408,7 +417,7 @@ def test_gpu_pairformer_block_n1024_equals_plain():
         exact = blk(s, z, res, pair)
         b16 = blk.to(torch.bfloat16)
         plain = b16(s.bfloat16(), z.bfloat16(), res, pair, chunk_size=256)
-        got = b16.forward_inference(s.bfloat16(), z.bfloat16(), res, pair)
+        got = b16.forward_inference(s.bfloat16(), z.bfloat16(), res, pair, mode="bounded")
     for gt, p, e in zip(got, plain, exact):
         assert rel_err(gt, e) <= 2 * rel_err(p, e) + 1e-3, (rel_err(gt, e), rel_err(p, e))
 
@@ -427,7 +436,7 @@ def test_gpu_evoformer_block_equals_plain():
         exact = blk(m, z, msa, pair)
         b16 = blk.to(torch.bfloat16)
         plain = b16(m.bfloat16(), z.bfloat16(), msa, pair)
-        got = b16.forward_inference(m.bfloat16(), z.bfloat16(), msa, pair, chunk_size=96)
+        got = b16.forward_inference(m.bfloat16(), z.bfloat16(), msa, pair, chunk_size=96, mode="bounded")
     for gt, p, e in zip(got, plain, exact):
         assert rel_err(gt, e) <= 2 * rel_err(p, e) + 1e-3, (rel_err(gt, e), rel_err(p, e))
 
@@ -447,11 +456,11 @@ def test_gpu_chunk_choice_respects_budget(budget_z):
     small = plan_inference(Dims.of(blk), n, int(2.3 * z_bytes + 256 * 2 ** 20), dtype=torch.bfloat16)
     assert plan.chunk_size >= small.chunk_size
     with torch.no_grad():
-        blk.forward_inference(s, z, res, pair, memory_budget=budget)  # warm-up: kernels, cuBLAS workspace
+        blk.forward_inference(s, z, res, pair, memory_budget=budget, mode="bounded")  # warm-up: kernels, cuBLAS
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        out = blk.forward_inference(s, z, res, pair, memory_budget=budget)
+        out = blk.forward_inference(s, z, res, pair, memory_budget=budget, mode="bounded")
         torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra <= budget, (extra / GIB, budget / GIB, str(plan.estimate))

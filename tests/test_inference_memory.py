@@ -45,10 +45,10 @@ single = torch.ones(1, N, dtype=torch.bool); single[:, -5:] = False
 pair = single[:, :, None] & single[:, None, :]
 small = (s[:, :16].clone(), z[:, :16, :16].clone(), single[:, :16].clone(), pair[:, :16, :16].clone())
 with torch.no_grad():  # warm up kernels and thread pools on a small input
-    blk(*small, chunk_size=8); blk.forward_inference(*small, chunk_size=8)
+    blk(*small, chunk_size=8); blk.forward_inference(*small, chunk_size=8, mode="bounded")
     z_bytes = z.numel() * 4
     plan = plan_inference(Dims.of(blk), N, None, dtype=torch.float32, chunk_size=4)
-    bounded = extra_peak(lambda: blk.forward_inference(s, z, single, pair, chunk_size=4))
+    bounded = extra_peak(lambda: blk.forward_inference(s, z, single, pair, chunk_size=4, mode="bounded"))
     plain = extra_peak(lambda: blk(s, z, single, pair, chunk_size=16))
 # the estimate assumes a fused attention backend; the torch backend adds a chunk's scores (logits, softmax, biased)
 scores = 3 * 4 * 4 * N * N * 4
