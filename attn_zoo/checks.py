@@ -206,6 +206,12 @@ def check_trainer(trainer: Mapping) -> None:
                 f"trainer.accelerator={trainer['accelerator']} but this machine has no CUDA device: use trainer=cpu "
                 f"(and model.attention.backend=chunked or auto), or run on a GPU machine"
             )
+    if trainer.get("max_epochs") == -1 and trainer.get("max_steps", -1) in (-1, None) \
+            and trainer.get("max_time") is None and not trainer.get("fast_dev_run"):
+        raise ConfigError(
+            "trainer.max_epochs=-1 with trainer.max_steps=-1 trains until killed (Lightning's 'no limit'): set "
+            "trainer.max_steps=N or trainer.max_time=DD:HH:MM:SS as well, or a trainer.max_epochs >= 1"
+        )
     for lo, hi in (("min_epochs", "max_epochs"), ("min_steps", "max_steps")):
         a, b = trainer.get(lo), trainer.get(hi)
         if _is_int(a) and _is_int(b) and b >= 0 and a > b:

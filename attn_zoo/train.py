@@ -4,16 +4,23 @@
     python train.py experiment=longctx_clm trainer=gpu model.attention.backend=triton
     python train.py attention=chunked                  # same as model.attention.backend=chunked (+ chunk_size)
     python train.py ckpt_path=logs/train/runs/X/checkpoints/last.ckpt    # resume
-    python train.py run_name=myrun resume=true         # resume run "myrun" from its last.ckpt if it exists
+    python train.py run_name=myrun resume=true         # resume run "myrun" from its newest readable checkpoint
     python train.py debug=fdr                          # fast_dev_run: one batch of train/val/test
 
 Everything is built by ``hydra.utils.instantiate`` (lightning-hydra-template conventions). Before any work
-the config is checked (``attn_zoo.checks``) and the run folder too (a folder with checkpoints is resumed
-or refused; a finished run resumed with the same limits does nothing). The data are read and split before
+the run folder is locked (``RunLock``: one run per folder), the config is checked (``attn_zoo.checks``) and
+the run folder too (a folder with checkpoints is resumed or refused; a finished run resumed with the same
+limits does nothing). SIGTERM or Ctrl-C saves a checkpoint and exits with 128 + the signal number. The data are read and split before
 the model is built; the run ends with a summary (folder, checkpoints, each split's metrics, loss curve).
 """
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +30,141 @@ from omegaconf import DictConfig, OmegaConf
 
 
 class RunFolderInUse(ValueError):
-    """The run folder already holds checkpoints and the config does not say to resume them."""
+    """The run folder is locked by another run, or holds checkpoints the config does not resume."""
+
+
+class RunInterrupted(Exception):
+    """SIGTERM or SIGINT stopped the run (after the on-exception checkpoint). ``exit_code``: 128 + the signal
+    number (143 for SIGTERM, 130 for SIGINT), what a shell or scheduler sees for a run a signal ended."""
+
+    def __init__(self, message: str, signame: str, step: int, checkpoint: str | None):
+        super().__init__(message)
+        self.signal, self.step, self.checkpoint = signame, step, checkpoint
+        self.exit_code = 128 + int(getattr(signal, signame))
+
+
+LOCK_NAME = "run.lock"
+
+
+def is_rank_zero() -> bool:
+    """Whether this process is a run's first (or only) process. The other ranks of a multi-process run
+    (Lightning's DDP launcher, torchrun, SLURM set these variables) share the folder rank 0 has locked."""
+    for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        value = os.environ.get(var, "").strip()
+        if value and value != "0":
+            return False
+    return True
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _proc_start(pid: int) -> int | None:
+    """A process's start time (clock ticks since boot, /proc/<pid>/stat field 22); None where unknown."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _pid_alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    except (OverflowError, ValueError, TypeError):
+        return False
+    return True
+
+
+class RunLock:
+    """``run.lock`` in a run folder, held for the run's life: one run per folder. Created atomically
+    (``O_CREAT | O_EXCL``) with the holder's pid, host and start time; removed when the run ends, also on an
+    exception. A lock of this host whose process is gone (dead pid, another boot, or the pid reused by a
+    process that started later) is stale and taken over with a message; a live one, or any lock of another
+    host (this machine cannot see its processes), refuses the run with ``RunFolderInUse`` naming the holder."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_NAME
+        self.record: dict | None = None
+
+    def acquire(self) -> "RunLock":
+        self.folder.mkdir(parents=True, exist_ok=True)
+        pid = os.getpid()
+        record = dict(pid=pid, host=socket.gethostname(), started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      boot_id=_boot_id(), proc_start=_proc_start(pid), token=os.urandom(8).hex())
+        for _ in range(10):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._refuse_or_clear()
+                continue
+            try:
+                os.write(fd, (json.dumps(record) + "\n").encode())
+            finally:
+                os.close(fd)
+            self.record = record
+            return self
+        raise RunFolderInUse(f"run folder {self.folder}: could not take {self.path} (other runs kept taking it)")
+
+    def _refuse_or_clear(self) -> None:
+        """The lock exists: raise RunFolderInUse naming its holder, or remove it if it is stale."""
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:  # released meanwhile: try again
+            return
+        try:
+            held = json.loads(text)
+            pid, host, started = held["pid"], held["host"], held.get("started", "?")
+        except (ValueError, KeyError, TypeError):
+            raise RunFolderInUse(
+                f"run folder {self.folder} is locked by {self.path}, which cannot be read ({text[:80]!r}): another "
+                f"run may be starting there. If no run uses this folder, delete {self.path}") from None
+        holder = f"pid {pid} on host {host}, started {started} (lock file {self.path})"
+        if host != socket.gethostname():
+            raise RunFolderInUse(
+                f"run folder {self.folder} is in use by another run: {holder}. This machine cannot tell whether that "
+                f"run still goes on: choose another run_name, or, if it has ended, delete {self.path}")
+        boot, start = _boot_id(), (_proc_start(pid) if _pid_alive(pid) else None)
+        gone = (not _pid_alive(pid) or (boot and held.get("boot_id") and boot != held["boot_id"])
+                or (start is not None and held.get("proc_start") is not None and start != held["proc_start"]))
+        if not gone:
+            raise RunFolderInUse(
+                f"run folder {self.folder} is in use by another run: {holder}. Wait for it to end, or choose another "
+                f"run_name")
+        print(f"[train] run folder {self.folder}: taking over the stale lock of {holder}: that process no longer "
+              f"runs", flush=True)
+        aside = self.path.with_name(f"{LOCK_NAME}.stale.{os.getpid()}")
+        try:
+            os.rename(self.path, aside)  # atomic: of two runs taking over, one moves it
+        except FileNotFoundError:
+            return
+        try:
+            if aside.read_text() != text:  # a new run locked it between the read and the move: put it back
+                try:
+                    os.link(aside, self.path)
+                except FileExistsError:
+                    pass
+        finally:
+            aside.unlink(missing_ok=True)
+
+    def release(self) -> None:
+        """Remove the lock if it is still this run's."""
+        if self.record is None:
+            return
+        try:
+            if json.loads(self.path.read_text()).get("token") == self.record["token"]:
+                self.path.unlink()
+        except (OSError, ValueError):
+            pass
+        self.record = None
 
 
 def validate_attention(cfg: DictConfig) -> None:
@@ -85,18 +226,51 @@ def run_state(path: str | Path) -> dict:
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
-    """``ckpt_path`` if given (must exist); else with ``resume=true`` the run's ``last.ckpt`` if it exists."""
+    """``ckpt_path`` if given (must exist); else with ``resume=true`` the run's newest readable checkpoint
+    (``resume_checkpoint``)."""
     if cfg.get("ckpt_path"):
         path = Path(cfg.ckpt_path).expanduser()
         if not path.is_file():
             raise ValueError(f"ckpt_path {str(path)!r} does not exist")
         return str(path)
     if cfg.get("resume"):
-        last = checkpoint_dir(cfg) / "last.ckpt"
-        if last.is_file():
-            print(f"[train] resuming from {last}", flush=True)
-            return str(last)
-        print(f"[train] resume=true but {last} does not exist: starting from scratch", flush=True)
+        return resume_checkpoint(cfg)
+    return None
+
+
+def _step_number(path: Path) -> int:
+    found = re.search(r"step(\d+)", path.stem)
+    return int(found.group(1)) if found else -1
+
+
+def resume_checkpoint(cfg: DictConfig) -> str | None:
+    """The checkpoint ``resume=true`` continues: ``last.ckpt`` if it can be read, else the newest readable
+    ``step*.ckpt`` (each read with ``run_state``), printed with why the ones before it were passed over.
+    None (a start from scratch) only where the run folder holds no checkpoint at all: a folder whose
+    checkpoints cannot be resumed is refused (``RunFolderInUse``), never trained over."""
+    folder = checkpoint_dir(cfg)
+    candidates = [folder / "last.ckpt"] + sorted(folder.glob("step*.ckpt"), key=_step_number, reverse=True)
+    passed = []
+    for path in candidates:
+        if not path.is_file():
+            passed.append(f"{path.name} does not exist")
+            continue
+        try:
+            state = run_state(path)
+        except Exception as err:  # truncated or corrupt (zip reader, unpickler), unreadable
+            why = (str(err).strip().splitlines() or [""])[0][:160]
+            passed.append(f"{path.name} cannot be read ({type(err).__name__}: {why})")
+            continue
+        because = f": {'; '.join(passed)}" if passed else ""
+        print(f"[train] resuming from {path} (step {state.get('global_step')}){because}", flush=True)
+        return str(path)
+    held = sorted(p.name for p in folder.glob("*.ckpt")) if folder.is_dir() else []
+    if held:
+        raise RunFolderInUse(
+            f"resume=true but no checkpoint of run folder {cfg.paths.output_dir} can be resumed ({'; '.join(passed)}); "
+            f"it holds {', '.join(held)}: not starting from scratch over them. Resume one with ckpt_path=PATH, "
+            f"or choose another run_name")
+    print(f"[train] resume=true but {folder} holds no checkpoint: starting from scratch", flush=True)
     return None
 
 
@@ -114,13 +288,58 @@ def finished_already(cfg: DictConfig, ckpt: str | None) -> dict | None:
     return None
 
 
+def _resume_command(cfg: DictConfig) -> str:
+    """The command that resumes this run: under Hydra, this run's overrides with ``run_name`` of its folder
+    and ``resume=true``; else the config keys to set."""
+    name = Path(cfg.paths.output_dir).name
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
+    except Exception:
+        overrides = None
+    if overrides is None:
+        return f"resume=true run_name={name} (run folder {cfg.paths.output_dir})"
+    keep = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in ("run_name", "resume", "ckpt_path")]
+    return " ".join(["python train.py", *keep, f"run_name={name}", "resume=true"])
+
+
+def _interruptible(cfg: DictConfig, trainer, callbacks, stage: str, fn, **kwargs):
+    """``fn(**kwargs)`` (the trainer's fit, validate or test); a run SIGTERM or SIGINT stopped (Lightning saved
+    the on-exception checkpoint) -> ``RunInterrupted`` naming the step, the checkpoint and how to resume."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from .models.tasks.callbacks import GracefulInterrupt
+
+    try:
+        return fn(**kwargs)
+    except SIGTERMException:
+        graceful = _objects_by_type(callbacks, GracefulInterrupt)
+        signame = (graceful[0].signal if graceful else None) or "SIGTERM"
+    except SystemExit as err:  # Lightning's exit(1) after a KeyboardInterrupt (a second Ctrl-C)
+        if not isinstance(err.__context__, KeyboardInterrupt):
+            raise
+        signame = "SIGINT"
+    step = trainer.global_step
+    last = checkpoint_paths(callbacks).get("last_checkpoint")
+    if stage != "fit":
+        msg = (f"interrupted at step {step} while running {stage} ({signame}); training had finished"
+               + (f": {last}" if last else ""))
+    elif last and Path(last).is_file():
+        msg = f"interrupted at step {step}; resume with: {_resume_command(cfg)} ({signame}; checkpoint {last})"
+    else:
+        msg = (f"interrupted at step {step} ({signame}); no checkpoint was saved (no last_checkpoint callback, "
+               f"or trainer.fast_dev_run)")
+    raise RunInterrupted(msg, signame, step, last) from None
+
+
 def _is_empty_run_folder(path: Path) -> bool:
     """Nothing but Hydra's record (.hydra/) and log files."""
     if not path.is_dir():
         return False
     for p in path.rglob("*"):
         rel = p.relative_to(path)
-        if p.is_file() and rel.parts[0] != ".hydra" and p.suffix != ".log":
+        if p.is_file() and rel.parts[0] != ".hydra" and p.suffix != ".log" and p.name != LOCK_NAME:
             return False
     return True
 
@@ -261,15 +480,20 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     and leaves empty (a run that failed before writing anything) is removed.
     """
     out_dir = Path(cfg.paths.output_dir)
+    # one run per folder: a refused run stops here, before it reads or writes anything of the holder's
+    lock = RunLock(out_dir).acquire() if is_rank_zero() else None
     was_empty = not out_dir.exists() or _is_empty_run_folder(out_dir)
     try:
         return _train(cfg)
     except BaseException:
-        if was_empty and _is_empty_run_folder(out_dir):
+        if was_empty and _is_empty_run_folder(out_dir):  # (still locked: no other run is starting there)
             import shutil
 
             shutil.rmtree(out_dir, ignore_errors=True)
         raise
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -301,7 +525,9 @@ def _train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     model: L.LightningModule = hydra.utils.instantiate(cfg.model)
     if cfg.model.get("net") is not None and hasattr(model, "record_net_config"):  # zoo.load_checkpoint rebuilds from it
         model.record_net_config(OmegaConf.to_container(cfg.model.net, resolve=True))
-    callbacks = instantiate_group(cfg.get("callbacks"))
+    from .models.tasks.callbacks import GracefulInterrupt
+
+    callbacks = instantiate_group(cfg.get("callbacks")) + [GracefulInterrupt()]  # Ctrl-C: stop with a checkpoint
     loggers = instantiate_group(cfg.get("logger"))
     if not loggers:  # LearningRateMonitor refuses to run without a logger
         callbacks = [c for c in callbacks if not isinstance(c, L.pytorch.callbacks.LearningRateMonitor)]
@@ -323,7 +549,8 @@ def _train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     stages: dict[str, str] = {}
     ckpts: dict[str, Any] = {}
     if cfg.get("train", True):
-        trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path)
+        _interruptible(cfg, trainer, callbacks, "fit", trainer.fit, model=model, datamodule=datamodule,
+                       ckpt_path=ckpt_path)
         ckpts = checkpoint_paths(callbacks)
         csv_file = _csv_file(loggers)
         if csv_file is not None and trainer.is_global_zero:
@@ -344,10 +571,12 @@ def _train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
             where = f"checkpoint {Path(ckpt).name}" if ckpt else "final weights"
             if ckpt and cfg.get("train", True) and not trainer.fast_dev_run:
                 # validation metrics of the same weights the test set sees, not the last epoch's
-                val = trainer.validate(model=model, datamodule=datamodule, ckpt_path=ckpt, verbose=False)
+                val = _interruptible(cfg, trainer, callbacks, "validation", trainer.validate, model=model,
+                                     datamodule=datamodule, ckpt_path=ckpt, verbose=False)
                 metrics.update({k: float(v) for k, v in (val[0] if val else {}).items()})
                 stages["val"] = where
-            trainer.test(model=model, datamodule=datamodule, ckpt_path=ckpt)
+            _interruptible(cfg, trainer, callbacks, "test", trainer.test, model=model, datamodule=datamodule,
+                           ckpt_path=ckpt)
             metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
             stages["test"] = where
 
@@ -359,12 +588,19 @@ def _train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
 
 @hydra.main(version_base="1.3", config_path="pkg://attn_zoo.configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    import sys
+
     from .checks import ConfigError
+    from .models.data.sample import DataError
 
     try:
         metrics, _ = train(cfg)
-    except (ConfigError, RunFolderInUse) as err:  # the message says what to change: no traceback
+    except (ConfigError, RunFolderInUse, DataError) as err:  # the message says what to change: no traceback
         raise SystemExit(f"[train] error: {err}") from None
+    except RunInterrupted as err:
+        if is_rank_zero():
+            print(f"[train] {err}", file=sys.stderr, flush=True)
+        raise SystemExit(err.exit_code) from None
     name = cfg.get("optimized_metric")  # for Hydra sweepers
     return metrics.get(name) if name else None
 

@@ -3,9 +3,15 @@ run keeps its best checkpoint, a reused run name is refused, bad values fail bef
 option, failed runs leave no empty folder, and the end-of-run summary (splits, checkpoints, early stop)."""
 import dataclasses
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import hydra
+import lightning as L
 import pytest
 import torch
 
@@ -117,6 +123,7 @@ BAD = [
     ("model.attention.bwd=fused", "model.attention.bwd='fused' does not apply to backend 'chunked'; it is an option of triton"),
     ("model.attention.deterministic=maybe", "model.attention.deterministic must be true or false"),
     ("seed=x", "seed must be an int"),
+    ("trainer.max_epochs=-1", "trainer.max_epochs=-1 with trainer.max_steps=-1 trains until killed"),
 ] + ([] if torch.cuda.is_available() else [("trainer=gpu", "trainer.accelerator=gpu but this machine has no CUDA device")])
 
 
@@ -170,3 +177,265 @@ def test_only_the_users_data_through_the_config(tmp_path):
     with pytest.raises(ValueError, match="data.msa_dir=null"):
         train.train(make_cfg(TINY + [f"data.mmcif_dir={d}"], tmp_path / "run2"))
     assert not (tmp_path / "run2").exists()
+
+
+def test_max_epochs_minus_one_with_a_step_or_time_limit_is_accepted(tmp_path):
+    for limit in ("trainer.max_steps=5", "+trainer.max_time=00:01:00:00"):
+        check_config(make_cfg(TINY + ["trainer.max_epochs=-1", limit], tmp_path))
+
+
+# ---------------------------------------------------------------- one run per run folder
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _write_lock(folder: Path, **fields) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": "2026-01-01T00:00:00Z", **fields}
+    (folder / train.LOCK_NAME).write_text(json.dumps(record))
+    return folder / train.LOCK_NAME
+
+
+def test_lock_refuses_a_live_holder_and_takes_over_a_stale_one(tmp_path, capsys):
+    first = train.RunLock(tmp_path).acquire()
+    held = json.loads((tmp_path / "run.lock").read_text())
+    assert held["pid"] == os.getpid() and held["host"] == socket.gethostname() and held["started"]
+    with pytest.raises(train.RunFolderInUse, match=f"in use by another run: pid {os.getpid()} on host "
+                                                   f"{socket.gethostname()}.*Wait for it to end"):
+        train.RunLock(tmp_path).acquire()
+    first.release()
+    assert not (tmp_path / "run.lock").exists()
+    train.RunLock(tmp_path).acquire().release()
+
+    _write_lock(tmp_path, pid=_dead_pid())  # a run killed without cleaning up
+    lock = train.RunLock(tmp_path).acquire()
+    assert "taking over the stale lock" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run.lock").read_text())["token"] == lock.record["token"]
+    lock.release()
+
+    _write_lock(tmp_path, proc_start=-1)  # this pid, but a process that started at another time: pid reused
+    train.RunLock(tmp_path).acquire().release()
+    _write_lock(tmp_path, boot_id="another-boot")
+    if train._boot_id():
+        train.RunLock(tmp_path).acquire().release()
+
+    lock = _write_lock(tmp_path, host="elsewhere.example")
+    lock_data = lock.read_text()
+    with pytest.raises(train.RunFolderInUse, match=f"pid {os.getpid()} on host elsewhere.example.*delete {lock}"):
+        train.RunLock(tmp_path).acquire()
+    assert lock.read_text() == lock_data  # another host's lock is never taken over
+    lock.write_text("")
+    with pytest.raises(train.RunFolderInUse, match="cannot be read"):
+        train.RunLock(tmp_path).acquire()
+
+
+def test_locked_folder_refuses_a_run_before_any_work(finished_run, monkeypatch):
+    out, _, _ = finished_run
+    before = _files(out)
+    summary = (out / "summary.json").read_bytes()
+    holder = train.RunLock(out).acquire()
+    try:
+        with pytest.raises(train.RunFolderInUse, match=f"pid {os.getpid()}"):
+            train.train(make_cfg(TINY + ["trainer.max_epochs=2", "callbacks.last_checkpoint.every_n_train_steps=3",
+                                         "resume=true"], out))
+        # the other ranks of a multi-process run use the folder rank 0 locked: no refusal there
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        assert not train.is_rank_zero()
+        with pytest.raises(ConfigError):
+            train.train(make_cfg(TINY + ["trainer.max_epochs=abc"], out))
+    finally:
+        holder.release()
+    assert _files(out) == before and (out / "summary.json").read_bytes() == summary
+
+
+def test_lock_is_released_when_the_run_fails(finished_run):
+    out, _, _ = finished_run
+    with pytest.raises(train.RunFolderInUse, match="resume=true"):
+        train.train(make_cfg(TINY + ["trainer.max_epochs=2"], out))
+    assert not (out / "run.lock").exists() and out.is_dir()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(args, **kw):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=ROOT, **kw)
+
+
+def _snapshot(folder: Path) -> dict:
+    """Every file of a run folder but Hydra's record and log files: {path: (size, mtime, bytes hash)}."""
+    import hashlib
+
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha1(p.read_bytes()).hexdigest())
+            for p in sorted(folder.rglob("*")) if p.is_file() and ".hydra" not in p.parts and p.suffix != ".log"}
+
+
+class SecondRunAt(L.Callback):
+    """At optimizer step ``step``, starts ``python train.py *args`` (class attribute) in another process while
+    this run trains, and records its exit code, stderr and this run's files before and after it."""
+
+    args: list = []
+    seen: dict = {}
+
+    def __init__(self, step: int, folder: str):
+        self.step, self.folder = step, Path(folder)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and not self.seen:
+            before = _snapshot(self.folder)
+            proc = _cli(self.args)
+            self.seen.update(rc=proc.returncode, err=proc.stderr, before=before, after=_snapshot(self.folder))
+
+
+@pytest.mark.slow
+def test_second_run_with_the_same_run_name_is_refused_and_the_first_runs_on(tmp_path):
+    logs = tmp_path / "logs"
+    out = logs / "train" / "runs" / "r1"
+    SecondRunAt.args = [f"paths.log_dir={logs}", "run_name=r1"] + TINY + ["trainer.max_epochs=1"]
+    SecondRunAt.seen = {}
+    metrics, objs = train.train(make_cfg(
+        TINY + ["trainer.max_epochs=2", "callbacks.last_checkpoint.every_n_train_steps=2",
+                f"+callbacks.second._target_={__name__}.SecondRunAt", "+callbacks.second.step=3",
+                f"+callbacks.second.folder={out}"], out))
+    seen = SecondRunAt.seen
+    assert seen["rc"] != 0, seen["err"]
+    lines = [line for line in seen["err"].splitlines() if line.strip()]
+    assert lines[-1].startswith("[train] error: run folder") and f"pid {os.getpid()} on host" in lines[-1]
+    assert "Traceback" not in seen["err"]
+    assert seen["after"] == seen["before"] and any(k.endswith(".ckpt") for k in seen["before"])  # untouched
+    assert objs["trainer"].global_step == 8 and not (out / "run.lock").exists()
+    assert train.run_state(out / "checkpoints" / "last.ckpt")["global_step"] == 8
+
+
+# ---------------------------------------------------------------- interrupted runs and resuming
+class SignalAt(L.Callback):
+    """Sends this process ``signum`` after optimizer step ``step`` (a scheduler's SIGTERM, a Ctrl-C)."""
+
+    def __init__(self, step: int, signum: int = signal.SIGTERM):
+        self.step, self.signum = step, signum
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+RESUMABLE = TINY + ["trainer.max_epochs=2", "callbacks.last_checkpoint.every_n_train_steps=2", "test=false"]
+
+
+@pytest.fixture(scope="module")
+def interrupted_run(tmp_path_factory):
+    """A run SIGTERM stops after step 3 (periodic saves every 2 steps): step2.ckpt, then step3.ckpt and
+    last.ckpt saved on the signal."""
+    out = tmp_path_factory.mktemp("interrupted")
+    with pytest.raises(train.RunInterrupted) as e:
+        train.train(make_cfg(RESUMABLE + [f"+callbacks.sig._target_={__name__}.SignalAt", "+callbacks.sig.step=3"], out))
+    return out, e.value
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _resume(out: Path, *extra):
+    """Resume the run in ``out`` for one more step (to 4) without validation."""
+    return train.train(make_cfg(RESUMABLE + ["resume=true", "trainer.max_steps=4", "trainer.limit_val_batches=0",
+                                             *extra], out))
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_exits_non_zero_and_resumes_from_that_step(interrupted_run, tmp_path, capsys):
+    src, err = interrupted_run
+    assert (err.signal, err.step, err.exit_code) == ("SIGTERM", 3, 143)
+    assert str(err).startswith("interrupted at step 3; resume with: resume=true run_name=")
+    assert err.checkpoint == str(src / "checkpoints" / "last.ckpt")
+    state = train.run_state(src / "checkpoints" / "last.ckpt")
+    assert state["global_step"] == 3 and state["finished"] is False
+    assert (src / "checkpoints" / "step3.ckpt").is_file() and not (src / "run.lock").exists()
+    out = _copy_run(src, tmp_path / "run")
+    _, objs = _resume(out)
+    assert "resuming from" in capsys.readouterr().out
+    assert objs["trainer"].global_step == 4
+    assert {int(s["step"]) for s in objs["trainer"].optimizers[0].state.values()} == {4}  # Adam went on from 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["corrupt", "deleted"])
+def test_resume_without_a_readable_last_ckpt_continues_from_the_newest_step_ckpt(interrupted_run, tmp_path, capsys,
+                                                                                damage):
+    out = _copy_run(interrupted_run[0], tmp_path / "run")
+    last = out / "checkpoints" / "last.ckpt"
+    if damage == "corrupt":
+        last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])  # a save cut short
+    else:
+        last.unlink()
+    _, objs = _resume(out)
+    said = capsys.readouterr().out
+    why = "last.ckpt cannot be read (" if damage == "corrupt" else "last.ckpt does not exist"
+    assert f"resuming from {out / 'checkpoints' / 'step3.ckpt'} (step 3): {why}" in said
+    assert objs["trainer"].global_step == 4
+    assert {int(s["step"]) for s in objs["trainer"].optimizers[0].state.values()} == {4}
+
+
+def test_resume_never_starts_from_scratch_over_checkpoints(tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    for name in ("last.ckpt", "step4.ckpt", "best-epoch000-step4.ckpt"):
+        (ckpts / name).write_bytes(b"PK\x03\x04 not a whole checkpoint")
+    before = _files(tmp_path)
+    with pytest.raises(train.RunFolderInUse, match=r"last.ckpt cannot be read .*step4.ckpt cannot be read .*"
+                                                   r"not starting from scratch"):
+        train.train(make_cfg(RESUMABLE + ["resume=true"], tmp_path))
+    assert _files(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_cli_sigterm_exits_143_with_the_resume_command(tmp_path):
+    logs = tmp_path / "logs"
+    proc = _cli([f"paths.log_dir={logs}", "run_name=cut"] + RESUMABLE
+                + [f"+callbacks.sig._target_={__name__}.SignalAt", "+callbacks.sig.step=2"])
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    line = next(l for l in proc.stderr.splitlines() if l.startswith("[train] interrupted"))
+    assert line.startswith("[train] interrupted at step 2; resume with: python train.py ")
+    assert "run_name=cut resume=true" in line and "+callbacks.sig.step=2" in line
+    assert train.run_state(logs / "train" / "runs" / "cut" / "checkpoints" / "last.ckpt")["global_step"] == 2
+
+
+# ---------------------------------------------------------------- data errors
+def _bad_data(folder: Path) -> list[Path]:
+    folder.mkdir()
+    (folder / "good.a3m").write_text(">q\nMKVLAAGIVL\n>h\nMKV-AAGIVL\n")
+    bad = [folder / "a.a3m", folder / "b.a3m", folder / "c.cif"]
+    bad[0].write_text("MKVL\n")  # no header
+    bad[1].write_text(">q\nMKVL\n>h\nMK\n")  # rows of different lengths
+    bad[2].write_text("data_x\n#\nloop_\n_atom_site.id\n")
+    return bad
+
+
+def test_every_bad_data_file_is_named_at_once(tmp_path):
+    from attn_zoo.models.data import DataError, MSADataModule
+
+    bad = _bad_data(tmp_path / "d")
+    with pytest.raises(DataError) as e:
+        MSADataModule(msa_dir=str(tmp_path / "d"), mmcif_dir=str(tmp_path / "d")).setup("fit")
+    assert str(e.value).startswith("3 data file(s) cannot be read: ")
+    assert all(str(p) in str(e.value) for p in bad) and "\n" not in str(e.value)
+    with pytest.raises(DataError, match=r"data.msa_dir: msa path '.*nope1' does not exist.*; "
+                                        r"data.mmcif_dir: mmcif path '.*nope2' does not exist"):
+        MSADataModule(msa_dir=str(tmp_path / "nope1"), mmcif_dir=str(tmp_path / "nope2")).setup("fit")
+
+
+@pytest.mark.slow
+def test_cli_data_error_is_one_line(tmp_path):
+    bad = _bad_data(tmp_path / "d")
+    proc = _cli([f"paths.log_dir={tmp_path / 'logs'}", f"data.msa_dir={tmp_path / 'd'}"] + TINY)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("[train] error: 3 data file(s) cannot be read: ")
+    assert all(str(p) in lines[-1] for p in bad)

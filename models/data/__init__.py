@@ -9,10 +9,11 @@ from .structure import NUM_DISTOGRAM_BINS, Structure, distogram_bins, read_mmcif
 from .msa import MSADataModule, MSADataset
 from .lm import CausalLMDataModule, MaskedLMDataModule
 from .synthetic import SyntheticLMDataModule, SyntheticMSADataModule
-from .sample import SAMPLE_DIR
+from .sample import SAMPLE_DIR, DataError
 
 __all__ = [
     "VOCAB_SIZE", "encode", "encode_msa", "decode", "MSA", "Record", "read_a3m", "read_fasta",
     "NUM_DISTOGRAM_BINS", "Structure", "distogram_bins", "read_mmcif", "MSADataModule", "MSADataset",
     "MaskedLMDataModule", "CausalLMDataModule", "SyntheticMSADataModule", "SyntheticLMDataModule", "SAMPLE_DIR",
+    "DataError",
 ]

@@ -16,7 +16,8 @@ from .base import SplitDataModule
 from ..primitives import check_multiple
 from .packing import TokenBudgetSampler, collate_packed, collate_with_segments
 from .parsers import read_a3m, read_fasta
-from .sources import DataReport, gather_sources, protein_name, read_clusters, split_proteins
+from .sample import DataError
+from .sources import DataReport, check_readable, gather_sources, protein_name, read_clusters, read_each, split_proteins
 from .transforms import bert_mask
 
 
@@ -44,19 +45,22 @@ def load_sequences(fasta="sample", msa_dir="sample", msa_rows: str = "query",
         seen[seq] = group
         out.append((group, seq))
 
-    for path in found["msa_dir"].files:
-        msa = read_a3m(path)
+    bad: list[str] = []  # every unreadable file named in one error
+    msas = read_each(found["msa_dir"].files, read_a3m, bad)
+    fastas = read_each(found["fasta"].files, read_fasta, bad)
+    check_readable(bad)
+    for path, msa in msas:
         for i, seq in enumerate(msa.unaligned if msa_rows == "all" else msa.unaligned[:1]):
             add(f"msa:{protein_name(path, found['msa_dir'].root)}", seq, first=i == 0)
-    for path in found["fasta"].files:
-        for rec in read_fasta(path):
+    for path, records in fastas:
+        for rec in records:
             add(f"fasta:{protein_name(path, found['fasta'].root)}:{rec.header.split()[0] if rec.header else rec.line}",
                 rec.sequence)
     report.kept = len({g for g, _ in out})
     if rows_dropped[0]:
         report.notes.append(f"{rows_dropped[0]} alignment row(s) dropped: exact copies of an earlier sequence")
     if not out:
-        raise ValueError(f"no sequences found (fasta={fasta!r}, msa_dir={msa_dir!r})")
+        raise DataError(f"no sequences found (fasta={fasta!r}, msa_dir={msa_dir!r})")
     return out
 
 

@@ -17,7 +17,9 @@ from .base import SplitDataModule
 from ..primitives import check_multiple
 from .batching import collate_msa
 from .parsers import read_a3m
-from .sources import DataReport, check_disjoint, gather_sources, protein_name, read_clusters, split_proteins
+from .sample import DataError
+from .sources import (DataReport, check_disjoint, check_readable, gather_sources, protein_name, read_clusters,
+                      read_each, split_proteins)
 from .structure import distogram_bins, read_mmcif
 from .transforms import bert_mask, crop_start, subsample_msa
 
@@ -48,22 +50,29 @@ def load_entries(msa_dir=None, mmcif_dir=None, max_msa_rows: int | None = None,
             report.add_source(opt, f)
     entries = []
     msa_root = found["msa_dir"].root
-    for path in found["msa_dir"].files:
-        msa = read_a3m(path, max_rows=max_msa_rows)
-        tokens = encode_msa(msa.aligned)  # [S, L]
+
+    def read_structure(path):
+        try:
+            return read_mmcif(path)
+        except ValueError as err:
+            if "no protein chain with" not in str(err):
+                raise  # malformed or truncated: the user fixes the file
+            return err  # a file without a protein chain: dropped below, with why
+
+    bad: list[str] = []  # every unreadable file, alignments and structures, named in one error
+    msas = read_each(found["msa_dir"].files, lambda p: encode_msa(read_a3m(p, max_rows=max_msa_rows).aligned), bad)
+    structures = read_each(found["mmcif_dir"].files, read_structure, bad)
+    check_readable(bad)
+    for path, tokens in msas:  # tokens [S, L]
         n = tokens.shape[1]
         entries.append(Entry(protein_name(path, msa_root), tokens, torch.zeros(n, n, dtype=torch.long),
                              torch.zeros(n, n, dtype=torch.bool)))
     by_query = {tuple(e.msa[0].tolist()): e for e in entries}
     cif_root = found["mmcif_dir"].root
-    for path in found["mmcif_dir"].files:
+    for path, s in structures:
         name = protein_name(path, cif_root)
-        try:
-            s = read_mmcif(path)
-        except ValueError as err:
-            if "no protein chain with" not in str(err):
-                raise  # malformed or truncated: the user fixes the file
-            report.drop(name, str(err).split(": ", 1)[-1])
+        if isinstance(s, ValueError):
+            report.drop(name, str(s).split(": ", 1)[-1])
             continue
         bins, pair_mask = distogram_bins(s.coords, s.mask)  # [N, N], [N, N]
         key = tuple(encode(s.sequence).tolist())
@@ -89,7 +98,7 @@ def load_entries(msa_dir=None, mmcif_dir=None, max_msa_rows: int | None = None,
         unique.append(e)
     report.kept = len(unique)
     if not unique:
-        raise ValueError(f"no usable proteins in msa_dir={msa_dir!r} / mmcif_dir={mmcif_dir!r}: "
+        raise DataError(f"no usable proteins in msa_dir={msa_dir!r} / mmcif_dir={mmcif_dir!r}: "
                          + "; ".join(f"{n}: {w}" for n, w in report.dropped))
     return unique
 

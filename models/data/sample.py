@@ -11,6 +11,11 @@ SAMPLE = {
 }
 
 
+class DataError(ValueError):
+    """The data a run names cannot be used: a missing path, no files, unreadable files (all of them named), no
+    usable proteins, or a split that cannot be made. The message says what to change; no traceback needed."""
+
+
 def resolve(path, kind: str) -> Path | None:
     """``"sample"`` -> the bundled sample for ``kind`` (msa, mmcif, fasta); None/'' -> None (source
     unused); anything else -> that path, which must exist."""
@@ -20,7 +25,7 @@ def resolve(path, kind: str) -> Path | None:
         return SAMPLE[kind]
     p = Path(path).expanduser()
     if not p.exists():
-        raise ValueError(f"{kind} path {str(p)!r} does not exist (use 'sample' for the bundled data)")
+        raise DataError(f"{kind} path {str(p)!r} does not exist (use 'sample' for the bundled data)")
     return p
 
 

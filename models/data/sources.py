@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from .sample import SAMPLE_DIR, resolve
+from .sample import SAMPLE_DIR, DataError, resolve
 
 log = logging.getLogger("attn_zoo.data")
 
@@ -88,12 +88,20 @@ def resolve_sources(named: Mapping[str, object]) -> dict[str, Path | None]:
     sample = [k for k, v in named.items() if v is not None and str(v) == "sample"]
     own = [k for k, v in named.items() if v is not None and str(v) not in ("", "none", "None", "sample")]
     if sample and own:
-        raise ValueError(
+        raise DataError(
             f"data.{', data.'.join(own)} names your data but data.{', data.'.join(sample)} is 'sample' (the bundled "
             f"demo data): set {' '.join(f'data.{k}=null' for k in sample)} to train on your data only, or point "
             f"{'it' if len(sample) == 1 else 'them'} at your own files"
         )
-    return {k: resolve(v, kinds[k]) for k, v in named.items()}
+    out, missing = {}, []
+    for k, v in named.items():  # every missing path named at once
+        try:
+            out[k] = resolve(v, kinds[k])
+        except DataError as err:
+            missing.append(f"data.{k}: {err}")
+    if missing:
+        raise DataError("; ".join(missing))
+    return out
 
 
 def gather_sources(named: Mapping[str, object], suffixes: Mapping[str, tuple[str, ...]]) -> dict[str, Found]:
@@ -103,21 +111,43 @@ def gather_sources(named: Mapping[str, object], suffixes: Mapping[str, tuple[str
     kinds = {"msa_dir": "msa", "mmcif_dir": "mmcif", "fasta": "fasta"}
     paths = resolve_sources(named)
     found = {opt: find_files(p, suffixes[opt], kinds[opt]) for opt, p in paths.items()}
+    empty = []
     for opt, f in found.items():
         if f.root is None or f.files:
             continue
         if any(o != opt and g.root == f.root and g.files for o, g in found.items()):
             continue
         others = f"; it holds {len(f.ignored)} other file(s): {', '.join(f.ignored[:5])}" if f.ignored else ""
-        raise ValueError(
+        empty.append(
             f"data.{opt}={named[opt]}: no {'/'.join(suffixes[opt])} files (optionally .gz; subfolders searched){others}"
         )
+    if empty:
+        raise DataError("; ".join(empty))
     if not any(f.files for f in found.values()):
-        raise ValueError(
+        raise DataError(
             "no data: " + ", ".join(f"data.{o}={named[o]!r}" for o in named)
             + " (name a folder or file of your own, or 'sample' for the bundled demo data)"
         )
     return found
+
+
+def read_each(paths: Iterable[Path], read, bad: list[str]) -> list[tuple[Path, object]]:
+    """[(path, ``read(path)``)] for the files that read; each one that cannot be read is added to ``bad`` (its
+    name, line and what is wrong) and the reading goes on, so ``check_readable`` names every bad file at once."""
+    out = []
+    for path in paths:
+        try:
+            out.append((path, read(path)))
+        except (ValueError, OSError, EOFError) as err:  # parser errors; unreadable files, truncated .gz
+            why = str(err) or type(err).__name__
+            bad.append(why if str(path) in why else f"{path}: {why}")
+    return out
+
+
+def check_readable(bad: Sequence[str]) -> None:
+    """One DataError naming every file ``read_each`` could not read (none: nothing)."""
+    if bad:
+        raise DataError(f"{len(bad)} data file(s) cannot be read: " + "; ".join(bad))
 
 
 def read_clusters(path: str | Path) -> dict[str, str]:
@@ -131,10 +161,10 @@ def read_clusters(path: str | Path) -> dict[str, str]:
             continue
         parts = s.split()
         if len(parts) != 2:
-            raise ValueError(f"{path}:{lineno}: a cluster line needs 2 columns (cluster_id member), got {len(parts)}")
+            raise DataError(f"{path}:{lineno}: a cluster line needs 2 columns (cluster_id member), got {len(parts)}")
         out[parts[1]] = parts[0]
     if not out:
-        raise ValueError(f"{path}: no cluster lines")
+        raise DataError(f"{path}: no cluster lines")
     return out
 
 
@@ -196,12 +226,12 @@ def split_proteins(
             continue
         unknown = sorted(set(listed) - known)
         if unknown:
-            raise ValueError(f"data.{split}_names: {unknown} are not among the proteins read ({len(names)}: "
+            raise DataError(f"data.{split}_names: {unknown} are not among the proteins read ({len(names)}: "
                              f"{', '.join(names[:8])}{', ...' if len(names) > 8 else ''})")
         for n in listed:
             c = cid[n]
             if fixed.get(c, split) != split:
-                raise ValueError(
+                raise DataError(
                     f"protein {n!r} (cluster {c}: {', '.join(members[c])}) is in data.{split}_names and also in "
                     f"data.{fixed[c]}_names: the splits must not overlap"
                 )
@@ -215,7 +245,7 @@ def split_proteins(
     need = 1 + sum(1 for s in ("val", "test") if want[s] > 0)
     if len(free) < need:
         asked = " and ".join(f"data.{s}_fraction={want[s]}" for s in ("val", "test") if want[s] > 0)
-        raise ValueError(
+        raise DataError(
             f"{len(names)} protein(s) in {n_total} cluster(s) cannot be split into train"
             f"{''.join(', ' + s for s in ('val', 'test') if want[s] > 0)} ({asked}): every split needs its own "
             f"proteins. Add data, or set data.test_fraction=0 / data.val_fraction=0 to drop a split"
@@ -262,7 +292,7 @@ def check_disjoint(splits: Mapping[str, Sequence[str]], cluster_ids: Mapping[str
                 other = seen.setdefault(key, f"{split}:{n}")
                 if other.split(":", 1)[0] != split:
                     what = key[0] if key[0] != "sequence" else "identical sequence"
-                    raise ValueError(
+                    raise DataError(
                         f"the {split} set overlaps the {other.split(':', 1)[0]} set: {split} protein {n!r} and "
                         f"{other.split(':', 1)[0]} protein {other.split(':', 1)[1]!r} share a {what}"
                         + (f" ({key[1]})" if key[0] == "cluster" else "")

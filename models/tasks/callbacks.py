@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import resource
+import signal
 import sys
+import threading
 import time
 
 import lightning as L
@@ -131,6 +133,46 @@ class LastCheckpoint(ModelCheckpoint):
         state = {"finished": self._finishing, "max_steps": trainer.max_steps, "max_epochs": trainer.max_epochs}
         checkpoint[RUN_STATE_KEY] = state
         return super().on_save_checkpoint(trainer, pl_module, checkpoint)
+
+
+class GracefulInterrupt(L.Callback):
+    """Ctrl-C (SIGINT) during fit stops the run the way Lightning stops it on SIGTERM: at the end of the current
+    optimizer step, on every rank together, raising ``SIGTERMException`` after the on-exception checkpoint
+    (``LastCheckpoint``: ``step<N>.ckpt`` and ``last.ckpt``), never halfway through an optimizer update. A
+    second Ctrl-C interrupts at once. ``signal``: "SIGINT" once Ctrl-C stopped the run, else None (a
+    ``SIGTERMException`` then came from SIGTERM). The training entry point adds it to every run."""
+
+    def __init__(self):
+        super().__init__()
+        self.signal: str | None = None
+        self._previous = None
+
+    def on_fit_start(self, trainer, pl_module):
+        self.signal = None
+        if threading.current_thread() is threading.main_thread():  # signal handlers: main thread only
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum, frame):
+        # during fit the SIGTERM handler is Lightning's: it flags the trainer (and tells launched ranks)
+        lightning_handler = signal.getsignal(signal.SIGTERM)
+        if self.signal is not None or not callable(lightning_handler):
+            signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt now
+        self.signal = "SIGINT"
+        print("\n[train] Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again stops at once)",
+              file=sys.stderr, flush=True)
+        lightning_handler(signum, frame)
+
+    def _restore(self):
+        if self._previous is not None or signal.getsignal(signal.SIGINT) == self._on_sigint:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, signal.default_int_handler if self._previous is None else self._previous)
+        self._previous = None
+
+    def on_fit_end(self, trainer, pl_module):
+        self._restore()
+
+    def on_exception(self, trainer, pl_module, exception):
+        self._restore()
 
 
 class ReportingEarlyStopping(EarlyStopping):
