@@ -57,7 +57,11 @@ def gemm_pad(n: int, device: torch.device, symbolic: bool = False) -> Optional[i
     """
     if device.type != "cuda":
         return None
-    return -n % 8 if symbolic or n >= 64 else 0
+    if symbolic:
+        # The round-up form, not ``-n % 8``: with that Mod (or with no pad) Inductor's tiling analysis asserts at
+        # the second, symbolic length a compiled block meets (docs/compile.md has the repro).
+        return (n + 7) // 8 * 8 - n
+    return -n % 8 if n >= 64 else 0
 
 
 class TriangleMultiplication(nn.Module):

@@ -202,7 +202,6 @@ def _time(kernel: str, key: Tuple, cands: List[Cfg], launch: Callable[[Cfg], Non
     return best[1] if best is not None else cands[-1]
 
 
-_FLUSH: Dict[int, object] = {}  # CUDA device index -> a buffer larger than L2, cleared before each timed run
 
 
 def measure(fn: Callable[[], None], budget_ms: float = 2.0, min_runs: int = 5, max_runs: int = 40) -> float:
@@ -214,10 +213,10 @@ def measure(fn: Callable[[], None], budget_ms: float = 2.0, min_runs: int = 5, m
     import torch
 
     device = torch.cuda.current_device()
-    flush = _FLUSH.get(device)
-    if flush is None:
-        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
-        flush = _FLUSH[device] = torch.empty(max(64 << 20, 2 * l2), dtype=torch.int8, device="cuda")
+    # A buffer per call, not one kept: tuning may run inside a CUDA-graph tree's warm-up, whose memory pool must
+    # hold no tensor that outlives the call (torch.compile(mode="reduce-overhead") refuses such a pool).
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
+    flush = torch.empty(max(64 << 20, 2 * l2), dtype=torch.int8, device="cuda")
     fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(max_runs)]
     flush.zero_()
