@@ -26,7 +26,7 @@ try:
     import triton.language as tl
 
     from attn_ops.triton.fastlaunch import launch as _fast_launch  # direct launches of compiled kernels
-    from attn_ops.triton.launch import sm_count as _cuda_sm_count
+    from attn_ops.triton.launch_backward import sm_count as _cuda_sm_count
 except ImportError:  # pragma: no cover - triton is a dependency; the fallback keeps CPU-only installs working
     triton = None
 

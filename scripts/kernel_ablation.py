@@ -24,7 +24,8 @@ def main():
     args = ap.parse_args()
     from triton.testing import do_bench
 
-    from attn_ops.triton.launch import attn_backward, attn_forward
+    from attn_ops.triton.launch import attn_forward
+    from attn_ops.triton.launch_backward import attn_backward
     from attn_ops.triton.tuning import chosen
 
     B, R, H, L, D = args.shape

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from attn_ops import settings  # noqa: E402
 from attn_ops.settings import kernel_settings  # noqa: E402
-from attn_ops.triton import fastlaunch, launch, triton_attention  # noqa: E402
+from attn_ops.triton import fastlaunch, launch, launch_backward, triton_attention  # noqa: E402
 from helpers import ids_from_lengths, make_inputs  # noqa: E402
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -251,8 +251,9 @@ def logged_launches(monkeypatch, fresh_plans):
                     "plain"))
         return _LoggedCompiled(log, name)
 
-    kernels = (launch.attn_fwd_kernel, launch.attn_bwd_dkdv_kernel, launch.attn_bwd_dq_kernel,
-               launch.bwd_preprocess_kernel, launch.attn_bwd_dbias_kernel, launch.sum_splits_kernel)
+    kernels = (launch.attn_fwd_kernel, launch_backward.attn_bwd_dkdv_kernel, launch_backward.attn_bwd_dq_kernel,
+               launch_backward.bwd_preprocess_kernel, launch_backward.attn_bwd_dbias_kernel,
+               launch_backward.sum_splits_kernel)
     for kernel in kernels:
         monkeypatch.setattr(type(kernel), "run", run)
         if not hasattr(kernel, "params"):  # the interpreter's kernels: their params as a JITFunction lists them
@@ -412,9 +413,10 @@ def test_tile_multiple_runs_the_general_variant_until_its_own_compiled(logged_la
     the general one never waits. Results stay those of a plain call (the launches here only log)."""
     from attn_ops.triton.common import LENGTH_ARGS
 
-    for kernel in (launch.attn_fwd_kernel, launch.attn_bwd_dkdv_kernel, launch.attn_bwd_dq_kernel,
-                   launch.attn_bwd_dbias_kernel):  # the interpreter's stand-in params: lengths unspecialised, as the
-        if not isinstance(kernel.params[0], types.SimpleNamespace):  # kernels declare (a GPU's JITFunctions do)
+    # the interpreter's stand-in params: lengths unspecialised, as the kernels declare (a GPU's JITFunctions do)
+    for kernel in (launch.attn_fwd_kernel, launch_backward.attn_bwd_dkdv_kernel, launch_backward.attn_bwd_dq_kernel,
+                   launch_backward.attn_bwd_dbias_kernel):
+        if not isinstance(kernel.params[0], types.SimpleNamespace):
             continue
         monkeypatch.setattr(kernel, "params", [p.__class__(**dict(vars(p), do_not_specialize=p.name in LENGTH_ARGS))
                                                for p in kernel.params])

@@ -423,18 +423,18 @@ def test_dbias_split_counts_match_reference(splits, monkeypatch):
     otherwise always takes the launcher's default): one program per tile writes the bias's dtype directly; 4 per
     (interpreter) SM gives 2 programs per tile here, adding fp32 partials in a fixed order; even tiles and a
     ragged shape."""
-    from attn_ops.triton import launch, tuning
+    from attn_ops.triton import launch_backward, tuning
 
     monkeypatch.setattr(tuning, "_INTERPRETER", tuning._INTERPRETER._replace(splits=splits))
     counts = []
-    real = launch._even_splits
+    real = launch_backward._even_splits
 
     def even_splits(n_steps, want):
         per, n = real(n_steps, want)
         counts.append(n)
         return per, n
 
-    monkeypatch.setattr(launch, "_even_splits", even_splits)
+    monkeypatch.setattr(launch_backward, "_even_splits", even_splits)
     for lq, seed in ((32, 1), (21, 2)):
         q, k, v, bias, mask = make_inputs((2, 3), 2, lq, lq, 16, bias_shape=(1, 1, 2, lq, lq),
                                           mask_shape=(2, 3, 1, 1, lq), seed=seed)
@@ -579,7 +579,8 @@ def test_kernels_read_only_inside_lq_lk_d(name, variant):
     output must have the bits of the same call on dense copies, so no load outside [Lq, Lk, D] is used, with or
     without the unmasked in-range paths (the op itself would make such views dense first). Reads that only feed
     rows >= Lq, which are never stored, stay invisible here; the tile flags' docstrings carry that reasoning."""
-    from attn_ops.triton.launch import attn_backward, attn_forward
+    from attn_ops.triton.launch import attn_forward
+    from attn_ops.triton.launch_backward import attn_backward
 
     B, R, H, Lq, Lk, D, Dv, bshape, mshape, causal = READS_IN_RANGE[name]
     g = torch.Generator().manual_seed(5)

@@ -351,11 +351,11 @@ def test_tma_reduce_and_element_atomics_both_match_reference_gpu(variant, monkey
     """The atomic accumulators (dq of the fused backward, a shared bias's gradient with deterministic=False) take one
     bulk TMA reduction per tile on Hopper and per-element atomics elsewhere: both match the reference on a ragged
     pair-bias case (L = 200 against every tile), and each run took the path it was meant to."""
-    from attn_ops.triton import launch
+    from attn_ops.triton import launch, launch_backward
 
     made = []
-    real = launch._reduce_desc
-    monkeypatch.setattr(launch, "_reduce_desc", lambda *a: made.append(a[1:3]) or real(*a))
+    real = launch_backward._reduce_desc
+    monkeypatch.setattr(launch_backward, "_reduce_desc", lambda *a: made.append(a[1:3]) or real(*a))
     monkeypatch.setattr(launch, "TMA_MIN_SCORES", 0)  # this small case is host-bound: TMA would be skipped
     opts = dict(bwd="fused", deterministic=False) if variant == "fused" else dict(bwd="split", deterministic=False)
     q, k, v, bias, mask = make_inputs((1, 6), 4, 200, 200, 32, dtype=torch.bfloat16, bias_shape=(1, 1, 4, 200, 200),

@@ -80,20 +80,21 @@ def test_dbias_split_count_is_programs_per_sm(monkeypatch):
     1 is no split, 0 the default (``tuning.DBIAS_PER_SM``); capped by the batch steps and at 64."""
     import torch
 
-    from attn_ops.triton import launch
+    from attn_ops.triton import launch_backward
 
     dev = torch.device("cuda", 0)
-    monkeypatch.setitem(launch._SMS, 0, 132)
-    assert launch._dbias_splits(1, 144, 384, dev) == 1
-    assert launch._dbias_splits(0, 144, 384, dev) == 8  # 8 per SM: 1056 programs over 144 tiles
-    assert launch._dbias_splits(4, 144, 384, dev) == 4
-    assert launch._dbias_splits(4, 100, 300, dev) == 6  # N=300's fewer tiles get more splits, not the same 4
-    assert launch._dbias_splits(0, 2000, 384, dev) == 1
-    assert launch._dbias_splits(4, 4, 384, dev) == 64
-    assert launch._dbias_splits(4, 4, 6, dev) == 6
-    assert launch._dbias_splits(4, 4, 6, torch.device("cpu")) == 2  # the interpreter counts 2 SMs
-    monkeypatch.setitem(launch._SMS, 0, 66)  # half the SMs: half the splits for the same aim
-    assert launch._dbias_splits(0, 144, 384, dev) == 4 and launch._dbias_splits(4, 100, 300, dev) == 3
+    monkeypatch.setitem(launch_backward._SMS, 0, 132)
+    assert launch_backward._dbias_splits(1, 144, 384, dev) == 1
+    assert launch_backward._dbias_splits(0, 144, 384, dev) == 8  # 8 per SM: 1056 programs over 144 tiles
+    assert launch_backward._dbias_splits(4, 144, 384, dev) == 4
+    assert launch_backward._dbias_splits(4, 100, 300, dev) == 6  # N=300's fewer tiles get more splits, not the same 4
+    assert launch_backward._dbias_splits(0, 2000, 384, dev) == 1
+    assert launch_backward._dbias_splits(4, 4, 384, dev) == 64
+    assert launch_backward._dbias_splits(4, 4, 6, dev) == 6
+    assert launch_backward._dbias_splits(4, 4, 6, torch.device("cpu")) == 2  # the interpreter counts 2 SMs
+    monkeypatch.setitem(launch_backward._SMS, 0, 66)  # half the SMs: half the splits for the same aim
+    assert launch_backward._dbias_splits(0, 144, 384, dev) == 4
+    assert launch_backward._dbias_splits(4, 100, 300, dev) == 3
 
 
 class FakeBench:

@@ -20,9 +20,6 @@ try:  # host-side TMA descriptors (Triton >= 3.4)
 except ImportError:  # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
-from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
-from .common import LOG2E
-from .dbias import attn_bwd_dbias_kernel, sum_splits_kernel
 from .fastlaunch import background_compiles as _background_compiles
 from .fastlaunch import bound as _bound
 from .fastlaunch import background_job as _background_job
@@ -129,16 +126,6 @@ def _key(q: Tensor, v: Tensor, bias, mask, causal: bool, *extra) -> Tuple:
             None if bias is None else str(bias.dtype), _mask_kind(mask), causal, _settings.get().tma) + extra
 
 
-def _pairs_rows(bias: Optional[Tensor], R: int, causal: bool, atomic_dbias: bool) -> bool:
-    """Whether a dK/dV program may take two rows r, r + 1 that share one bias slice (a bias broadcast over R,
-    summed by atomics with the split dQ kernel).
-
-    Only the atomic variant tries it: one atomic add covers both rows' dS; the other kernels measured as fast or
-    faster with one row per program (docs/bench/history.md, "Design measurements").
-    """
-    return atomic_dbias and bias is not None and bias.shape[1] == 1 and R > 1 and not causal
-
-
 def _seg_strides(q_seg: Optional[Tensor], k_seg: Optional[Tensor]) -> Tuple[int, int, int, int]:
     """The (b, r) strides of the query and key segment tables (0 on broadcast dims; all 0 without ids)."""
     if q_seg is None:
@@ -170,20 +157,6 @@ def _tma_capable(device: torch.device) -> bool:
     if major is None:  # asked on every launch: the host's share of a small step counts
         major = _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
     return major >= 9
-
-
-def _tma_reduce(device: torch.device) -> bool:
-    """Bulk TMA reductions (``cp.reduce.async.bulk.tensor``) into the fp32 accumulators of the atomic variants: as
-    :func:`_tma_capable`, but not under the CPU interpreter, which has no descriptor reductions (the CPU tests
-    take the other atomics there: the split dQ kernel's, the fused dK/dV kernel's; the GPU tests check all)."""
-    return not interpreting() and _tma_capable(device)
-
-
-def _reduce_desc(acc: Tensor, rows: int, cols: int, block_rows: int, block_cols: int):
-    """A tensor descriptor over a dense fp32 accumulator seen as ``[slices, rows, cols]``, ``[1, block_rows,
-    block_cols]`` tiles (the kernels add whole tiles into it with one bulk reduction each)."""
-    return TensorDescriptor(acc, [acc.numel() // (rows * cols), rows, cols], [rows * cols, cols, 1],
-                            [1, block_rows, block_cols])
 
 
 def _tma_tiles(bias: Optional[Tensor], Lq: int, Lk: int) -> bool:
@@ -221,11 +194,6 @@ def bias_tma(bias: Optional[Tensor], Lq: int, Lk: int) -> Optional[Tuple[int, in
 # by pointer loads, not TMA: Triton encodes a descriptor on the host at every launch, which costs such a step more
 # host time than its kernels save (docs/bench/history.md, "Design measurements").
 TMA_MIN_SCORES = 2 ** 29
-
-
-# deterministic=False below TMA_MIN_SCORES: a broadcast bias's gradient by vector atomics in the dQ kernel (False: by
-# per-element atomics in the dK/dV kernel, as before 2026-11-26; for comparisons, with clear_plans() after a change)
-DBIAS_ATOMICS_IN_DQ = True
 
 
 def _host_bound(q: Tensor, Lq: int, Lk: int) -> bool:
@@ -522,243 +490,3 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
     rec.tuned("fwd", _key(q, v, bias_t, m8, causal, seg, tma is None), _width(q, D, Dv), Lq, Lk, run,
               device=q.device.index)
     return o, lse
-
-
-_SMS: Dict[int, int] = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """The CUDA device's SM count, asked once per device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
-
-
-def _dbias_splits(splits: int, n_programs: int, total_steps: int, device: torch.device) -> int:
-    """How many programs share one dbias tile's batch loop for the config value ``splits`` (``Cfg.splits``): 1, one
-    program per tile; n > 1, enough splits for about n programs per SM; 0, ``tuning.DBIAS_PER_SM`` per SM. A count
-    per SM, not a fixed count, so that a config tuned at one length of a bucket fills the GPU alike at the others (a
-    fixed 2 tuned at N=300 made N=384's grid one wave and a sliver: docs/bench)."""
-    if splits == 1:
-        return 1
-    sms = sm_count(device) if device.type == "cuda" else 2  # the CPU interpreter: small, but splits in tests
-    return max(1, min(total_steps, 64, _cdiv((splits or tuning.DBIAS_PER_SM) * sms, n_programs)))
-
-
-def _even_splits(n_steps: int, splits: int) -> Tuple[int, int]:
-    """(steps per split, number of splits) with no empty split."""
-    per = _cdiv(n_steps, splits)
-    return per, _cdiv(n_steps, per)
-
-
-_DO, _DLSE, _Q, _K, _V, _OUT, _LSE, _BIAS, _MASK, _QS, _KS = range(11)  # the backward's input slots in env
-
-
-def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                  bias: Optional[Tensor], mask: Optional[Tensor], scale: float, causal: bool, fused: bool,
-                  need_dbias: bool, atomic_dbias: bool = False, q_seg: Optional[Tensor] = None,
-                  k_seg: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """dq, dk, dv (same shapes/strides as q, k, v) and dbias (bias's own shape and dtype, or None).
-
-    ``fused``: one pass over key tiles with dQ by fp32 atomics (not bitwise deterministic). Otherwise a dK/dV
-    kernel over key tiles and a dQ kernel over query tiles, no atomics. dBias is written by the dQ kernel
-    (dK/dV kernel when fused) when the bias has every dim full. A bias broadcast over batch dims gets its
-    gradient from the deterministic reduction kernel in ``dbias.py`` or, with ``atomic_dbias`` (and the bias
-    full over Lq and Lk), from fp32 atomics (not bitwise deterministic): in the split dQ kernel, or in the dK/dV
-    kernel when fused or when TMA bulk reductions take them (large steps on Hopper). ``q_seg``/``k_seg``:
-    segment id tables as in :func:`attn_forward`.
-    """
-    m8 = _mask_u8(mask)
-    env = [do, dlse, q, k, v, out, lse, bias, m8, q_seg, k_seg]
-    key = ("bwd", _geo(do), _geo(dlse), _geo(q), _geo(k), _geo(v), _geo(out), _geo(lse), _geo(bias), _geo(m8),
-           _geo(q_seg), _geo(k_seg), scale, causal, fused, need_dbias, atomic_dbias,
-           _current_device() if q.is_cuda else -1, interpreting(), _settings.get())
-    plan = _replay(key, env)
-    if plan is None:
-        rec = Recorder(env)
-        outputs = _record_backward(rec, scale, causal, fused, need_dbias, atomic_dbias)
-        _keep(key, rec, outputs)
-    else:
-        outputs = plan.outputs
-    dq, dk, dv, db = outputs
-    return env[dq], env[dk], env[dv], (None if db is None else env[db])
-
-
-def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, need_dbias: bool, atomic_dbias: bool):
-    do, dlse, q, k, v, out, lse, bias, m8, q_seg, k_seg = rec.env
-    B, R, H, Lq, D = q.shape
-    Lk, Dv = k.shape[3], v.shape[4]
-    dev = q.device
-    BD, BDV = _pow2(D), _pow2(Dv)
-    # any copy of the bias has its shape and dtype (so has dbias)
-    b, tma, whole_rows = (None, None, False) if bias is None else _bias_slot(rec, _BIAS, q, Lq, Lk)
-    bias_t = None if b is None else rec.env[b]
-    mask_slot, sm = (_Q if m8 is None else _MASK), _mask_strides(m8)
-    seg = q_seg is not None
-    seg_slots, ss = ((_QS, _KS) if seg else (_LSE, _LSE)), _seg_strides(q_seg, k_seg)
-    dims = (B, R, H, Lq, Lk)
-    direct_dbias = need_dbias and tuple(bias.shape) == dims
-    atomic = need_dbias and not direct_dbias and atomic_dbias and tuple(bias.shape[3:]) == (Lq, Lk)
-    want_dbias = need_dbias and not direct_dbias and not atomic
-    # The atomic accumulators take bulk TMA reductions (one per tile; faster: docs/bench/attention_h100.md) where the
-    # copy engine can address them: dense, 16-byte rows. The dense dbias accumulator's batch strides then count
-    # [Lq, Lk] slices; the fused dQ accumulator is allocated dense ([B*R*H] slices of [Lq, D]).
-    reduce = _tma_reduce(dev) and not _host_bound(q, Lq, Lk)
-    tma_dbias = atomic and reduce and Lk % 4 == 0
-    tma_dq = fused and reduce and D % 4 == 0
-    # without TMA, the split backward's atomics go into the dQ kernel, whose dS tiles run along the accumulator's
-    # rows: 16-byte vector atomics, where the dK/dV kernel's transposed tiles add one float at a time
-    dq_atomic = atomic and not fused and not tma_dbias and DBIAS_ATOMICS_IN_DQ
-
-    align = _align(q, k, v, out, do)  # (dq, dk, dv and a fused dQ accumulator take q's, k's and v's strides)
-    # 1. delta = rowsum(dO * O) - dlse: [B, R, H, Lq] fp32
-    delta = rec.new(_empty((B, R, H, Lq), torch.float32, dev))
-    bm_pre = 16 if interpreting() else 64
-    rec.launch(bwd_preprocess_kernel, (_cdiv(Lq, bm_pre), B * R * H), (_OUT, _DO, _Q if dlse is None else _DLSE, delta),
-               (*_rows(out), *_rows(do), R, H, Lq), 4, 3, HAS_DLSE=dlse is not None, BLOCK_M=bm_pre,
-               BLOCK_DV=BDV, Dv=Dv, ALIGN=align)
-
-    dq = rec.new(_empty(q.shape, q.dtype, dev, stride=q.stride()))
-    dk = rec.new(_empty(k.shape, k.dtype, dev, stride=k.stride()))
-    dv = rec.new(_empty(v.shape, v.dtype, dev, stride=v.stride()))
-    dbias = None
-    if direct_dbias:  # causal / segments: tiles that are never visited must start at zero
-        make, shape, dtype = torch.zeros if causal or seg else torch.empty, tuple(bias.shape), bias.dtype
-        dbias = rec.new(lambda env: make(shape, dtype=dtype, device=dev))
-    elif dq_atomic:  # fp32 accumulator, zeroed per launch, rows padded to 16 bytes (the dQ kernel's vector atomics;
-        # the padding adds zeros and is never read); not in dq's memory, which that kernel writes meanwhile
-        shape, pitch = tuple(bias.shape), _cdiv(Lk, 4) * 4
-        dbias = rec.new(lambda env: torch.empty(shape[:4] + (pitch,), dtype=torch.float32, device=dev)[..., :Lk])
-    elif atomic:  # fp32 accumulator, zeroed per launch; in dq's memory (written only after it) when it fits
-        n, shape, scratch = bias.numel(), tuple(bias.shape), None if fused else dq
-        dbias = rec.new(lambda env: _f32_buffer(n, dev, None if scratch is None else env[scratch]).view(shape))
-    acc = dbias  # (steps below that name a slot take it from a variable that is never reassigned)
-    gs = (0,) * 5 if dbias is None else _bstrides(rec.env[dbias])
-    if dq_atomic:  # the padded pitch as the row stride also for a single query row: the dQ kernel's atomics run to it
-        gs = gs[:3] + (rec.env[dbias].stride(3),) + gs[4:]
-    if tma_dbias:
-        gs = tuple(s // (Lq * Lk) for s in gs[:3]) + gs[3:]
-    dq_acc = None
-    if fused:
-        dq_acc = rec.new(_empty(q.shape, torch.float32, dev, stride=None if tma_dq else q.stride()))
-    flags = dict(HAS_MASK=_mask_kind(m8), CAUSAL=causal, HAS_SEG=seg)
-    rows = (*_rows(q), *_rows(k), *_rows(v))  # the same for every config
-    do_rows = _rows(do)
-    tail = (*ss, R, H, Lq, Lk, scale)
-    key = _key(q, v, bias_t, m8, causal, fused, direct_dbias, atomic, seg, tma is None)
-
-    def operands(c):
-        """The bias argument, the stride tuple and the constexpr flags (HAS_BIAS first, the kernels' parameter
-        order) of a launch with c's tiles (only a bias descriptor's block shape depends on them)."""
-        arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=_Q,
-                                               whole_rows=whole_rows)
-        bias_align = _bias_align(bias_t, has_bias, _even(Lq, c.block_m) and _even(Lk, c.block_n))
-        return arg, (*rows, *sb, *sm, *do_rows), dict(HAS_BIAS=has_bias, **flags), bias_align
-
-    # 2. dK, dV (+ dQ by atomics when fused, + dBias when it is unbroadcast or accumulated by atomics)
-    def run_dkdv(c):
-        if fused:
-            rec.do(lambda env: env[dq_acc].zero_())
-        if atomic and not dq_atomic:
-            rec.do(lambda env: env[acc].zero_())
-        arg, strides, kflags, bias_align = operands(c)
-        bm, bn = c.block_m, c.block_n
-        dq_arg = (lambda env: _reduce_desc(env[dq_acc], Lq, D, bm, BD)) if tma_dq else (
-            _Q if dq_acc is None else dq_acc)
-        dbias_arg = (lambda env: _reduce_desc(env[acc], Lq, Lk, bm, bn)) if tma_dbias else (
-            _Q if dbias is None or dq_atomic else dbias)
-        rec.launch(attn_bwd_dkdv_kernel, (_cdiv(Lk, bn), B * _cdiv(R, c.rows) * H),
-                   (_Q, _K, _V, arg, mask_slot, _DO, _LSE, delta, dq_arg, dk, dv, dbias_arg, *seg_slots),
-                   (*strides, *gs, *tail), c.num_warps, c.num_stages, **kflags,
-                   FUSED_DQ=(2 if tma_dq else 1) if fused else 0, DIRECT_DBIAS=direct_dbias and fused,
-                   ATOMIC_DBIAS=(2 if tma_dbias else 1) if atomic and not dq_atomic else 0,
-                   EVEN_M=_even(Lq, bm), EVEN_N=_even(Lk, bn), ROWS=c.rows,
-                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BD, BLOCK_DV=BDV, D=D, Dv=Dv, ALIGN=align, BIAS_ALIGN=bias_align)
-
-    rec.tuned("dkdv", key, _width(q, D, Dv), Lq, Lk, run_dkdv,
-              pair=_pairs_rows(bias, R, causal, atomic and not fused and not dq_atomic) and not seg, device=dev.index)
-    bias_dtype = None if bias is None else bias.dtype
-    if atomic and not dq_atomic:
-        dbias = rec.new(lambda env: env[acc].to(bias_dtype, copy=True))  # a copy: the accumulator may be in dq's memory
-
-    # 3. dBias of a broadcast bias: deterministic tile-owner reduction. It runs before dq is written, so its
-    #    fp32 split partials can live in dq's memory (no extra peak memory).
-    if want_dbias:
-        dbias = _record_dbias_reduce(rec, b, mask_slot, sm, seg_slots, ss, delta, scale, causal, key, scratch=dq)
-
-    # 4. dQ over query tiles (split variant)
-    if fused:
-        rec.do(lambda env: env[dq].copy_(env[dq_acc]))
-    else:
-        def run_dq(c):
-            if dq_atomic:
-                rec.do(lambda env: env[acc].zero_())
-            arg, strides, kflags, bias_align = operands(c)
-            rec.launch(attn_bwd_dq_kernel, (_cdiv(Lq, c.block_m), B * R * H),
-                       (_Q, _K, _V, arg, mask_slot, _DO, _LSE, delta, dq, _Q if dbias is None else dbias, *seg_slots),
-                       (*strides, *gs, *tail), c.num_warps, c.num_stages, **kflags,
-                       DIRECT_DBIAS=2 if dq_atomic else direct_dbias,
-                       EVEN_M=_even(Lq, c.block_m), EVEN_N=_even(Lk, c.block_n),
-                       BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV, D=D, Dv=Dv, ALIGN=align,
-                       BIAS_ALIGN=bias_align)
-
-        rec.tuned("dq", key, _width(q, D, Dv), Lq, Lk, run_dq, device=dev.index)
-        if dq_atomic:  # (a copy: a dense tensor, not the padded rows)
-            dbias = rec.new(lambda env: env[acc].to(bias_dtype, copy=True))
-    return dq, dk, dv, dbias
-
-
-def _f32_buffer(n: int, device: torch.device, scratch: Optional[Tensor] = None) -> Tensor:
-    """n fp32 elements over ``scratch``'s memory (a buffer not yet written) when given and big enough, else new."""
-    if scratch is not None and scratch.untyped_storage().nbytes() >= 4 * n:
-        return torch.empty(0, dtype=torch.float32, device=device).set_(scratch.untyped_storage(), 0, (n,), (1,))
-    return torch.empty(n, dtype=torch.float32, device=device)
-
-
-def _record_dbias_reduce(rec: Recorder, b: int, mask_slot: int, sm, seg_slots, ss, delta: int, scale: float,
-                         causal: bool, key: Tuple, scratch: int) -> int:
-    """The gradient of a bias broadcast over batch dims (env slot ``b``) by the deterministic reduction kernel;
-    returns its env slot. ``scratch``: the slot of a buffer not yet written (dq) that fp32 split partials may use."""
-    q, k, v, bias, do = rec.env[_Q], rec.env[_K], rec.env[_V], rec.env[b], rec.env[_DO]
-    B, R, H, Lq, D = q.shape
-    Lk, Dv = k.shape[3], v.shape[4]
-    BB, BR, BH, BLq, BLk = bias.shape
-    loop_m, loop_n = BLq == 1 and Lq > 1, BLk == 1 and Lk > 1
-    n_groups = BB * BR * BH
-    numel, shape, dtype, dev = bias.numel(), tuple(bias.shape), bias.dtype, q.device
-    lr_n, lh_n = R // BR, H // BH
-    total = (B // BB) * lr_n * lh_n  # batch steps summed into each tile
-    dense = [1] * 5  # dbias is allocated dense: its strides, 0 on broadcast dims as ever
-    for d in range(3, -1, -1):
-        dense[d] = dense[d + 1] * shape[d + 1]
-    dense = tuple(0 if n == 1 else st for n, st in zip(shape, dense))
-    strides = (*_rows(q), *_rows(k), *_rows(v), *_bstrides(bias), *sm, *_rows(do), numel, *dense)
-
-    def run(c):
-        n_mt, n_nt = _cdiv(Lq, c.block_m), _cdiv(Lk, c.block_n)
-        tiles = (1 if loop_m else n_mt) * (1 if loop_n else n_nt)
-        per, splits = _even_splits(total, _dbias_splits(c.splits, tiles * n_groups, total, dev))
-        dbias = rec.new(_empty(shape, dtype, dev))  # dense, in the bias's dtype
-        # splits > 1: fp32 partials, in the scratch memory (dq's, not yet written) when it is big enough; one
-        # split writes dbias directly
-        part = dbias if splits == 1 else rec.new(lambda env: _f32_buffer(splits * numel, dev, env[scratch]))
-        rec.launch(attn_bwd_dbias_kernel, (tiles, n_groups, splits),
-                   (_Q, _K, _V, b, mask_slot, _DO, _LSE, delta, part, *seg_slots),
-                   (*strides, *ss, R, H, BR, BH, lr_n, lh_n, total, Lq, Lk, scale * LOG2E, per),
-                   c.num_warps, c.num_stages,
-                   HAS_MASK=_mask_kind(rec.env[_MASK]), CAUSAL=causal, HAS_SEG=seg_slots[0] == _QS, LOOP_M=loop_m,
-                   LOOP_N=loop_n, LOOP_B=B // BB > 1, EVEN_M=_even(Lq, c.block_m), EVEN_N=_even(Lk, c.block_n),
-                   BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D),
-                   BLOCK_DV=_pow2(Dv), D=D, Dv=Dv, ALIGN=_align(q, k, v, do))
-        # The sum over the splits is part of the launch, so the tuner times a split count with its cost: one
-        # small kernel adds each element's partials in split order (no atomics: the bits repeat) and writes the
-        # result in the bias's dtype.
-        if splits > 1:
-            block = 1024
-            rec.launch(sum_splits_kernel, (_cdiv(numel, block),), (part, dbias), (numel, splits), 4, 1, BLOCK=block)
-        return dbias
-
-    # the bias's broadcast pattern is in the key; R's power of two sets how many batch steps each tile sums
-    return rec.tuned("dbias", key + ((B // BB * R // BR * H // BH).bit_length(),), _width(q, D, Dv), Lq, Lk, run,
-                     device=dev.index)

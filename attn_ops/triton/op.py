@@ -17,7 +17,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from .fastlaunch import compiling_ahead as _compiling_ahead
-from .launch import attn_backward, attn_forward, empty_in_order
+from .launch import attn_forward, empty_in_order
+from .launch_backward import attn_backward
 from .segtable import segment_tables_flat, split_tables
 
 Tensor = torch.Tensor
