@@ -15,3 +15,26 @@ if not (_here / "models").is_dir() and (_here.parent / "models" / "__init__.py")
     # A checkout (or an editable install) keeps models/ and configs/ at the repository's top level:
     # subpackages are looked up there too, so attn_zoo.models names the same files as in the wheel.
     __path__.append(str(_here.parent))  # noqa: F821  (a package's own __path__)
+
+
+def patch(model, *, backend: str = "auto", deterministic: bool = True):
+    """Run ``model``'s attention (transformers, fair-esm, Boltz) on ``attn_ops.attention`` in place; see
+    ``attn_zoo.models.integrations.patch``."""
+    from attn_zoo.models.integrations import patch as _patch
+
+    return _patch(model, backend=backend, deterministic=deterministic)
+
+
+def unpatch(model):
+    """Undo :func:`patch`; see ``attn_zoo.models.integrations.unpatch``."""
+    from attn_zoo.models.integrations import unpatch as _unpatch
+
+    return _unpatch(model)
+
+
+def register_hf(backend: str = "auto", deterministic: bool = True) -> str:
+    """Register ``"attn_zoo"`` in transformers' attention registry (needed before
+    ``from_pretrained(..., attn_implementation="attn_zoo")``); returns the name registered."""
+    from attn_zoo.models.integrations.hf import register
+
+    return register(backend=backend, deterministic=deterministic)

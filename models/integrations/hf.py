@@ -1,0 +1,190 @@
+"""Hugging Face transformers: ``attn_ops.attention`` as a named implementation of transformers' attention registry.
+
+``register()`` adds ``"attn_zoo"`` to ``AttentionInterface`` (the attention function) and to
+``AttentionMaskInterface`` (the boolean ``[B, 1, Lq, Lk]`` masks transformers' SDPA path builds, True = attend);
+``EsmForMaskedLM.from_pretrained(path, attn_implementation="attn_zoo")`` and ``model.set_attn_implementation`` then
+run this op in every layer of any model written against the registry. ``patch(model)`` does the same for a model
+already built and ``unpatch`` sets back the implementation it had. Only the config's implementation name changes.
+
+The function serves: a padding mask (boolean, or an additive float mask, taken as a bias), causal attention
+without a mask, grouped key/value heads, and packed rows: ``cu_seq_lens_q``/``cu_seq_lens_k`` keyword arguments
+(what ``DataCollatorWithFlattening`` gives a model) become ``segment_ids``. It falls back, with a warning naming the
+reason, to the model's own eager attention for what it does not serve: ``output_attentions=True`` (the maps are
+returned), attention dropout while training, ``softcap``, ``sliding_window``, attention sinks (``s_aux``).
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+import attn_ops
+
+from .common import Options
+
+NAME = "attn_zoo"
+LOOKS_FOR = ("transformers.PreTrainedModel whose layers call the attention registry (AttentionInterface)",)
+_UNSERVED_KWARGS = ("softcap", "sliding_window", "s_aux")
+
+
+def name_for(options: Options) -> str:
+    """The registry name of these options: ``attn_zoo`` for the defaults, e.g. ``attn_zoo_triton_nondeterministic``."""
+    parts = [NAME] + ([options.backend] if options.backend != "auto" else [])
+    return "_".join(parts + ([] if options.deterministic else ["nondeterministic"]))
+
+
+class HFAttention:
+    """The registered attention function: ``(module, query, key, value, attention_mask, ...) -> (out, weights)``,
+    q ``[B, H, Lq, D]``, k/v ``[B, Hkv, Lk, D]``, out ``[B, Lq, H, D]``; weights only on the eager fallback."""
+
+    def __init__(self, options: Options):
+        self.options = options
+        self._warned = set()
+
+    def _fallback(self, reason: str, module: nn.Module, query, key, value, attention_mask, dropout, scaling, kwargs):
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"attn_zoo attention: {reason}; served by the model's eager attention", stacklevel=3)
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None) or _eager
+        if attention_mask is not None and attention_mask.dtype == torch.bool:  # eager paths add the mask
+            zero = torch.zeros((), dtype=query.dtype, device=query.device)
+            attention_mask = torch.where(attention_mask, zero, torch.finfo(query.dtype).min)
+        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+    def __call__(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                 attention_mask: Optional[Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                 is_causal: Optional[bool] = None, **kwargs) -> Tuple[Tensor, Optional[Tensor]]:
+        config = getattr(module, "config", None)
+        reason = None
+        if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+            reason = "output_attentions=True needs the attention maps"
+        elif dropout and module.training:
+            reason = f"attention dropout {dropout} while training"
+        else:
+            unserved = [k for k in _UNSERVED_KWARGS if kwargs.get(k) is not None]
+            if unserved:
+                reason = f"{', '.join(unserved)} is not served"
+        if reason:
+            return self._fallback(reason, module, query, key, value, attention_mask, dropout, scaling, kwargs)
+
+        B, H, Lq, D = query.shape
+        if key.shape[1] != H:  # grouped key/value heads
+            if H % key.shape[1]:
+                raise ValueError(f"query has {H} heads, key {key.shape[1]}: not a multiple")
+            key = key.repeat_interleave(H // key.shape[1], dim=1)
+            value = value.repeat_interleave(H // value.shape[1], dim=1)
+        Lk = key.shape[2]
+        bias = mask = None
+        if attention_mask is not None:
+            am = attention_mask[..., :Lk]
+            if am.dtype == torch.bool:
+                mask = am
+            else:  # an additive mask (0 / large negative), as transformers' eager path adds it
+                bias = am
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
+        causal = causal and attention_mask is None and Lq > 1
+        if causal and Lk > Lq:  # transformers' causal without a mask is aligned top-left (SDPA's is_causal)
+            key, value = key[:, :, :Lq], value[:, :, :Lq]
+        segment_ids = _segment_ids(kwargs, B, Lq, key.shape[2], query.device)
+        out = attn_ops.attention(query, key, value, bias=bias, mask=mask, scale=scaling, causal=causal,
+                                 segment_ids=segment_ids, **self.options.kwargs())  # [B, H, Lq, Dv]
+        return out.transpose(1, 2).contiguous(), None
+
+
+def _segment_ids(kwargs: dict, B: int, Lq: int, Lk: int, device) -> Optional[object]:
+    """Packed rows from ``cu_seq_lens_q``/``cu_seq_lens_k`` (cumulative lengths starting at 0, batch 1): ids
+    ``[1, L]``, one per sequence, -1 after the last one."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return None
+    cu_q = cu_k if cu_q is None else cu_q
+    cu_k = cu_q if cu_k is None else cu_k
+    if B != 1:
+        raise ValueError(f"cu_seq_lens_q/cu_seq_lens_k describe packed rows of batch 1; the query has batch {B}")
+
+    def ids(cu: Tensor, L: int, name: str) -> Tensor:
+        if cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(f"{name}: expected cumulative lengths [n + 1] starting at 0, got shape {tuple(cu.shape)}")
+        pos = torch.arange(L, device=device)
+        seg = torch.searchsorted(cu[1:].to(device), pos, right=True)  # sequence index of each position
+        return torch.where(pos < cu[-1].to(device), seg, torch.full_like(seg, -1))[None]  # [1, L]
+
+    q_ids, k_ids = ids(cu_q, Lq, "cu_seq_lens_q"), ids(cu_k, Lk, "cu_seq_lens_k")
+    return q_ids if cu_q is cu_k and Lq == Lk else (q_ids, k_ids)
+
+
+def _eager(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+           dropout: float = 0.0, scaling: Optional[float] = None, **kwargs) -> Tuple[Tensor, Tensor]:
+    """Plain attention returning the maps, for models whose module defines no ``eager_attention_forward``."""
+    H = query.shape[1]
+    key = key.repeat_interleave(H // key.shape[1], dim=1)
+    value = value.repeat_interleave(H // value.shape[1], dim=1)
+    w = torch.matmul(query, key.transpose(2, 3)) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    if attention_mask is not None:
+        w = w + attention_mask[..., : key.shape[2]]
+    w = nn.functional.dropout(w.softmax(-1, dtype=torch.float32).to(query.dtype), p=dropout, training=module.training)
+    return torch.matmul(w, value).transpose(1, 2).contiguous(), w
+
+
+_REGISTERED = {}
+
+
+def register(backend: str = "auto", deterministic: bool = True) -> str:
+    """Register the attention function (and the boolean mask builder) under :func:`name_for` these options;
+    returns the name to pass as ``attn_implementation``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    options = Options(backend, deterministic)
+    name = name_for(options)
+    if name not in _REGISTERED:
+        _REGISTERED[name] = HFAttention(options)
+        AttentionInterface.register(name, _REGISTERED[name])
+        AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+def _pretrained_class():
+    mod = sys.modules.get("transformers")
+    if mod is None:  # a transformers model cannot exist before transformers is imported
+        return None
+    from transformers import PreTrainedModel
+
+    return PreTrainedModel
+
+
+def find(model: nn.Module) -> List[nn.Module]:
+    cls = _pretrained_class()
+    return [model] if cls is not None and isinstance(model, cls) else []
+
+
+_PREVIOUS = "_attn_zoo_previous_attn_implementation"
+
+
+def patch_model(model: nn.Module, options: Options) -> None:
+    if not model._can_set_attn_implementation():
+        raise TypeError(f"{type(model).__name__} does not select its attention through transformers' "
+                        "AttentionInterface, so attn_implementation cannot route it to attn_zoo")
+    name = register(options.backend, options.deterministic)
+    if _PREVIOUS not in model.__dict__:
+        model.__dict__[_PREVIOUS] = model.config._attn_implementation
+    model.set_attn_implementation(name)
+
+
+def is_patched(model: nn.Module) -> bool:
+    return _PREVIOUS in model.__dict__ or str(model.config._attn_implementation).startswith(NAME)
+
+
+def unpatch_model(model: nn.Module) -> bool:
+    """Set back the implementation the model had before :func:`patch_model` (``sdpa`` for a model loaded with
+    ``attn_implementation="attn_zoo"``, where no earlier one is known)."""
+    if _PREVIOUS in model.__dict__:
+        model.set_attn_implementation(model.__dict__.pop(_PREVIOUS))
+        return True
+    if str(model.config._attn_implementation).startswith(NAME):
+        model.set_attn_implementation("sdpa")
+        return True
+    return False

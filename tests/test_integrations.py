@@ -1,0 +1,421 @@
+"""attn_zoo.patch / unpatch on other projects' models: Hugging Face ESM (attention registry), fair-esm ESM-2 and
+Boltz-1/2 layers, on random weights in fp32.
+
+For each: patched vs unpatched outputs and the gradient of every parameter (within 1e-5 relative), padding masks
+with holes inside sequences, parameters and state_dict untouched, unpatch restoring the original outputs bitwise,
+patching twice being patching once; and the refusal message for a model of unknown layout.
+"""
+import copy
+import math
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import attn_zoo
+from attn_zoo.models.integrations import is_patched, looked_for
+from test_primitives import rel_err
+
+TOL = 1e-5
+BACKENDS = ["auto", "torch"]  # auto is the chunked backend on CPU
+
+
+def randomize_(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Random weights everywhere (the projects' own inits zero some output layers)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if p.ndim >= 2:
+                p.copy_(r / math.sqrt(p.shape[-1]))
+            elif name.endswith("weight"):  # norm scales
+                p.copy_(1.0 + 0.2 * r)
+            else:
+                p.copy_(0.2 * r)
+    return model
+
+
+def param_grads(model: nn.Module) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_close_grads(model: nn.Module, got: dict, ref: dict, unused: str = "\0", zero: tuple = ()):
+    """Every parameter (except those named ``unused*``, off the loss's path) has a gradient, patched as unpatched.
+    Those named ``*zero`` are analytically 0 (they only shift every logit of a softmax row): both must be 0 up to
+    rounding, TOL times the largest gradient."""
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad and not n.startswith(unused)}
+    assert set(ref) == trainable, f"parameters without a gradient: {sorted(trainable - set(ref))}"
+    assert set(got) == set(ref)
+    scale = max(g.abs().max().item() for g in ref.values())
+    for n in ref:
+        if n.endswith(zero or "\0"):
+            assert max(got[n].abs().max().item(), ref[n].abs().max().item()) < TOL * scale, n
+        else:
+            assert rel_err(got[n], ref[n], floor=1e-3) < TOL, (n, rel_err(got[n], ref[n], floor=1e-3))
+
+
+def snapshot(model: nn.Module) -> dict:
+    return {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
+
+
+def assert_state_untouched(model: nn.Module, before: dict):
+    after = model.state_dict()
+    assert list(after) == list(before)
+    for k, (ptr, val) in before.items():
+        assert after[k].data_ptr() == ptr and torch.equal(after[k], val), k
+
+
+def test_refuses_unknown_model_naming_what_it_looked_for():
+    with pytest.raises(TypeError) as err:
+        attn_zoo.patch(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    msg = str(err.value)
+    assert "Sequential" in msg
+    for name in ["AttentionInterface", "esm.multihead_attention.MultiheadAttention", "TriangleAttention",
+                 "attention.AttentionPairBias", "attentionv2.AttentionPairBias"]:
+        assert name in msg
+    assert len(looked_for()) == 5
+    with pytest.raises(ValueError, match="backend"):
+        attn_zoo.patch(nn.Linear(2, 2), backend="no-such-backend")
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        attn_zoo.patch("model")
+
+
+# --------------------------------------------------------------------------------------------------
+# fair-esm
+# --------------------------------------------------------------------------------------------------
+def fair_esm_model(seed=0):
+    esm2 = pytest.importorskip("esm.model.esm2", reason="fair-esm is a test dependency")
+    torch.manual_seed(seed)
+    return randomize_(esm2.ESM2(num_layers=2, embed_dim=32, attention_heads=4), seed).eval()
+
+
+def fair_esm_tokens(m, B=3, L=11, seed=1):
+    """cls ... eos with padding tokens inside (holes) and at the end."""
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.randint(4, 24, (B, L), generator=g)
+    tok[:, 0] = m.cls_idx
+    tok[0, -1] = m.eos_idx
+    tok[1, 4] = m.padding_idx
+    tok[1, 7] = m.padding_idx
+    tok[1, -1] = m.eos_idx
+    tok[2, 7] = m.eos_idx
+    tok[2, 8:] = m.padding_idx
+    assert tok.eq(m.padding_idx).any(-1).tolist() == [False, True, True]
+    return tok
+
+
+def fair_esm_run(m, tok, seed=2):
+    m.zero_grad(set_to_none=True)
+    out = m(tok, repr_layers=[2])
+    w = torch.randn(out["logits"].shape, generator=torch.Generator().manual_seed(seed))
+    (out["logits"] * w).sum().backward()
+    return out["logits"].detach(), param_grads(m)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fair_esm_patched_equals_unpatched_with_grads(backend):
+    m = fair_esm_model()
+    tok = fair_esm_tokens(m)
+    ref, ref_g = fair_esm_run(m, tok)
+    before = snapshot(m)
+    assert attn_zoo.patch(m, backend=backend) is m
+    assert is_patched(m) and all(type(layer.self_attn).__name__ == "MultiheadAttention" for layer in m.layers)
+    assert_state_untouched(m, before)
+    got, got_g = fair_esm_run(m, tok)
+    assert rel_err(got, ref) < TOL
+    assert_close_grads(m, got_g, ref_g, unused="contact_head.")
+
+
+def test_fair_esm_patch_is_used_and_unpatch_restores_bitwise():
+    m = fair_esm_model()
+    tok = fair_esm_tokens(m)
+    with torch.no_grad():
+        ref = m(tok)["logits"]
+    calls = []
+    attn_zoo.patch(m, backend="torch")
+    attn_zoo.patch(m, backend="torch")  # idempotent
+    fwd = m.layers[0].self_attn.forward
+    m.layers[0].self_attn.register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        got = m(tok)["logits"]
+    assert calls and not torch.equal(got, ref) and rel_err(got, ref) < TOL  # a different computation, same result
+    assert m.layers[0].self_attn.forward is fwd
+    attn_zoo.unpatch(m)
+    assert not is_patched(m) and "forward" not in m.layers[0].self_attn.__dict__
+    with torch.no_grad():
+        assert torch.equal(m(tok)["logits"], ref)
+    attn_zoo.unpatch(m)  # a no-op once unpatched
+
+
+def test_fair_esm_head_weights_and_contacts_served_exactly():
+    m = fair_esm_model()
+    tok = fair_esm_tokens(m)
+    with torch.no_grad():
+        ref = m(tok, return_contacts=True)
+        attn_zoo.patch(m)
+        got = m(tok, return_contacts=True)
+    for key in ("logits", "attentions", "contacts"):
+        assert torch.equal(got[key], ref[key]), key
+
+
+def test_fair_esm_patched_model_copies_and_pickles():
+    m = attn_zoo.patch(fair_esm_model())
+    tok = fair_esm_tokens(m)
+    for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert is_patched(clone) and clone.layers[0].self_attn.forward.module is clone.layers[0].self_attn
+        with torch.no_grad():
+            assert torch.equal(clone(tok)["logits"], m(tok)["logits"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face transformers (attention registry)
+# --------------------------------------------------------------------------------------------------
+def hf_model(impl="sdpa", seed=0):
+    tr = pytest.importorskip("transformers", reason="transformers is a test dependency")
+    config = tr.EsmConfig(vocab_size=33, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=64, max_position_embeddings=64, position_embedding_type="rotary",
+                          pad_token_id=1, mask_token_id=32, token_dropout=False, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0)
+    torch.manual_seed(seed)
+    m = tr.EsmForMaskedLM(config)
+    m.set_attn_implementation(impl)
+    return randomize_(m, seed).eval()
+
+
+def hf_inputs(B=3, L=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 24, (B, L), generator=g)
+    am = torch.ones(B, L, dtype=torch.long)
+    am[1, 3] = am[1, 8] = 0  # holes inside a sequence
+    am[2, 7:] = 0  # padding at the end
+    return ids, am
+
+
+def hf_run(m, ids, am, seed=2, **kw):
+    m.zero_grad(set_to_none=True)
+    logits = m(input_ids=ids, attention_mask=am, **kw).logits
+    w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed))
+    (logits * w).sum().backward()
+    return logits.detach(), param_grads(m)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hf_esm_patched_equals_sdpa_with_grads(backend):
+    m = hf_model()
+    ids, am = hf_inputs()
+    ref, ref_g = hf_run(m, ids, am)
+    before = snapshot(m)
+    attn_zoo.patch(m, backend=backend)
+    assert m.config._attn_implementation == ("attn_zoo" if backend == "auto" else f"attn_zoo_{backend}")
+    assert_state_untouched(m, before)
+    got, got_g = hf_run(m, ids, am)
+    assert rel_err(got, ref) < TOL
+    assert_close_grads(m, got_g, ref_g, unused="esm.contact_head.")
+    attn_zoo.unpatch(m)
+    assert m.config._attn_implementation == "sdpa" and not is_patched(m)
+    with torch.no_grad():
+        assert torch.equal(m(input_ids=ids, attention_mask=am).logits, ref)
+
+
+def test_hf_from_pretrained_with_attn_implementation(tmp_path):
+    m = hf_model()
+    m.save_pretrained(tmp_path)
+    ids, am = hf_inputs()
+    with torch.no_grad():
+        ref = m(input_ids=ids, attention_mask=am).logits
+    assert attn_zoo.register_hf() == "attn_zoo"
+    import transformers
+
+    loaded = transformers.EsmForMaskedLM.from_pretrained(tmp_path, attn_implementation="attn_zoo").eval()
+    assert loaded.config._attn_implementation == "attn_zoo" and is_patched(loaded)
+    seen = []
+    fn = transformers.AttentionInterface._global_mapping["attn_zoo"]
+    orig_call = type(fn).__call__
+    with pytest.MonkeyPatch.context() as mp:  # the registered function is what the layers call
+        mp.setattr(type(fn), "__call__", lambda self, *a, **k: seen.append(1) or orig_call(self, *a, **k))
+        with torch.no_grad():
+            got = loaded(input_ids=ids, attention_mask=am).logits
+    assert len(seen) == 2 and rel_err(got, ref) < TOL
+
+
+def test_hf_deterministic_choice_and_idempotence():
+    m = hf_model()
+    ids, am = hf_inputs()
+    with torch.no_grad():
+        ref = m(input_ids=ids, attention_mask=am).logits
+    attn_zoo.patch(m, deterministic=False)
+    attn_zoo.patch(m, deterministic=False)
+    assert m.config._attn_implementation == "attn_zoo_nondeterministic"
+    with torch.no_grad():
+        assert rel_err(m(input_ids=ids, attention_mask=am).logits, ref) < TOL
+    attn_zoo.patch(m)  # new options replace the old; unpatch still returns to the original
+    assert m.config._attn_implementation == "attn_zoo"
+    attn_zoo.unpatch(m)
+    assert m.config._attn_implementation == "sdpa"
+
+
+def test_hf_output_attentions_falls_back_with_reason():
+    m = hf_model("eager")
+    ids, am = hf_inputs()
+    with torch.no_grad():
+        ref = m(input_ids=ids, attention_mask=am, output_attentions=True)
+    assert len(ref.attentions) == 2
+    attn_zoo.patch(m, backend="torch")
+    with warnings.catch_warnings(record=True) as rec, torch.no_grad():
+        warnings.simplefilter("always")
+        got = m(input_ids=ids, attention_mask=am, output_attentions=True)
+    assert any("output_attentions=True" in str(w.message) and "eager" in str(w.message) for w in rec)
+    assert len(got.attentions) == 2
+    for a, b in zip(got.attentions, ref.attentions):
+        assert rel_err(a, b) < TOL
+    assert rel_err(got.logits, ref.logits) < TOL
+
+
+def test_hf_packed_rows_equal_separate_sequences():
+    m = attn_zoo.patch(hf_model(), backend="torch")
+    g = torch.Generator().manual_seed(3)
+    lens = [5, 7, 4]
+    seqs = [torch.randint(4, 24, (n,), generator=g) for n in lens]
+    packed = torch.cat(seqs)[None]  # [1, 16]
+    cu = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    with torch.no_grad():
+        got = m(input_ids=packed, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7,
+                max_length_k=7).logits[0]
+        ref = torch.cat([m(input_ids=s[None]).logits[0] for s in seqs])
+        unpacked = m(input_ids=packed, position_ids=pos).logits[0]  # without the ids: one long sequence
+    assert rel_err(got, ref) < TOL
+    assert rel_err(unpacked, ref) > 1e-3
+
+
+# --------------------------------------------------------------------------------------------------
+# Boltz-1 / Boltz-2
+# --------------------------------------------------------------------------------------------------
+def boltz_inputs(B=2, N=7, c_s=32, c_z=16, seed=0):
+    """s, z and masks with a hole inside one sequence, padding at the end of the other, and pair holes off the
+    diagonal (no real row or column of the pair mask is empty)."""
+    g = torch.Generator().manual_seed(seed)
+    s, z = torch.randn(B, N, c_s, generator=g), torch.randn(B, N, N, c_z, generator=g)
+    mask = torch.ones(B, N, dtype=torch.bool)
+    mask[0, 3] = False
+    mask[1, N - 2:] = False
+    holes = (torch.rand(B, N, N, generator=g) < 0.15) & ~torch.eye(N, dtype=torch.bool)
+    pair_mask = mask[:, :, None] & mask[:, None, :] & ~holes
+    assert holes[mask[:, :, None] & mask[:, None, :]].any()
+    return s, z, mask, pair_mask
+
+
+def boltz_layer(v2=True, seed=0):
+    """Boltz-2's PairformerLayer, or Boltz-1's (its trunk module's own, with Boltz-1's AttentionPairBias)."""
+    pytest.importorskip("boltz.model.layers.pairformer", reason="boltz==2.2.1 (--no-deps) is a test dependency")
+    if v2:
+        from boltz.model.layers import pairformer as mod
+    else:  # Boltz-1's trunk module imports fairscale, which boltz --no-deps does not bring
+        mod = pytest.importorskip("boltz.model.modules.trunk", reason="Boltz-1's trunk module needs fairscale")
+    torch.manual_seed(seed)
+    kw = dict(token_s=32, token_z=16, num_heads=2, dropout=0.25, pairwise_head_width=16, pairwise_num_heads=2)
+    layer = mod.PairformerLayer(**kw, v2=True) if v2 else mod.PairformerLayer(**kw)
+    return randomize_(layer, seed).eval()
+
+
+def boltz_run(layer, s, z, mask, pair_mask, seed=5, **kw):
+    """Outputs at real positions and the parameters' gradients of a weighted sum over them (padded rows are
+    defined differently: see models/integrations/boltz.py)."""
+    layer.zero_grad(set_to_none=True)
+    s_out, z_out = layer(s, z, mask.float(), pair_mask.float(), **kw)
+    real_pairs = mask[:, :, None] & mask[:, None, :]
+    g = torch.Generator().manual_seed(seed)
+    loss = (s_out * torch.randn(s_out.shape, generator=g) * mask[..., None]).sum()
+    loss = loss + (z_out * torch.randn(z_out.shape, generator=g) * real_pairs[..., None]).sum()
+    loss.backward()
+    return s_out[mask].detach(), z_out[real_pairs].detach(), param_grads(layer)
+
+
+@pytest.mark.parametrize("v2", [True, False], ids=["boltz2", "boltz1"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_boltz_pairformer_layer_patched_equals_unpatched_with_grads(v2, backend):
+    layer = boltz_layer(v2)
+    x = boltz_inputs()
+    s_ref, z_ref, g_ref = boltz_run(layer, *x)
+    before = snapshot(layer)
+    attn_zoo.patch(layer, backend=backend)
+    patched_names = sorted(n for n, mod in layer.named_modules() if "forward" in mod.__dict__)
+    assert patched_names == ["attention", "tri_att_end", "tri_att_start"]
+    assert_state_untouched(layer, before)
+    s_got, z_got, g_got = boltz_run(layer, *x)
+    assert rel_err(s_got, s_ref) < TOL and rel_err(z_got, z_ref) < TOL
+    assert_close_grads(layer, g_got, g_ref, zero=("proj_z.0.bias",))
+    attn_zoo.unpatch(layer)
+    s_back, z_back, _ = boltz_run(layer, *x)
+    assert torch.equal(s_back, s_ref) and torch.equal(z_back, z_ref)
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 100])
+def test_boltz_triangle_attention_chunks(chunk):
+    layer = boltz_layer()
+    tri = layer.tri_att_end
+    _, z, mask, pair_mask = boltz_inputs(N=8)
+    real_pairs = mask[:, :, None] & mask[:, None, :]
+    with torch.no_grad():
+        ref = tri(z, mask=pair_mask.float(), chunk_size=chunk)
+        attn_zoo.patch(tri)
+        got = tri(z, mask=pair_mask.float(), chunk_size=chunk)
+        whole = tri(z, mask=pair_mask.float())
+    assert rel_err(got[real_pairs], ref[real_pairs]) < TOL
+    assert torch.equal(got, whole) or rel_err(got, whole) < TOL
+    zg = z.clone().requires_grad_(True)  # the chunked path under autograd too
+    out = tri(zg, mask=pair_mask.float(), chunk_size=chunk)
+    (out * real_pairs[..., None]).sum().backward()
+    attn_zoo.unpatch(tri)
+    zr = z.clone().requires_grad_(True)
+    (tri(zr, mask=pair_mask.float(), chunk_size=chunk) * real_pairs[..., None]).sum().backward()
+    assert rel_err(zg.grad, zr.grad) < TOL
+    with pytest.raises(ValueError, match="chunk_size"):
+        attn_zoo.patch(tri)(z, mask=pair_mask.float(), chunk_size=0)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_boltz_pair_bias_attention_multiplicity_with_grads(version):
+    """Boltz-1's and Boltz-2's AttentionPairBias alone, two diffusion samples per pair bias (multiplicity 2)."""
+    name = "boltz.model.layers.attention" if version == 1 else "boltz.model.layers.attentionv2"
+    APB = pytest.importorskip(name, reason="boltz==2.2.1 (--no-deps) is a test dependency").AttentionPairBias
+    apb = randomize_(APB(c_s=32, c_z=16, num_heads=2))
+    s, z, mask, _ = boltz_inputs()
+    g = torch.Generator().manual_seed(6)
+    s2, mask2 = s.repeat_interleave(2, 0) + 0.1 * torch.randn(4, *s.shape[1:], generator=g), mask.repeat_interleave(2, 0)
+    w = torch.randn(s2.shape, generator=g)
+    kw = {} if version == 1 else {"k_in": s2}
+
+    def run():
+        apb.zero_grad(set_to_none=True)
+        out = apb(s2, z, mask2.float(), multiplicity=2, **kw)
+        (out * w).sum().backward()
+        return out.detach(), param_grads(apb)
+
+    ref, ref_g = run()
+    attn_zoo.patch(apb)
+    got, got_g = run()
+    assert rel_err(got, ref) < TOL
+    assert_close_grads(apb, got_g, ref_g, zero=("proj_z.0.bias",))
+    with pytest.raises(ValueError, match="multiplicity"):
+        apb(s2, z, mask2.float(), multiplicity=3, **kw)
+
+
+def test_boltz2_msa_layer_pair_stack_patched():
+    trunk = pytest.importorskip("boltz.model.modules.trunkv2", reason="boltz==2.2.1 (--no-deps) is a test dependency")
+    torch.manual_seed(0)
+    msa = randomize_(trunk.MSALayer(msa_s=16, token_z=16, msa_dropout=0.0, z_dropout=0.0, pairwise_head_width=16,
+                                    pairwise_num_heads=2)).eval()
+    _, z, mask, pair_mask = boltz_inputs()
+    m = torch.randn(2, 3, 7, 16, generator=torch.Generator().manual_seed(4))
+    msa_mask = mask[:, None, :].expand(2, 3, 7).float()
+    real_pairs = mask[:, :, None] & mask[:, None, :]
+    with torch.no_grad():
+        z_ref, m_ref = msa(z, m, pair_mask.float(), msa_mask)
+        attn_zoo.patch(msa)
+        z_got, m_got = msa(z, m, pair_mask.float(), msa_mask)
+    assert sorted(n for n, mod in msa.named_modules() if "forward" in mod.__dict__) == [
+        "pairformer_layer.tri_att_end", "pairformer_layer.tri_att_start"]
+    assert rel_err(z_got[real_pairs], z_ref[real_pairs]) < TOL and torch.equal(m_got, m_ref)
