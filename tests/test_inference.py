@@ -189,6 +189,128 @@ def test_stack_takes_the_bounded_path_only_without_grad_in_eval(monkeypatch):
     assert len(runs) == 4 and not out[1].requires_grad
 
 
+@pytest.mark.parametrize("kind", ["pairformer", "evoformer"])
+def test_auto_runs_plain_when_it_fits_and_bounded_when_not(kind, monkeypatch):
+    """auto: the plain path when its estimate fits the budget (on the CPU by default half the available host
+    memory), the bounded path when the budget is small; both give the plain result (float64); the choice is
+    reported before (inference_choice) and after (last_inference) the run."""
+    if kind == "pairformer":
+        x, z, m1, m2 = _pair_inputs(N=9, seed=21)
+        stack = randomize_(PairformerStack(**PW, num_blocks=2, attention="torch"), seed=22).double().eval()
+        n_seq = 0
+    else:
+        x, z, m1, m2 = _msa_inputs(S=5, N=9, seed=21)
+        stack = randomize_(EvoformerStack(**EW, num_blocks=2, attention="torch"), seed=22).double().eval()
+        n_seq = 5
+    monkeypatch.setattr(inference, "available_host_memory", lambda: 8 * GIB)
+    with torch.no_grad():
+        want = stack.configure_inference(mode="plain")(x, z, m1, m2)
+        stack.configure_inference(mode="auto")
+        ahead = stack.inference_choice(9, batch=2, dtype=z.dtype, n_seq=n_seq)
+        got = stack(x, z, m1, m2)
+        assert ahead.path == stack.last_inference.path == "plain", stack.last_inference
+        assert stack.last_inference.budget == int(0.5 * 8 * GIB)  # half the available host memory
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        plain = stack.last_inference.plain
+        assert plain.extra <= stack.last_inference.budget and plain.n == 9
+        # a budget below the plain estimate but above the bounded path's: bounded, same result
+        bounded_need = stack.plan_inference(9, None, batch=2, dtype=z.dtype, n_seq=n_seq, chunk_size=1,
+                                            msa_chunk_size=1 if n_seq else None).estimate.extra
+        assert bounded_need < plain.extra
+        stack.configure_inference(memory_budget=bounded_need)
+        assert stack.inference_choice(9, batch=2, dtype=z.dtype, n_seq=n_seq).path == "bounded"
+        got = stack(x, z, m1, m2)
+        choice = stack.last_inference
+        assert choice.path == "bounded" and choice.budget == bounded_need and choice.plan.chunk_size == 1
+        assert "does not fit" in choice.reason
+        assert rel_err(got[0], want[0]) < 1e-12 and rel_err(got[1], want[1]) < 1e-12
+        # forward_inference: the plain path with inplace writes the result into the caller's z (and m)
+        stack.configure_inference(memory_budget=None)
+        x_in, z_in = x.clone(), z.clone()
+        got = stack.forward_inference(x_in, z_in, m1, m2, inplace=True)
+        assert stack.last_inference.path == "plain" and got[1] is z_in and torch.equal(z_in, want[1])
+        assert (got[0] is x_in) == (kind == "evoformer") and torch.equal(got[0], want[0])
+        got = stack.forward_inference(x, z, m1, m2, mode="bounded")
+        assert stack.last_inference.path == "bounded" and stack.last_inference.reason == "mode='bounded'"
+        assert rel_err(got[1], want[1]) < 1e-12
+
+
+def test_block_forward_inference_auto_and_modes():
+    """The block's forward_inference: auto runs forward itself when it fits, the in-place chunks when given a
+    small budget; the same result either way."""
+    s, z, res, pair = _pair_inputs(N=8, seed=23)
+    blk = randomize_(PairformerBlock(**PW, attention="chunked"), seed=24).double().eval()
+    with torch.no_grad():
+        want = blk(s, z, res, pair)
+    got = blk.forward_inference(s, z, res, pair)
+    assert blk.last_inference.path == "plain" and torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    scores = inference.score_bytes_of(blk, z.device, z.dtype)
+    small = estimate_inference_memory(Dims.of(blk), 8, 2, batch=2, dtype=z.dtype, scores=scores).extra
+    got = blk.forward_inference(s, z, res, pair, memory_budget=small)
+    assert blk.last_inference.path == "bounded" and blk.last_inference.plan.chunk_size == 2
+    assert rel_err(got[1], want[1]) < 1e-12 and rel_err(got[0], want[0]) < 1e-12
+    blk.forward_inference(s, z, res, pair, mode="plain", memory_budget=small)
+    assert blk.last_inference.path == "plain"
+    with pytest.raises(ValueError, match="mode must be one of"):
+        blk.forward_inference(s, z, res, pair, mode="fast")
+
+
+def test_plain_estimate_arithmetic():
+    """AF3 widths, bf16: the plain path's estimate grows with N^2 for a fused backend, shrinks with a row chunk,
+    exceeds the bounded path's, and counts a materialising backend's scores (which grow with N^3)."""
+    d, n = Dims(c_s=384), 1024
+    whole = inference.estimate_plain_memory(d, n)
+    chunked = inference.estimate_plain_memory(d, n, 128)
+    z = whole.z_bytes
+    assert z == n * n * 128 * 2 and whole.working == z and whole.inputs >= z
+    assert chunked.extra < whole.extra and chunked.chunk_size == 128 and whole.chunk_size == n
+    assert chunked.extra > plan_inference(d, n, None).estimate.extra
+    # the row-chunked plain block measured 10x z beyond its inputs at N=1024 (docs/bench/memory_h100.md)
+    assert 10 * z <= chunked.extra <= 12 * z
+    twice = inference.estimate_plain_memory(d, 2 * n)
+    assert 3.5 * whole.extra < twice.extra < 4.5 * whole.extra
+
+    def torch_scores(problems, lq, lk):
+        return 3 * 4 * problems * lq * lk
+
+    full = inference.estimate_plain_memory(d, n, scores=torch_scores)
+    # the triangle attention's scores: 4 heads x N rows x N x N logits, 3 float32 buffers
+    assert full.extra - whole.extra >= 3 * 4 * 4 * n ** 3 - whole.extra
+    boltz = inference.estimate_plain_memory(d, n, single_fp32=True)
+    assert dict(boltz.modules)["attention_pair_bias"] - dict(whole.modules)["attention_pair_bias"] >= 2 * z
+    ev = inference.estimate_plain_memory(Dims(c_m=256), 512, n_seq=128)
+    assert dict(ev.modules)["outer_product_mean"] > 0 and ev.working == ev.z_bytes + 128 * 512 * 256 * 2
+    with pytest.raises(ValueError, match="n_seq"):
+        inference.estimate_plain_memory(Dims(c_m=256), 512)
+
+
+def test_registry_scratch_bytes_per_backend():
+    """The score tiles the planners count: full [Lq, Lk] buffers for torch, key chunks for chunked (its option),
+    none for the fused kernels; auto as resolved for the device."""
+    from attn_ops import registry
+
+    kw = dict(device="cpu", dtype=torch.float32, head_dim=32, batch=8, lq=100, lk=1000)
+    assert registry.forward_scratch_bytes("torch", **kw) == 3 * 4 * 8 * 100 * 1000
+    assert registry.forward_scratch_bytes("chunked", **kw) == 4 * 4 * 8 * 100 * 256
+    assert registry.forward_scratch_bytes("chunked", options={"chunk_size": 64}, **kw) == 4 * 4 * 8 * 100 * 64
+    assert registry.forward_scratch_bytes("auto", **kw) == registry.forward_scratch_bytes("chunked", **kw)
+    assert registry.forward_scratch_bytes("flex", **kw) == 0
+    assert registry.forward_scratch_bytes("triton", **dict(kw, device="cuda")) == 0
+
+
+def test_large_budget_plans_fewer_chunks():
+    """With room in the budget the bounded path takes larger chunks (half of what the budget leaves beyond
+    chunks of one row), never more than the budget."""
+    d, n = Dims(c_s=384), 1024
+    small = plan_inference(d, n, None)
+    big = plan_inference(d, n, 100 * GIB)
+    assert small.chunk_size == 64 and big.chunk_size == n and big.estimate.extra <= 100 * GIB
+    mid = plan_inference(d, 4096, 40 * GIB)
+    base = estimate_inference_memory(d, 4096, 1)
+    assert mid.estimate.transient - base.transient <= 0.5 * (40 * GIB - base.extra)
+    assert mid.chunk_size > plan_inference(d, 4096, None).chunk_size
+
+
 def test_offload_equals_device_path():
     """offload keeps z on the host between blocks; on a CPU-only machine the data path is the same copy."""
     s, z, res, pair = _pair_inputs(N=7, seed=13)
