@@ -297,60 +297,77 @@ def pairformer_block(blk: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor, 
 # --------------------------------------------------------------------------------------------------
 # One Pairformer block on local rows, in place without autograd
 # --------------------------------------------------------------------------------------------------
-def _gated_rows(zn: Tensor, wb, mask: Tensor, c: int, out: Optional[Tensor] = None) -> Tensor:
-    return inference._gated_channels_first(zn, wb, mask, c, out=out)
+def _channel_slices(c: int, groups: int):
+    """``groups`` near-equal slices of ``range(c)`` (fewer when c is small)."""
+    groups = max(1, min(groups, c))
+    cuts = [c * i // groups for i in range(groups + 1)]
+    return [slice(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
 
 
-def triangle_multiplication_(mod: nn.Module, z: Tensor, pair_mask: Tensor, sh: _Shard, chunk: int) -> Tensor:
+def _group_projection(wb: Tuple[Tensor, Optional[Tensor]], c: int, g: slice) -> Tuple[Tensor, Optional[Tensor]]:
+    """Channels ``g`` of a ``[gate | projection]`` weight ``[2C, c_z]`` and bias."""
+    w, b = wb
+    rows = lambda t: torch.cat([t[g], t[c + g.start:c + g.stop]])  # noqa: E731
+    return rows(w), None if b is None else rows(b)
+
+
+def triangle_multiplication_(mod: nn.Module, z: Tensor, pair_mask: Tensor, sh: _Shard, chunk: int,
+                             groups: int) -> Tensor:
     """``z += mod(z)`` on the local rows ``z [B, n, N', c_z]`` in place (``pair_mask [B, N', N']`` whole).
 
-    Every operand a rank's output rows need is gathered before any row is written: ``b`` whole (outgoing and
-    incoming) and, incoming, ``a``'s columns ``I_r``."""
+    The product ``x [C, n, N']`` of the local rows is accumulated ``groups`` channel groups at a time: a group's
+    ``b`` of all ranks is gathered (and, incoming, its ``a`` columns ``I_r`` exchanged), so a rank holds x and one
+    group's operands, not the whole ``b``; z is written only after the last group."""
     for bi in range(z.shape[0]):
-        _triangle_multiplication_one_(mod, z[bi], sh.rows(pair_mask[bi]), sh, chunk)
+        _triangle_multiplication_one_(mod, z[bi], sh.rows(pair_mask[bi]), sh, chunk, groups)
     return z
 
 
-def _triangle_multiplication_one_(mod: nn.Module, z: Tensor, mask: Tensor, sh: _Shard, chunk: int) -> None:
-    c, n, world = mod.c_hidden, z.shape[0], sh.world
+def _triangle_multiplication_one_(mod: nn.Module, z: Tensor, mask: Tensor, sh: _Shard, chunk: int,
+                                  groups: int) -> None:
+    c, n, world, rank = mod.c_hidden, z.shape[0], sh.world, sh.rank
     w_a, w_b = _gated_projection(mod, 0), _gated_projection(mod, 1)
     dev = z.device.type
-    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else z.dtype
-    bs = z.new_empty(world, c, n, z.shape[1], dtype=dtype)  # [P, C, n, N']: b of every rank's rows
-    send = None if mod.outgoing else z.new_empty(world, c, n, n, dtype=dtype)  # a[K_r, I_s] for rank s
-    for idx in _spans(n, chunk):
-        zn = layer_norm_rows(z[idx], mod.layer_norm_in)
-        _gated_rows(zn, w_b, mask[idx], c, out=bs[sh.rank, :, idx].view(c, -1))
-        if send is not None:
-            a = _gated_rows(zn, w_a, mask[idx], c).view(c, -1, world, n)  # [C, R, P, n_i]
-            send[:, :, idx] = a.permute(2, 0, 1, 3)
-            del a
-        del zn
-    works = [_gather_into(bs, bs[sh.rank], sh.group, async_op=True)]
-    ar = None
-    if send is not None:
-        ar, w = _exchange(send, sh.group, async_op=True)  # entry s: a[K_s, I_r], [C, n_k, n_i]
-        works.append(w)
-    for w in works:
-        w.wait()
-    del send
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else z.dtype  # the GEMMs' output
+    x = z.new_empty(c, n, z.shape[1], dtype=dtype)  # [C, n(i), N'(j)]
+    for g in _channel_slices(c, groups):
+        cg = g.stop - g.start
+        wa, wb = _group_projection(w_a, c, g), _group_projection(w_b, c, g)
+        bs = z.new_empty(world, cg, n, z.shape[1], dtype=dtype)  # [P, Cg, n, N']: b of every rank's rows
+        # outgoing: a of the local rows; incoming: a[K_r, I_s] to send to rank s
+        a = z.new_empty(cg, n, z.shape[1], dtype=dtype) if mod.outgoing else z.new_empty(world, cg, n, n, dtype=dtype)
+        for idx in _spans(n, chunk):
+            zn = layer_norm_rows(z[idx], mod.layer_norm_in)
+            inference._gated_channels_first(zn, wb, mask[idx], cg, out=bs[rank, :, idx].view(cg, -1))
+            if mod.outgoing:
+                inference._gated_channels_first(zn, wa, mask[idx], cg, out=a[:, idx].view(cg, -1))
+            else:
+                part = inference._gated_channels_first(zn, wa, mask[idx], cg).view(cg, -1, world, n)  # [Cg, R, P, n]
+                a[:, :, idx] = part.permute(2, 0, 1, 3)
+                del part
+            del zn
+        gather = _gather_into(bs, bs[rank], sh.group, async_op=True)
+        xg = x[g]  # [Cg, n, N'], contiguous
+        if mod.outgoing:  # x[i, j] = sum_k a[i, k] b[j, k]; the local columns while b travels
+            xg[:, :, rank * n:(rank + 1) * n] = torch.matmul(a, bs[rank].transpose(-1, -2))
+            gather.wait()
+            for s in range(world):
+                if s != rank:
+                    xg[:, :, s * n:(s + 1) * n] = torch.matmul(a, bs[s].transpose(-1, -2))
+        else:  # x[i, j] = sum_k a[k, i] b[k, j]
+            ar, swap = _exchange(a, sh.group, async_op=True)  # entry s: a[K_s, I_r], [Cg, n_k, n_i]
+            swap.wait()
+            gather.wait()
+            torch.matmul(ar[rank].transpose(-1, -2), bs[rank], out=xg)
+            for s in range(world):
+                if s != rank:
+                    xg.baddbmm_(ar[s].transpose(-1, -2), bs[s])
+            del ar
+        del a, bs, xg
     for idx in _spans(n, chunk):
         zc = z[idx]  # [R, N', c_z]
-        zn = layer_norm_rows(zc, mod.layer_norm_in)
-        g = mod.linear_g(zn).sigmoid_()
-        if mod.outgoing:
-            p = _gated_rows(zn, w_a, mask[idx], c).view(c, zc.shape[0], -1)  # a of rows i: [C, R, N']
-            x = torch.cat([torch.matmul(p, bs[s].transpose(-1, -2)) for s in range(world)], dim=-1)  # [C, R, N']
-            del p
-        else:
-            x = None
-            for s in range(world):
-                term = torch.matmul(ar[s][:, :, idx].transpose(-1, -2), bs[s])  # [C, R, N']
-                x = term if x is None else x.add_(term)
-                del term
-        del zn
-        upd = mod.linear_z(layer_norm_rows(x, mod.layer_norm_out, channels_first=True))  # [R, N', c_z]
-        del x
+        g = mod.linear_g(layer_norm_rows(zc, mod.layer_norm_in)).sigmoid_()
+        upd = mod.linear_z(layer_norm_rows(x[:, idx], mod.layer_norm_out, channels_first=True))  # [R, N', c_z]
         zc.addcmul_(upd, g)
         del upd, g
 
@@ -373,23 +390,26 @@ def triangle_attention_(mod: nn.Module, z: Tensor, mask_rows: Tensor, sh: _Shard
     return z
 
 
-def _transpose_(z: Tensor, sh: _Shard) -> Tensor:
-    """``z`` overwritten with its transposed rows (:func:`_transpose_blocks`); two buffers of z's size on the way."""
-    zt = _transpose_blocks(z, sh.group)
-    return z.copy_(zt)
+def _transpose_(z: Tensor, sh: _Shard, groups: int) -> Tensor:
+    """``z`` overwritten with its transposed rows (:func:`_transpose_blocks`), ``groups`` channel groups at a time:
+    a group is written once it has been sent, so the buffers on the way are two of one group's size."""
+    for g in _channel_slices(z.shape[-1], groups):
+        z[..., g] = _transpose_blocks(z[..., g], sh.group)
+    return z
 
 
 def pairformer_block_(blk: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor, pair_mask: Tensor, sh: _Shard,
-                      chunk: int) -> Tuple[Tensor, Tensor]:
-    """:func:`pairformer_block` without autograd, ``z`` updated in place by chunks; returns ``(s, z)``."""
+                      chunk: int, groups: int = 8) -> Tuple[Tensor, Tensor]:
+    """:func:`pairformer_block` without autograd, ``z`` updated in place by chunks of ``chunk`` rows (the triangle
+    products and the transposes by ``groups`` channel groups); returns ``(s, z)``."""
     rows, cols = sh.rows(pair_mask), sh.rows(pair_mask.transpose(-1, -2))
-    triangle_multiplication_(blk.tri_mul_out, z, pair_mask, sh, chunk)
-    triangle_multiplication_(blk.tri_mul_in, z, pair_mask, sh, chunk)
+    triangle_multiplication_(blk.tri_mul_out, z, pair_mask, sh, chunk, groups)
+    triangle_multiplication_(blk.tri_mul_in, z, pair_mask, sh, chunk, groups)
     triangle_attention_(blk.tri_att_start, z, rows, sh, chunk)
-    _transpose_(z, sh)
+    _transpose_(z, sh, groups)
     triangle_attention_(blk.tri_att_end, z, cols, sh, chunk)
     rows_update_(z, -3, chunk, _transition_fn(blk.pair_transition))
-    _transpose_(z, sh)
+    _transpose_(z, sh, groups)
     fp32 = blk.single_fp32
     with torch.autocast(s.device.type, enabled=False) if fp32 else contextlib.nullcontext():
         s = at_least_fp32(s) if fp32 else s
@@ -412,7 +432,8 @@ def pairformer_block_(blk: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor,
 class ShardedPairformerStack(nn.Module):
     """A :class:`PairformerStack` run over the ranks of ``group`` (None: the default group), the pair tensor
     split by rows. ``stack`` is used as is (its blocks, parameters, checkpointing, chunk size and inference
-    settings); every rank builds it the same way and loads the same weights.
+    settings); every rank builds it the same way and loads the same weights. ``channel_groups``: the in-place path
+    runs the triangle products and the transposes that many channel groups at a time (memory against calls).
 
     Use::
 
@@ -425,8 +446,11 @@ class ShardedPairformerStack(nn.Module):
     A model that builds z already split can pass its rows directly (``padded_length`` gives N').
     """
 
-    def __init__(self, stack: PairformerStack, group=None):
+    def __init__(self, stack: PairformerStack, group=None, channel_groups: int = 8):
         super().__init__()
+        if isinstance(channel_groups, bool) or not isinstance(channel_groups, int) or channel_groups < 1:
+            raise ValueError(f"channel_groups must be an int >= 1, got {channel_groups!r}")
+        self.channel_groups = channel_groups
         if not isinstance(stack, PairformerStack):
             raise TypeError(f"stack must be a PairformerStack, got {type(stack).__name__}")
         if not dist.is_available() or not dist.is_initialized():
@@ -520,26 +544,29 @@ class ShardedPairformerStack(nn.Module):
             chunk = self.plan_chunk(z)
             z = z if inplace else z.clone()
             for blk in stack.blocks:
-                s, z = pairformer_block_(blk, s, z, single_mask, pair_mask, sh, chunk)
+                s, z = pairformer_block_(blk, s, z, single_mask, pair_mask, sh, chunk, self.channel_groups)
         return s, z
 
     def plan_chunk(self, z: Tensor) -> int:
         """Pair rows per chunk for local rows ``z [B, n, N', c_z]``: the settings' or stack's chunk size, else the
-        largest one whose single-device estimate at N' fits the free memory less the two row-sized buffers the
-        incoming product and the transposes add (``inference.plan_inference``)."""
+        largest of n and the powers of two below it whose chunk temporaries (:func:`chunk_bytes_per_pair`) stay
+        under a quarter of z's rows (at least 64 MiB) and within the free memory left beside the product ``x``."""
         stack, settings = self.stack, self.stack.inference_settings
         chunk = settings.chunk_size if settings.chunk_size is not None else stack.chunk_size
         if chunk is not None:
             return chunk
+        b, n, n_all = z.shape[:3]
+        e = torch.empty((), dtype=z.dtype).element_size()
+        per_row = b * n_all * chunk_bytes_per_pair(inference.Dims.of(stack.blocks[0]), e)
+        cap = max(0.25 * z.numel() * e, 64 * 2 ** 20)
         budget = settings.memory_budget
         if budget is None:
             free = inference.free_device_memory(z.device)
-            budget = None if free is None else int(0.95 * free)
-        if budget is not None:
-            budget = max(1, budget - 2 * z.numel() * z.element_size())
-        dims = stack.inference_dims()
-        return inference.plan_inference(dims, z.shape[2], budget, batch=z.shape[0], dtype=z.dtype,
-                                        inplace=True).chunk_size
+            budget = None if free is None else 0.9 * free
+        if budget is not None:  # beside x [C, n, N'] of a triangle product
+            cap = min(cap, budget - b * n * n_all * stack.blocks[0].tri_mul_out.c_hidden * e)
+        candidates = [n] + [1 << k for k in range(max(0, n.bit_length() - 1), -1, -1) if 1 << k < n]
+        return next((r for r in candidates if r * per_row <= cap), 1)
 
     def reduce_gradients(self) -> None:
         """Sum every parameter's gradient over the group: each rank holds the gradient of its own rows' loss."""
@@ -555,6 +582,15 @@ def _inference_path(stack: nn.Module) -> bool:
     if mode != "auto":
         return mode != "plain"
     return not torch.is_grad_enabled() and not stack.training
+
+
+def chunk_bytes_per_pair(d: "inference.Dims", e: int) -> int:
+    """Bytes of chunk temporaries per pair of a chunk of rows, the largest over the pair modules (``e``: bytes of
+    the activations' dtype): a triangle product's output stage, a triangle attention's projections, the pair
+    transition's hidden layer."""
+    hc = d.num_heads_pair * d.c_hidden_pair
+    return max(e * (3 * d.c_z + 3 * d.c_hidden_mul), e * (2 * d.c_z + 10 * hc + d.num_heads_pair + 8)
+               + 4 * d.num_heads_pair, e * d.c_z * (2 + 4 * d.transition_n))
 
 
 class _BlockCall:

@@ -60,7 +60,7 @@ def _check_case(case, rank, world, seed):
 
     # the sharded stack: this rank's rows, loss on its rows
     stack = _stack(case, seed)
-    sharded = ShardedPairformerStack(stack)
+    sharded = ShardedPairformerStack(stack, channel_groups=3)  # uneven groups of the 8 channels
     s2, z2 = s.detach().clone().requires_grad_(), z.detach().clone().requires_grad_()
     s_r, z_r, sm, pm = sharded.shard(s2, z2, single_mask, pair_mask)
     assert z_r.shape[1] * world == z_r.shape[2] >= n and z_r.shape[2] < n + world
