@@ -419,3 +419,52 @@ def test_boltz2_msa_layer_pair_stack_patched():
     assert sorted(n for n, mod in msa.named_modules() if "forward" in mod.__dict__) == [
         "pairformer_layer.tri_att_end", "pairformer_layer.tri_att_start"]
     assert rel_err(z_got[real_pairs], z_ref[real_pairs]) < TOL and torch.equal(m_got, m_ref)
+
+
+def test_hf_esmc_patched_equals_sdpa_with_chains_and_grads():
+    tr = pytest.importorskip("transformers", reason="transformers is a test dependency")
+    if not hasattr(tr, "EsmcForMaskedLM"):
+        pytest.skip(f"transformers {tr.__version__} has no ESM C")
+    torch.manual_seed(0)
+    config = tr.EsmcConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4)
+    m = randomize_(tr.EsmcForMaskedLM(config), 0).eval()
+    ids = torch.randint(4, 30, (2, 9), generator=torch.Generator().manual_seed(1))
+    chains = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, -1, -1, -1]])  # two chains; padding
+
+    def run():
+        m.zero_grad(set_to_none=True)
+        logits = m(input_ids=ids, sequence_id=chains).logits
+        real = (chains >= 0)[..., None]
+        (logits * real * torch.randn(logits.shape, generator=torch.Generator().manual_seed(2))).sum().backward()
+        return logits[chains >= 0].detach(), param_grads(m)
+
+    ref, ref_g = run()
+    attn_zoo.patch(m)
+    got, got_g = run()
+    assert rel_err(got, ref) < TOL
+    assert_close_grads(m, got_g, ref_g)
+
+
+@pytest.mark.slow
+def test_triton_interpreter_serves_fair_esm_and_boltz():
+    """The fused kernels themselves (Triton's interpreter on CPU): head dims 16."""
+    from test_primitives import skip_unless_backend
+
+    skip_unless_backend("triton")
+    esm2 = pytest.importorskip("esm.model.esm2", reason="fair-esm is a test dependency")
+    torch.manual_seed(0)
+    m = randomize_(esm2.ESM2(num_layers=1, embed_dim=32, attention_heads=2)).eval()
+    tok = fair_esm_tokens(m)[1:, :9]  # one sequence with holes, one padded at the end
+    with torch.no_grad():
+        ref = m(tok)["logits"]
+        attn_zoo.patch(m, backend="triton")
+        assert rel_err(m(tok)["logits"], ref) < TOL
+    tri = boltz_layer().tri_att_start
+    _, z, mask, pair_mask = boltz_inputs(N=6)
+    real_pairs = mask[:, :, None] & mask[:, None, :]
+    with torch.no_grad():
+        ref = tri(z, mask=pair_mask.float())
+        attn_zoo.patch(tri, backend="triton")
+        got = tri(z, mask=pair_mask.float())
+    assert rel_err(got[real_pairs], ref[real_pairs]) < TOL
