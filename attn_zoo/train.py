@@ -214,14 +214,16 @@ def _expected_max_epochs(trainer_cfg) -> int:
     return max_epochs
 
 
-def run_state(path: str | Path) -> dict:
+def run_state(path: str | Path, trust_file: bool = False) -> dict:
     """The run record ``LastCheckpoint`` stores in a checkpoint (``finished``, ``max_steps``,
-    ``max_epochs``) plus its ``global_step``; {} for checkpoints without one."""
-    import torch
-
+    ``max_epochs``) plus its ``global_step``; {} for checkpoints without one. The file is read as data
+    (``zoo.read_checkpoint``: a pickle that names code is refused before anything runs) unless ``trust_file``."""
     from .models.tasks.callbacks import RUN_STATE_KEY
+    from .models.zoo import read_checkpoint
 
-    ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    ckpt = read_checkpoint(path, map_location="cpu", trust_file=trust_file, mmap=True)
+    if not isinstance(ckpt, dict):
+        raise ValueError(f"checkpoint {str(path)!r} holds a {type(ckpt).__name__}, not a Lightning checkpoint dict")
     return {**ckpt.get(RUN_STATE_KEY, {}), "global_step": ckpt.get("global_step"), "epoch": ckpt.get("epoch")}
 
 
@@ -232,6 +234,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         path = Path(cfg.ckpt_path).expanduser()
         if not path.is_file():
             raise ValueError(f"ckpt_path {str(path)!r} does not exist")
+        run_state(path, trust_file=bool(cfg.get("trust_file")))  # a file naming code is refused here, clearly
         return str(path)
     if cfg.get("resume"):
         return resume_checkpoint(cfg)
@@ -256,7 +259,7 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
             passed.append(f"{path.name} does not exist")
             continue
         try:
-            state = run_state(path)
+            state = run_state(path, trust_file=bool(cfg.get("trust_file")))
         except Exception as err:  # truncated or corrupt (zip reader, unpickler), unreadable
             why = (str(err).strip().splitlines() or [""])[0][:160]
             passed.append(f"{path.name} cannot be read ({type(err).__name__}: {why})")
@@ -279,7 +282,7 @@ def finished_already(cfg: DictConfig, ckpt: str | None) -> dict | None:
     limits as this config (resuming it would do nothing), else None."""
     if not ckpt:
         return None
-    state = run_state(ckpt)
+    state = run_state(ckpt, trust_file=bool(cfg.get("trust_file")))
     if not state.get("finished"):
         return None
     t = cfg.trainer
@@ -522,7 +525,9 @@ def _train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
     if hasattr(datamodule, "prepare_report"):  # read and split the data now: a data error stops the run here
         datamodule.prepare_report(Path(cfg.paths.output_dir))
-    model: L.LightningModule = hydra.utils.instantiate(cfg.model)
+    # trust_file=true also lets model.pretrained unpickle code (tasks without the option never see it)
+    trust = {"trust_file": True} if cfg.get("trust_file") and cfg.model.get("pretrained") else {}
+    model: L.LightningModule = hydra.utils.instantiate(cfg.model, **trust)
     if cfg.model.get("net") is not None and hasattr(model, "record_net_config"):  # zoo.load_checkpoint rebuilds from it
         model.record_net_config(OmegaConf.to_container(cfg.model.net, resolve=True))
     from .models.tasks.callbacks import GracefulInterrupt
@@ -550,7 +555,7 @@ def _train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     ckpts: dict[str, Any] = {}
     if cfg.get("train", True):
         _interruptible(cfg, trainer, callbacks, "fit", trainer.fit, model=model, datamodule=datamodule,
-                       ckpt_path=ckpt_path)
+                       ckpt_path=ckpt_path, weights_only=not cfg.get("trust_file"))
         ckpts = checkpoint_paths(callbacks)
         csv_file = _csv_file(loggers)
         if csv_file is not None and trainer.is_global_zero:
@@ -572,11 +577,12 @@ def _train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
             if ckpt and cfg.get("train", True) and not trainer.fast_dev_run:
                 # validation metrics of the same weights the test set sees, not the last epoch's
                 val = _interruptible(cfg, trainer, callbacks, "validation", trainer.validate, model=model,
-                                     datamodule=datamodule, ckpt_path=ckpt, verbose=False)
+                                     datamodule=datamodule, ckpt_path=ckpt, verbose=False,
+                                     weights_only=not cfg.get("trust_file"))
                 metrics.update({k: float(v) for k, v in (val[0] if val else {}).items()})
                 stages["val"] = where
             _interruptible(cfg, trainer, callbacks, "test", trainer.test, model=model, datamodule=datamodule,
-                           ckpt_path=ckpt)
+                           ckpt_path=ckpt, weights_only=not cfg.get("trust_file"))
             metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
             stages["test"] = where
 

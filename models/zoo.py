@@ -13,12 +13,17 @@ raises :class:`ZooCheckpointError` naming what is wrong and nothing half-loaded 
     stack = from_boltz("boltz2_conf.ckpt")              # Boltz-2 trunk Pairformer -> PairformerStack
     task = load_checkpoint("last.ckpt")                 # a checkpoint trained here, rebuilt in one call
     load_pretrained(path, into=net)                     # fine-tuning: any of the above, loaded into `net`
+
+Files are data: every loader reads with ``torch.load(weights_only=True)`` (:func:`read_checkpoint`, allowing
+only :data:`SAFE_GLOBALS`), and a checkpoint's config may build only the classes in :data:`NETWORKS` and
+:data:`TASKS`. Each loader's ``trust_file=True`` lifts both (the file may then run code): only for files you trust.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
@@ -40,22 +45,47 @@ class ZooCheckpointError(ValueError):
 # --------------------------------------------------------------------------------------------------
 # Shared helpers
 # --------------------------------------------------------------------------------------------------
-def _torch_load(path: PathLike, map_location: Any = "cpu", weights_only: bool = True) -> Any:
-    """``torch.load`` with the failure modes turned into ``ZooCheckpointError`` naming the file."""
+# Globals a checkpoint may name beyond torch's own weights-only set (tensors, storages, OrderedDict, dtypes):
+# fair-esm pickles its config as an argparse.Namespace. Checkpoints trained here hold plain values only.
+SAFE_GLOBALS: Tuple[type, ...] = (argparse.Namespace,)
+
+_TRUST_HINT = ("if you trust the file and whoever made it, pass trust_file=True (command line: trust_file=true for "
+               "train.py, --trust-file for attn-zoo-embed): loading it runs the code it names")
+
+
+def read_checkpoint(path: PathLike, map_location: Any = "cpu", *, trust_file: bool = False,
+                    mmap: bool = False) -> Any:
+    """The project's one ``torch.load``: ``weights_only=True`` with :data:`SAFE_GLOBALS` allowed, so a file is
+    read as data and never runs code. Failures become ``ZooCheckpointError`` naming the file.
+
+    ``trust_file=True`` unpickles anything (``weights_only=False``): a pickle can run arbitrary code while it
+    loads, so pass it only for a file you made yourself or whose source you trust.
+    """
     path = Path(path).expanduser()
     if not path.is_file():
         raise ZooCheckpointError(f"checkpoint {str(path)!r} does not exist or is not a file")
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):  # fair-esm pickles its args as a Namespace
-            return torch.load(path, map_location=map_location, weights_only=weights_only)
-    except Exception as e:  # truncated zip, garbage bytes, pickled classes refused by weights_only
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        hint = ""
-        if weights_only and ("weights_only" in str(e) or "Unsupported global" in str(e)):
-            hint = " (it pickles Python objects: pass weights_only=False if you trust the file)"
+        if trust_file:
+            return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
+        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except Exception as e:  # truncated zip, garbage bytes, pickled code refused by weights_only
+        text = str(e)
+        msg = text.splitlines()[0] if text else type(e).__name__
+        if not trust_file and isinstance(e, pickle.UnpicklingError) and "weights_only" in text.lower():
+            try:  # name what the file would have run (zip checkpoints list their globals without running them)
+                names = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path)
+                         if g not in {f"{c.__module__}.{c.__qualname__}" for c in SAFE_GLOBALS}]
+            except Exception:
+                names = []
+            what = f" ({_summarise(names, 4)})" if names else ""
+            raise ZooCheckpointError(
+                f"refused to unpickle Python objects{what} in {str(path)!r}: a checkpoint should hold tensors and "
+                f"plain values, and unpickling objects can run code; {_TRUST_HINT}"
+            ) from None
         raise ZooCheckpointError(
             f"cannot read checkpoint {str(path)!r} ({path.stat().st_size} bytes): truncated, corrupt or not a "
-            f"torch checkpoint{hint}: {type(e).__name__}: {msg}"
+            f"torch checkpoint: {type(e).__name__}: {msg}"
         ) from e
 
 
@@ -198,7 +228,7 @@ def _fair_cfg_heads(ckpt: Mapping[str, Any]) -> Tuple[Optional[int], Optional[bo
 
 
 def from_fair_esm(state_dict_or_path: Any, attention: Any = None, *, num_heads: Optional[int] = None,
-                  weights_only: bool = True) -> ESM2:
+                  trust_file: bool = False) -> ESM2:
     """A fair-esm ESM-2 -> :class:`~attn_zoo.models.esm2.ESM2` (eval mode, the checkpoint's dtype).
 
     Args:
@@ -207,7 +237,8 @@ def from_fair_esm(state_dict_or_path: Any, attention: Any = None, *, num_heads: 
         attention: the attention config of the new model (``"triton"``, ``{"backend": "chunked"}``, ...).
         num_heads: needed only when neither the checkpoint's config nor its contact regression tells the
             number of heads and the size is not a published one.
-        weights_only: ``torch.load``'s safe mode (fair-esm's ``argparse.Namespace`` config is allowed).
+        trust_file: unpickle anything in the file (see :func:`read_checkpoint`: it can run code). Without it the
+            file is read as data; fair-esm's ``argparse.Namespace`` config is allowed.
 
     The size comes from the weights. A fair-esm checkpoint without its contact regression loads (as in fair-esm);
     such a model raises on ``return_contacts``. Raises ZooCheckpointError for anything that is not a complete
@@ -217,7 +248,7 @@ def from_fair_esm(state_dict_or_path: Any, attention: Any = None, *, num_heads: 
     obj = state_dict_or_path
     if isinstance(obj, (str, os.PathLike)):
         source = f"fair-esm checkpoint {os.fspath(obj)!r}"
-        obj = _torch_load(os.fspath(obj), weights_only=weights_only)
+        obj = read_checkpoint(os.fspath(obj), trust_file=trust_file)
     if not isinstance(obj, Mapping):
         raise ZooCheckpointError(f"{source}: expected a dict (a checkpoint or a state_dict), got {type(obj).__name__}")
     cfg_heads, token_dropout = None, None
@@ -293,7 +324,7 @@ def _hf_config(config: Any) -> Optional[Dict[str, Any]]:
     raise TypeError(f"config must be None, a dict or an EsmConfig, got {type(config).__name__}")
 
 
-def _hf_read_folder(folder: str) -> Tuple[Dict[str, Tensor], Optional[Dict[str, Any]]]:
+def _hf_read_folder(folder: str, trust_file: bool = False) -> Tuple[Dict[str, Tensor], Optional[Dict[str, Any]]]:
     """Weights (``model.safetensors``, sharded safetensors or ``pytorch_model.bin``) and ``config.json``."""
     config = None
     cfg_path = os.path.join(folder, "config.json")
@@ -323,7 +354,7 @@ def _hf_read_folder(folder: str) -> Tuple[Dict[str, Tensor], Optional[Dict[str, 
         return sd, config
     bin_path = os.path.join(folder, "pytorch_model.bin")
     if os.path.isfile(bin_path):
-        return _torch_load(bin_path), config
+        return read_checkpoint(bin_path, trust_file=trust_file), config
     raise ZooCheckpointError(f"{folder!r} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 
@@ -344,7 +375,8 @@ def _hf_check_config(cfg: Mapping[str, Any], source: str) -> None:
         raise ZooCheckpointError(f"{source}: not an ESM-2 config: " + ", ".join(bad))
 
 
-def from_hf_esm(state_dict_or_folder: Any, config: Any = None, attention: Any = None) -> ESM2:
+def from_hf_esm(state_dict_or_folder: Any, config: Any = None, attention: Any = None, *,
+                trust_file: bool = False) -> ESM2:
     """Hugging Face ``EsmForMaskedLM`` / ``EsmModel`` weights of an ESM-2 -> :class:`~attn_zoo.models.esm2.ESM2`.
 
     Args:
@@ -354,6 +386,8 @@ def from_hf_esm(state_dict_or_folder: Any, config: Any = None, attention: Any = 
         config: an ``EsmConfig`` or its dict; overrides the folder's ``config.json``. Without one, the size comes
             from the weights and ESM-2's defaults apply (token dropout on, LayerNorm eps 1e-5).
         attention: the attention config of the new model.
+        trust_file: unpickle anything in a ``pytorch_model.bin`` / ``.bin`` file (see :func:`read_checkpoint`: it
+            can run code). Safetensors and ``config.json`` are data either way.
 
     ``EsmModel`` has no LM head: the returned model's LM head is randomly initialised (``lm_head.loaded`` is
     False), its ``representations`` are the checkpoint's. The pooler of ``EsmModel`` (unused by HF's ESM
@@ -365,9 +399,9 @@ def from_hf_esm(state_dict_or_folder: Any, config: Any = None, attention: Any = 
         path = os.fspath(obj)
         source = f"Hugging Face ESM checkpoint {path!r}"
         if os.path.isdir(path):
-            obj, file_cfg = _hf_read_folder(path)
+            obj, file_cfg = _hf_read_folder(path, trust_file)
         else:
-            obj = _torch_load(path)
+            obj = read_checkpoint(path, trust_file=trust_file)
     if not isinstance(obj, Mapping):
         raise ZooCheckpointError(f"{source}: expected a state_dict, got {type(obj).__name__}")
     cfg = _hf_config(config) or file_cfg or {}
@@ -628,7 +662,7 @@ def from_boltz(
     checkpoint_every: int = 0,
     chunk_size: Optional[int] = None,
     map_location: Any = "cpu",
-    weights_only: bool = True,
+    trust_file: bool = False,
 ) -> nn.Module:
     """Boltz-2's trunk Pairformer -> ``PairformerStack(variant="boltz2")`` with the same outputs.
 
@@ -640,7 +674,9 @@ def from_boltz(
         pair_dropout: the pair dropout rate; default: the checkpoint's ``pairformer_args.dropout`` if it
             records one, else Boltz's default 0.25 (only active in training).
         checkpoint_every, chunk_size: passed to ``PairformerStack``.
-        map_location, weights_only: passed to ``torch.load`` when a path is given.
+        map_location: passed to ``torch.load`` when a path is given.
+        trust_file: unpickle anything in the file (see :func:`read_checkpoint`: it can run code). Without it
+            Boltz's checkpoints load as data (their hyperparameters are plain values).
 
     Sizes (blocks, c_s, c_z, heads, head widths, transition factor, post-LayerNorm) are read off the weights.
     The stack's forward ``(s, z, single_mask, pair_mask)`` is Boltz's ``(s, z, mask, pair_mask)`` with bool
@@ -651,7 +687,7 @@ def from_boltz(
 
     if isinstance(state_dict_or_path, (str, os.PathLike)):
         source = repr(str(state_dict_or_path))
-        obj = _torch_load(state_dict_or_path, map_location=map_location, weights_only=weights_only)
+        obj = read_checkpoint(state_dict_or_path, map_location=map_location, trust_file=trust_file)
     else:
         source, obj = "the state dict", state_dict_or_path
     sd, args = _boltz_pairformer_dict(obj, source)
@@ -692,17 +728,103 @@ def to_boltz(stack: nn.Module) -> Dict[str, Tensor]:
 # --------------------------------------------------------------------------------------------------
 # Checkpoints trained here: rebuild the network from the config its task recorded
 # --------------------------------------------------------------------------------------------------
-# _target_ prefixes a checkpoint may name without trusted=True (a _target_ is code the loader calls)
-_TRUSTED_TARGETS = ("attn_zoo.", "attn_ops.", "torch.nn.")
+class ClassRegistry:
+    """The classes a checkpoint may name, by dotted name: a file's config picks one of these to build, never an
+    arbitrary callable. Our own entries are imported lazily on first use (``name -> "module:attr"``); classes
+    registered at run time (``register``) are held as objects. A checkout's ``models.`` names are read as
+    ``attn_zoo.models.``."""
+
+    def __init__(self, what: str, base: type, entries: Mapping[str, str], register_with: str):
+        self.what, self.base, self.register_with = what, base, register_with
+        self._entries: Dict[str, Any] = dict(entries)
+
+    @staticmethod
+    def canonical(name: str) -> str:
+        return "attn_zoo." + name if name.startswith("models.") else name
+
+    def register(self, cls: type, name: Optional[str] = None) -> type:
+        """Allow ``cls`` (a subclass of the registry's base) to be rebuilt from a checkpoint under ``name``
+        (default: its ``module.qualname``). Returns ``cls``, so it works as a class decorator."""
+        if not isinstance(cls, type) or not issubclass(cls, self.base):
+            raise TypeError(f"only {self.base.__name__} subclasses can be registered as {self.what}, got {cls!r}")
+        self._entries[self.canonical(name or f"{cls.__module__}.{cls.__qualname__}")] = cls
+        return cls
+
+    def unregister(self, name: str) -> None:
+        """Undo ``register`` (our own entries stay)."""
+        if not isinstance(self._entries.get(self.canonical(name)), type):
+            raise KeyError(f"{name!r} was not registered at run time")
+        del self._entries[self.canonical(name)]
+
+    def names(self) -> Tuple[str, ...]:
+        return tuple(sorted(self._entries))
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.canonical(name) in self._entries
+
+    def resolve(self, name: str) -> type:
+        entry = self._entries.get(self.canonical(str(name)))
+        if entry is None:
+            raise ZooCheckpointError(
+                f"{self.what} {name!r} is not a registered class: a checkpoint may only name one of "
+                f"{_summarise(self.names(), 12)}; register your own class with zoo.{self.register_with}(cls), or {_TRUST_HINT}"
+            )
+        if isinstance(entry, str):
+            import importlib
+
+            module, _, attr = entry.partition(":")
+            entry = getattr(importlib.import_module(module), attr)
+        return entry
 
 
-def _import_target(path: str, trusted: bool) -> Callable:
+def _entries(prefix: str, modules: Mapping[str, Sequence[str]]) -> Dict[str, str]:
+    return {f"{prefix}{m}.{c}": f"{prefix}{m}:{c}" for m, classes in modules.items() for c in classes}
+
+
+# Every class a saved net config may build (the blocks, stacks, heads and networks configs compose) ...
+NETWORKS = ClassRegistry("network", nn.Module, {
+    **_entries("attn_zoo.models.", {
+        "networks": ("MSADistogramNet", "PairformerTrunk"),
+        "embedders": ("MSAEmbedder", "RelativePosition"),
+        "evoformer": ("EvoformerStack", "EvoformerBlock", "ExtraMSAStack", "ExtraMSABlock",
+                      "MSARowAttentionWithPairBias", "MSAColumnAttention", "MSAColumnGlobalAttention",
+                      "OuterProductMean"),
+        "pairformer": ("PairformerStack", "PairformerBlock", "AttentionPairBias"),
+        "triangle": ("TriangleMultiplication", "TriangleAttention", "TriangleAttentionStartingNode",
+                     "TriangleAttentionEndingNode"),
+        "transformer": ("TransformerLM", "TransformerBlock", "RelativePositionBias", "SwiGLU", "RotaryEmbedding"),
+        "esm2": ("ESM2", "TransformerLayer", "RobertaLMHead", "ContactPredictionHead"),
+        "heads": ("DistogramHead", "MaskedMSAHead", "LMHead"),
+        "primitives": ("Attention", "Transition", "SwiGLUTransition", "SharedDropout", "LineDropout"),
+    }),
+    **{f"torch.nn.{c}": f"torch.nn:{c}" for c in ("Identity", "Linear", "LayerNorm", "Embedding", "Dropout",
+                                                    "ModuleList", "ModuleDict", "ReLU", "GELU", "SiLU", "Sigmoid",
+                                                    "Tanh")},
+}, register_with="register_network")
+# ... and every task class a checkpoint's "attn_zoo_task" may name (load_checkpoint(path, task=True))
+TASKS = ClassRegistry("task", nn.Module, {
+    **_entries("attn_zoo.models.tasks.", {"msa_distogram": ("MSADistogramTask",),
+                                          "language_model": ("LanguageModelTask",)}),
+    "attn_zoo.models.tasks.MSADistogramTask": "attn_zoo.models.tasks:MSADistogramTask",
+    "attn_zoo.models.tasks.LanguageModelTask": "attn_zoo.models.tasks:LanguageModelTask",
+}, register_with="register_task")
+
+
+def register_network(cls: type, name: Optional[str] = None) -> type:
+    """Let checkpoints whose net config names ``cls`` rebuild it (your own network classes): see
+    :class:`ClassRegistry`. Usable as a class decorator."""
+    return NETWORKS.register(cls, name)
+
+
+def register_task(cls: type, name: Optional[str] = None) -> type:
+    """Let ``load_checkpoint(path, task=True)`` rebuild your own task class ``cls``."""
+    return TASKS.register(cls, name)
+
+
+def _import_anything(path: str) -> Callable:
+    """Any importable callable: only with trust_file=True (the file then chooses the code that runs)."""
     import importlib
 
-    if not trusted and not path.startswith(_TRUSTED_TARGETS):
-        raise ZooCheckpointError(
-            f"_target_ {path!r} is outside {_TRUSTED_TARGETS}: pass trusted=True to build it (it runs that code)"
-        )
     module, _, name = path.rpartition(".")
     try:
         obj = importlib.import_module(module)
@@ -713,20 +835,25 @@ def _import_target(path: str, trusted: bool) -> Callable:
     return obj
 
 
-def build_network(config: Mapping[str, Any], *, trusted: bool = False) -> nn.Module:
+def build_network(config: Mapping[str, Any], *, trust_file: bool = False) -> nn.Module:
     """Build a module from a Hydra-style config (``{"_target_": "attn_zoo.models....", **kwargs}``, nested
     ``_target_`` dicts built first) without Hydra: what a task records as ``net_config``. Other ``_``-keys
-    (``_partial_``, ``_recursive_``) are refused; targets outside ``attn_zoo.``/``attn_ops.``/``torch.nn.``
-    need ``trusted=True``."""
+    (``_partial_``, ``_recursive_``) are refused. Every ``_target_`` must be a class in :data:`NETWORKS`
+    (``register_network`` adds yours); ``trust_file=True`` lets it name any importable callable, which then
+    runs: only for configs from a source you trust."""
 
     def build(node: Any, where: str) -> Any:
         if isinstance(node, Mapping):
             if "_target_" not in node:
                 return {k: build(v, f"{where}.{k}") for k, v in node.items()}
-            extra = sorted(k for k in node if str(k).startswith("_") and k != "_target_")
+            extra = sorted(str(k) for k in node if str(k).startswith("_") and k != "_target_")
             if extra:
                 raise ZooCheckpointError(f"net config {where} uses {extra}: only plain _target_ calls are rebuilt")
-            fn = _import_target(str(node["_target_"]), trusted)
+            target = str(node["_target_"])
+            try:
+                fn = _import_anything(target) if trust_file else NETWORKS.resolve(target)
+            except ZooCheckpointError as e:
+                raise ZooCheckpointError(f"net config {where}: {e}") from None
             kwargs = {k: build(v, f"{where}.{k}") for k, v in node.items() if k != "_target_"}
             return fn(**kwargs)
         if isinstance(node, (list, tuple)):
@@ -778,8 +905,12 @@ def _is_ours(obj: Any) -> bool:
                  or "attn_zoo_task" in obj))
 
 
+# hyperparameters never passed from a file to a task: which file to read and whether to trust it are the caller's
+_NOT_FROM_FILE = ("net", "net_config", "optimizer", "scheduler", "pretrained", "trust_file", "pretrained_weights_only")
+
+
 def load_checkpoint(
-    path: PathLike, map_location: Any = "cpu", *, attention: Any = None, task: bool = False, trusted: bool = False,
+    path: PathLike, map_location: Any = "cpu", *, attention: Any = None, task: bool = False, trust_file: bool = False,
 ) -> nn.Module:
     """Rebuild a network (or with ``task=True`` its LightningModule) from a checkpoint trained here.
 
@@ -787,13 +918,20 @@ def load_checkpoint(
         out = net(batch)
 
     The task saved the net's config (``hyper_parameters["net_config"]``); the net is built from it with
-    ``build_network`` and its weights loaded strictly. ``attention`` replaces the recorded attention
-    config (a run trained with triton on a GPU, reloaded on a CPU). ``task=True`` returns the task class
-    the checkpoint names, without an optimizer (inference, evaluation; ``train.py ckpt_path=`` resumes
-    training). ``trusted``: see ``build_network``.
+    ``build_network`` (registered classes only) and its weights loaded strictly. ``attention`` replaces the
+    recorded attention config (a run trained with triton on a GPU, reloaded on a CPU). ``task=True`` returns the
+    task class the checkpoint names (one of :data:`TASKS`), without an optimizer (inference, evaluation;
+    ``train.py ckpt_path=`` resumes training).
+
+    ``trust_file=True`` unpickles anything in the file and lets its config name any importable callable: the file
+    then chooses code that runs. Only for files you made or whose source you trust.
     """
-    source = repr(str(path))
-    obj = _torch_load(path, map_location=map_location)
+    obj = read_checkpoint(path, map_location=map_location, trust_file=trust_file)
+    return _from_checkpoint(obj, repr(str(path)), attention=attention, task=task, trust_file=trust_file)
+
+
+def _from_checkpoint(obj: Any, source: str, *, attention: Any, task: bool, trust_file: bool) -> nn.Module:
+    """``load_checkpoint`` of an already read file."""
     if not _is_ours(obj):
         hint = ""
         if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
@@ -814,15 +952,21 @@ def load_checkpoint(
 
         a = AttentionConfig.coerce(attention)
         net_config = _with_attention(net_config, {"backend": a.backend, **a.options})
-    net = build_network(net_config, trusted=trusted)
+    try:
+        net = build_network(net_config, trust_file=trust_file)
+    except ZooCheckpointError as e:
+        raise ZooCheckpointError(f"{source}: {e}") from None
     _check_and_load(net, _net_state(obj["state_dict"], source), f"{source} does not match the net it records")
     if not task:
         return net
     cls_path = obj.get("attn_zoo_task")
     if not cls_path:
         raise ZooCheckpointError(f"{source} does not name its task class ('attn_zoo_task'): load the net instead")
-    cls = _import_target(str(cls_path), trusted)
-    kwargs = {k: v for k, v in hparams.items() if k != "net_config"}
+    try:
+        cls = _import_anything(str(cls_path)) if trust_file else TASKS.resolve(str(cls_path))
+    except ZooCheckpointError as e:
+        raise ZooCheckpointError(f"{source}: {e}") from None
+    kwargs = {k: v for k, v in hparams.items() if k not in _NOT_FROM_FILE}
     module = cls(net=net, **kwargs)
     module.record_net_config(net_config)
     return module
@@ -839,7 +983,7 @@ def _only_module_of(net: nn.Module, cls: type, what: str) -> nn.Module:
 
 
 def load_pretrained(
-    path: PathLike, into: nn.Module, *, map_location: Any = "cpu", weights_only: bool = True
+    path: PathLike, into: nn.Module, *, map_location: Any = "cpu", trust_file: bool = False
 ) -> nn.Module:
     """Load pretrained weights into an existing network ``into`` (fine-tuning), dispatching on what ``path`` is:
 
@@ -851,15 +995,16 @@ def load_pretrained(
     - a bare state_dict of ``into`` itself (``torch.save(net.state_dict())``).
 
     Every key and shape is checked before anything is copied: on a ZooCheckpointError ``into`` is unchanged.
-    Returns ``into``.
+    Returns ``into``. The file is read as data; ``trust_file=True`` unpickles anything in it, which can run code
+    (see :func:`read_checkpoint`): only for files you trust.
     """
     p = Path(path).expanduser()
     source = repr(str(p))
     if p.is_dir():
-        converted = from_hf_esm(str(p))
+        converted = from_hf_esm(str(p), trust_file=trust_file)
         _check_and_load(into, converted.state_dict(), f"{source} (Hugging Face ESM) does not fit {type(into).__name__}")
         return into
-    obj = _torch_load(p, map_location=map_location, weights_only=weights_only)
+    obj = read_checkpoint(p, map_location=map_location, trust_file=trust_file)
     if _is_ours(obj):
         _check_and_load(into, _net_state(obj["state_dict"], source), f"{source} does not fit {type(into).__name__}")
         return into
@@ -890,19 +1035,20 @@ def load_pretrained(
     )
 
 
-def load_esm2(path: PathLike, attention: Any = None, *, map_location: Any = "cpu") -> ESM2:
+def load_esm2(path: PathLike, attention: Any = None, *, map_location: Any = "cpu", trust_file: bool = False) -> ESM2:
     """An ESM-2 from any file the zoo reads, for inference (``scripts/embed.py``): a fair-esm ``.pt``, a
     Hugging Face folder, a checkpoint trained here (its network must hold exactly one ESM-2) or a bare ESM-2
     state_dict (fair-esm's or this project's names). ``attention`` sets the model's attention config.
-    ZooCheckpointError for anything else."""
+    ZooCheckpointError for anything else. The file is read as data; ``trust_file=True`` unpickles anything in it
+    and lets a checkpoint's config name any callable, which can run code: only for files you trust."""
     p = Path(path).expanduser()
     if p.is_dir():
-        return from_hf_esm(str(p), attention=attention)
+        return from_hf_esm(str(p), attention=attention, trust_file=trust_file)
     if not p.is_file():
         raise ZooCheckpointError(f"{str(p)!r}: no such file or folder")
-    obj = _torch_load(p, map_location=map_location)
+    obj = read_checkpoint(p, map_location=map_location, trust_file=trust_file)
     if _is_ours(obj):
-        net = load_checkpoint(p, map_location=map_location, attention=attention)
+        net = _from_checkpoint(obj, repr(str(p)), attention=attention, task=False, trust_file=trust_file)
         return _only_module_of(net, ESM2, f"the ESM-2 of {str(p)!r}")
     if isinstance(obj, Mapping) and (isinstance(obj.get("model"), Mapping) or obj and all(
             isinstance(v, Tensor) for v in obj.values())):

@@ -22,8 +22,10 @@ class Task(L.LightningModule):
     ``attn_zoo.models.zoo.load_checkpoint(path)`` (or ``Task.load_from_checkpoint(path)``) rebuilds the net
     with no config at hand; with ``net=None`` the net is built from it.
     pretrained: a path the zoo loads into the net before training (``zoo.load_pretrained``: a checkpoint
-    trained here, a Boltz-2 checkpoint, a fair-esm ``.pt`` or a Hugging Face folder); ``pretrained_weights_only``
-    False lets ``torch.load`` unpickle Python objects in that file (only for files you trust).
+    trained here, a Boltz-2 checkpoint, a fair-esm ``.pt`` or a Hugging Face folder), read as data.
+    trust_file: unpickle anything in ``pretrained`` and let ``net_config`` name any callable (both can run
+    code: only for files you trust; ``train.py trust_file=true``). Neither is saved in the hyperparameters, and
+    ``load_from_checkpoint`` never takes them from the file.
     """
 
     def __init__(
@@ -36,7 +38,7 @@ class Task(L.LightningModule):
         compile: bool = False,
         net_config: Optional[Mapping[str, Any]] = None,
         pretrained: Optional[str] = None,
-        pretrained_weights_only: bool = True,
+        trust_file: bool = False,
     ):
         super().__init__()
         if scheduler_interval not in ("step", "epoch"):
@@ -46,11 +48,11 @@ class Task(L.LightningModule):
                 raise ValueError(f"{type(self).__name__} needs net (a module) or net_config (to build one); got neither")
             from ..zoo import build_network
 
-            net = build_network(net_config)
+            net = build_network(net_config, trust_file=trust_file)
         # hparams hold plain values only, so checkpoints load with torch.load(weights_only=True); the pretrained
         # path is not one of them: a reloaded checkpoint already holds the weights and the file may be gone
         self.save_hyperparameters(
-            logger=False, ignore=["net", "optimizer", "scheduler", "attention", "pretrained", "pretrained_weights_only"]
+            logger=False, ignore=["net", "optimizer", "scheduler", "attention", "pretrained", "trust_file"]
         )
         if net_config is not None:
             self.record_net_config(net_config)
@@ -64,7 +66,17 @@ class Task(L.LightningModule):
         if pretrained:
             from ..zoo import load_pretrained
 
-            load_pretrained(pretrained, into=self.net, weights_only=pretrained_weights_only)
+            load_pretrained(pretrained, into=self.net, trust_file=trust_file)
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):
+        """Lightning's ``load_from_checkpoint``, except that the file's hyperparameters never choose a file to
+        read (``pretrained``) nor to trust it: pass ``trust_file=True`` yourself for a file you trust."""
+        kwargs.setdefault("pretrained", None)
+        kwargs.setdefault("trust_file", False)
+        if kwargs["trust_file"]:
+            kwargs.setdefault("weights_only", False)
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     def record_net_config(self, config: Mapping[str, Any]) -> None:
         """Keep the net's constructor config (``_target_`` dicts, interpolations resolved) in the hparams

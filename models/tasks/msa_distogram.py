@@ -5,6 +5,7 @@ import torch
 
 from .base import Task
 from .metrics import long_range_contact_precision, masked_accuracy, masked_cross_entropy
+from .parallel import loss_group
 
 
 class MSADistogramTask(Task):
@@ -19,17 +20,19 @@ class MSADistogramTask(Task):
 
     def __init__(self, net=None, optimizer=None, scheduler=None, scheduler_interval="step", attention=None,
                  compile=False, masked_msa_weight: float = 1.0, distogram_weight: float = 1.0, net_config=None,
-                 pretrained=None, pretrained_weights_only: bool = True):
+                 pretrained=None, trust_file: bool = False):
         super().__init__(net, optimizer, scheduler, scheduler_interval, attention, compile, net_config, pretrained,
-                         pretrained_weights_only)
+                         trust_file)
 
     def step(self, batch):
         out = self.net(batch)
         rows = out["msa_logits"].shape[1]
         target = batch["msa_target"][:, :rows]  # [B, S', N]
         loss_mask = batch["msa_loss_mask"][:, :rows] & batch["msa_mask"][:, :rows]
-        msa_loss, _ = masked_cross_entropy(out["msa_logits"], target, loss_mask)
-        dist_loss, n_pairs = masked_cross_entropy(out["distogram_logits"], batch["distogram"], batch["distogram_mask"])
+        group = loss_group(self)  # several processes: means over the whole global batch
+        msa_loss, _ = masked_cross_entropy(out["msa_logits"], target, loss_mask, group)
+        dist_loss, n_pairs = masked_cross_entropy(out["distogram_logits"], batch["distogram"], batch["distogram_mask"],
+                                                  group)
         h = self.hparams
         loss = h.masked_msa_weight * msa_loss + h.distogram_weight * dist_loss
         logs = {
