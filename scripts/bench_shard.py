@@ -1,0 +1,222 @@
+"""The Pairformer over P GPUs (z split by rows, ``attn_zoo.models.sharding``) against one GPU: per-GPU peak memory,
+first-call and steady time, as one markdown row per run.
+
+    torchrun --nproc_per_node=2 scripts/bench_shard.py --mode block-fwd --residues 4096
+    torchrun --nproc_per_node=1 scripts/bench_shard.py --mode block-fwd --residues 4096        # the one-GPU baseline
+    torchrun --nproc_per_node=2 scripts/bench_shard.py --mode stack-infer --residues 12288 --blocks 48
+    torchrun --nproc_per_node=2 scripts/bench_shard.py --device cpu --residues 24 --c-z 16 --c-s 32 --blocks 2  # gloo
+
+Modes (AF3 widths by default: c_z 128, c_s 384, 16 single heads, 4 pair heads x 32, triangle products 128):
+- ``block-fwd``: one PairformerBlock without autograd in eval mode, the in-place chunked path (one GPU:
+  ``PairformerBlock.forward_inference(inplace=True)``; P GPUs: the sharded stack's in-place path on each rank);
+- ``block-train``: one PairformerBlock forward and backward in train mode (dropout on), gradients into every
+  parameter and into s and z;
+- ``stack-infer``: a ``--blocks``-block PairformerStack without autograd, the in-place path; ``--blocks-run K``
+  runs the first K blocks only (the per-block peak and time are the same for every block).
+P = 1 runs the single-process modules (``--sharded`` runs the sharded wrapper on one rank instead). bf16 weights and
+inputs on CUDA (NCCL), float32 on the CPU (gloo); random weights; the last 13 residues padded (masked). Time: the
+first call alone, then the median of ``--iters`` calls (the slowest rank's); ms per block for ``stack-infer``. Peak:
+``torch.cuda.max_memory_allocated`` over the run, the largest over the ranks; ``z/GPU``: a rank's rows of z.
+Rows are printed by rank 0 and appended to ``--out``. Needs torch, triton and this repository only (no Hydra).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from attn_zoo.models.pairformer import PairformerStack  # noqa: E402
+from attn_zoo.models.sharding import ShardedPairformerStack  # noqa: E402
+
+GIB = 2.0 ** 30
+PADDED = 13
+MODES = ("block-fwd", "block-train", "stack-infer")
+HEADER = ("| mode | GPUs | impl | N | N' | blocks run | c_z | c_s | chunk | first call s | ms (median) | per-GPU peak GiB "
+          "| z/GPU GiB | status |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mode", choices=MODES, default="block-fwd")
+    p.add_argument("--residues", type=int, default=4096, help="N (the last 13 masked as padding)")
+    p.add_argument("--blocks", type=int, default=48, help="blocks of the stack (stack-infer)")
+    p.add_argument("--blocks-run", type=int, default=0, help="stack-infer: run the first K blocks only (0: all)")
+    p.add_argument("--c-z", type=int, default=128)
+    p.add_argument("--c-s", type=int, default=384)
+    p.add_argument("--heads-s", type=int, default=16)
+    p.add_argument("--heads-z", type=int, default=4)
+    p.add_argument("--c-pair", type=int, default=32, help="pair attention head width")
+    p.add_argument("--c-mul", type=int, default=0, help="triangle product width (0: c_z)")
+    p.add_argument("--chunk", type=int, default=0, help="pair rows per chunk (0: planned)")
+    p.add_argument("--channel-groups", type=int, default=8, help="channel groups of the sharded in-place path")
+    p.add_argument("--iters", type=int, default=3, help="timed calls after the first")
+    p.add_argument("--attention", default="auto", help="attention backend")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--backend", default=None, help="process group backend (default nccl on CUDA, gloo on the CPU)")
+    p.add_argument("--sharded", action="store_true", help="the sharded wrapper even on one rank")
+    p.add_argument("--checkpoint", action="store_true", help="block-train: activation checkpointing per block")
+    p.add_argument("--out", default=None, help="markdown file the row is appended to")
+    return p.parse_args(argv)
+
+
+def setup(args):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda but no CUDA device; use --device cpu")
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+    else:
+        dev = torch.device("cpu")
+    backend = args.backend or ("nccl" if dev.type == "cuda" else "gloo")
+    if "MASTER_ADDR" not in os.environ:  # a plain `python` run: one rank
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
+    kw = dict(device_id=dev) if dev.type == "cuda" else {}
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=20), **kw)
+    return dev, rank, world
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def build(args, dev, dtype, num_blocks):
+    c_mul = args.c_mul or args.c_z
+    stack = PairformerStack(c_s=args.c_s, c_z=args.c_z, num_blocks=num_blocks, num_heads_single=args.heads_s,
+                            num_heads_pair=args.heads_z, c_hidden_pair=args.c_pair, c_hidden_mul=c_mul,
+                            attention=args.attention, checkpoint_every=1 if args.checkpoint else 0)
+    g = torch.Generator().manual_seed(0)  # the same weights on every rank
+    with torch.no_grad():
+        for p in stack.parameters():  # AF2's zero-initialised output layers would make every update 0
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5 * p.shape[-1] ** -0.5)
+    if args.chunk:
+        stack.configure_inference(chunk_size=args.chunk)
+    return stack.to(dev, dtype)
+
+
+def inputs(args, dev, dtype, rows: slice, n_all: int, requires_grad: bool):
+    """This rank's rows of s and z (rows ``rows`` of the padded N'), built by chunks of rows, and the whole masks."""
+    g = torch.Generator(device=dev).manual_seed(1 + (rows.start or 0))
+    n = rows.stop - rows.start
+    s = torch.randn(1, n, args.c_s, device=dev, generator=g).to(dtype)
+    z = torch.empty(1, n, n_all, args.c_z, device=dev, dtype=dtype)
+    for i in range(0, n, 256):  # no float32 temporary of the whole z
+        z[:, i:i + 256].normal_(generator=g)
+    real = torch.arange(n_all, device=dev) < args.residues - min(PADDED, args.residues // 4)
+    single = real[None].clone()
+    pair = single[:, :, None] & single[:, None, :]
+    if requires_grad:
+        s.requires_grad_(), z.requires_grad_()
+    return s, z, single, pair
+
+
+def run(args):
+    dev, rank, world = setup(args)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    sharded = world > 1 or args.sharded
+    num_blocks = args.blocks if args.mode == "stack-infer" else 1
+    stack = build(args, dev, dtype, num_blocks)
+    if args.mode == "stack-infer" and args.blocks_run:
+        stack.blocks = torch.nn.ModuleList(list(stack.blocks)[:args.blocks_run])
+    blocks_run = len(stack.blocks)
+    train = args.mode == "block-train"
+    stack.train(train)
+    wrapper = ShardedPairformerStack(stack, channel_groups=args.channel_groups) if sharded else None
+    n_all = wrapper.padded_length(args.residues) if sharded else args.residues
+    n_loc = n_all // world if sharded else n_all
+    rows = slice(rank * n_loc, (rank + 1) * n_loc)
+    e = torch.empty((), dtype=dtype).element_size()
+    row = dict(mode=args.mode, gpus=world, impl="sharded" if sharded else "single", n=args.residues, n_all=n_all,
+               blocks=blocks_run, chunk="", z_gib=n_loc * n_all * args.c_z * e / GIB)
+    status, first, times = "ok", None, []
+    try:
+        s, z, single, pair = inputs(args, dev, dtype, rows, n_all, train)
+        if not train:
+            chunk = wrapper.plan_chunk(z) if sharded else None
+            row["chunk"] = chunk if chunk is not None else "planned"
+
+        def call():
+            if train:
+                out_s, out_z = wrapper(s, z, single, pair) if sharded else stack(s, z, single, pair)
+                torch.autograd.backward([out_s, out_z], [torch.ones_like(out_s), torch.ones_like(out_z)])
+                return
+            with torch.no_grad():
+                if sharded:
+                    wrapper.forward_inference(s, z, single, pair, inplace=True)
+                elif args.mode == "block-fwd":
+                    stack.blocks[0].forward_inference(s, z, single, pair, inplace=True,
+                                                      **_bounded(stack.blocks[0].forward_inference))
+                else:
+                    stack.configure_inference(mode="bounded")
+                    stack.forward_inference(s, z, single, pair, inplace=True)
+
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        for i in range(1 + args.iters):
+            dist.barrier()
+            sync(dev)
+            t0 = time.perf_counter()
+            call()
+            sync(dev)
+            dt = time.perf_counter() - t0
+            if i == 0:
+                first = dt
+            else:
+                times.append(dt)
+    except torch.cuda.OutOfMemoryError:
+        status = "OOM"
+    except RuntimeError as exc:
+        if "out of memory" not in str(exc):
+            raise
+        status = "OOM"
+    peak = torch.cuda.max_memory_allocated(dev) / GIB if dev.type == "cuda" else -1.0
+    # the slowest rank's times, the largest peak, OOM anywhere
+    stats = torch.tensor([first or 0.0, statistics.median(times) if times else 0.0, peak, status != "ok"],
+                         dtype=torch.float64, device=dev if dev.type == "cuda" else "cpu")
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    first, med, peak, failed = stats.tolist()
+    if failed and status == "ok":
+        status = "OOM on another rank"
+    per = blocks_run if args.mode == "stack-infer" else 1
+    cells = [args.mode, world, row["impl"], args.residues, n_all, f"{blocks_run}" + (f" of {args.blocks}"
+             if args.mode == "stack-infer" else ""), args.c_z, args.c_s, row["chunk"],
+             f"{first:.2f}" if status == "ok" else "", f"{med * 1e3 / per:.1f}" + (" / block" if per > 1 else "")
+             if status == "ok" else "", f"{peak:.2f}" if peak >= 0 else "-", f"{row['z_gib']:.2f}", status]
+    line = "| " + " | ".join(str(c) for c in cells) + " |"
+    if rank == 0:
+        print(HEADER)
+        print(line, flush=True)
+        if args.out:
+            new = not os.path.exists(args.out)
+            with open(args.out, "a") as f:
+                if new:
+                    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+                    dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+                    f.write(f"{dev_name}, torch {torch.__version__}, {stamp}\n\n{HEADER}\n")
+                f.write(line + "\n")
+    dist.destroy_process_group()
+    return status
+
+
+def _bounded(fn) -> dict:
+    """``mode="bounded"`` where a block's ``forward_inference`` takes a mode (it may otherwise pick another path)."""
+    import inspect
+
+    return {"mode": "bounded"} if "mode" in inspect.signature(fn).parameters else {}
+
+
+if __name__ == "__main__":
+    sys.exit(0 if run(parse()) == "ok" else 1)
