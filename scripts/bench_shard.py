@@ -15,7 +15,8 @@ Modes (AF3 widths by default: c_z 128, c_s 384, 16 single heads, 4 pair heads x 
   runs the first K blocks only (the per-block peak and time are the same for every block).
 P = 1 runs the single-process modules (``--sharded`` runs the sharded wrapper on one rank instead). bf16 weights and
 inputs on CUDA (NCCL), float32 on the CPU (gloo); random weights; the last 13 residues padded (masked). Time: the
-first call alone, then the median of ``--iters`` calls (the slowest rank's); ms per block for ``stack-infer``. Peak:
+first call alone, then the median of ``--iters`` calls (the slowest rank's; stack-infer: the one call, compiles
+included); ms per block for ``stack-infer``. Peak:
 ``torch.cuda.max_memory_allocated`` over the run, the largest over the ranks; ``z/GPU``: a rank's rows of z.
 Rows are printed by rank 0 and appended to ``--out``. Needs torch, triton and this repository only (no Hydra).
 """
@@ -58,14 +59,18 @@ def parse(argv=None):
     p.add_argument("--c-mul", type=int, default=0, help="triangle product width (0: c_z)")
     p.add_argument("--chunk", type=int, default=0, help="pair rows per chunk (0: planned)")
     p.add_argument("--channel-groups", type=int, default=8, help="channel groups of the sharded in-place path")
-    p.add_argument("--iters", type=int, default=3, help="timed calls after the first")
+    p.add_argument("--iters", type=int, default=None, help="timed calls after the first (default 3; stack-infer 0: "
+                   "the first call is the measurement)")
     p.add_argument("--attention", default="auto", help="attention backend")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--backend", default=None, help="process group backend (default nccl on CUDA, gloo on the CPU)")
     p.add_argument("--sharded", action="store_true", help="the sharded wrapper even on one rank")
     p.add_argument("--checkpoint", action="store_true", help="block-train: activation checkpointing per block")
     p.add_argument("--out", default=None, help="markdown file the row is appended to")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.iters is None:
+        args.iters = 0 if args.mode == "stack-infer" else 3
+    return args
 
 
 def setup(args):
@@ -188,6 +193,8 @@ def run(args):
                          dtype=torch.float64, device=dev if dev.type == "cuda" else "cpu")
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     first, med, peak, failed = stats.tolist()
+    if not times:
+        med = first
     if failed and status == "ok":
         status = "OOM on another rank"
     per = blocks_run if args.mode == "stack-infer" else 1
