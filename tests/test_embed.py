@@ -1,5 +1,7 @@
 """scripts/embed.py (attn_zoo.embed): FASTA -> per-residue / mean embeddings and contacts, against fair-esm's own
-model with the same random weights; batching, resume, atomic files, FASTA errors, long sequences, the CLI."""
+model with the same random weights; batching, resume, atomic files, FASTA errors, long sequences, the CLI; the
+folder's manifest (a rerun with other settings is refused), stale partial files, file modes, the memory check."""
+import json
 import os
 import subprocess
 import sys
@@ -152,8 +154,8 @@ def test_an_interrupted_run_leaves_no_partial_file(ckpt, fasta, tmp_path, monkey
     with pytest.raises(KeyboardInterrupt):
         run(ckpt, fasta, out)
     monkeypatch.setattr(E.torch, "save", real_save)
-    files = sorted(out.iterdir())
-    assert len(files) == 2 and all(not p.name.startswith(".partial") for p in files)
+    files = sorted(out.glob("*.pt"))
+    assert len(files) == 2 and all(not p.name.startswith(".partial") for p in out.iterdir())
     for p in files:
         assert "mean_representations" in torch.load(p)  # complete files only
     assert len(run(ckpt, fasta, out).written) == len(PROTEINS) - 2
@@ -216,4 +218,80 @@ def test_command_line(ckpt, fasta, tmp_path):
                         "--no-progress"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "5 written, 0 skipped" in r.stderr
-    assert len(list((tmp_path / "cli").iterdir())) == len(PROTEINS)
+    assert len(list((tmp_path / "cli").glob("*.pt"))) == len(PROTEINS)
+    assert (tmp_path / "cli" / E.MANIFEST).is_file()
+
+
+def test_a_rerun_with_other_settings_is_refused(fair, ckpt, fasta, tmp_path):
+    out = tmp_path / "out"
+    run(ckpt, fasta, out, "--truncate", "20")
+    manifest = json.loads((out / E.MANIFEST).read_text())
+    assert manifest["include"] == ["mean"] and manifest["repr_layers"] == [2] and manifest["truncate"] == 20
+    assert manifest["model"]["layers"] == 2 and manifest["version"] and manifest["run"]["source"] == str(ckpt)
+    for extra, what in [(["--include", "mean", "contacts"], "include ['mean'] -> ['contacts', 'mean']"),
+                        (["--repr-layers", "0"], "repr_layers [2] -> [0]"), ([], "truncate 20 -> None"),
+                        (["--dtype", "bf16"], "dtype 'float32' -> 'bfloat16'")]:
+        args = extra + (["--truncate", "20"] if what != "truncate 20 -> None" else [])
+        with pytest.raises(ValueError, match=r"other settings \(" + what.replace("[", r"\[").replace("]", r"\]")
+                           .replace("(", r"\(").replace(")", r"\)") + r".*--overwrite"):
+            run(ckpt, fasta, out, *args)
+    # the same architecture with other weights (a fine-tuned model)
+    other = from_fair_esm(fair.state_dict())
+    with torch.no_grad():
+        other.layers[0].fc1.weight.add_(0.1)
+    other_path = tmp_path / "tuned.pt"
+    torch.save(to_fair_esm(other, layout="checkpoint"), other_path)
+    with pytest.raises(ValueError, match=r"model.weights_sha256 .* -> "):
+        run(other_path, fasta, out, "--truncate", "20")
+    assert run(ckpt, fasta, out, "--truncate", "20").skipped  # the same settings resume
+    redone = run(other_path, fasta, out, "--truncate", "20", "--overwrite")
+    assert len(redone.written) == len(PROTEINS) and not redone.skipped
+    assert json.loads((out / E.MANIFEST).read_text())["model"] != manifest["model"]
+
+
+def test_a_folder_of_unknown_files_is_refused(ckpt, fasta, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.save({"label": "p1"}, out / "p1.pt")
+    with pytest.raises(ValueError, match=r"1 \.pt file\(s\) \(p1\.pt\.\.\.\) but no manifest\.json.*--overwrite"):
+        run(ckpt, fasta, out)
+    assert len(run(ckpt, fasta, out, "--overwrite").written) == len(PROTEINS)
+
+
+def test_stale_partial_files_are_removed_and_files_keep_the_umask(ckpt, fasta, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = out / ".partial-abc123.pt"
+    stale.write_bytes(b"half a file")
+    old = os.umask(0o027)
+    try:
+        run(ckpt, fasta, out)
+    finally:
+        os.umask(old)
+    assert not stale.exists()
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert set(modes.values()) == {0o640}, modes  # 0o666 & ~umask, as open() gives; not mkstemp's 0o600
+
+
+def test_memory_check_refuses_long_contacts_before_any_work(ckpt, tmp_path):
+    model = load_esm2(ckpt, attention="torch")
+    long = [("long", "MKTAYIAKQRQISFVKSHFSRQ" * 230)]  # 5060 residues
+    budget = 2 ** 28
+    with pytest.raises(MemoryError) as err:
+        E.embed(model, long, tmp_path / "out", include=["mean", "contacts"], progress=False, memory_budget=budget)
+    text = str(err.value)
+    assert "contacts of 'long' (5060 residues)" in text and "--include mean per_tok" in text, text
+    assert not (tmp_path / "out").exists()  # refused before the folder, the manifest or a forward
+    fit = int(text.split("--truncate ")[1].split()[0])
+    need = E.memory_estimate(model, 1, fit + 2, ["contacts"], 1)
+    assert 0 < fit < 5060 and need <= budget < E.memory_estimate(model, 1, fit + 3, ["contacts"], 1)
+    # the suggested cut runs (256 MiB: about 1100 residues for this 2-layer, 4-head model)
+    done = E.embed(model, [("long", long[0][1][:fit])], tmp_path / "cut", include=["mean", "contacts"],
+                   progress=False, memory_budget=budget)
+    assert done.written == ["long"]
+    # several proteins that fit alone but not together: the batch size is named
+    many = [(f"p{i}", "MKTAYIAKQR" * 20) for i in range(8)]
+    one = E.memory_estimate(model, 1, 202, ["mean", "contacts"], 1)
+    with pytest.raises(MemoryError, match="in a batch of 8 .*a smaller --toks-per-batch"):
+        E.embed(model, many, tmp_path / "many", include=["mean", "contacts"], progress=False,
+                memory_budget=2 * one, toks_per_batch=100000)
