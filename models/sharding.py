@@ -40,7 +40,8 @@ from torch import nn
 from . import inference
 from .inference import _gated_projection, _spans, _transition_fn, pair_bias, rows_update_
 from .kernels import layer_norm_rows
-from .pairformer import PairformerStack
+from .evoformer import _Stack as EvoformerStacks, _default_masks as evoformer_masks
+from .pairformer import PairformerStack, _default_masks as pairformer_masks
 from .primitives import LineDropout, SharedDropout, at_least_fp32, chunk_rows, run_blocks
 
 Tensor = torch.Tensor
@@ -272,10 +273,9 @@ def attention_pair_bias(mod: nn.Module, s: Tensor, z: Tensor, single_mask: Tenso
                       out_dim=-2)
 
 
-def pairformer_block(blk: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor, pair_mask: Tensor, sh: _Shard,
-                     chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-    """``PairformerBlock.forward`` on local rows: ``s [B, n, c_s]``, ``z [B, n, N', c_z]``, whole masks."""
-    c = chunk_size
+def pair_stack(blk: nn.Module, z: Tensor, pair_mask: Tensor, sh: _Shard, c: Optional[int]) -> Tensor:
+    """The pair half shared by both blocks on local rows ``z [B, n, N', c_z]``: triangle multiplications, triangle
+    attentions, pair transition (the ending node and the transition on z^T)."""
     rows, cols = sh.rows(pair_mask), sh.rows(pair_mask.transpose(-1, -2))  # [B, n, N'] of z and z^T
     z = z + _dropout(blk.pair_dropout_row, triangle_multiplication(blk.tri_mul_out, z, rows, sh, c), sh)
     z = z + _dropout(blk.pair_dropout_row, triangle_multiplication(blk.tri_mul_in, z, rows, sh, c), sh)
@@ -283,7 +283,14 @@ def pairformer_block(blk: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor, 
     zt = _Transpose.apply(z, sh.group)  # rows of z^T: columns of z
     zt = zt + _dropout(blk.pair_dropout_col, triangle_attention(blk.tri_att_end, zt, cols, sh, c), sh)
     zt = zt + blk.pair_transition(zt, c)
-    z = _Transpose.apply(zt, sh.group)
+    return _Transpose.apply(zt, sh.group)
+
+
+def pairformer_block(blk: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor, pair_mask: Tensor, sh: _Shard,
+                     chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """``PairformerBlock.forward`` on local rows: ``s [B, n, c_s]``, ``z [B, n, N', c_z]``, whole masks."""
+    c = chunk_size
+    z = pair_stack(blk, z, pair_mask, sh, c)
     with torch.autocast(s.device.type, enabled=False) if blk.single_fp32 else contextlib.nullcontext():
         if blk.single_fp32:  # Boltz-2: the single track in float32, autocast off
             s, z = at_least_fp32(s), at_least_fp32(z)
@@ -398,10 +405,8 @@ def _transpose_(z: Tensor, sh: _Shard, groups: int) -> Tensor:
     return z
 
 
-def pairformer_block_(blk: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor, pair_mask: Tensor, sh: _Shard,
-                      chunk: int, groups: int = 8) -> Tuple[Tensor, Tensor]:
-    """:func:`pairformer_block` without autograd, ``z`` updated in place by chunks of ``chunk`` rows (the triangle
-    products and the transposes by ``groups`` channel groups); returns ``(s, z)``."""
+def pair_stack_(blk: nn.Module, z: Tensor, pair_mask: Tensor, sh: _Shard, chunk: int, groups: int) -> Tensor:
+    """:func:`pair_stack` in place without autograd."""
     rows, cols = sh.rows(pair_mask), sh.rows(pair_mask.transpose(-1, -2))
     triangle_multiplication_(blk.tri_mul_out, z, pair_mask, sh, chunk, groups)
     triangle_multiplication_(blk.tri_mul_in, z, pair_mask, sh, chunk, groups)
@@ -409,7 +414,14 @@ def pairformer_block_(blk: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor,
     _transpose_(z, sh, groups)
     triangle_attention_(blk.tri_att_end, z, cols, sh, chunk)
     rows_update_(z, -3, chunk, _transition_fn(blk.pair_transition))
-    _transpose_(z, sh, groups)
+    return _transpose_(z, sh, groups)
+
+
+def pairformer_block_(blk: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor, pair_mask: Tensor, sh: _Shard,
+                      chunk: int, groups: int = 8) -> Tuple[Tensor, Tensor]:
+    """:func:`pairformer_block` without autograd, ``z`` updated in place by chunks of ``chunk`` rows (the triangle
+    products and the transposes by ``groups`` channel groups); returns ``(s, z)``."""
+    pair_stack_(blk, z, pair_mask, sh, chunk, groups)
     fp32 = blk.single_fp32
     with torch.autocast(s.device.type, enabled=False) if fp32 else contextlib.nullcontext():
         s = at_least_fp32(s) if fp32 else s
@@ -427,36 +439,137 @@ def pairformer_block_(blk: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor,
 
 
 # --------------------------------------------------------------------------------------------------
-# The wrapper
+# The Evoformer's MSA half: m split by residue columns, by sequences for the row attention
 # --------------------------------------------------------------------------------------------------
-class ShardedPairformerStack(nn.Module):
-    """A :class:`PairformerStack` run over the ranks of ``group`` (None: the default group), the pair tensor
-    split by rows. ``stack`` is used as is (its blocks, parameters, checkpointing, chunk size and inference
-    settings); every rank builds it the same way and loads the same weights. ``channel_groups``: the in-place path
-    runs the triangle products and the transposes that many channel groups at a time (memory against calls).
+def _reshard(x: Tensor, src: int, dst: int, group) -> Tensor:
+    """From this rank's slab along ``src`` (whole along ``dst``) to its slab along ``dst`` (whole along ``src``);
+    ``src``, ``dst`` non-negative. One all-to-all."""
+    world = dist.get_world_size(group)
+    send = x.unflatten(dst, (world, -1)).movedim(dst, 0)  # [P, ...]: block s along dst goes to rank s
+    recv = _exchange(send, group)  # entry s: rank s's slab along src, my block along dst
+    return recv.movedim(0, src).flatten(src, src + 1)
 
-    Use::
 
-        sharded = ShardedPairformerStack(stack, group)
-        s_r, z_r, single_mask, pair_mask = sharded.shard(s, z, single_mask, pair_mask)  # pad, take this rank's rows
-        s_r, z_r = sharded(s_r, z_r, single_mask, pair_mask)
-        s, z = sharded.gather(s_r, z_r, n=N)  # whole tensors on every rank (differentiable)
-        loss_r.backward(); sharded.reduce_gradients()  # sum the ranks' parameter gradients
+class _Reshard(torch.autograd.Function):
+    """:func:`_reshard` with the reverse resharding as backward."""
 
-    A model that builds z already split can pass its rows directly (``padded_length`` gives N').
-    """
+    @staticmethod
+    def forward(ctx, x: Tensor, src: int, dst: int, group) -> Tensor:
+        ctx.src, ctx.dst, ctx.group = src % x.ndim, dst % x.ndim, group
+        return _reshard(x, ctx.src, ctx.dst, group)
 
-    def __init__(self, stack: PairformerStack, group=None, channel_groups: int = 8):
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _reshard(grad, ctx.dst, ctx.src, ctx.group), None, None, None
+
+
+def _sequences(msa_mask: Tensor, sh: _Shard) -> Tensor:
+    """This rank's sequences of the whole ``msa_mask [B, S', N']``."""
+    s_loc = msa_mask.shape[-2] // sh.world
+    return msa_mask.narrow(-2, sh.rank * s_loc, s_loc)
+
+
+def msa_row_attention(mod: nn.Module, m: Tensor, z: Tensor, seq_mask: Tensor, sh: _Shard,
+                      chunk_size: Optional[int]) -> Tensor:
+    """AF2 Alg. 7 for this rank's sequences ``m [B, s, N', c_m]`` (``seq_mask [B, s, N']``): the pair bias of the
+    local rows of z, gathered."""
+    mn = mod.layer_norm_m(m)
+    bias = mod.linear_z(mod.layer_norm_z(z)).movedim(-1, -3).contiguous()  # [B, H, n, N']
+    bias = _AllGather.apply(bias, -2, sh.group).unsqueeze(-4)  # [B, 1, H, N', N']
+    mask = seq_mask[..., :, None, None, :]  # [B, s, 1, 1, N']
+    return chunk_rows(lambda x, k: mod.mha(x, x, bias=bias, mask=k), [mn, mask], [-3, -4], chunk_size, out_dim=-3)
+
+
+def _opm_rows(mod: nn.Module, a_rows: Tensor, b_flat: Tensor, count_rows: Tensor) -> Tensor:
+    """``OuterProductMean`` for rows i: ``a_rows [B, S, R, C]``, ``b_flat [B, S, N*C]``, ``count_rows [B, R, N]``."""
+    ni, cc = a_rows.shape[-2], mod.c_hidden
+    outer = torch.matmul(a_rows.flatten(-2).transpose(-1, -2), b_flat)  # [B, R*C, N*C]
+    outer = outer.unflatten(-1, (-1, cc)).unflatten(-3, (ni, cc)).transpose(-2, -3).flatten(-2)  # [B, R, N, C*C]
+    out = nn.functional.linear(outer, mod.linear_out.weight)  # [B, R, N, c_z]
+    out = out / (count_rows.unsqueeze(-1) + mod.eps).to(out.dtype)
+    return out if mod.linear_out.bias is None else out + mod.linear_out.bias.to(out.dtype)
+
+
+def _opm_operands(mod: nn.Module, m: Tensor, msa_mask: Tensor, sh: _Shard, gather):
+    """``a`` of the local residues, ``b`` of all (``gather``), the pair counts of the local rows ``[B, n, N']``."""
+    mn = mod.layer_norm(m)
+    w_all = msa_mask.to(mn.dtype)  # [B, S', N']
+    w = sh.rows(w_all, -1)  # [B, S', n]
+    a = mod.linear_a(mn) * w.unsqueeze(-1)  # [B, S', n, C]
+    b = gather(mod.linear_b(mn) * w.unsqueeze(-1))  # [B, S', N', C]
+    return a, b.flatten(-2), torch.einsum("...si,...sj->...ij", w, w_all)
+
+
+def outer_product_mean(mod: nn.Module, m: Tensor, msa_mask: Tensor, sh: _Shard, chunk_size: Optional[int]) -> Tensor:
+    """AF2 Alg. 10 for the local rows of z from the local residue columns ``m [B, S', n, c_m]``: ``b`` gathered."""
+    a, b_flat, count = _opm_operands(mod, m, msa_mask, sh, lambda b: _AllGather.apply(b, -2, sh.group))
+    return chunk_rows(lambda a_rows, c_rows: _opm_rows(mod, a_rows, b_flat, c_rows), [a, count], [-2, -2],
+                      chunk_size, out_dim=-3)
+
+
+def evoformer_block(blk: nn.Module, m: Tensor, z: Tensor, msa_mask: Tensor, pair_mask: Tensor, sh: _Shard,
+                    chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """``EvoformerBlock`` / ``ExtraMSABlock`` forward on local residues: ``m [B, S', n, c_m]``, ``z [B, n, N', c_z]``,
+    whole masks. The row attention runs on this rank's sequences (m resharded there and back)."""
+    c = chunk_size
+    m_seq = _Reshard.apply(m, -2, -3, sh.group)  # [B, S'/P, N', c_m]
+    upd = msa_row_attention(blk.msa_row_attention, m_seq, z, _sequences(msa_mask, sh), sh, c)
+    m_seq = m_seq + _dropout(blk.msa_dropout_row, upd, sh)
+    m = _Reshard.apply(m_seq, -3, -2, sh.group)
+    cols = sh.rows(msa_mask, -1)  # [B, S', n]
+    m = m + blk.msa_column_attention(m, cols, c)
+    m = m + blk.msa_transition(m, c)
+    z = z + outer_product_mean(blk.outer_product_mean, m, msa_mask, sh, c)
+    return m, pair_stack(blk, z, pair_mask, sh, c)
+
+
+def evoformer_block_(blk: nn.Module, m: Tensor, z: Tensor, msa_mask: Tensor, pair_mask: Tensor, sh: _Shard,
+                     chunk: int, msa_chunk: int, groups: int) -> Tuple[Tensor, Tensor]:
+    """:func:`evoformer_block` without autograd, m and z updated in place by chunks; returns ``(m, z)``."""
+    mod = blk.msa_row_attention
+    m_seq = _reshard(m, m.ndim - 2, m.ndim - 3, sh.group)  # [B, S'/P, N', c_m], a new tensor
+    seq_mask = _sequences(msa_mask, sh)
+    bias = _gathered_bias(z, mod.layer_norm_z, mod.linear_z, sh, chunk).unsqueeze(-4)  # [B, 1, H, N', N']
+    for idx in _spans(m_seq.shape[-3], msa_chunk):
+        part = m_seq[..., idx, :, :]
+        xn = mod.layer_norm_m(part)
+        part += mod.mha(xn, xn, bias=bias, mask=seq_mask[..., idx, None, None, :])
+        del xn
+    del bias
+    m.copy_(_reshard(m_seq, m.ndim - 3, m.ndim - 2, sh.group))
+    del m_seq
+    cols = sh.rows(msa_mask, -1)
+    inference.msa_column_attention_(blk.msa_column_attention, m, cols, msa_chunk)
+    rows_update_(m, -3, msa_chunk, _transition_fn(blk.msa_transition))
+    opm = blk.outer_product_mean
+    a, b_flat, count = _opm_operands(opm, m, msa_mask, sh, lambda b: _gather(b, sh.group).movedim(0, -3).flatten(-3, -2))
+    for idx in _spans(z.shape[-3], chunk):
+        z[..., idx, :, :] += _opm_rows(opm, a[..., idx, :], b_flat, count[..., idx, :])
+    del a, b_flat, count
+    pair_stack_(blk, z, pair_mask, sh, chunk, groups)
+    return m, z
+
+
+# --------------------------------------------------------------------------------------------------
+# The wrappers
+# --------------------------------------------------------------------------------------------------
+class _ShardedStack(nn.Module):
+    """What both wrappers share: the group, padding, the chunk plan, the gradient sum, the two paths."""
+
+    stack_types: tuple = ()
+
+    def __init__(self, stack: nn.Module, group=None, channel_groups: int = 8):
         super().__init__()
+        if not isinstance(stack, self.stack_types):
+            names = " or ".join(t.__name__ for t in self.stack_types)
+            raise TypeError(f"stack must be a {names}, got {type(stack).__name__}")
         if isinstance(channel_groups, bool) or not isinstance(channel_groups, int) or channel_groups < 1:
             raise ValueError(f"channel_groups must be an int >= 1, got {channel_groups!r}")
-        self.channel_groups = channel_groups
-        if not isinstance(stack, PairformerStack):
-            raise TypeError(f"stack must be a PairformerStack, got {type(stack).__name__}")
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("ShardedPairformerStack needs an initialised torch.distributed process group")
+            raise RuntimeError(f"{type(self).__name__} needs an initialised torch.distributed process group")
         self.stack = stack
         self.group = group
+        self.channel_groups = channel_groups
 
     @property
     def world(self) -> int:
@@ -467,85 +580,50 @@ class ShardedPairformerStack(nn.Module):
         return dist.get_rank(self.group)
 
     def padded_length(self, n: int) -> int:
-        """N rounded up to a multiple of the group size."""
+        """``n`` rounded up to a multiple of the group size."""
         return -(-n // self.world) * self.world
 
-    def shard(self, s: Tensor, z: Tensor, single_mask: Optional[Tensor] = None,
-              pair_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Whole inputs ``s [B, N, c_s]``, ``z [B, N, N, c_z]`` (masks as ``PairformerStack``) -> this rank's rows
-        ``s_r [B, n, c_s]``, ``z_r [B, n, N', c_z]`` and the whole masks padded to ``N'`` (padding False)."""
-        from .pairformer import _default_masks
-
-        single_mask, pair_mask = _default_masks(s, z, single_mask, pair_mask)
-        n_all = z.shape[1]
-        pad = self.padded_length(n_all) - n_all
+    def _pad_pair(self, z: Tensor, pair_mask: Tensor) -> Tuple[Tensor, Tensor, int]:
+        pad = self.padded_length(z.shape[1]) - z.shape[1]
         if pad:
-            s = nn.functional.pad(s, (0, 0, 0, pad))
             z = nn.functional.pad(z, (0, 0, 0, pad, 0, pad))
-            single_mask = nn.functional.pad(single_mask, (0, pad))
             pair_mask = nn.functional.pad(pair_mask, (0, pad, 0, pad))
-        sh = _Shard(self.group, (n_all + pad) // self.world)
-        return sh.rows(s, -2), sh.rows(z, -3), single_mask, pair_mask
+        return z, pair_mask, pad
 
-    def gather(self, s: Tensor, z: Tensor, n: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-        """Every rank's rows concatenated (differentiable: the gradient goes back to the rows' owners); ``n``
-        crops the padding."""
-        s_all = _AllGather.apply(s, -2, self.group)
-        z_all = _AllGather.apply(z, -3, self.group)
-        if n is not None:
-            s_all, z_all = s_all[:, :n], z_all[:, :n, :n]
-        return s_all, z_all
-
-    def _check(self, s: Tensor, z: Tensor, single_mask: Optional[Tensor], pair_mask: Optional[Tensor]):
-        if s.ndim != 3 or z.ndim != 4 or s.shape[:2] != z.shape[:2] or z.shape[2] != self.world * z.shape[1]:
-            raise ValueError(f"s {tuple(s.shape)} must be this rank's rows [B, n, c_s] and z {tuple(z.shape)} "
-                             f"[B, n, N', c_z] with N' = {self.world} * n (use shard())")
-        n_all = z.shape[2]
-        if single_mask is None:
-            single_mask = torch.ones(z.shape[0], n_all, dtype=torch.bool, device=z.device)
+    def _check_z(self, z: Tensor, pair_mask: Optional[Tensor], default_mask: Optional[Tensor]) -> Tensor:
+        if z.ndim != 4 or z.shape[2] != self.world * z.shape[1]:
+            raise ValueError(f"z {tuple(z.shape)} must be this rank's rows [B, n, N', c_z] with N' = {self.world} * n "
+                             "(use shard())")
         if pair_mask is None:
-            pair_mask = single_mask[:, :, None] & single_mask[:, None, :]
-        want = {"single_mask": (z.shape[0], n_all), "pair_mask": (z.shape[0], n_all, n_all)}
-        for name, t in (("single_mask", single_mask), ("pair_mask", pair_mask)):
-            if t.dtype != torch.bool:
-                raise TypeError(f"{name} must be bool (True = real position), got {t.dtype}")
-            if tuple(t.shape) != want[name]:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected the whole padded mask {want[name]}")
-        return single_mask.to(z.device), pair_mask.to(z.device)
+            pair_mask = default_mask
+        return pair_mask
 
-    def forward(self, s: Tensor, z: Tensor, single_mask: Optional[Tensor] = None,
-                pair_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-        """This rank's rows ``s [B, n, c_s]``, ``z [B, n, N', c_z]`` and the whole masks ``[B, N']``,
-        ``[B, N', N']`` -> the rows of the stack's output (s, z)."""
-        single_mask, pair_mask = self._check(s, z, single_mask, pair_mask)
+    @staticmethod
+    def _check_mask(name: str, t: Tensor, want: tuple, device) -> Tensor:
+        if t.dtype != torch.bool:
+            raise TypeError(f"{name} must be bool (True = real position), got {t.dtype}")
+        if tuple(t.shape) != tuple(want):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected the whole padded mask {tuple(want)}")
+        return t.to(device)
+
+    def _run(self, x: Tensor, z: Tensor, masks: Tuple[Tensor, Tensor], block_fn, inplace_fn, inplace: bool,
+             bounded: bool) -> Tuple[Tensor, Tensor]:
         stack = self.stack
-        if _inference_path(stack):
-            return self.forward_inference(s, z, single_mask, pair_mask)
         sh = _Shard(self.group, z.shape[1])
-        blocks = [_BlockCall(blk, sh) for blk in stack.blocks]
-        return run_blocks(blocks, s, z, (single_mask, pair_mask), stack.checkpoint_every, stack.chunk_size,
-                          stack.training)
-
-    def forward_inference(self, s: Tensor, z: Tensor, single_mask: Optional[Tensor] = None,
-                          pair_mask: Optional[Tensor] = None, *, inplace: bool = False) -> Tuple[Tensor, Tensor]:
-        """The memory-bounded path on each rank: no autograd, local z updated in place block by block
-        (``inplace``: the caller's z itself). Chunk sizes from the stack's settings or planned for a rank's memory."""
-        single_mask, pair_mask = self._check(s, z, single_mask, pair_mask)
-        stack = self.stack
+        if not bounded:
+            blocks = [_BlockCall(block_fn, blk, sh) for blk in stack.blocks]
+            return run_blocks(blocks, x, z, masks, stack.checkpoint_every, stack.chunk_size, stack.training)
         if stack.training:
             raise ValueError("the sharded inference path applies no dropout: call .eval() first")
-        settings = stack.inference_settings
-        if settings.offload:
+        if stack.inference_settings.offload:
             raise ValueError("the sharded stack keeps z on the device (offload=False); each rank holds 1/P of it")
-        if len(stack.blocks) == 0:
-            return s, z
-        sh = _Shard(self.group, z.shape[1])
         with torch.no_grad():
             chunk = self.plan_chunk(z)
-            z = z if inplace else z.clone()
+            if not inplace:
+                x, z = x.clone(), z.clone()
             for blk in stack.blocks:
-                s, z = pairformer_block_(blk, s, z, single_mask, pair_mask, sh, chunk, self.channel_groups)
-        return s, z
+                x, z = inplace_fn(blk, x, z, *masks, sh, chunk)
+        return x, z
 
     def plan_chunk(self, z: Tensor) -> int:
         """Pair rows per chunk for local rows ``z [B, n, N', c_z]``: the settings' or stack's chunk size, else the
@@ -555,6 +633,8 @@ class ShardedPairformerStack(nn.Module):
         chunk = settings.chunk_size if settings.chunk_size is not None else stack.chunk_size
         if chunk is not None:
             return chunk
+        if len(stack.blocks) == 0:
+            return 1
         b, n, n_all = z.shape[:3]
         e = torch.empty((), dtype=z.dtype).element_size()
         per_row = b * n_all * chunk_bytes_per_pair(inference.Dims.of(stack.blocks[0]), e)
@@ -573,6 +653,144 @@ class ShardedPairformerStack(nn.Module):
         for p in self.stack.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=self.group)
+
+
+class ShardedPairformerStack(_ShardedStack):
+    """A :class:`PairformerStack` run over the ranks of ``group`` (None: the default group), the pair tensor
+    split by rows. ``stack`` is used as is (its blocks, parameters, checkpointing, chunk size and inference
+    settings); every rank builds it the same way and loads the same weights. ``channel_groups``: the in-place path
+    runs the triangle products and the transposes that many channel groups at a time (memory against calls).
+
+    Use::
+
+        sharded = ShardedPairformerStack(stack, group)
+        s_r, z_r, single_mask, pair_mask = sharded.shard(s, z, single_mask, pair_mask)  # pad, take this rank's rows
+        s_r, z_r = sharded(s_r, z_r, single_mask, pair_mask)
+        s, z = sharded.gather(s_r, z_r, n=N)  # whole tensors on every rank (differentiable)
+        loss_r.backward(); sharded.reduce_gradients()  # sum the ranks' parameter gradients
+
+    A model that builds z already split can pass its rows directly (``padded_length`` gives N').
+    """
+
+    stack_types = (PairformerStack,)
+
+    def shard(self, s: Tensor, z: Tensor, single_mask: Optional[Tensor] = None,
+              pair_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Whole inputs ``s [B, N, c_s]``, ``z [B, N, N, c_z]`` (masks as ``PairformerStack``) -> this rank's rows
+        ``s_r [B, n, c_s]``, ``z_r [B, n, N', c_z]`` and the whole masks padded to ``N'`` (padding False)."""
+        single_mask, pair_mask = pairformer_masks(s, z, single_mask, pair_mask)
+        z, pair_mask, pad = self._pad_pair(z, pair_mask)
+        s = nn.functional.pad(s, (0, 0, 0, pad))
+        single_mask = nn.functional.pad(single_mask, (0, pad))
+        sh = _Shard(self.group, z.shape[1] // self.world)
+        return sh.rows(s, -2), sh.rows(z, -3), single_mask, pair_mask
+
+    def gather(self, s: Tensor, z: Tensor, n: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+        """Every rank's rows concatenated (differentiable: the gradient goes back to the rows' owners); ``n``
+        crops the padding."""
+        s_all = _AllGather.apply(s, -2, self.group)
+        z_all = _AllGather.apply(z, -3, self.group)
+        if n is not None:
+            s_all, z_all = s_all[:, :n], z_all[:, :n, :n]
+        return s_all, z_all
+
+    def _check(self, s: Tensor, z: Tensor, single_mask: Optional[Tensor], pair_mask: Optional[Tensor]):
+        if s.ndim != 3 or z.ndim != 4 or s.shape[:2] != z.shape[:2] or z.shape[2] != self.world * z.shape[1]:
+            raise ValueError(f"s {tuple(s.shape)} must be this rank's rows [B, n, c_s] and z {tuple(z.shape)} "
+                             f"[B, n, N', c_z] with N' = {self.world} * n (use shard())")
+        b, n_all = z.shape[0], z.shape[2]
+        if single_mask is None:
+            single_mask = torch.ones(b, n_all, dtype=torch.bool, device=z.device)
+        single_mask = self._check_mask("single_mask", single_mask, (b, n_all), z.device)
+        if pair_mask is None:
+            pair_mask = single_mask[:, :, None] & single_mask[:, None, :]
+        return single_mask, self._check_mask("pair_mask", pair_mask, (b, n_all, n_all), z.device)
+
+    def forward(self, s: Tensor, z: Tensor, single_mask: Optional[Tensor] = None,
+                pair_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """This rank's rows ``s [B, n, c_s]``, ``z [B, n, N', c_z]`` and the whole masks ``[B, N']``,
+        ``[B, N', N']`` -> the rows of the stack's output (s, z). Without grad in eval mode (or with the stack's
+        inference mode ``bounded``): :meth:`forward_inference`."""
+        masks = self._check(s, z, single_mask, pair_mask)
+        return self._run(s, z, masks, pairformer_block, self._block_, False, _inference_path(self.stack))
+
+    def forward_inference(self, s: Tensor, z: Tensor, single_mask: Optional[Tensor] = None,
+                          pair_mask: Optional[Tensor] = None, *, inplace: bool = False) -> Tuple[Tensor, Tensor]:
+        """The memory-bounded path on each rank: no autograd, local z updated in place block by block
+        (``inplace``: the caller's z itself). Chunk sizes from the stack's settings or planned for a rank's memory."""
+        masks = self._check(s, z, single_mask, pair_mask)
+        return self._run(s, z, masks, pairformer_block, self._block_, inplace, True)
+
+    def _block_(self, blk, s, z, single_mask, pair_mask, sh, chunk):
+        return pairformer_block_(blk, s, z, single_mask, pair_mask, sh, chunk, self.channel_groups)
+
+
+class ShardedEvoformerStack(_ShardedStack):
+    """An ``EvoformerStack`` or ``ExtraMSAStack`` over the ranks of ``group``: z split by rows as in
+    :class:`ShardedPairformerStack`, the MSA ``m`` by the same residues (columns), all sequences on every rank
+    (``m_r [B, S', n, c_m]``, S padded to ``S' = P s``); the row attention reshards m by sequences and back. The MSA
+    half of the in-place path runs by chunks on m (m stays a copy, small beside z).
+
+        m_r, z_r, msa_mask, pair_mask = sharded.shard(m, z, msa_mask, pair_mask)
+        m_r, z_r = sharded(m_r, z_r, msa_mask, pair_mask)
+        m, z = sharded.gather(m_r, z_r, n=N, n_seq=S)
+    """
+
+    stack_types = (EvoformerStacks,)
+
+    def shard(self, m: Tensor, z: Tensor, msa_mask: Optional[Tensor] = None,
+              pair_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Whole ``m [B, S, N, c_m]``, ``z [B, N, N, c_z]`` (masks as ``EvoformerStack``) -> this rank's residues
+        ``m_r [B, S', n, c_m]``, rows ``z_r [B, n, N', c_z]`` and the whole masks padded (padding False)."""
+        msa_mask, pair_mask = evoformer_masks(m, z, msa_mask, pair_mask)
+        z, pair_mask, pad = self._pad_pair(z, pair_mask)
+        pad_s = self.padded_length(m.shape[1]) - m.shape[1]
+        m = nn.functional.pad(m, (0, 0, 0, pad, 0, pad_s))
+        msa_mask = nn.functional.pad(msa_mask, (0, pad, 0, pad_s))
+        sh = _Shard(self.group, z.shape[1] // self.world)
+        return sh.rows(m, -2), sh.rows(z, -3), msa_mask, pair_mask
+
+    def gather(self, m: Tensor, z: Tensor, n: Optional[int] = None,
+               n_seq: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+        """Every rank's residues concatenated (differentiable); ``n``, ``n_seq`` crop the padding."""
+        m_all = _AllGather.apply(m, -2, self.group)
+        z_all = _AllGather.apply(z, -3, self.group)
+        if n is not None:
+            m_all, z_all = m_all[:, :, :n], z_all[:, :n, :n]
+        if n_seq is not None:
+            m_all = m_all[:, :n_seq]
+        return m_all, z_all
+
+    def _check(self, m: Tensor, z: Tensor, msa_mask: Optional[Tensor], pair_mask: Optional[Tensor]):
+        if m.ndim != 4 or z.ndim != 4 or m.shape[0] != z.shape[0] or m.shape[2] != z.shape[1] or \
+                z.shape[2] != self.world * z.shape[1] or m.shape[1] % self.world:
+            raise ValueError(f"m {tuple(m.shape)} must be this rank's residues [B, S', n, c_m] with S' a multiple of "
+                             f"{self.world} and z {tuple(z.shape)} its rows [B, n, N', c_z] with N' = {self.world} * n "
+                             "(use shard())")
+        b, s_all, n_all = m.shape[0], m.shape[1], z.shape[2]
+        if msa_mask is None:
+            msa_mask = torch.ones(b, s_all, n_all, dtype=torch.bool, device=z.device)
+        if pair_mask is None:
+            pair_mask = torch.ones(b, n_all, n_all, dtype=torch.bool, device=z.device)
+        return (self._check_mask("msa_mask", msa_mask, (b, s_all, n_all), z.device),
+                self._check_mask("pair_mask", pair_mask, (b, n_all, n_all), z.device))
+
+    def forward(self, m: Tensor, z: Tensor, msa_mask: Optional[Tensor] = None,
+                pair_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """This rank's ``m [B, S', n, c_m]``, ``z [B, n, N', c_z]`` and the whole masks ``[B, S', N']``,
+        ``[B, N', N']`` -> its part of the stack's output (m, z)."""
+        masks = self._check(m, z, msa_mask, pair_mask)
+        return self._run(m, z, masks, evoformer_block, self._block_, False, _inference_path(self.stack))
+
+    def forward_inference(self, m: Tensor, z: Tensor, msa_mask: Optional[Tensor] = None,
+                          pair_mask: Optional[Tensor] = None, *, inplace: bool = False) -> Tuple[Tensor, Tensor]:
+        """The memory-bounded path on each rank (``inplace``: the caller's m and z updated)."""
+        masks = self._check(m, z, msa_mask, pair_mask)
+        return self._run(m, z, masks, evoformer_block, self._block_, inplace, True)
+
+    def _block_(self, blk, m, z, msa_mask, pair_mask, sh, chunk):
+        msa_chunk = self.stack.inference_settings.msa_chunk_size or chunk
+        return evoformer_block_(blk, m, z, msa_mask, pair_mask, sh, chunk, msa_chunk, self.channel_groups)
 
 
 def _inference_path(stack: nn.Module) -> bool:
@@ -594,11 +812,12 @@ def chunk_bytes_per_pair(d: "inference.Dims", e: int) -> int:
 
 
 class _BlockCall:
-    """``block(s, z, *masks, chunk_size=...)`` on local rows, for ``run_blocks`` (checkpointing)."""
+    """``block_fn(blk, x, z, *masks, sh, chunk_size)`` as ``block(x, z, *masks, chunk_size=...)`` for
+    ``run_blocks`` (checkpointing)."""
 
-    def __init__(self, blk: nn.Module, sh: _Shard):
-        self.blk, self.sh = blk, sh
+    def __init__(self, block_fn, blk: nn.Module, sh: _Shard):
+        self.block_fn, self.blk, self.sh = block_fn, blk, sh
 
-    def __call__(self, s: Tensor, z: Tensor, single_mask: Tensor, pair_mask: Tensor,
+    def __call__(self, x: Tensor, z: Tensor, mask_x: Tensor, pair_mask: Tensor,
                  chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-        return pairformer_block(self.blk, s, z, single_mask, pair_mask, self.sh, chunk_size)
+        return self.block_fn(self.blk, x, z, mask_x, pair_mask, self.sh, chunk_size)

@@ -13,45 +13,65 @@ import torch.distributed as dist
 from gloo_harness import spawn_gloo
 from test_primitives import randomize_, rel_err
 
+from attn_zoo.models.evoformer import EvoformerStack, ExtraMSAStack
 from attn_zoo.models.pairformer import PairformerStack
-from attn_zoo.models.sharding import ShardedPairformerStack
+from attn_zoo.models.sharding import ShardedEvoformerStack, ShardedPairformerStack
 
 W = dict(c_s=8, c_z=8, num_heads_single=2, num_heads_pair=2, c_hidden_pair=4, c_hidden_mul=8, transition_n=2,
          pair_dropout=0.0, attention="torch")
 TOL = 1e-10
 
+EVO = dict(c_m=8, c_z=8, num_heads_msa=2, c_hidden_msa=4, num_heads_pair=2, c_hidden_pair=4, c_hidden_opm=4,
+           c_hidden_mul=8, transition_n=2, msa_dropout=0.0, pair_dropout=0.0, attention="torch")
+
 CASES = [
-    # N, batch, blocks, checkpoint_every, training chunk_size, variant, post_norm_s
-    (11, 1, 2, 1, None, "default", False),
-    (13, 2, 1, 0, 4, "boltz2", True),
+    # kind, N, batch, blocks, checkpoint_every, training chunk_size, variant / MSA sequences, post_norm_s
+    ("pairformer", 11, 1, 2, 1, None, "default", False),
+    ("pairformer", 13, 2, 1, 0, 4, "boltz2", True),
+    ("evoformer", 11, 1, 2, 1, None, 5, None),
+    ("extra_msa", 13, 2, 1, 0, 4, 7, None),
 ]
 
 
-def _inputs(n, batch, seed):
+def _inputs(case, seed):
+    kind, n, batch = case[:3]
     g = torch.Generator().manual_seed(seed)
-    s = torch.randn(batch, n, W["c_s"], generator=g, dtype=torch.float64)
+    if kind == "pairformer":
+        x = torch.randn(batch, n, W["c_s"], generator=g, dtype=torch.float64)
+        x_mask = torch.rand(batch, n, generator=g) > 0.2
+        x_mask[:, :2] = True
+        x_mask[:, -1] = False  # a masked residue at the end, next to the padding
+        residues = x_mask
+    else:
+        x = torch.randn(batch, case[6], n, EVO["c_m"], generator=g, dtype=torch.float64)
+        x_mask = torch.rand(batch, case[6], n, generator=g) > 0.2
+        x_mask[:, 0] = True
+        x_mask[:, -1, -3:] = False
+        residues = torch.ones(batch, n, dtype=torch.bool)
+        residues[:, -1] = False
     z = torch.randn(batch, n, n, W["c_z"], generator=g, dtype=torch.float64)
-    single_mask = torch.rand(batch, n, generator=g) > 0.2
-    single_mask[:, :2] = True
-    single_mask[:, -1] = False  # a masked residue at the end, next to the padding
-    pair_mask = single_mask[:, :, None] & single_mask[:, None, :] & (torch.rand(batch, n, n, generator=g) > 0.15)
-    ds = torch.randn(s.shape, generator=g, dtype=torch.float64)
+    pair_mask = residues[:, :, None] & residues[:, None, :] & (torch.rand(batch, n, n, generator=g) > 0.15)
+    dx = torch.randn(x.shape, generator=g, dtype=torch.float64)
     dz = torch.randn(z.shape, generator=g, dtype=torch.float64)
-    return s, z, single_mask, pair_mask, ds, dz
+    return x, z, x_mask, pair_mask, dx, dz
 
 
 def _stack(case, seed):
-    n, batch, blocks, every, chunk, variant, post = case
-    stack = PairformerStack(**W, num_blocks=blocks, checkpoint_every=every, chunk_size=chunk, variant=variant,
-                            post_norm_s=post)
+    kind, n, batch, blocks, every, chunk, variant, post = case
+    if kind == "pairformer":
+        stack = PairformerStack(**W, num_blocks=blocks, checkpoint_every=every, chunk_size=chunk, variant=variant,
+                                post_norm_s=post)
+    else:
+        cls = EvoformerStack if kind == "evoformer" else ExtraMSAStack
+        stack = cls(**EVO, num_blocks=blocks, checkpoint_every=every, chunk_size=chunk)
     return randomize_(stack, seed=seed).double()
 
 
 def _check_case(case, rank, world, seed):
-    n = case[0]
+    n = case[1]
     # the single-process reference
     ref = _stack(case, seed)
-    s, z, single_mask, pair_mask, ds, dz = _inputs(n, case[1], seed + 1)
+    s, z, single_mask, pair_mask, ds, dz = _inputs(case, seed + 1)
     s.requires_grad_(), z.requires_grad_()
     s_ref, z_ref = ref(s, z, single_mask, pair_mask)
     ((s_ref * ds).sum() + (z_ref * dz).sum()).backward()
@@ -60,10 +80,12 @@ def _check_case(case, rank, world, seed):
 
     # the sharded stack: this rank's rows, loss on its rows
     stack = _stack(case, seed)
-    sharded = ShardedPairformerStack(stack, channel_groups=3)  # uneven groups of the 8 channels
+    wrapper = ShardedPairformerStack if case[0] == "pairformer" else ShardedEvoformerStack
+    sharded = wrapper(stack, channel_groups=3)  # uneven groups of the 8 channels
     s2, z2 = s.detach().clone().requires_grad_(), z.detach().clone().requires_grad_()
     s_r, z_r, sm, pm = sharded.shard(s2, z2, single_mask, pair_mask)
     assert z_r.shape[1] * world == z_r.shape[2] >= n and z_r.shape[2] < n + world
+    gather_kw = {} if case[0] == "pairformer" else {"n_seq": case[6]}
     out_s, out_z = sharded(s_r, z_r, sm, pm)
     ds_r, dz_r, _, _ = sharded.shard(ds, dz)
     ((out_s * ds_r).sum() + (out_z * dz_r).sum()).backward()
@@ -71,7 +93,7 @@ def _check_case(case, rank, world, seed):
     for t in (s2, z2):
         dist.all_reduce(t.grad)
     with torch.no_grad():
-        s_all, z_all = sharded.gather(out_s, out_z, n=n)
+        s_all, z_all = sharded.gather(out_s, out_z, n=n, **gather_kw)
     errs = {"s": rel_err(s_all, s_ref), "z": rel_err(z_all, z_ref), "grad s": rel_err(s2.grad, ds_ref),
             "grad z": rel_err(z2.grad, dz_ref)}
     names = dict(stack.named_parameters())
@@ -87,7 +109,7 @@ def _check_case(case, rank, world, seed):
     stack.eval().configure_inference(chunk_size=2)
     with torch.no_grad():
         out_s, out_z = sharded(s_r.detach(), z_r.detach(), sm, pm)
-        s_all, z_all = sharded.gather(out_s, out_z, n=n)
+        s_all, z_all = sharded.gather(out_s, out_z, n=n, **gather_kw)
     errs = {"s": rel_err(s_all, s_ref), "z": rel_err(z_all, z_ref)}
     assert all(v < TOL for v in errs.values()), f"inference, world {world} case {case}: {errs}"
 
