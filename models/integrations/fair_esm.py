@@ -74,6 +74,7 @@ def forward(mod: nn.Module, options: Options, query: Tensor, key: Optional[Tenso
     v = v.view(-1, bsz * H, D).transpose(0, 1)
     if mod.rot_emb is not None:
         q, k = mod.rot_emb(q, k)
+        q, k = q.to(v.dtype), k.to(v.dtype)  # the fp32 rotary tables promote q, k under autocast; bmm would cast back
     src_len = k.shape[1]
     q, k, v = (t.view(bsz, H, -1, D) for t in (q, k, v))  # [B, H, L, D]
     mask = None

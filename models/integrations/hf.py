@@ -136,14 +136,15 @@ def register(backend: str = "auto", deterministic: bool = True) -> str:
     """Register the attention function (and the boolean mask builder) under :func:`name_for` these options;
     returns the name to pass as ``attn_implementation``."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers import masking_utils
 
     options = Options(backend, deterministic)
     name = name_for(options)
     if name not in _REGISTERED:
         _REGISTERED[name] = HFAttention(options)
         AttentionInterface.register(name, _REGISTERED[name])
-        AttentionMaskInterface.register(name, sdpa_mask)
+        if hasattr(masking_utils, "AttentionMaskInterface"):  # older versions build additive masks (served as bias)
+            masking_utils.AttentionMaskInterface.register(name, masking_utils.sdpa_mask)
     return name
 
 

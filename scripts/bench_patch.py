@@ -1,0 +1,317 @@
+"""Benchmark ``attn_zoo.patch`` on other projects' models: the same model and weights, patched vs its own attention.
+
+Cases (bf16 autocast, fp32 parameters; time = median step, peak = ``torch.cuda.max_memory_allocated`` of the timed
+steps, parameters and gradients included):
+- ``hf-esm2``: Hugging Face ``EsmForMaskedLM`` shaped as ESM-2 650M (33 layers, 1280 wide, 20 heads), random
+  weights; an MLM training step (fwd + bwd) with ``attn_implementation`` ``sdpa`` vs ``attn_zoo``; 4 x 1024 padded
+  from random lengths 300-1024 (``attention_mask``), and 1 x 4096.
+- ``boltz2-pairformer``: Boltz-2's ``PairformerLayer`` at its default widths (c_s 384, c_z 128, 16 heads; pair
+  heads 4 x 32), unpatched vs patched: a training step (fwd + bwd) and inference (no grad, Boltz's own
+  ``chunk_size_tri_attn`` rule), at N = 384 and N = 299 with its last 42 tokens padded.
+- ``fair-esm``: fair-esm ``ESM2(33, 1280, 20)`` (650M-shaped, random init), own attention vs patched, MLM step at
+  4 x 1024 padded from the same lengths.
+Each pair of rows also gives the first step's loss (or output) difference, patched vs unpatched.
+
+Needs torch, triton, einops and transformers; the fair-esm and Boltz cases run when ``esm`` / ``boltz`` import
+(boltz==2.2.1 installs with ``--no-deps``), else their rows say why they were skipped. Writes ``patch.csv`` and
+``patch.md`` to ``--out`` (default ``$OUT`` or ``bench_out``), rewritten after every row.
+
+    python scripts/bench_patch.py                  # on a GPU
+    python scripts/bench_patch.py --smoke          # tiny shapes on any device: checks that the script runs
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import attn_zoo  # noqa: E402
+
+GIB = 2.0 ** 30
+FIELDS = ["case", "shape", "variant", "ms", "peak_gib", "diff_vs_unpatched", "note"]
+
+FULL = dict(
+    esm=dict(hidden=1280, layers=33, heads=20, ffn=5120),
+    esm_shapes=(("4x1024 padded (300-1024)", 4, 1024, (300, 1024)), ("1x4096", 1, 4096, None)),
+    boltz=dict(token_s=384, token_z=128, num_heads=16, pairwise_head_width=32, pairwise_num_heads=4),
+    boltz_shapes=(("N=384", 384, 0), ("N=299, 42 padded", 299, 42)),
+    fair_shapes=(("4x1024 padded (300-1024)", 4, 1024, (300, 1024)),),
+)
+SMOKE = dict(
+    esm=dict(hidden=32, layers=2, heads=2, ffn=64),
+    esm_shapes=(("3x24 padded (9-24)", 3, 24, (9, 24)), ("1x40", 1, 40, None)),
+    boltz=dict(token_s=32, token_z=16, num_heads=2, pairwise_head_width=16, pairwise_num_heads=2),
+    boltz_shapes=(("N=12", 12, 0), ("N=11, 3 padded", 11, 3)),
+    fair_shapes=(("3x24 padded (9-24)", 3, 24, (9, 24)),),
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# Timing
+# ------------------------------------------------------------------------------------------------
+class Timer:
+    """Median wall time of ``fn`` (CUDA events on a GPU) and the peak memory of the timed calls."""
+
+    def __init__(self, device: torch.device, iters: int, warmup: int):
+        self.device, self.iters, self.warmup = device, iters, warmup
+
+    def __call__(self, fn):
+        cuda = self.device.type == "cuda"
+        first = fn()
+        for _ in range(self.warmup - 1):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(self.iters):
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                t = time.perf_counter()
+                fn()
+                times.append(1e3 * (time.perf_counter() - t))
+        peak = torch.cuda.max_memory_allocated() / GIB if cuda else float("nan")
+        return statistics.median(times), peak, first
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def cleanup(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def rel_diff(a, b) -> float:
+    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs and steps
+# ------------------------------------------------------------------------------------------------
+def mlm_batch(B, L, lengths, device, seed=0):
+    """Random residues (token ids 4-23), 15% of real positions as targets; padding after each sequence's length
+    (id 1, fair-esm's and ESM-2's padding index); a 0/1 mask of real positions."""
+    g = torch.Generator().manual_seed(seed)
+    n = torch.full((B,), L) if lengths is None else torch.randint(lengths[0], lengths[1] + 1, (B,), generator=g)
+    real = torch.arange(L)[None] < n[:, None]
+    tokens = torch.randint(4, 24, (B, L), generator=g).masked_fill(~real, 1)
+    target = (torch.rand(B, L, generator=g) < 0.15) & real
+    return tokens.to(device), target.to(device), real.long().to(device)
+
+
+def mlm_step(logits_fn, model, tokens, target, device):
+    torch.manual_seed(0)  # the same dropout draws in every step and variant
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        logits = logits_fn(tokens)
+    loss = torch.nn.functional.cross_entropy(logits[target].float(), tokens[target])
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+# ------------------------------------------------------------------------------------------------
+# Cases
+# ------------------------------------------------------------------------------------------------
+def hf_esm2(cfg, device, timer, backend, emit):
+    import transformers
+
+    c = cfg["esm"]
+    config = transformers.EsmConfig(vocab_size=33, hidden_size=c["hidden"], num_hidden_layers=c["layers"],
+                                    num_attention_heads=c["heads"], intermediate_size=c["ffn"],
+                                    max_position_embeddings=max(s[2] for s in cfg["esm_shapes"]) + 2,
+                                    position_embedding_type="rotary", pad_token_id=1, mask_token_id=32,
+                                    token_dropout=True, emb_layer_norm_before=False,
+                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # as ESM-2's configs
+    torch.manual_seed(0)
+    model = transformers.EsmForMaskedLM(config).to(device).train()
+    for shape, B, L, lengths in cfg["esm_shapes"]:
+        tokens, target, am = mlm_batch(B, L, lengths, device)
+        ref = None
+        for variant in ("sdpa", "attn_zoo"):
+            attn_zoo.unpatch(model)
+            if variant == "attn_zoo":
+                attn_zoo.patch(model, backend=backend)
+            else:
+                model.set_attn_implementation("sdpa")
+            fn = lambda: mlm_step(lambda t: model(input_ids=t, attention_mask=am).logits, model, tokens, target, device)  # noqa: E731
+            ref = run_row(emit, timer, device, "hf-esm2", shape, variant, fn, ref)
+    attn_zoo.unpatch(model)
+    del model
+    cleanup(device)
+
+
+def fair_esm(cfg, device, timer, backend, emit):
+    try:
+        from esm.model.esm2 import ESM2
+    except ImportError as exc:
+        emit(dict(case="fair-esm", note=f"skipped: fair-esm does not import ({exc})"))
+        return
+    c = cfg["esm"]
+    torch.manual_seed(0)
+    model = ESM2(num_layers=c["layers"], embed_dim=c["hidden"], attention_heads=c["heads"]).to(device).train()
+    for shape, B, L, lengths in cfg["fair_shapes"]:
+        tokens, target, _ = mlm_batch(B, L, lengths, device)
+        ref = None
+        for variant in ("fair-esm", "patched"):
+            attn_zoo.unpatch(model)
+            if variant == "patched":
+                attn_zoo.patch(model, backend=backend)
+            fn = lambda: mlm_step(lambda t: model(t)["logits"], model, tokens, target, device)  # noqa: E731
+            ref = run_row(emit, timer, device, "fair-esm", shape, variant, fn, ref)
+    attn_zoo.unpatch(model)
+    del model
+    cleanup(device)
+
+
+def boltz2_pairformer(cfg, device, timer, backend, emit):
+    try:
+        from boltz.data import const
+        from boltz.model.layers.pairformer import PairformerLayer
+    except ImportError as exc:
+        emit(dict(case="boltz2-pairformer", note=f"skipped: boltz does not import ({exc})"))
+        return
+    c = cfg["boltz"]
+    torch.manual_seed(0)
+    layer = PairformerLayer(**c, v2=True).to(device)
+    with torch.no_grad():  # Boltz zero-initialises its output projections: random weights make the diff meaningful
+        for prm in layer.parameters():
+            if prm.ndim >= 2:
+                prm.normal_(0.0, prm.shape[-1] ** -0.5)
+    for shape, N, pad in cfg["boltz_shapes"]:
+        g = torch.Generator().manual_seed(1)
+        s = torch.randn(1, N, c["token_s"], generator=g).to(device)
+        z = torch.randn(1, N, N, c["token_z"], generator=g).to(device)
+        mask = (torch.arange(N) < N - pad).float()[None].to(device)
+        pair_mask = mask[:, :, None] * mask[:, None, :]
+        real = (mask[0] > 0)
+        chunk = 128 if N > const.chunk_size_threshold else 512  # Boltz's own inference rule
+
+        def train():
+            layer.train()
+            torch.manual_seed(0)  # the same dropout masks in every step and variant
+            sg, zg = s.clone().requires_grad_(True), z.clone().requires_grad_(True)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                so, zo = layer(sg, zg, mask, pair_mask)
+            loss = so[0, real].float().square().mean() + zo[0][real][:, real].float().square().mean()
+            loss.backward()
+            layer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        def infer():
+            layer.eval()
+            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+                so, zo = layer(s, z, mask, pair_mask, chunk_size_tri_attn=chunk)
+            return zo[0][real][:, real].float()
+
+        for mode, fn in (("train step", train), (f"inference (chunk {chunk})", infer)):
+            ref = None
+            for variant in ("boltz", "patched"):
+                attn_zoo.unpatch(layer)
+                if variant == "patched":
+                    attn_zoo.patch(layer, backend=backend)
+                ref = run_row(emit, timer, device, "boltz2-pairformer", f"{shape}, {mode}", variant, fn, ref)
+    attn_zoo.unpatch(layer)
+    del layer
+    cleanup(device)
+
+
+def run_row(emit, timer, device, case, shape, variant, fn, ref):
+    """Time one variant; returns the first step's result (the reference for the next variant)."""
+    row = dict(case=case, shape=shape, variant=variant)
+    try:
+        ms, peak, first = timer(fn)
+        row.update(ms=f"{ms:.2f}", peak_gib="" if peak != peak else f"{peak:.2f}")
+        if ref is not None:
+            row["diff_vs_unpatched"] = f"{rel_diff(first, ref):.2e}"
+        ref = first if ref is None else ref
+    except Exception as exc:  # an OOM (or a failure) is a row, not the end of the run
+        row["note"] = "OOM" if is_oom(exc) else f"failed: {type(exc).__name__}: {exc}"
+        if not is_oom(exc):
+            traceback.print_exc()
+    cleanup(device)
+    emit(row)
+    return ref
+
+
+# ------------------------------------------------------------------------------------------------
+# Output
+# ------------------------------------------------------------------------------------------------
+def env_lines(device, backend):
+    lines = [f"- date (UTC): {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M')}"]
+    if device.type == "cuda":
+        import triton
+
+        props = torch.cuda.get_device_properties(device)
+        lines.append(f"- GPU: {props.name}, {props.total_memory / GIB:.0f} GiB; torch {torch.__version__}, triton "
+                     f"{triton.__version__}, CUDA {torch.version.cuda}, python {platform.python_version()}")
+    else:
+        lines.append(f"- device: {device}; torch {torch.__version__}, python {platform.python_version()}")
+    lines.append(f"- attn_zoo.patch(backend={backend!r}); bf16 autocast, fp32 parameters; random weights")
+    return lines
+
+
+def write(out, env, rows):
+    with open(os.path.join(out, "patch.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+    with open(os.path.join(out, "patch.md"), "w") as f:
+        f.write("# attn_zoo.patch: patched vs unpatched\n\n" + "\n".join(env) + "\n\n")
+        f.write("| " + " | ".join(FIELDS) + " |\n|" + "---|" * len(FIELDS) + "\n")
+        for r in rows:
+            f.write("| " + " | ".join(str(r.get(k, "")) for k in FIELDS) + " |\n")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, any device")
+    p.add_argument("--backend", default="auto", help="attn_ops backend the patched models use")
+    p.add_argument("--cases", nargs="+", default=["hf-esm2", "boltz2-pairformer", "fair-esm"],
+                   choices=["hf-esm2", "boltz2-pairformer", "fair-esm"])
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        p.error("no CUDA device: run on a GPU, or pass --smoke")
+    cfg = SMOKE if args.smoke else FULL
+    timer = Timer(device, args.iters or (2 if args.smoke else 10), args.warmup or (1 if args.smoke else 3))
+    os.makedirs(args.out, exist_ok=True)
+    env, rows = env_lines(device, args.backend), []
+
+    def emit(row):
+        rows.append(row)
+        print(" | ".join(f"{k}={row[k]}" for k in FIELDS if row.get(k)), flush=True)
+        write(args.out, env, rows)
+
+    cases = {"hf-esm2": hf_esm2, "boltz2-pairformer": boltz2_pairformer, "fair-esm": fair_esm}
+    for name in args.cases:
+        cases[name](cfg, device, timer, args.backend, emit)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
