@@ -380,18 +380,19 @@ def estimate_plain_memory(
     nn2 = B * n * n
     z_bytes = nn2 * cz * e
     rows = B * r * n  # pair entries of one chunk
-    cat = z_bytes if r < n else 0  # chunk_rows concatenates the chunks' outputs into one more update
+    cat = 2 * z_bytes if r < n else 0  # chunk_rows keeps every chunk's output, then concatenates them
+    small = nn2 * 64  # per-pair float masks, norm statistics, bias channels
     mods = [
         # LN(z), the [g|p] GEMM output, sigmoid, gated and masked products; then LN(z), [a|b], x, the gate and
         # one chunk's LN(x), output, sigmoid and product
-        ("triangle_multiplication", max(nn2 * e * (cz + 8 * C), nn2 * e * (2 * cz + 3 * C) + rows * e * (C + 3 * cz)
-                                        + cat)),
+        ("triangle_multiplication", small + max(nn2 * e * (cz + 8 * C),
+                                                nn2 * e * (2 * cz + 3 * C) + rows * e * (C + 3 * cz) + cat)),
         # LN(z), fused q|k|v|g|bias, the contiguous bias; one chunk's op copies of q, k, v, o, o flat, sigmoid,
         # gated o, output, lse and the backend's scores
-        ("triangle_attention", nn2 * e * (cz + 4 * hc + 2 * H) + rows * e * (7 * hc + cz) + rows * H * 4
+        ("triangle_attention", small + nn2 * e * (cz + 4 * hc + 2 * H) + rows * e * (7 * hc + cz) + rows * H * 4
          + sc(B * r * H, n, n) + cat),
         # one chunk's LN, [a|b], silu(a), product, output
-        ("pair_transition", rows * e * cz * (2 + 4 * tn) + cat),
+        ("pair_transition", small + rows * e * cz * (2 + 4 * tn) + cat),
         # the update and the new z while the current one lives
         ("residual", 2 * z_bytes),
     ]
@@ -402,15 +403,15 @@ def estimate_plain_memory(
         s_bytes = B * n * cs * e
         z32 = nn2 * cz * 4 if single_fp32 and e < 4 else 0  # Boltz-2: the single track reads z as float32
         # LN(z) and the bias (then its contiguous copy), the single attention's projections, o, and its scores
-        mods.append(("attention_pair_bias", z32 + nn2 * es * (cz + hs) + B * n * es * 10 * cs + B * hs * n * 4
-                     + sc(B * hs, r, n)))
+        mods.append(("attention_pair_bias", small + z32 + nn2 * es * (cz + hs) + B * n * es * 10 * cs
+                     + B * hs * n * 4 + sc(B * hs, r, n)))
         mods.append(("single_transition", z32 + B * n * es * cs * (2 + 4 * tn)))
     if msa:
         cm, hm, hcm, co = dims.c_m, dims.num_heads_msa, dims.num_heads_msa * dims.c_hidden_msa, dims.c_hidden_opm
         ms = B * n_seq * n  # MSA entries
         m_bytes = ms * cm * e
         rs, rc = min(r, n_seq), r
-        mcat = m_bytes if r < max(n, n_seq) else 0
+        mcat = 2 * m_bytes if r < max(n, n_seq) else 0
         att = e * (4 * hcm + 7 * hcm + cm)  # per MSA entry of a chunk: q|k|v|g, op copies, o, gate, output
         mods.append(("msa_row_attention", nn2 * e * (cz + 2 * hm) + m_bytes + B * rs * n * (att + hm * 4)
                      + sc(B * rs * hm, n, n) + mcat))

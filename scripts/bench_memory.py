@@ -201,7 +201,8 @@ class Bench:
                         plan = inference.plan_inference(inference.Dims.of(blk), n,
                                                         inference.free_device_memory(self.dev), inplace=inplace)
                         chunk = plan.chunk_size
-                        fn = lambda: blk.forward_inference(s, z, single, pair, inplace=inplace)  # noqa: E731
+                        fn = lambda: blk.forward_inference(s, z, single, pair, inplace=inplace,  # noqa: E731
+                                                           mode="bounded")
                     elif impl == "plain-chunk128":
                         fn = lambda: blk(s, z, single, pair, chunk_size=128)  # noqa: E731
                         chunk = 128
@@ -256,7 +257,7 @@ class Bench:
         single, _ = self.masks(n)
         all_blocks = stack.blocks
         stack.blocks = torch.nn.ModuleList(list(all_blocks)[:blocks_run])
-        stack.configure_inference(offload=offload)
+        stack.configure_inference(offload=offload, mode="bounded")
         try:
             self.sync()
             if self.cuda:
@@ -409,7 +410,7 @@ class Bench:
             return
         stack = EvoformerStack(c_m=w["c_m"], c_z=w["c_z"], num_blocks=48, attention=self.args.backend,
                                num_heads_pair=w["heads_z"], c_hidden_pair=w["c_pair"], c_hidden_mul=w["c_z"])
-        stack = randomize(stack, gain=0.5).to(self.dev, torch.bfloat16).eval()
+        stack = randomize(stack, gain=0.5).to(self.dev, torch.bfloat16).eval().configure_inference(mode="bounded")
         stack.blocks = torch.nn.ModuleList(list(stack.blocks)[: self.args.evo_blocks])
         try:
             g = torch.Generator(device=self.dev).manual_seed(1)

@@ -619,6 +619,23 @@ def test_gpu_stack_offload_equals_device_and_saves_memory():
     assert offload_peak < device_peak - 0.8 * z_bytes, (offload_peak / GIB, device_peak / GIB)
 
 
+def test_bench_inference_auto_script_runs_on_cpu(tmp_path):
+    """scripts/bench_inference_auto.py end to end at a tiny N and widths on the CPU: three rows per N, the
+    forced paths as asked, auto's choice and reason recorded, the tables written."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import bench_inference_auto
+
+    rows = bench_inference_auto.main(["--device", "cpu", "--n", "12", "--iters", "1", "--warmup", "0",
+                                      "--c-s", "32", "--c-z", "8", "--out", str(tmp_path)])
+    assert [(r["mode"], r["path"], r["status"]) for r in rows] == [
+        ("plain", "plain", "ok"), ("bounded", "bounded", "ok"), ("auto", "plain", "ok")]
+    assert rows[1]["chunk"] == 12 and "fits the budget" in rows[2]["note"]
+    text = (tmp_path / "inference_auto.md").read_text()
+    assert "| 12 | auto | plain |" in text and (tmp_path / "inference_auto.csv").exists()
+
+
 def test_bench_memory_script_runs_on_cpu(tmp_path):
     """scripts/bench_memory.py end to end at tiny widths on the CPU (a typo there would only show on the GPU)."""
     import os
