@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from . import registry
-from .inputs import check_inputs, check_segment_ids, describe
+from .inputs import check_bias_values, check_inputs, check_segment_ids, describe
 
 Tensor = torch.Tensor
 
@@ -77,14 +77,17 @@ def attention(
         gives out 0, lse -inf and zero gradients. Lq = 0 gives empty out and lse; Lk = 0 makes every row such a row
         (out 0, lse -inf), as SDPA; the gradients are zeros shaped as q, k, v and the bias, for every backend.
 
-    Bias values: -inf masks a key; +inf is invalid (softmax would be inf/inf: NaN out, lse and gradients).
-    A ValueError naming ``bias`` reports a +inf on the CPU (one reduction, no device sync); on an accelerator
-    it is not checked (a check would cost a host sync per call) and gives NaN. Nor under torch.compile.
+    Bias values: -inf masks a key; +inf at an attended position is invalid (softmax would be inf/inf: NaN out,
+    lse and gradients); at a masked position any value is ignored (padding garbage). A ValueError naming ``bias``
+    reports such a +inf on the CPU (one reduction over the bias, no device sync); on an accelerator it is not
+    checked (a check would cost a host sync per call) and gives NaN. Nor under torch.compile.
     """
+    bias_ndim = getattr(bias, "ndim", None)
     bias, mask, scale = check_inputs(q, k, v, bias, mask, scale)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     segment_ids = check_segment_ids(segment_ids, q, k)
+    check_bias_values(bias, mask, causal, segment_ids, q.shape[-2], k.shape[-2], bias_ndim)
     inputs = describe(q, k, v, bias, mask, causal, return_lse, deterministic, segment_ids)
     chosen = registry.select(backend, inputs)
     unknown = set(options) - chosen.options

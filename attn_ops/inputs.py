@@ -97,7 +97,6 @@ def check_inputs(q, k, v, bias, mask, scale):
         if bias.device != q.device:
             raise ValueError(f"bias is on {bias.device} but q is on {q.device}")
         _check_broadcast("bias", bias, target)
-        check_bias_values(bias)
         bias = _pad_dims(bias, q.ndim)
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
@@ -117,15 +116,18 @@ def check_inputs(q, k, v, bias, mask, scale):
     return bias, mask, scale
 
 
-def check_bias_values(bias: Tensor) -> None:
-    """Raise a ValueError naming ``bias`` if it holds +inf, where that costs no device sync.
+def check_bias_values(bias: Optional[Tensor], mask: Optional[Tensor], causal: bool,
+                      segment_ids: Optional["SegmentIds"], lq: int, lk: int, shown_ndim: Optional[int] = None) -> None:
+    """Raise a ValueError naming ``bias`` if it holds +inf at an attended position, where that costs no device sync.
 
     +inf is not a valid bias: softmax over a row holding it is inf/inf, so out, lse and the gradients would be
-    NaN (-inf is valid: that key is masked). Checked for CPU tensors, one reduction over the bias (which every
-    CPU backend reads in full anyway), outside torch.compile and functorch transforms; not on accelerators,
-    where the answer would cost a host sync per call: there a +inf gives NaN.
+    NaN (-inf is valid: that key is masked). Anything at a masked position (mask, causal, segment ids) is never
+    read, as padding garbage. Checked for CPU tensors, one reduction over the bias (which every CPU backend reads
+    in full anyway; the masks only when that finds a +inf), outside torch.compile and functorch transforms; not
+    on accelerators, where the answer would cost a host sync per call: there a +inf gives NaN. ``bias`` and
+    ``mask`` in canonical form (``check_inputs``); ``shown_ndim``: the caller's bias dims, for the message.
     """
-    if bias.device.type != "cpu" or bias.numel() == 0:
+    if bias is None or bias.device.type != "cpu" or bias.numel() == 0:
         return
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return
@@ -133,10 +135,22 @@ def check_bias_values(bias: Tensor) -> None:
         if not bool(torch.isposinf(bias.amax())):
             return
         bad = torch.isposinf(bias)
-        where = tuple(bad.nonzero()[0].tolist())
+        full = combine_masks(fold_segments(mask, segment_ids), causal, lq, lk, bias.device)
+        if full is not None:
+            # attended anywhere along the dims the bias is broadcast over (bounded by the mask's and the bias's sizes)
+            full = _pad_dims(full, bias.ndim)
+            dims = tuple(i for i in range(bias.ndim) if bias.shape[i] == 1 and full.shape[i] > 1)
+            if dims:
+                full = full.any(dim=dims, keepdim=True)
+            bad = bad & full
+        if not bool(bad.any()):
+            return
         count = int(bad.sum())
+        where = tuple(bad.nonzero()[0].tolist())
+    drop = bias.ndim - (shown_ndim or bias.ndim)  # the leading size-1 dims check_inputs added
+    where, shape = where[drop:], _shape(bias)[drop:]
     raise ValueError(
-        f"bias of shape {_shape(bias)} holds +inf ({count} entries, the first at index {where}): +inf is not a "
+        f"bias of shape {shape} holds +inf at {count} attended entries (the first at index {where}): +inf is not a "
         "valid bias (softmax gives NaN); mask keys with mask=False or a -inf bias"
     )
 

@@ -110,15 +110,46 @@ def test_empty_lengths_with_segments_causal_and_float64():
 
 @pytest.mark.parametrize("backend", ["torch", "chunked", "sdpa"])
 def test_positive_inf_bias_is_refused_on_cpu(backend):
-    """+inf is not a valid bias: on the CPU the op names it (where it is, how many), -inf stays a valid mask."""
+    """+inf at an attended position is not a valid bias: on the CPU the op names it (where it is, how many);
+    -inf stays a valid mask."""
     q, k, v = qkv()
     bias = torch.randn(2, 5, 6)
     bias[1, 3, 2] = float("-inf")
     attn_ops.attention(q, k, v, bias, backend=backend)  # -inf: masked key, fine
     bias[0, 4, 1] = float("inf")
-    with pytest.raises(ValueError, match=r"bias of shape \(2, 5, 6\) holds \+inf \(1 entries, the first at "
-                                         r"index \(0, 4, 1\)\): \+inf is not a valid bias"):
+    with pytest.raises(ValueError, match=r"bias of shape \(2, 5, 6\) holds \+inf at 1 attended entries \(the first "
+                                         r"at index \(0, 4, 1\)\): \+inf is not a valid bias"):
         attn_ops.attention(q, k, v, bias, backend=backend)
+    bias[:, :, 1] = float("inf")  # a whole column, broadcast over the batch dim of q: each of 2 heads x 5 queries
+    with pytest.raises(ValueError, match=r"holds \+inf at 10 attended entries"):
+        attn_ops.attention(q, k, v, bias, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "chunked", "sdpa"])
+def test_positive_inf_bias_at_masked_positions_is_padding(backend):
+    """Anything at a masked position (key mask, causal, segment ids) is never read: a +inf there is accepted and
+    gives the result of a 0 there, as NaN padding does (tests/helpers.py's garbage check for the kernels)."""
+    q, k, v = qkv(b=(2,), lq=6, lk=6)
+    bias = torch.randn(2, 6, 6)
+    clean = bias.clone()
+    mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    mask[1, ..., 4] = False  # key 4 padded in batch element 1 only
+    bias[1, :, 4] = float("inf")  # bias [H, Lq, Lk] shared by both batch elements: attended in element 0
+    with pytest.raises(ValueError, match=r"holds \+inf at 6 attended entries"):
+        attn_ops.attention(q, k, v, bias, mask, backend=backend)
+    mask[0, ..., 4] = False  # now masked everywhere it is read
+    clean[1, :, 4] = 0.0
+    got = attn_ops.attention(q, k, v, bias, mask, backend=backend)
+    assert torch.equal(got, attn_ops.attention(q, k, v, clean, mask, backend=backend))
+    causal = torch.randn(2, 6, 6)
+    causal[:, 0, 3] = float("inf")  # query 0 never sees key 3 when causal
+    attn_ops.attention(q, k, v, causal, causal=True, backend=backend)
+    with pytest.raises(ValueError, match="holds \\+inf"):
+        attn_ops.attention(q, k, v, causal, backend=backend)
+    ids = torch.tensor([0, 0, 0, 1, 1, 1])
+    seg = torch.randn(2, 6, 6)
+    seg[:, 1, 4] = float("inf")  # query 1 (segment 0) never sees key 4 (segment 1)
+    attn_ops.attention(q, k, v, seg, segment_ids=ids, backend=backend)
 
 
 def test_positive_inf_bias_gives_nan_where_unchecked():
