@@ -291,10 +291,14 @@ def finished_already(cfg: DictConfig, ckpt: str | None) -> dict | None:
     return None
 
 
-def _resume_command(cfg: DictConfig) -> str:
+def _resume_command(cfg: DictConfig, last: str) -> str:
     """The command that resumes this run: under Hydra, this run's overrides with ``run_name`` of its folder
-    and ``resume=true``; else the config keys to set."""
+    and ``resume=true`` (a sweep's job folder: ``ckpt_path``); else the config keys to set."""
+    import shlex
+
     name = Path(cfg.paths.output_dir).name
+    in_runs = Path(cfg.paths.output_dir).parent.name == "runs"  # logs/<task>/runs/<run_name>
+    how = [f"run_name={name}", "resume=true"] if in_runs else [f"ckpt_path={last}"]
     try:
         from hydra.core.hydra_config import HydraConfig
 
@@ -304,7 +308,7 @@ def _resume_command(cfg: DictConfig) -> str:
     if overrides is None:
         return f"resume=true run_name={name} (run folder {cfg.paths.output_dir})"
     keep = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in ("run_name", "resume", "ckpt_path")]
-    return " ".join(["python train.py", *keep, f"run_name={name}", "resume=true"])
+    return " ".join(["python train.py", *map(shlex.quote, keep + how)])
 
 
 def _interruptible(cfg: DictConfig, trainer, callbacks, stage: str, fn, **kwargs):
@@ -326,10 +330,10 @@ def _interruptible(cfg: DictConfig, trainer, callbacks, stage: str, fn, **kwargs
     step = trainer.global_step
     last = checkpoint_paths(callbacks).get("last_checkpoint")
     if stage != "fit":
-        msg = (f"interrupted at step {step} while running {stage} ({signame}); training had finished"
-               + (f": {last}" if last else ""))
+        msg = (f"interrupted at step {step} while running {stage} ({signame})"
+               + (f"; training had finished: {last}" if last and cfg.get("train", True) else ""))
     elif last and Path(last).is_file():
-        msg = f"interrupted at step {step}; resume with: {_resume_command(cfg)} ({signame}; checkpoint {last})"
+        msg = f"interrupted at step {step}; resume with: {_resume_command(cfg, last)} ({signame}; checkpoint {last})"
     else:
         msg = (f"interrupted at step {step} ({signame}); no checkpoint was saved (no last_checkpoint callback, "
                f"or trainer.fast_dev_run)")

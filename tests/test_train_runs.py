@@ -270,7 +270,8 @@ def _snapshot(folder: Path) -> dict:
     """Every file of a run folder but Hydra's record and log files: {path: (size, mtime, bytes hash)}."""
     import hashlib
 
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha1(p.read_bytes()).hexdigest())
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns,
+                                          hashlib.sha1(p.read_bytes()).hexdigest())
             for p in sorted(folder.rglob("*")) if p.is_file() and ".hydra" not in p.parts and p.suffix != ".log"}
 
 
@@ -332,7 +333,8 @@ def interrupted_run(tmp_path_factory):
     last.ckpt saved on the signal."""
     out = tmp_path_factory.mktemp("interrupted")
     with pytest.raises(train.RunInterrupted) as e:
-        train.train(make_cfg(RESUMABLE + [f"+callbacks.sig._target_={__name__}.SignalAt", "+callbacks.sig.step=3"], out))
+        train.train(make_cfg(RESUMABLE + [f"+callbacks.sig._target_={__name__}.SignalAt", "+callbacks.sig.step=3"],
+                             out))
     return out, e.value
 
 
@@ -381,6 +383,19 @@ def test_resume_without_a_readable_last_ckpt_continues_from_the_newest_step_ckpt
     assert f"resuming from {out / 'checkpoints' / 'step3.ckpt'} (step 3): {why}" in said
     assert objs["trainer"].global_step == 4
     assert {int(s["step"]) for s in objs["trainer"].optimizers[0].state.values()} == {4}
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint(tmp_path):
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(train.RunInterrupted) as e:
+        train.train(make_cfg(RESUMABLE + ["trainer.max_steps=4", f"+callbacks.sig._target_={__name__}.SignalAt",
+                                          "+callbacks.sig.step=1", f"+callbacks.sig.signum={int(signal.SIGINT)}"],
+                             tmp_path))
+    assert (e.value.signal, e.value.step, e.value.exit_code) == ("SIGINT", 1, 130)
+    assert str(e.value).startswith("interrupted at step 1; resume with: ")
+    assert train.run_state(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 1
+    assert signal.getsignal(signal.SIGINT) == before and not (tmp_path / "run.lock").exists()
 
 
 def test_resume_never_starts_from_scratch_over_checkpoints(tmp_path):

@@ -136,30 +136,36 @@ class LastCheckpoint(ModelCheckpoint):
 
 
 class GracefulInterrupt(L.Callback):
-    """Ctrl-C (SIGINT) during fit stops the run the way Lightning stops it on SIGTERM: at the end of the current
+    """Ctrl-C (SIGINT) during training stops the run the way Lightning stops it on SIGTERM: at the end of the current
     optimizer step, on every rank together, raising ``SIGTERMException`` after the on-exception checkpoint
     (``LastCheckpoint``: ``step<N>.ckpt`` and ``last.ckpt``), never halfway through an optimizer update. A
-    second Ctrl-C interrupts at once. ``signal``: "SIGINT" once Ctrl-C stopped the run, else None (a
-    ``SIGTERMException`` then came from SIGTERM). The training entry point adds it to every run."""
+    second Ctrl-C on rank 0 interrupts at once. ``signal``: "SIGINT" once Ctrl-C stopped the run, else None
+    (a ``SIGTERMException`` then came from SIGTERM). The training entry point adds it to every run."""
 
     def __init__(self):
         super().__init__()
         self.signal: str | None = None
         self._previous = None
+        self._rank = 0
 
-    def on_fit_start(self, trainer, pl_module):
-        self.signal = None
+    def on_train_start(self, trainer, pl_module):
+        # (after Lightning has put in its SIGTERM handler, which its teardown puts back as it found it)
+        self.signal, self._rank = None, trainer.global_rank
         if threading.current_thread() is threading.main_thread():  # signal handlers: main thread only
             self._previous = signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigint(self, signum, frame):
-        # during fit the SIGTERM handler is Lightning's: it flags the trainer (and tells launched ranks)
+        # during fit the SIGTERM handler is Lightning's: it flags the trainer and, like on SIGTERM, passes
+        # the signal to the ranks it launched; each rank calls it once (its broadcast pairs with rank 0's)
         lightning_handler = signal.getsignal(signal.SIGTERM)
         if self.signal is not None or not callable(lightning_handler):
-            signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt now
+            if self._rank == 0 or not callable(lightning_handler):
+                signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt now
+            return  # other ranks hear a Ctrl-C twice (terminal and rank 0): rank 0 decides
         self.signal = "SIGINT"
-        print("\n[train] Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again stops at once)",
-              file=sys.stderr, flush=True)
+        if self._rank == 0:
+            print("\n[train] Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again stops at once)",
+                  file=sys.stderr, flush=True)
         lightning_handler(signum, frame)
 
     def _restore(self):
@@ -168,7 +174,7 @@ class GracefulInterrupt(L.Callback):
                 signal.signal(signal.SIGINT, signal.default_int_handler if self._previous is None else self._previous)
         self._previous = None
 
-    def on_fit_end(self, trainer, pl_module):
+    def on_train_end(self, trainer, pl_module):
         self._restore()
 
     def on_exception(self, trainer, pl_module, exception):
