@@ -485,3 +485,21 @@ def test_bench_patch_script_runs(tmp_path):
     patched = [r for r in rows if r["variant"] in ("attn_zoo", "patched")]
     assert len(patched) == len(rows) // 2 and all(float(r["diff_vs_unpatched"]) < 5e-2 for r in patched)
     assert (tmp_path / "patch.md").read_text().count("| hf-esm2 |") == 4
+
+
+def test_wrapper_holding_several_projects_models():
+    """A model of the user's holding a transformers model and a fair-esm model: both patched, both restored."""
+    hf, fair = hf_model(), fair_esm_model()
+    wrapper = nn.ModuleDict({"hf": hf, "fair": fair})
+    ids, am = hf_inputs()
+    tok = fair_esm_tokens(fair)
+    with torch.no_grad():
+        ref_hf, ref_fair = hf(input_ids=ids, attention_mask=am).logits, fair(tok)["logits"]
+        attn_zoo.patch(wrapper, backend="torch")
+        assert hf.config._attn_implementation == "attn_zoo_torch" and is_patched(fair) and is_patched(wrapper)
+        assert rel_err(hf(input_ids=ids, attention_mask=am).logits, ref_hf) < TOL
+        assert rel_err(fair(tok)["logits"], ref_fair) < TOL
+        attn_zoo.unpatch(wrapper)
+        assert not is_patched(wrapper) and hf.config._attn_implementation == "sdpa"
+        assert torch.equal(hf(input_ids=ids, attention_mask=am).logits, ref_hf)
+        assert torch.equal(fair(tok)["logits"], ref_fair)

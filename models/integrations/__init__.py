@@ -32,18 +32,20 @@ def patch(model: nn.Module, *, backend: str = "auto", deterministic: bool = True
     """Run ``model``'s attention on ``attn_ops.attention(..., backend=backend, deterministic=deterministic)``.
 
     Recognises transformers models written against the attention registry, fair-esm's ``MultiheadAttention``,
-    Boltz-1/2 triangle attention and attention with pair bias (see :func:`looked_for`). Returns ``model`` (patched in place). Raises ``TypeError`` for a model with none of them.
+    Boltz-1/2 triangle attention and attention with pair bias (see :func:`looked_for`), in ``model`` itself or
+    anywhere inside it (a wrapper of yours). Returns ``model``, patched in place. Raises ``TypeError`` for a model
+    with none of them.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     options = Options(backend, deterministic)
-    if hf.find(model):
-        hf.patch_model(model, options)
-        return model
+    hf_models = hf.find(model)
     targets = [t for integ in _MODULE_PATCHERS for t in integ.patch_targets(integ.find(model))]
-    if not targets:
+    if not hf_models and not targets:
         raise TypeError(f"attn_zoo.patch: no attention module of a known layout in {type(model).__name__}. "
                         f"Looked for: {'; '.join(looked_for())}.")
+    for m in hf_models:
+        hf.patch_model(m, options)
     for module, fn in targets:
         swap_forward(module, fn, options)
     return model
@@ -51,8 +53,8 @@ def patch(model: nn.Module, *, backend: str = "auto", deterministic: bool = True
 
 def unpatch(model: nn.Module) -> nn.Module:
     """Undo :func:`patch`: every patched module runs its own forward again (a no-op on an unpatched model)."""
-    if hf.find(model):
-        hf.unpatch_model(model)
+    for m in hf.find(model):
+        hf.unpatch_model(m)
     for m in model.modules():
         restore_forward(m)
     return model
@@ -60,7 +62,7 @@ def unpatch(model: nn.Module) -> nn.Module:
 
 def is_patched(model: nn.Module) -> bool:
     """True when some module of ``model`` runs attn_zoo's attention."""
-    if hf.find(model) and hf.is_patched(model):
+    if any(hf.is_patched(m) for m in hf.find(model)):
         return True
     return any(patched(m) is not None for m in model.modules())
 

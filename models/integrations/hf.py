@@ -158,8 +158,16 @@ def _pretrained_class():
 
 
 def find(model: nn.Module) -> List[nn.Module]:
+    """The outermost transformers models in ``model`` (itself, or submodules of a wrapper of the user's)."""
     cls = _pretrained_class()
-    return [model] if cls is not None and isinstance(model, cls) else []
+    if cls is None:
+        return []
+    found, inner = [], set()
+    for m in model.modules():  # pre-order: an outer model comes before the models inside it
+        if isinstance(m, cls) and id(m) not in inner:
+            found.append(m)
+            inner.update(id(sub) for sub in m.modules())
+    return found
 
 
 _PREVIOUS = "_attn_zoo_previous_attn_implementation"
