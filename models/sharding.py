@@ -361,11 +361,11 @@ def _triangle_multiplication_one_(mod: nn.Module, z: Tensor, mask: Tensor, sh: _
             for s in range(world):
                 if s != rank:
                     xg[:, :, s * n:(s + 1) * n] = torch.matmul(a, bs[s].transpose(-1, -2))
-        else:  # x[i, j] = sum_k a[k, i] b[k, j]
+        else:  # x[i, j] = sum_k a[k, i] b[k, j]; the local k while the rest travels
             ar, swap = _exchange(a, sh.group, async_op=True)  # entry s: a[K_s, I_r], [Cg, n_k, n_i]
+            torch.matmul(a[rank].transpose(-1, -2), bs[rank], out=xg)
             swap.wait()
             gather.wait()
-            torch.matmul(ar[rank].transpose(-1, -2), bs[rank], out=xg)
             for s in range(world):
                 if s != rank:
                     xg.baddbmm_(ar[s].transpose(-1, -2), bs[s])
@@ -649,10 +649,17 @@ class _ShardedStack(nn.Module):
         return next((r for r in candidates if r * per_row <= cap), 1)
 
     def reduce_gradients(self) -> None:
-        """Sum every parameter's gradient over the group: each rank holds the gradient of its own rows' loss."""
+        """Sum every parameter's gradient over the group (each rank holds the gradient of its own rows' loss): one
+        all-reduce per dtype and device, on the gradients flattened into one buffer."""
+        by_kind: dict = {}
         for p in self.stack.parameters():
             if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.group)
+                by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+        for grads in by_kind.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.group)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
 
 
 class ShardedPairformerStack(_ShardedStack):

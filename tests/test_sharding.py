@@ -1,10 +1,12 @@
-"""The row-sharded Pairformer stack on gloo (2 and 4 CPU ranks) against the single-process stack in float64.
+"""The row-sharded Pairformer, Evoformer and extra-MSA stacks on gloo (2 and 4 CPU ranks) against the
+single-process stacks in float64.
 
 Each rank builds the same stack and inputs from a shared seed, runs the single-process stack on the whole
 inputs (the reference), then the sharded stack on its rows of the inputs padded to a multiple of the ranks
-(N = 11 and 13: padding on every world size), with masks that have holes. The outputs, the input gradients
-(summed over ranks: each rank holds its rows') and every parameter gradient (``reduce_gradients``) must equal
-the reference to 1e-10 relative; the memory-bounded inference path likewise.
+(N = 11 and 13, MSA depths 5 and 7: padding on every world size), with masks that have holes. The outputs, the
+input gradients (summed over ranks: each rank holds its rows') and every parameter gradient (``reduce_gradients``)
+must equal the reference to 1e-10 relative; the in-place inference path's outputs likewise. Cases cover both
+Pairformer variants, checkpointing, chunks, uneven channel groups and batches of 2.
 """
 import pytest
 import torch
