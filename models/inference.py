@@ -465,7 +465,8 @@ def plan_inference(
     The pair chunk is the largest candidate (``n``, then powers of two) whose estimate fits the budget and whose
     chunk temporaries stay under the larger of half of z, 256 MiB and half of what the budget leaves beyond
     chunks of one row (a large budget buys fewer chunks: fewer launches per block); then likewise the MSA
-    chunk. ``scores``: the attention backend's score bytes (``score_bytes_of``; None: a fused backend). A ``chunk_size`` / ``msa_chunk_size`` given is kept as is. ``budget`` None: only the size rule.
+    chunk. ``scores``: the attention backend's score bytes (``score_bytes_of``; None: a fused backend). A
+    ``chunk_size`` / ``msa_chunk_size`` given is kept as is. ``budget`` None: only the size rule.
     With ``offload`` the host copy of z (``MemoryEstimate.host``) must fit ``host_budget`` (None: the available
     host memory, ``available_host_memory``): pinned (``pin``) when its power-of-two block fits, else pageable.
     Raises ``ValueError`` when even chunks of 1 do not fit the device budget, or the host copy the host budget,
