@@ -318,59 +318,46 @@ def _group_projection(wb: Tuple[Tensor, Optional[Tensor]], c: int, g: slice) -> 
     return rows(w), None if b is None else rows(b)
 
 
-def triangle_multiplication_(mod: nn.Module, z: Tensor, pair_mask: Tensor, sh: _Shard, chunk: int,
-                             groups: int) -> Tensor:
-    """``z += mod(z)`` on the local rows ``z [B, n, N', c_z]`` in place (``pair_mask [B, N', N']`` whole).
+def triangle_multiplication_(mod: nn.Module, z: Tensor, mask_rows: Tensor, sh: _Shard, chunk: int, groups: int,
+                             proj_chunk: int) -> Tensor:
+    """``z += mod(z)`` in place on local rows ``z [B, n, N', c_z]`` (``mask_rows [B, n, N']``): outgoing on rows of
+    z; incoming on rows of z^T (the caller transposes), where ``x^T[j, i] = sum_k b[k, j] a[k, i]`` is the outgoing
+    form with ``a`` and ``b`` swapped.
 
-    The product ``x [C, n, N']`` of the local rows is accumulated ``groups`` channel groups at a time: a group's
-    ``b`` of all ranks is gathered (and, incoming, its ``a`` columns ``I_r`` exchanged), so a rank holds x and one
-    group's operands, not the whole ``b``; z is written only after the last group."""
+    The product ``x [C, n, N']`` of the local rows is accumulated ``groups`` channel groups at a time: the gathered
+    operand of a group comes from all ranks (computed by chunks of ``proj_chunk`` rows), so a rank holds x and one
+    group's operands, never the whole projection; z is written, by chunks of ``chunk`` rows, after the last group."""
     for bi in range(z.shape[0]):
-        _triangle_multiplication_one_(mod, z[bi], sh.rows(pair_mask[bi]), sh, chunk, groups)
+        _triangle_multiplication_one_(mod, z[bi], mask_rows[bi], sh, chunk, groups, proj_chunk)
     return z
 
 
-def _triangle_multiplication_one_(mod: nn.Module, z: Tensor, mask: Tensor, sh: _Shard, chunk: int,
-                                  groups: int) -> None:
+def _triangle_multiplication_one_(mod: nn.Module, z: Tensor, mask: Tensor, sh: _Shard, chunk: int, groups: int,
+                                  proj_chunk: int) -> None:
     c, n, world, rank = mod.c_hidden, z.shape[0], sh.world, sh.rank
     w_a, w_b = _gated_projection(mod, 0), _gated_projection(mod, 1)
+    w_local, w_all = (w_a, w_b) if mod.outgoing else (w_b, w_a)  # x[i, j] = sum_k local[i, k] all[j, k]
     dev = z.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else z.dtype  # the GEMMs' output
     x = z.new_empty(c, n, z.shape[1], dtype=dtype)  # [C, n(i), N'(j)]
     for g in _channel_slices(c, groups):
         cg = g.stop - g.start
-        wa, wb = _group_projection(w_a, c, g), _group_projection(w_b, c, g)
-        bs = z.new_empty(world, cg, n, z.shape[1], dtype=dtype)  # [P, Cg, n, N']: b of every rank's rows
-        # outgoing: a of the local rows; incoming: a[K_r, I_s] to send to rank s
-        a = z.new_empty(cg, n, z.shape[1], dtype=dtype) if mod.outgoing else z.new_empty(world, cg, n, n, dtype=dtype)
-        for idx in _spans(n, chunk):
+        wl, wa = _group_projection(w_local, c, g), _group_projection(w_all, c, g)
+        gathered = z.new_empty(world, cg, n, z.shape[1], dtype=dtype)  # [P, Cg, n, N']: every rank's rows
+        local = z.new_empty(cg, n, z.shape[1], dtype=dtype)
+        for idx in _spans(n, proj_chunk):
             zn = layer_norm_rows(z[idx], mod.layer_norm_in)
-            inference._gated_channels_first(zn, wb, mask[idx], cg, out=bs[rank, :, idx].view(cg, -1))
-            if mod.outgoing:
-                inference._gated_channels_first(zn, wa, mask[idx], cg, out=a[:, idx].view(cg, -1))
-            else:
-                part = inference._gated_channels_first(zn, wa, mask[idx], cg).view(cg, -1, world, n)  # [Cg, R, P, n]
-                a[:, :, idx] = part.permute(2, 0, 1, 3)
-                del part
+            inference._gated_channels_first(zn, wa, mask[idx], cg, out=gathered[rank, :, idx].view(cg, -1))
+            inference._gated_channels_first(zn, wl, mask[idx], cg, out=local[:, idx].view(cg, -1))
             del zn
-        gather = _gather_into(bs, bs[rank], sh.group, async_op=True)
+        work = _gather_into(gathered, gathered[rank], sh.group, async_op=True)
         xg = x[g]  # [Cg, n, N'], contiguous
-        if mod.outgoing:  # x[i, j] = sum_k a[i, k] b[j, k]; the local columns while b travels
-            xg[:, :, rank * n:(rank + 1) * n] = torch.matmul(a, bs[rank].transpose(-1, -2))
-            gather.wait()
-            for s in range(world):
-                if s != rank:
-                    xg[:, :, s * n:(s + 1) * n] = torch.matmul(a, bs[s].transpose(-1, -2))
-        else:  # x[i, j] = sum_k a[k, i] b[k, j]; the local k while the rest travels
-            ar, swap = _exchange(a, sh.group, async_op=True)  # entry s: a[K_s, I_r], [Cg, n_k, n_i]
-            torch.matmul(a[rank].transpose(-1, -2), bs[rank], out=xg)
-            swap.wait()
-            gather.wait()
-            for s in range(world):
-                if s != rank:
-                    xg.baddbmm_(ar[s].transpose(-1, -2), bs[s])
-            del ar
-        del a, bs, xg
+        xg[:, :, rank * n:(rank + 1) * n] = torch.matmul(local, gathered[rank].transpose(-1, -2))  # while it travels
+        work.wait()
+        for s in range(world):
+            if s != rank:
+                xg[:, :, s * n:(s + 1) * n] = torch.matmul(local, gathered[s].transpose(-1, -2))
+        del local, gathered, xg
     for idx in _spans(n, chunk):
         zc = z[idx]  # [R, N', c_z]
         g = mod.linear_g(layer_norm_rows(zc, mod.layer_norm_in)).sigmoid_()
@@ -406,10 +393,17 @@ def _transpose_(z: Tensor, sh: _Shard, groups: int) -> Tensor:
 
 
 def pair_stack_(blk: nn.Module, z: Tensor, pair_mask: Tensor, sh: _Shard, chunk: int, groups: int) -> Tensor:
-    """:func:`pair_stack` in place without autograd."""
+    """:func:`pair_stack` in place without autograd. The incoming product and the ending node run on z^T: four
+    transposes (one group of channels at a time), no buffer of z's size."""
     rows, cols = sh.rows(pair_mask), sh.rows(pair_mask.transpose(-1, -2))
-    triangle_multiplication_(blk.tri_mul_out, z, pair_mask, sh, chunk, groups)
-    triangle_multiplication_(blk.tri_mul_in, z, pair_mask, sh, chunk, groups)
+    e = z.element_size()
+    cg = -(-blk.tri_mul_out.c_hidden // max(1, groups))
+    # the projection phase keeps LN(z) and one group's projections per pair: longer chunks for the same bytes
+    proj_chunk = chunk * max(1, chunk_bytes_per_pair(inference.Dims.of(blk), e) // (e * (z.shape[-1] + 5 * cg)))
+    triangle_multiplication_(blk.tri_mul_out, z, rows, sh, chunk, groups, proj_chunk)
+    _transpose_(z, sh, groups)
+    triangle_multiplication_(blk.tri_mul_in, z, cols, sh, chunk, groups, proj_chunk)
+    _transpose_(z, sh, groups)
     triangle_attention_(blk.tri_att_start, z, rows, sh, chunk)
     _transpose_(z, sh, groups)
     triangle_attention_(blk.tri_att_end, z, cols, sh, chunk)
