@@ -304,6 +304,9 @@ def embed(model, proteins: Sequence[Tuple[str, str]], out: str | os.PathLike, *,
             todo.append((label, seq))
     planned = list(batches(todo, toks_per_batch, length_multiple))
     budget = free_memory(device) if memory_budget is None else memory_budget
+    if memory_budget is None and budget is not None:  # the weights still to be moved there take their share
+        budget -= sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
+                      if t.device.type != device.type)
     for batch in planned if budget is not None else ():
         width = round_up(max(len(s) for _, s in batch) + 2, length_multiple)
         need = memory_estimate(model, len(batch), width, include, len(layers))

@@ -295,3 +295,25 @@ def test_memory_check_refuses_long_contacts_before_any_work(ckpt, tmp_path):
     with pytest.raises(MemoryError, match="in a batch of 8 .*a smaller --toks-per-batch"):
         E.embed(model, many, tmp_path / "many", include=["mean", "contacts"], progress=False,
                 memory_budget=2 * one, toks_per_batch=100000)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [1000, 3000])
+def test_memory_estimate_bounds_the_measured_contacts_peak_on_cuda(length):
+    """The estimate the memory check uses is an upper bound of the CUDA peak of a contacts forward, and not a
+    loose one (within 1.5x), for an ESM-2-8M-sized model."""
+    from attn_zoo.models.esm2 import ESM2
+
+    model = ESM2(num_layers=6, embed_dim=320, attention_heads=20, attention="auto").cuda().eval()
+    tokens = torch.randint(4, 24, (1, length + 2), device="cuda")
+    tokens[:, 0], tokens[:, -1] = 0, 2  # <cls> ... <eos>
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        out = model(tokens, repr_layers=[6], return_contacts=True)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    want = E.memory_estimate(model, 1, length + 2, ["mean", "contacts"], 1)
+    assert peak <= want <= 1.5 * peak, (peak / 2**20, want / 2**20)
