@@ -767,7 +767,8 @@ class ClassRegistry:
         if entry is None:
             raise ZooCheckpointError(
                 f"{self.what} {name!r} is not a registered class: a checkpoint may only name one of "
-                f"{_summarise(self.names(), 12)}; register your own class with zoo.{self.register_with}(cls), or {_TRUST_HINT}"
+                f"{_summarise(self.names(), 12)}; register your own class with zoo.{self.register_with}(cls), "
+                f"or {_TRUST_HINT}"
             )
         if isinstance(entry, str):
             import importlib
