@@ -73,9 +73,10 @@ def test_refuses_unknown_model_naming_what_it_looked_for():
     msg = str(err.value)
     assert "Sequential" in msg
     for name in ["AttentionInterface", "esm.multihead_attention.MultiheadAttention", "TriangleAttention",
-                 "attention.AttentionPairBias", "attentionv2.AttentionPairBias"]:
+                 "attention.AttentionPairBias", "attentionv2.AttentionPairBias", "openfold.model.msa.MSAAttention",
+                 "openfold.model.triangular_attention.TriangleAttention"]:
         assert name in msg
-    assert len(looked_for()) == 5
+    assert len(looked_for()) == 7
     with pytest.raises(ValueError, match="backend"):
         attn_zoo.patch(nn.Linear(2, 2), backend="no-such-backend")
     with pytest.raises(TypeError, match="torch.nn.Module"):
@@ -503,3 +504,62 @@ def test_wrapper_holding_several_projects_models():
         assert not is_patched(wrapper) and hf.config._attn_implementation == "sdpa"
         assert torch.equal(hf(input_ids=ids, attention_mask=am).logits, ref_hf)
         assert torch.equal(fair(tok)["logits"], ref_fair)
+
+
+# --------------------------------------------------------------------------------------------------
+# OpenFold (not on PyPI; runs where it is installed)
+# --------------------------------------------------------------------------------------------------
+def openfold_block(seed=0):
+    evo = pytest.importorskip("openfold.model.evoformer", reason="OpenFold is installed from source only")
+    torch.manual_seed(seed)
+    blk = evo.EvoformerBlock(c_m=16, c_z=16, c_hidden_msa_att=8, c_hidden_opm=4, c_hidden_mul=16,
+                             c_hidden_pair_att=8, no_heads_msa=2, no_heads_pair=2, transition_n=2, msa_dropout=0.0,
+                             pair_dropout=0.0, no_column_attention=False, opm_first=False,
+                             fuse_projection_weights=False, inf=1e9, eps=1e-8)
+    return randomize_(blk, seed).eval()
+
+
+def openfold_inputs(B=2, S=3, N=7, seed=0):
+    """m, z; an MSA mask with a residue hole and end padding (and one padded sequence), the pair mask from it."""
+    g = torch.Generator().manual_seed(seed)
+    m, z = torch.randn(B, S, N, 16, generator=g), torch.randn(B, N, N, 16, generator=g)
+    res = torch.ones(B, N, dtype=torch.bool)
+    res[0, 3] = False
+    res[1, N - 2:] = False
+    msa_mask = res[:, None, :].expand(B, S, N).clone()
+    msa_mask[1, -1] = False  # a padded sequence
+    pair_mask = res[:, :, None] & res[:, None, :]
+    return m, z, msa_mask, pair_mask, res
+
+
+def openfold_run(blk, m, z, msa_mask, pair_mask, res, seed=5, **kw):
+    blk.zero_grad(set_to_none=True)
+    m_out, z_out = blk(m, z, msa_mask.float(), pair_mask.float(), **kw)
+    real_m = msa_mask & res[:, None, :]
+    real_z = res[:, :, None] & res[:, None, :]
+    g = torch.Generator().manual_seed(seed)
+    if torch.is_grad_enabled():
+        loss = (m_out * torch.randn(m_out.shape, generator=g) * real_m[..., None]).sum()
+        (loss + (z_out * torch.randn(z_out.shape, generator=g) * real_z[..., None]).sum()).backward()
+    return m_out[real_m].detach(), z_out[real_z].detach(), param_grads(blk)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_openfold_evoformer_block_patched_equals_unpatched_with_grads(backend):
+    blk = openfold_block()
+    x = openfold_inputs()
+    m_ref, z_ref, g_ref = openfold_run(blk, *x)
+    before = snapshot(blk)
+    attn_zoo.patch(blk, backend=backend)
+    assert sorted(n for n, mod in blk.named_modules() if "forward" in mod.__dict__) == [
+        "msa_att_col._msa_att", "msa_att_row", "pair_stack.tri_att_end", "pair_stack.tri_att_start"]
+    assert_state_untouched(blk, before)
+    m_got, z_got, g_got = openfold_run(blk, *x)
+    assert rel_err(m_got, m_ref) < TOL and rel_err(z_got, z_ref) < TOL
+    assert_close_grads(blk, g_got, g_ref, zero=("layer_norm_z.bias",))
+    with torch.no_grad():  # OpenFold's inference chunking
+        m_ch, z_ch, _ = openfold_run(blk, *x, chunk_size=2)
+    assert rel_err(m_ch, m_ref) < TOL and rel_err(z_ch, z_ref) < TOL
+    attn_zoo.unpatch(blk)
+    m_back, z_back, _ = openfold_run(blk, *x)
+    assert torch.equal(m_back, m_ref) and torch.equal(z_back, z_ref)

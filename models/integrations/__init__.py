@@ -1,6 +1,5 @@
 """In-place patching of other projects' models onto ``attn_ops.attention``: the only code that knows their
-module layouts (one module per project: ``hf``, ``fair_esm``, ``boltz``). OpenFold models are not patched (its
-attention modules import a CUDA extension at import time); they are served by conversion (``models.zoo``).
+module layouts (one module per project: ``hf``, ``fair_esm``, ``boltz``, ``openfold``).
 
     import attn_zoo
     attn_zoo.patch(model)      # the model's attention modules now run attn_ops.attention
@@ -17,10 +16,10 @@ from typing import List
 
 from torch import nn
 
-from . import boltz, fair_esm, hf
+from . import boltz, fair_esm, hf, openfold
 from .common import Options, patched, restore_forward, swap_forward
 
-_MODULE_PATCHERS = (fair_esm, boltz)
+_MODULE_PATCHERS = (fair_esm, boltz, openfold)
 
 
 def looked_for() -> List[str]:
@@ -32,7 +31,8 @@ def patch(model: nn.Module, *, backend: str = "auto", deterministic: bool = True
     """Run ``model``'s attention on ``attn_ops.attention(..., backend=backend, deterministic=deterministic)``.
 
     Recognises transformers models written against the attention registry, fair-esm's ``MultiheadAttention``,
-    Boltz-1/2 triangle attention and attention with pair bias (see :func:`looked_for`), in ``model`` itself or
+    Boltz-1/2 triangle attention and attention with pair bias, OpenFold's triangle and MSA attention (see
+    :func:`looked_for`), in ``model`` itself or
     anywhere inside it (a wrapper of yours). Returns ``model``, patched in place. Raises ``TypeError`` for a model
     with none of them.
     """

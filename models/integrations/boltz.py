@@ -27,6 +27,7 @@ from torch import Tensor, nn
 import attn_ops
 
 from .common import Options
+from .openfold import triangle_core
 
 LOOKS_FOR = (
     "boltz.model.layers.triangular_attention.attention.TriangleAttention (Boltz-1/2)",
@@ -66,56 +67,10 @@ def patch_targets(modules: List[nn.Module]) -> List[Tuple[nn.Module, object]]:
 # --------------------------------------------------------------------------------------------------
 # Triangle attention (AF2 Alg. 13/14 as Boltz writes it)
 # --------------------------------------------------------------------------------------------------
-def _spans(n: int, chunk: Optional[int]):
-    step = n if not chunk else chunk
-    return [slice(i, min(i + step, n)) for i in range(0, n, step)] or [slice(0, 0)]
-
-
-def _triangle_rows(mod: nn.Module, options: Options, xn: Tensor, bias: Tensor, mask: Tensor) -> Tensor:
-    """Attention of rows ``xn [*, R, J, C_in]`` (already layer-normed) along J; bias ``[*, 1, H, J, J]``,
-    mask ``[*, R, 1, 1, J]`` bool. Returns ``[*, R, J, C_in]``."""
-    mha = mod.mha
-    q, k, v = mha._prep_qkv(xn, xn, apply_scale=False)  # [*, R, H, J, C]
-    o = attn_ops.attention(q, k, v, bias=bias, mask=mask, scale=mha.c_hidden ** -0.5, **options.kwargs())
-    return mha._wrap_up(o.transpose(-2, -3), xn)  # [*, R, J, H, C] -> [*, R, J, C_in]
-
-
 def triangle_attention(mod: nn.Module, options: Options, x: Tensor, mask: Optional[Tensor] = None,
                        chunk_size: Optional[int] = None, use_kernels: bool = False) -> Tensor:
-    """Boltz's ``TriangleAttention.forward``: ``x [*, I, J, C_in]``, ``mask [*, I, J]``."""
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    if mask is None:
-        mask = x.new_ones(x.shape[:-1])
-    if tuple(mask.shape) != tuple(x.shape[:-1]):
-        raise ValueError(f"mask: expected shape {tuple(x.shape[:-1])} (x without channels), got {tuple(mask.shape)}")
-    if not mod.starting:
-        x, mask = x.transpose(-2, -3), mask.transpose(-1, -2)
-    keys = mask.bool()[..., :, None, None, :]  # [*, I, 1, 1, J], True = attend
-    n = x.shape[-3]
-    if chunk_size is None or chunk_size >= n:
-        xn = mod.layer_norm(x)
-        bias = mod.linear(xn).movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, I, J]
-        out = _triangle_rows(mod, options, xn, bias, keys)
-    else:
-        # memory-bounded: the bias (H channels) first, by row chunks, then rows by chunks
-        bias = torch.cat([mod.linear(mod.layer_norm(x[..., r, :, :])) for r in _spans(n, chunk_size)], dim=-3)
-        bias = bias.movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, I, J]
-        parts = []
-        out = None
-        for r in _spans(n, chunk_size):
-            o = _triangle_rows(mod, options, mod.layer_norm(x[..., r, :, :]), bias, keys[..., r, :, :, :])
-            if torch.is_grad_enabled():
-                parts.append(o)
-                continue
-            if out is None:
-                out = o.new_empty(*x.shape[:-1], o.shape[-1])
-            out[..., r, :, :] = o
-        if parts:
-            out = torch.cat(parts, dim=-3)
-    if not mod.starting:
-        out = out.transpose(-2, -3)
-    return out
+    """Boltz's ``TriangleAttention.forward``: ``x [*, I, J, C_in]``, ``mask [*, I, J]`` (OpenFold's module)."""
+    return triangle_core(mod, options, x, mask, chunk_size)
 
 
 # --------------------------------------------------------------------------------------------------
