@@ -1,10 +1,11 @@
-"""The Pairformer stack over the ranks of a ``torch.distributed`` process group: the pair tensor split by rows.
+"""The Pairformer and Evoformer stacks over the ranks of a ``torch.distributed`` process group: the pair tensor
+split by rows (``docs/sharding.md``).
 
 Each of the ``P`` ranks holds rows ``I_r = [r n, (r+1) n)`` of the pair tensor, ``z_r [B, n, N', c_z]``, and the
-same rows of the single representation, ``s_r [B, n, c_s]``; ``N' = P n`` is N padded up to a multiple of P (the
-padding is masked out, so real positions are exact). The masks ``single_mask [B, N']`` and ``pair_mask [B, N', N']``
-are passed whole to every rank (one byte a pair). The blocks and their parameters are the stack's own: one
-``state_dict`` serves the single-process and the sharded stack, and the blocks know nothing of the group.
+same residues of the single representation, ``s_r [B, n, c_s]``, or of the MSA, ``m_r [B, S', n, c_m]``; ``N' = P n``
+is N padded up to a multiple of P (the padding is masked out, so real positions are exact). The masks are passed
+whole to every rank (one byte a pair). The blocks and their parameters are the stack's own: one ``state_dict``
+serves the single-process and the sharded stack, and the blocks know nothing of the group.
 
 Per block, in the order it runs (1-D row sharding, FastFold's DAP scheme):
 - triangle multiplication outgoing ``x_ij = sum_k a_ik b_jk``: rows i of ``a`` are local, ``b`` is all-gathered;
@@ -14,19 +15,20 @@ Per block, in the order it runs (1-D row sharding, FastFold's DAP scheme):
 - around the ending node and the pair transition: on the transposed pair tensor (an all-to-all puts columns on
   ranks as rows), then transposed back;
 - attention with pair bias: query rows ``I_r`` with their bias rows (local), keys and values from the gathered
-  ``LN(s)``; the single transition on local rows.
+  ``LN(s)``; the single transition on local rows;
+- Evoformer: the MSA row attention on this rank's sequences (m resharded there and back, the bias gathered), the
+  column attention and transition on the local residues, the outer product mean with ``b`` gathered.
 The local contribution of each product is computed while the gather is in flight.
 
 Gradients are exact: every collective is an ``autograd.Function`` whose backward is its adjoint (all-gather ->
 reduce-scatter, the transposing all-to-all -> itself), and the products' Functions keep only local operands,
 gathering again in the backward. The loss is the sum of the ranks' losses on their shards; each rank's parameter
-gradients are its share, summed over the group by :meth:`ShardedPairformerStack.reduce_gradients`. Dropout masks are
-drawn whole and sliced, so every rank of the group must start from the same RNG state.
+gradients are its share, summed over the group by ``reduce_gradients``. Dropout masks are drawn whole and sliced,
+so every rank of the group must start from the same RNG state.
 
-Without autograd in eval mode the stack runs the memory-bounded path of ``attn_zoo.models.inference`` on each rank:
-every module updates the local rows of z in place by chunks; a rank holds its rows, the gathered projection of a
-triangle multiplication ``[C, N', N']`` and, for the transposes and the incoming product, two buffers of its
-rows' size.
+Without autograd in eval mode each rank runs an in-place chunked path built from ``attn_zoo.models.inference``'s
+pieces: the incoming product on z^T (the outgoing form with a and b swapped), both products by channel groups, so
+a rank holds its rows, the product of its rows and one group's operands, never a whole projection.
 """
 from __future__ import annotations
 
@@ -536,7 +538,8 @@ def evoformer_block_(blk: nn.Module, m: Tensor, z: Tensor, msa_mask: Tensor, pai
     inference.msa_column_attention_(blk.msa_column_attention, m, cols, msa_chunk)
     rows_update_(m, -3, msa_chunk, _transition_fn(blk.msa_transition))
     opm = blk.outer_product_mean
-    a, b_flat, count = _opm_operands(opm, m, msa_mask, sh, lambda b: _gather(b, sh.group).movedim(0, -3).flatten(-3, -2))
+    gather = lambda b: _gather(b, sh.group).movedim(0, -3).flatten(-3, -2)  # noqa: E731  [B, S', N', C]
+    a, b_flat, count = _opm_operands(opm, m, msa_mask, sh, gather)
     for idx in _spans(z.shape[-3], chunk):
         z[..., idx, :, :] += _opm_rows(opm, a[..., idx, :], b_flat, count[..., idx, :])
     del a, b_flat, count

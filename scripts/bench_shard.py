@@ -41,8 +41,8 @@ from attn_zoo.models.sharding import ShardedPairformerStack  # noqa: E402
 GIB = 2.0 ** 30
 PADDED = 13
 MODES = ("block-fwd", "block-train", "stack-infer")
-HEADER = ("| mode | GPUs | impl | N | N' | blocks run | c_z | c_s | chunk | first call s | ms (median) | per-GPU peak GiB "
-          "| z/GPU GiB | status |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| mode | GPUs | impl | N | N' | blocks run | c_z | c_s | chunk | first call s | ms (median) "
+          "| per-GPU peak GiB | z/GPU GiB | status |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def parse(argv=None):
