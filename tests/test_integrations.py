@@ -229,10 +229,14 @@ def test_hf_from_pretrained_with_attn_implementation(tmp_path):
     assert attn_zoo.register_hf() == "attn_zoo"
     import transformers
 
+    registered = transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS["attn_zoo"]
+    assert attn_zoo.register_hf() == "attn_zoo"  # registering again keeps the function
+    assert transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS["attn_zoo"] is registered
+
     loaded = transformers.EsmForMaskedLM.from_pretrained(tmp_path, attn_implementation="attn_zoo").eval()
     assert loaded.config._attn_implementation == "attn_zoo" and is_patched(loaded)
     seen = []
-    fn = transformers.AttentionInterface._global_mapping["attn_zoo"]
+    fn = transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS["attn_zoo"]
     orig_call = type(fn).__call__
     with pytest.MonkeyPatch.context() as mp:  # the registered function is what the layers call
         mp.setattr(type(fn), "__call__", lambda self, *a, **k: seen.append(1) or orig_call(self, *a, **k))

@@ -129,20 +129,18 @@ def _eager(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attenti
     return torch.matmul(w, value).transpose(1, 2).contiguous(), w
 
 
-_REGISTERED = {}
-
-
 def register(backend: str = "auto", deterministic: bool = True) -> str:
     """Register the attention function (and the boolean mask builder) under :func:`name_for` these options;
-    returns the name to pass as ``attn_implementation``."""
-    from transformers import AttentionInterface
-    from transformers import masking_utils
+    returns the name to pass as ``attn_implementation``. transformers' registry is the only state: a name already
+    holding these options is left as it is."""
+    from transformers import AttentionInterface, masking_utils
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     options = Options(backend, deterministic)
     name = name_for(options)
-    if name not in _REGISTERED:
-        _REGISTERED[name] = HFAttention(options)
-        AttentionInterface.register(name, _REGISTERED[name])
+    current = ALL_ATTENTION_FUNCTIONS.get(name)
+    if not (isinstance(current, HFAttention) and current.options == options):
+        AttentionInterface.register(name, HFAttention(options))
         if hasattr(masking_utils, "AttentionMaskInterface"):  # older versions build additive masks (served as bias)
             masking_utils.AttentionMaskInterface.register(name, masking_utils.sdpa_mask)
     return name
