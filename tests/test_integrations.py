@@ -567,3 +567,42 @@ def test_openfold_evoformer_block_patched_equals_unpatched_with_grads(backend):
     attn_zoo.unpatch(blk)
     m_back, z_back, _ = openfold_run(blk, *x)
     assert torch.equal(m_back, m_ref) and torch.equal(z_back, z_ref)
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: the triton kernels in bf16, error bounded by the unpatched model's own bf16 error
+# --------------------------------------------------------------------------------------------------
+def _gpu_case(case):
+    """(model on CUDA, fn() -> output at real positions) for one project, at sizes with head dims 16."""
+    g = torch.Generator().manual_seed(11)
+    if case == "fair-esm":
+        esm2 = pytest.importorskip("esm.model.esm2", reason="fair-esm is a test dependency")
+        m = randomize_(esm2.ESM2(num_layers=2, embed_dim=64, attention_heads=4)).cuda().eval()
+        tok = torch.randint(4, 24, (3, 40), generator=g)
+        tok[:, 0], tok[1, 10:13], tok[2, 30:] = m.cls_idx, m.padding_idx, m.padding_idx
+        tok = tok.cuda()
+        return m, lambda: m(tok)["logits"][tok != m.padding_idx]
+    if case == "hf":
+        m = hf_model().cuda()
+        ids, am = (t.cuda() for t in hf_inputs(L=40))
+        return m, lambda: m(input_ids=ids, attention_mask=am).logits[am.bool()]
+    layer = boltz_layer().cuda()
+    s, z, mask, pair_mask = (t.cuda() for t in boltz_inputs(N=40))
+    real = mask[:, :, None] & mask[:, None, :]
+    return layer, lambda: layer(s, z, mask.float(), pair_mask.float())[1][real]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["fair-esm", "hf", "boltz"])
+def test_gpu_triton_bf16_error_within_twice_unpatched(case):
+    model, run = _gpu_case(case)
+    with torch.no_grad():
+        ref32 = run().float()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ref16 = run().float()
+            attn_zoo.patch(model, backend="triton")
+            got16 = run().float()
+    assert rel_err(got16, ref32) <= 2 * rel_err(ref16, ref32) + 1e-5, (rel_err(got16, ref32), rel_err(ref16, ref32))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        run().float().square().mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
