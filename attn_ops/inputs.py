@@ -116,6 +116,9 @@ def check_inputs(q, k, v, bias, mask, scale):
     return bias, mask, scale
 
 
+_FUNCTORCH_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
 def check_bias_values(bias: Optional[Tensor], mask: Optional[Tensor], causal: bool,
                       segment_ids: Optional["SegmentIds"], lq: int, lk: int, shown_ndim: Optional[int] = None) -> None:
     """Raise a ValueError naming ``bias`` if it holds +inf at an attended position, where that costs no device sync.
@@ -129,7 +132,7 @@ def check_bias_values(bias: Optional[Tensor], mask: Optional[Tensor], causal: bo
     """
     if bias is None or bias.device.type != "cpu" or bias.numel() == 0:
         return
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if torch.compiler.is_compiling() or _FUNCTORCH_ACTIVE():  # (a data-dependent bool would break either)
         return
     with torch.no_grad():
         if not bool(torch.isposinf(bias.amax())):
