@@ -4,6 +4,7 @@ first-call and steady time, as one markdown row per run.
     torchrun --nproc_per_node=2 scripts/bench_shard.py --mode block-fwd --residues 4096
     torchrun --nproc_per_node=1 scripts/bench_shard.py --mode block-fwd --residues 4096        # the one-GPU baseline
     torchrun --nproc_per_node=2 scripts/bench_shard.py --mode stack-infer --residues 12288 --blocks 48
+    torchrun --nproc_per_node=2 scripts/bench_shard.py --mode check                       # correctness, NCCL
     torchrun --nproc_per_node=2 scripts/bench_shard.py --device cpu --residues 24 --c-z 16 --c-s 32 --blocks 2  # gloo
 
 Modes (AF3 widths by default: c_z 128, c_s 384, 16 single heads, 4 pair heads x 32, triangle products 128):
@@ -12,7 +13,10 @@ Modes (AF3 widths by default: c_z 128, c_s 384, 16 single heads, 4 pair heads x 
 - ``block-train``: one PairformerBlock forward and backward in train mode (dropout on), gradients into every
   parameter and into s and z;
 - ``stack-infer``: a ``--blocks``-block PairformerStack without autograd, the in-place path; ``--blocks-run K``
-  runs the first K blocks only (the per-block peak and time are the same for every block).
+  runs the first K blocks only (the per-block peak and time are the same for every block);
+- ``check``: correctness on the device: the sharded and the single-process stack in float32 (TF32 off), each
+  against the single-process stack in float64 on the CPU (training outputs and gradients, in-place outputs); PASS
+  when the sharded error is at most 2x the single-process one plus 1e-6 (exit status 1 otherwise).
 P = 1 runs the single-process modules (``--sharded`` runs the sharded wrapper on one rank instead). bf16 weights and
 inputs on CUDA (NCCL), float32 on the CPU (gloo); random weights; the last 13 residues padded (masked). Time: the
 first call alone, then the median of ``--iters`` calls (the slowest rank's; stack-infer: the one call, compiles
@@ -40,7 +44,7 @@ from attn_zoo.models.sharding import ShardedPairformerStack  # noqa: E402
 
 GIB = 2.0 ** 30
 PADDED = 13
-MODES = ("block-fwd", "block-train", "stack-infer")
+MODES = ("block-fwd", "block-train", "stack-infer", "check")
 HEADER = ("| mode | GPUs | impl | N | N' | blocks run | c_z | c_s | chunk | first call s | ms (median) "
           "| per-GPU peak GiB | z/GPU GiB | status |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
@@ -48,8 +52,9 @@ HEADER = ("| mode | GPUs | impl | N | N' | blocks run | c_z | c_s | chunk | firs
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=MODES, default="block-fwd")
-    p.add_argument("--residues", type=int, default=4096, help="N (the last 13 masked as padding)")
-    p.add_argument("--blocks", type=int, default=48, help="blocks of the stack (stack-infer)")
+    p.add_argument("--residues", type=int, default=None, help="N, the last 13 masked as padding (default 4096; "
+                   "check: 77)")
+    p.add_argument("--blocks", type=int, default=None, help="blocks of the stack (stack-infer: default 48; check: 2)")
     p.add_argument("--blocks-run", type=int, default=0, help="stack-infer: run the first K blocks only (0: all)")
     p.add_argument("--c-z", type=int, default=128)
     p.add_argument("--c-s", type=int, default=384)
@@ -68,6 +73,10 @@ def parse(argv=None):
     p.add_argument("--checkpoint", action="store_true", help="block-train: activation checkpointing per block")
     p.add_argument("--out", default=None, help="markdown file the row is appended to")
     args = p.parse_args(argv)
+    if args.residues is None:
+        args.residues = 77 if args.mode == "check" else 4096
+    if args.blocks is None:
+        args.blocks = 2 if args.mode == "check" else 48
     if args.iters is None:
         args.iters = 0 if args.mode == "stack-infer" else 3
     return args
@@ -130,6 +139,8 @@ def inputs(args, dev, dtype, rows: slice, n_all: int, requires_grad: bool):
 
 def run(args):
     dev, rank, world = setup(args)
+    if args.mode == "check":
+        return check(args, dev, rank, world)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     sharded = world > 1 or args.sharded
     num_blocks = args.blocks if args.mode == "stack-infer" else 1
@@ -216,6 +227,94 @@ def run(args):
                 f.write(line + "\n")
     dist.destroy_process_group()
     return status
+
+
+def _rel(a, b, scale=None) -> float:
+    """max |a - b| / max |b| (``scale``: instead of max |b|, for tensors whose own values are near zero)."""
+    b = b.double().cpu()
+    return ((a.double().cpu() - b).abs().max() / (b.abs().max().clamp_min(1e-30) if scale is None else scale)).item()
+
+
+def check(args, dev, rank, world) -> str:
+    """The sharded stack against the single-process one, both in float32 on ``dev`` (TF32 off), each compared with
+    the single-process stack in float64 on the CPU: outputs, input gradients and the largest parameter-gradient
+    error (training, gradients summed over ranks), and the in-place path's outputs. Passes when the sharded error
+    is at most 2x the single-process float32 error plus 1e-6 (relative)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    n = args.residues
+    g = torch.Generator().manual_seed(2)
+    s = torch.randn(1, n, args.c_s, generator=g, dtype=torch.float64)
+    z = torch.randn(1, n, n, args.c_z, generator=g, dtype=torch.float64)
+    single = torch.arange(n)[None] < n - min(PADDED, n // 4)
+    pair = single[:, :, None] & single[:, None, :] & (torch.rand(1, n, n, generator=g) > 0.1)
+    ds, dz = torch.randn(s.shape, generator=g, dtype=torch.float64), torch.randn(z.shape, generator=g, dtype=torch.float64)
+    base = build(args, torch.device("cpu"), torch.float64, args.blocks)
+    for p in base.parameters():  # every layer random (the zero-initialised ones too), the same on every rank
+        p.data.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * (p.shape[-1] ** -0.5 if p.ndim > 1 else 0.3)
+                     + (1.0 if p.ndim == 1 and p.shape[0] in (args.c_z, args.c_s) else 0.0))
+    base.train()  # dropout off below: the same function in every run
+    for mod in base.modules():
+        if hasattr(mod, "p"):
+            mod.p = 0.0
+
+    def train_run(stack, wrapper, device, dtype):
+        si, zi = (t.detach().to(device, dtype).requires_grad_() for t in (s, z))
+        sm, pm = single.to(device), pair.to(device)
+        if wrapper is None:
+            out_s, out_z = stack(si, zi, sm, pm)
+            ((out_s.double() * ds.to(device)).sum() + (out_z.double() * dz.to(device)).sum()).backward()
+        else:
+            s_r, z_r, sm_p, pm_p = wrapper.shard(si, zi, sm, pm)
+            ds_r, dz_r, _, _ = wrapper.shard(ds.to(device), dz.to(device))
+            out_r = wrapper(s_r, z_r, sm_p, pm_p)
+            ((out_r[0].double() * ds_r).sum() + (out_r[1].double() * dz_r).sum()).backward()
+            wrapper.reduce_gradients()
+            for t in (si, zi):
+                dist.all_reduce(t.grad)
+            with torch.no_grad():
+                out_s, out_z = wrapper.gather(*out_r, n=n)
+        grads = {k: q.grad for k, q in stack.named_parameters()}
+        return [out_s, out_z, si.grad, zi.grad], grads
+
+    def infer_run(stack, wrapper, device, dtype):
+        stack.eval()
+        with torch.no_grad():
+            si, zi, sm, pm = s.to(device, dtype), z.to(device, dtype), single.to(device), pair.to(device)
+            if wrapper is None:
+                stack.configure_inference(mode="bounded")
+                return list(stack.forward_inference(si, zi, sm, pm))
+            return list(wrapper.gather(*wrapper.forward_inference(*wrapper.shard(si, zi, sm, pm)), n=n))
+
+    import copy
+
+    ref, ref_grads = train_run(base, None, torch.device("cpu"), torch.float64)
+    ref_inf = infer_run(copy.deepcopy(base), None, torch.device("cpu"), torch.float64)
+    dtype = torch.float32
+    one = copy.deepcopy(base).to(dev, dtype)
+    one_out, one_grads = train_run(one, None, dev, dtype)
+    one_inf = infer_run(copy.deepcopy(one), None, dev, dtype)
+    many = copy.deepcopy(base).to(dev, dtype)
+    wrapper = ShardedPairformerStack(many, channel_groups=args.channel_groups)
+    many_out, many_grads = train_run(many, wrapper, dev, dtype)
+    wrapper_inf = ShardedPairformerStack(copy.deepcopy(many).eval(), channel_groups=args.channel_groups)
+    many_inf = infer_run(wrapper_inf.stack, wrapper_inf, dev, dtype)
+    names = ["s", "z", "grad s", "grad z"]
+    rows = [(f"train {k}", _rel(a, r), _rel(b, r)) for k, a, b, r in zip(names, one_out, many_out, ref)]
+    # against the largest parameter gradient: some are analytically zero (a layer-norm bias before a softmax)
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    rows.append(("train parameter grads (max)", max(_rel(one_grads[k], g, scale) for k, g in ref_grads.items()),
+                 max(_rel(many_grads[k], g, scale) for k, g in ref_grads.items())))
+    rows += [(f"in-place {k}", _rel(a, r), _rel(b, r)) for k, a, b, r in zip(names, one_inf, many_inf, ref_inf)]
+    ok = all(b <= 2 * a + 1e-6 for _, a, b in rows)
+    if rank == 0:
+        print(f"| quantity (float32, {world} ranks, N={n}) | single process vs float64 | sharded vs float64 |\n"
+              "|---|---|---|")
+        for k, a, b in rows:
+            print(f"| {k} | {a:.2e} | {b:.2e} |")
+        print("check:", "PASS" if ok else "FAIL", flush=True)
+    dist.destroy_process_group()
+    return "ok" if ok else "FAIL"
 
 
 def _bounded(fn) -> dict:

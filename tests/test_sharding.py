@@ -150,7 +150,7 @@ def test_sharded_pairformer_four_ranks():
 
 @pytest.mark.slow
 def test_bench_script_on_gloo(tmp_path):
-    """scripts/bench_shard.py under torchrun on 2 CPU ranks: every mode writes an ok row."""
+    """scripts/bench_shard.py under torchrun on 2 CPU ranks: every benchmark mode writes an ok row, the check passes."""
     import os
     import subprocess
     import sys
@@ -160,13 +160,15 @@ def test_bench_script_on_gloo(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "rows.md"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for mode in ("block-fwd", "block-train", "stack-infer"):
+    for mode in ("block-fwd", "block-train", "stack-infer", "check"):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
                os.path.join(root, "scripts", "bench_shard.py"), "--device", "cpu", "--mode", mode, "--residues", "19",
                "--c-z", "8", "--c-s", "16", "--heads-s", "2", "--heads-z", "2", "--c-pair", "4", "--blocks", "2",
                "--iters", "1", "--out", str(out)]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        if mode == "check":
+            assert "check: PASS" in res.stdout, res.stdout[-2000:]
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "mode" not in line]
     assert [r.split(" | ")[0][2:] for r in rows] == ["block-fwd", "block-train", "stack-infer"]
     assert all(r.rstrip(" |").endswith("ok") for r in rows) and all(" | 2 | sharded | 19 | 20 | " in r for r in rows)
