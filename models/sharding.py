@@ -398,10 +398,10 @@ def pair_stack_(blk: nn.Module, z: Tensor, pair_mask: Tensor, sh: _Shard, chunk:
     """:func:`pair_stack` in place without autograd. The incoming product and the ending node run on z^T: four
     transposes (one group of channels at a time), no buffer of z's size."""
     rows, cols = sh.rows(pair_mask), sh.rows(pair_mask.transpose(-1, -2))
-    e = z.element_size()
+    # the projection phase runs beside x and a group's operands: its LN(z) and projections (c_z + 5 Cg values a
+    # pair) within an eighth of z's rows, in chunks longer than the others (fewer launches)
     cg = -(-blk.tri_mul_out.c_hidden // max(1, groups))
-    # the projection phase keeps LN(z) and one group's projections per pair: longer chunks for the same bytes
-    proj_chunk = chunk * max(1, chunk_bytes_per_pair(inference.Dims.of(blk), e) // (e * (z.shape[-1] + 5 * cg)))
+    proj_chunk = max(chunk, z.shape[-3] * z.shape[-1] // (8 * (z.shape[-1] + 5 * cg)))
     triangle_multiplication_(blk.tri_mul_out, z, rows, sh, chunk, groups, proj_chunk)
     _transpose_(z, sh, groups)
     triangle_multiplication_(blk.tri_mul_in, z, cols, sh, chunk, groups, proj_chunk)
@@ -625,7 +625,8 @@ class _ShardedStack(nn.Module):
     def plan_chunk(self, z: Tensor) -> int:
         """Pair rows per chunk for local rows ``z [B, n, N', c_z]``: the settings' or stack's chunk size, else the
         largest of n and the powers of two below it whose chunk temporaries (:func:`chunk_bytes_per_pair`) stay
-        under a quarter of z's rows (at least 64 MiB) and within the free memory left beside the product ``x``."""
+        under half of z's rows (at least 64 MiB; the triangle products' peak, z's rows, x and a group's operands,
+        stays above it) and within the free memory left beside the product ``x``."""
         stack, settings = self.stack, self.stack.inference_settings
         chunk = settings.chunk_size if settings.chunk_size is not None else stack.chunk_size
         if chunk is not None:
@@ -635,7 +636,7 @@ class _ShardedStack(nn.Module):
         b, n, n_all = z.shape[:3]
         e = torch.empty((), dtype=z.dtype).element_size()
         per_row = b * n_all * chunk_bytes_per_pair(inference.Dims.of(stack.blocks[0]), e)
-        cap = max(0.25 * z.numel() * e, 64 * 2 ** 20)
+        cap = max(0.5 * z.numel() * e, 64 * 2 ** 20)
         budget = settings.memory_budget
         if budget is None:
             free = inference.free_device_memory(z.device)
