@@ -114,6 +114,18 @@ def _check_case(case, rank, world, seed):
         s_all, z_all = sharded.gather(out_s, out_z, n=n, **gather_kw)
     errs = {"s": rel_err(s_all, s_ref), "z": rel_err(z_all, z_ref)}
     assert all(v < TOL for v in errs.values()), f"inference, world {world} case {case}: {errs}"
+    # inplace: the caller's z (and an MSA) hold the result; the planned chunk size (none configured)
+    stack.configure_inference(chunk_size=None)
+    stack.chunk_size = None
+    x_in, z_in = s_r.detach().clone(), z_r.detach().clone()
+    with torch.no_grad():
+        out_x, out_z = sharded.forward_inference(x_in, z_in, sm, pm, inplace=True)
+        assert out_z.data_ptr() == z_in.data_ptr() and torch.equal(out_z, z_in)
+        if case[0] != "pairformer":
+            assert torch.equal(out_x, x_in)
+        s_all, z_all = sharded.gather(out_x, out_z, n=n, **gather_kw)
+    errs = {"s": rel_err(s_all, s_ref), "z": rel_err(z_all, z_ref)}
+    assert all(v < TOL for v in errs.values()), f"inference in place, world {world} case {case}: {errs}"
 
 
 def _check(rank, world):
