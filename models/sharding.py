@@ -344,14 +344,19 @@ def _triangle_multiplication_one_(mod: nn.Module, z: Tensor, mask: Tensor, sh: _
     x = z.new_empty(c, n, z.shape[1], dtype=dtype)  # [C, n(i), N'(j)]
     for g in _channel_slices(c, groups):
         cg = g.stop - g.start
-        wl, wa = _group_projection(w_local, c, g), _group_projection(w_all, c, g)
+        # both operands' gates, then both projections: one GEMM on LN(z) for the two
+        wa, wl = _group_projection(w_all, c, g), _group_projection(w_local, c, g)
+        w = torch.cat([wa[0][:cg], wl[0][:cg], wa[0][cg:], wl[0][cg:]])  # [4Cg, c_z]
+        bias = None if wa[1] is None else torch.cat([wa[1][:cg], wl[1][:cg], wa[1][cg:], wl[1][cg:]])
         gathered = z.new_empty(world, cg, n, z.shape[1], dtype=dtype)  # [P, Cg, n, N']: every rank's rows
         local = z.new_empty(cg, n, z.shape[1], dtype=dtype)
         for idx in _spans(n, proj_chunk):
             zn = layer_norm_rows(z[idx], mod.layer_norm_in)
-            inference._gated_channels_first(zn, wa, mask[idx], cg, out=gathered[rank, :, idx].view(cg, -1))
-            inference._gated_channels_first(zn, wl, mask[idx], cg, out=local[:, idx].view(cg, -1))
+            both = inference._gated_channels_first(zn, (w, bias), mask[idx], 2 * cg)  # [2Cg, R N']
             del zn
+            gathered[rank, :, idx] = both[:cg].view(cg, -1, z.shape[1])
+            local[:, idx] = both[cg:].view(cg, -1, z.shape[1])
+            del both
         work = _gather_into(gathered, gathered[rank], sh.group, async_op=True)
         xg = x[g]  # [Cg, n, N'], contiguous
         xg[:, :, rank * n:(rank + 1) * n] = torch.matmul(local, gathered[rank].transpose(-1, -2))  # while it travels
@@ -398,10 +403,10 @@ def pair_stack_(blk: nn.Module, z: Tensor, pair_mask: Tensor, sh: _Shard, chunk:
     """:func:`pair_stack` in place without autograd. The incoming product and the ending node run on z^T: four
     transposes (one group of channels at a time), no buffer of z's size."""
     rows, cols = sh.rows(pair_mask), sh.rows(pair_mask.transpose(-1, -2))
-    # the projection phase runs beside x and a group's operands: its LN(z) and projections (c_z + 5 Cg values a
+    # the projection phase runs beside x and a group's operands: its LN(z) and projections (c_z + 6 Cg values a
     # pair) within an eighth of z's rows, in chunks longer than the others (fewer launches)
     cg = -(-blk.tri_mul_out.c_hidden // max(1, groups))
-    proj_chunk = max(chunk, z.shape[-3] * z.shape[-1] // (8 * (z.shape[-1] + 5 * cg)))
+    proj_chunk = max(chunk, z.shape[-3] * z.shape[-1] // (8 * (z.shape[-1] + 6 * cg)))
     triangle_multiplication_(blk.tri_mul_out, z, rows, sh, chunk, groups, proj_chunk)
     _transpose_(z, sh, groups)
     triangle_multiplication_(blk.tri_mul_in, z, cols, sh, chunk, groups, proj_chunk)
