@@ -103,14 +103,22 @@ class _AllGather(torch.autograd.Function):
         return _reduce_scatter(blocks, ctx.group), None, None
 
 
+def _transpose_send(z: Tensor, group, async_op: bool = False):
+    """Send ``z``'s column blocks transposed: the all-to-all of :func:`_transpose_blocks` (with ``async_op`` also
+    the work handle); :func:`_transpose_recv` assembles what comes back."""
+    world = dist.get_world_size(group)
+    send = z.unflatten(-2, (world, z.shape[-3])).movedim(-3, 0).transpose(-2, -3)  # [P, *, n_j, n_i, c]
+    return _exchange(send, group, async_op)  # entry s: [*, n_j (mine), n_i (rank s's rows), c]
+
+
+def _transpose_recv(recv: Tensor) -> Tensor:
+    return recv.movedim(0, -3).flatten(-3, -2)  # [*, n_j, P n_i, c]
+
+
 def _transpose_blocks(z: Tensor, group) -> Tensor:
     """Rows of ``z^T`` from rows of ``z``: ``z_r [*, n, N', c] -> zt_r [*, n, N', c]`` with ``zt_r[*, j, i] =
     z[*, i, r n + j]`` (one all-to-all)."""
-    world = dist.get_world_size(group)
-    n = z.shape[-3]
-    send = z.unflatten(-2, (world, n)).movedim(-3, 0).transpose(-2, -3)  # [P, *, n_j, n_i, c]
-    recv = _exchange(send, group)  # entry s: [*, n_j (mine), n_i (rank s's rows), c]
-    return recv.movedim(0, -3).flatten(-3, -2)  # [*, n_j, P n_i, c]
+    return _transpose_recv(_transpose_send(z, group))
 
 
 class _Transpose(torch.autograd.Function):
@@ -393,9 +401,17 @@ def triangle_attention_(mod: nn.Module, z: Tensor, mask_rows: Tensor, sh: _Shard
 
 def _transpose_(z: Tensor, sh: _Shard, groups: int) -> Tensor:
     """``z`` overwritten with its transposed rows (:func:`_transpose_blocks`), ``groups`` channel groups at a time:
-    a group is written once it has been sent, so the buffers on the way are two of one group's size."""
+    a group is written once it has been sent, and the next group is packed and sent while one travels, so the
+    buffers on the way are those of two groups."""
+    pending = None
     for g in _channel_slices(z.shape[-1], groups):
-        z[..., g] = _transpose_blocks(z[..., g], sh.group)
+        recv, work = _transpose_send(z[..., g], sh.group, async_op=True)
+        if pending is not None:
+            pending[2].wait()
+            z[..., pending[0]] = _transpose_recv(pending[1])
+        pending = (g, recv, work)
+    pending[2].wait()
+    z[..., pending[0]] = _transpose_recv(pending[1])
     return z
 
 
