@@ -184,3 +184,21 @@ def test_bench_script_on_gloo(tmp_path):
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "mode" not in line]
     assert [r.split(" | ")[0][2:] for r in rows] == ["block-fwd", "block-train", "stack-infer"]
     assert all(r.rstrip(" |").endswith("ok") for r in rows) and all(" | 2 | sharded | 19 | 20 | " in r for r in rows)
+
+
+@pytest.mark.gpu
+def test_check_mode_on_cuda():
+    """The sharded stack on NCCL (up to 2 GPUs), float32 against float64: no worse than one process
+    (``bench_shard.py --mode check``)."""
+    import os
+    import subprocess
+    import sys
+
+    from gloo_harness import free_port
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    world = min(2, torch.cuda.device_count())
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={free_port()}",
+           os.path.join(root, "scripts", "bench_shard.py"), "--mode", "check", "--residues", "77"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "check: PASS" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
