@@ -108,6 +108,12 @@ class Task(L.LightningModule):
                              "frequency": 1, "monitor": "val/loss"},
         }
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        from .parallel import clip_sharded_gradients
+
+        if not clip_sharded_gradients(self, gradient_clip_val, gradient_clip_algorithm):  # FSDP: its own norm
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     # subclasses implement: step(batch) -> (loss, {name: value}, batch_size)
     def step(self, batch: dict):
         raise NotImplementedError

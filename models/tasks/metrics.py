@@ -5,21 +5,25 @@ import torch
 import torch.nn.functional as F
 
 from ..data.structure import CONTACT_CUTOFF, DISTOGRAM_EDGES
+from .parallel import global_mean
 
 # bins whose upper edge is <= 8 A: a "contact" in both prediction and target
 CONTACT_BINS = int((DISTOGRAM_EDGES <= CONTACT_CUTOFF).sum())
 
 
-def masked_cross_entropy(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_cross_entropy(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
+                         group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy over masked positions.
 
     logits ``[*, C]``, target ``[*]`` long, mask ``[*]`` bool -> (loss scalar (0 if nothing is
-    masked), number of scored positions). Computed in float32.
+    masked), number of scored positions on this rank). Computed in float32. ``group``: a process group whose ranks
+    hold the rest of the batch: the loss is this rank's share of the mean over all their positions
+    (``parallel.global_mean``; every rank of the group calls it together).
     """
     ce = F.cross_entropy(logits.float().flatten(0, -2), target.flatten().clamp(max=logits.shape[-1] - 1), reduction="none")
     w = mask.flatten().float()
     n = w.sum()
-    return (ce * w).sum() / n.clamp(min=1.0), n
+    return global_mean((ce * w).sum(), n, group), n
 
 
 def masked_accuracy(logits, target, mask) -> torch.Tensor:
