@@ -4,8 +4,9 @@
     python scripts/compile_lengths.py --model esm2 --lengths 447:21,768,300:13 --modes reduce-overhead
 
 A crop-based training run meets a new length at almost every step; the compiler recompiles once with symbolic
-sizes and must then serve every later length from that graph. Each mode is one ``torch.compile`` of a fresh model
-(``default``: ``torch.compile(model)``; ``dynamic``: ``dynamic=True``; ``reduce-overhead``: CUDA graphs) trained
+sizes and must then serve every later length from that graph. Each mode is one compile of a fresh model with
+``attn_zoo.models.compiling.compile_module`` (``--plain``: ``torch.compile`` itself; ``default``: no keywords;
+``dynamic``: ``dynamic=True``; ``reduce-overhead``: CUDA graphs) trained
 with AdamW through ``--lengths`` (``N:P`` = length N whose last P positions are padding). Prints one markdown row per
 step: the first call's wall time (compiles included) and the median of ``--reps`` more steps at that length.
 Exits non-zero if any mode failed. Needs torch, triton and einops only.
@@ -89,13 +90,17 @@ def build(name: str, attention: str, device: str):
     raise ValueError(f"--model must be pairformer, evoformer, transformer or esm2, got {name!r}")
 
 
-def run_mode(name: str, mode: str, lengths, attention: str, reps: int) -> bool:
+def run_mode(name: str, mode: str, lengths, attention: str, reps: int, options: dict, plain: bool) -> bool:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, inputs, loss_fn = build(name, attention, "cuda")
     model = model.cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    compiled = torch.compile(model, **MODES[mode])
+    if plain:  # torch.compile as a user would call it, without the blocks' Inductor setting
+        compiled = torch.compile(model, **MODES[mode], **({"options": options} if options else {}))
+    else:
+        from attn_zoo.models.compiling import compile_module
+        compiled = compile_module(model, **MODES[mode], options=options)
 
     def step(args):
         with torch.autocast("cuda", torch.bfloat16):
@@ -134,6 +139,10 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma list of N or N:padding (default %(default)s)")
     p.add_argument("--attention", default="triton", help="attention backend (default %(default)s)")
     p.add_argument("--reps", type=int, default=3, help="timed steps after the first at each length")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an Inductor option for torch.compile(options=...), e.g. triton.coalesce_tiling_analysis=0")
+    p.add_argument("--plain", action="store_true",
+                   help="plain torch.compile, not attn_zoo.models.compiling.compile_module (its Inductor setting)")
     a = p.parse_args(argv)
     modes = a.modes.split(",")
     bad = [m for m in modes if m not in MODES]
@@ -142,9 +151,16 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         p.error("needs a CUDA device")
     lengths = parse_lengths(a.lengths)
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, attention {a.attention}")
+    options = {}
+    for item in a.option:
+        key, sep, value = item.partition("=")
+        if not sep:
+            p.error(f"--option {item!r}: expected KEY=VALUE")
+        options[key] = {"0": False, "1": True, "false": False, "true": True}.get(value.lower(), value)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, attention {a.attention}, "
+          f"{'plain torch.compile' if a.plain else 'compile_module'}, options {options}")
     print("| model | mode | N | first call (s) | step (ms) |\n|---|---|---|---|---|", flush=True)
-    ok = [run_mode(a.model, m, lengths, a.attention, a.reps) for m in modes]
+    ok = [run_mode(a.model, m, lengths, a.attention, a.reps, options, a.plain) for m in modes]
     return 0 if all(ok) else 1
 
 

@@ -7,6 +7,8 @@ from typing import Any, Callable, Mapping, Optional
 import lightning as L
 import torch
 
+from ..compiling import compile_module
+
 
 class Task(L.LightningModule):
     """Base task.
@@ -93,7 +95,7 @@ class Task(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         if self.hparams.compile and stage == "fit":
-            self.net.compile()  # in place: state_dict keys (and checkpoints) stay those of the plain net
+            compile_module(self.net, in_place=True)  # state_dict keys (and checkpoints) stay those of the plain net
 
     def configure_optimizers(self):
         if self.optimizer_factory is None:
