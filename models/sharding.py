@@ -37,6 +37,7 @@ from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 
 from . import inference
@@ -209,8 +210,9 @@ class _IncomingProduct(torch.autograd.Function):
 class _Shard:
     """A process group, this rank's place in it and the local row count ``n`` of a padded length ``N' = P n``."""
 
-    def __init__(self, group, n: int):
+    def __init__(self, group, n: int, checkpoint: bool = False):
         self.group = group
+        self.checkpoint = checkpoint  # activation checkpointing of every module update
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.n = n
@@ -283,16 +285,26 @@ def attention_pair_bias(mod: nn.Module, s: Tensor, z: Tensor, single_mask: Tenso
                       out_dim=-2)
 
 
+def _residual(sh: _Shard, fn, x: Tensor, *others: Tensor) -> Tensor:
+    """``x + fn(x, *others)``; with ``sh.checkpoint`` (and grad on) under activation checkpointing: only the inputs
+    are kept, and the backward recomputes the update, its collectives and its dropout draws (the RNG state is
+    restored) in the same order on every rank."""
+    if sh.checkpoint and torch.is_grad_enabled():
+        return x + torch.utils.checkpoint.checkpoint(fn, x, *others, use_reentrant=False)
+    return x + fn(x, *others)
+
+
 def pair_stack(blk: nn.Module, z: Tensor, pair_mask: Tensor, sh: _Shard, c: Optional[int]) -> Tensor:
     """The pair half shared by both blocks on local rows ``z [B, n, N', c_z]``: triangle multiplications, triangle
     attentions, pair transition (the ending node and the transition on z^T)."""
     rows, cols = sh.rows(pair_mask), sh.rows(pair_mask.transpose(-1, -2))  # [B, n, N'] of z and z^T
-    z = z + _dropout(blk.pair_dropout_row, triangle_multiplication(blk.tri_mul_out, z, rows, sh, c), sh)
-    z = z + _dropout(blk.pair_dropout_row, triangle_multiplication(blk.tri_mul_in, z, rows, sh, c), sh)
-    z = z + _dropout(blk.pair_dropout_row, triangle_attention(blk.tri_att_start, z, rows, sh, c), sh)
+    row_drop, col_drop = blk.pair_dropout_row, blk.pair_dropout_col
+    z = _residual(sh, lambda x: _dropout(row_drop, triangle_multiplication(blk.tri_mul_out, x, rows, sh, c), sh), z)
+    z = _residual(sh, lambda x: _dropout(row_drop, triangle_multiplication(blk.tri_mul_in, x, rows, sh, c), sh), z)
+    z = _residual(sh, lambda x: _dropout(row_drop, triangle_attention(blk.tri_att_start, x, rows, sh, c), sh), z)
     zt = _Transpose.apply(z, sh.group)  # rows of z^T: columns of z
-    zt = zt + _dropout(blk.pair_dropout_col, triangle_attention(blk.tri_att_end, zt, cols, sh, c), sh)
-    zt = zt + blk.pair_transition(zt, c)
+    zt = _residual(sh, lambda x: _dropout(col_drop, triangle_attention(blk.tri_att_end, x, cols, sh, c), sh), zt)
+    zt = _residual(sh, lambda x: blk.pair_transition(x, c), zt)
     return _Transpose.apply(zt, sh.group)
 
 
@@ -304,8 +316,9 @@ def pairformer_block(blk: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor, 
     with torch.autocast(s.device.type, enabled=False) if blk.single_fp32 else contextlib.nullcontext():
         if blk.single_fp32:  # Boltz-2: the single track in float32, autocast off
             s, z = at_least_fp32(s), at_least_fp32(z)
-        s = s + attention_pair_bias(blk.attention_pair_bias, s, z, single_mask, sh, c)
-        s = s + blk.single_transition(s, c)
+        apb = blk.attention_pair_bias
+        s = _residual(sh, lambda x, zz: attention_pair_bias(apb, x, zz, single_mask, sh, c), s, z)
+        s = _residual(sh, lambda x: blk.single_transition(x, c), s)
         if blk.post_norm_s is not None:
             s = blk.post_norm_s(s)
     return s, z
@@ -530,13 +543,14 @@ def evoformer_block(blk: nn.Module, m: Tensor, z: Tensor, msa_mask: Tensor, pair
     whole masks. The row attention runs on this rank's sequences (m resharded there and back)."""
     c = chunk_size
     m_seq = _Reshard.apply(m, -2, -3, sh.group)  # [B, S'/P, N', c_m]
-    upd = msa_row_attention(blk.msa_row_attention, m_seq, z, _sequences(msa_mask, sh), sh, c)
-    m_seq = m_seq + _dropout(blk.msa_dropout_row, upd, sh)
+    seqs = _sequences(msa_mask, sh)
+    m_seq = _residual(sh, lambda x, zz: _dropout(
+        blk.msa_dropout_row, msa_row_attention(blk.msa_row_attention, x, zz, seqs, sh, c), sh), m_seq, z)
     m = _Reshard.apply(m_seq, -3, -2, sh.group)
     cols = sh.rows(msa_mask, -1)  # [B, S', n]
-    m = m + blk.msa_column_attention(m, cols, c)
-    m = m + blk.msa_transition(m, c)
-    z = z + outer_product_mean(blk.outer_product_mean, m, msa_mask, sh, c)
+    m = _residual(sh, lambda x: blk.msa_column_attention(x, cols, c), m)
+    m = _residual(sh, lambda x: blk.msa_transition(x, c), m)
+    z = _residual(sh, lambda zz, x: outer_product_mean(blk.outer_product_mean, x, msa_mask, sh, c), z, m)
     return m, pair_stack(blk, z, pair_mask, sh, c)
 
 
@@ -576,7 +590,7 @@ class _ShardedStack(nn.Module):
 
     stack_types: tuple = ()
 
-    def __init__(self, stack: nn.Module, group=None, channel_groups: int = 8):
+    def __init__(self, stack: nn.Module, group=None, channel_groups: int = 8, checkpoint_modules: bool = False):
         super().__init__()
         if not isinstance(stack, self.stack_types):
             names = " or ".join(t.__name__ for t in self.stack_types)
@@ -588,6 +602,7 @@ class _ShardedStack(nn.Module):
         self.stack = stack
         self.group = group
         self.channel_groups = channel_groups
+        self.checkpoint_modules = bool(checkpoint_modules)
 
     @property
     def world(self) -> int:
@@ -627,7 +642,7 @@ class _ShardedStack(nn.Module):
     def _run(self, x: Tensor, z: Tensor, masks: Tuple[Tensor, Tensor], block_fn, inplace_fn, inplace: bool,
              bounded: bool) -> Tuple[Tensor, Tensor]:
         stack = self.stack
-        sh = _Shard(self.group, z.shape[1])
+        sh = _Shard(self.group, z.shape[1], self.checkpoint_modules)
         if not bounded:
             blocks = [_BlockCall(block_fn, blk, sh) for blk in stack.blocks]
             return run_blocks(blocks, x, z, masks, stack.checkpoint_every, stack.chunk_size, stack.training)
@@ -686,6 +701,9 @@ class ShardedPairformerStack(_ShardedStack):
     split by rows. ``stack`` is used as is (its blocks, parameters, checkpointing, chunk size and inference
     settings); every rank builds it the same way and loads the same weights. ``channel_groups``: the in-place path
     runs the triangle products and the transposes that many channel groups at a time (memory against calls).
+    ``checkpoint_modules``: training keeps only every module's input and recomputes its update in the backward
+    (one block's peak: the largest module's activations instead of all of them; the stack's ``checkpoint_every``
+    acts between blocks).
 
     Use::
 

@@ -11,7 +11,7 @@ Modes (AF3 widths by default: c_z 128, c_s 384, 16 single heads, 4 pair heads x 
 - ``block-fwd``: one PairformerBlock without autograd in eval mode, the in-place chunked path (one GPU:
   ``PairformerBlock.forward_inference(inplace=True)``; P GPUs: the sharded stack's in-place path on each rank);
 - ``block-train``: one PairformerBlock forward and backward in train mode (dropout on), gradients into every
-  parameter and into s and z;
+  parameter and into s and z (``--checkpoint``: every module checkpointed, on one GPU through the wrapper too);
 - ``stack-infer``: a ``--blocks``-block PairformerStack without autograd, the in-place path; ``--blocks-run K``
   runs the first K blocks only (the per-block peak and time are the same for every block);
 - ``check``: correctness on the device: the sharded and the single-process stack in float32 (TF32 off), each
@@ -70,7 +70,8 @@ def parse(argv=None):
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--backend", default=None, help="process group backend (default nccl on CUDA, gloo on the CPU)")
     p.add_argument("--sharded", action="store_true", help="the sharded wrapper even on one rank")
-    p.add_argument("--checkpoint", action="store_true", help="block-train: activation checkpointing per block")
+    p.add_argument("--checkpoint", action="store_true", help="block-train: every module of the block under activation "
+                   "checkpointing (the sharded wrapper's checkpoint_modules; on one GPU too)")
     p.add_argument("--out", default=None, help="markdown file the row is appended to")
     args = p.parse_args(argv)
     if args.residues is None:
@@ -110,7 +111,7 @@ def build(args, dev, dtype, num_blocks):
     c_mul = args.c_mul or args.c_z
     stack = PairformerStack(c_s=args.c_s, c_z=args.c_z, num_blocks=num_blocks, num_heads_single=args.heads_s,
                             num_heads_pair=args.heads_z, c_hidden_pair=args.c_pair, c_hidden_mul=c_mul,
-                            attention=args.attention, checkpoint_every=1 if args.checkpoint else 0)
+                            attention=args.attention)
     g = torch.Generator().manual_seed(0)  # the same weights on every rank
     with torch.no_grad():
         for p in stack.parameters():  # AF2's zero-initialised output layers would make every update 0
@@ -142,20 +143,22 @@ def run(args):
     if args.mode == "check":
         return check(args, dev, rank, world)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    sharded = world > 1 or args.sharded
+    train = args.mode == "block-train"
+    sharded = world > 1 or args.sharded or (train and args.checkpoint)
     num_blocks = args.blocks if args.mode == "stack-infer" else 1
     stack = build(args, dev, dtype, num_blocks)
     if args.mode == "stack-infer" and args.blocks_run:
         stack.blocks = torch.nn.ModuleList(list(stack.blocks)[:args.blocks_run])
     blocks_run = len(stack.blocks)
-    train = args.mode == "block-train"
     stack.train(train)
-    wrapper = ShardedPairformerStack(stack, channel_groups=args.channel_groups) if sharded else None
+    wrapper = ShardedPairformerStack(stack, channel_groups=args.channel_groups,
+                                     checkpoint_modules=args.checkpoint) if sharded else None
     n_all = wrapper.padded_length(args.residues) if sharded else args.residues
     n_loc = n_all // world if sharded else n_all
     rows = slice(rank * n_loc, (rank + 1) * n_loc)
     e = torch.empty((), dtype=dtype).element_size()
-    row = dict(mode=args.mode, gpus=world, impl="sharded" if sharded else "single", n=args.residues, n_all=n_all,
+    impl = ("sharded" if sharded else "single") + (", checkpointed modules" if train and args.checkpoint else "")
+    row = dict(mode=args.mode, gpus=world, impl=impl, n=args.residues, n_all=n_all,
                blocks=blocks_run, chunk="", z_gib=n_loc * n_all * args.c_z * e / GIB)
     status, first, times = "ok", None, []
     try:
@@ -248,10 +251,12 @@ def check(args, dev, rank, world) -> str:
     z = torch.randn(1, n, n, args.c_z, generator=g, dtype=torch.float64)
     single = torch.arange(n)[None] < n - min(PADDED, n // 4)
     pair = single[:, :, None] & single[:, None, :] & (torch.rand(1, n, n, generator=g) > 0.1)
-    ds, dz = torch.randn(s.shape, generator=g, dtype=torch.float64), torch.randn(z.shape, generator=g, dtype=torch.float64)
+    ds = torch.randn(s.shape, generator=g, dtype=torch.float64)
+    dz = torch.randn(z.shape, generator=g, dtype=torch.float64)
     base = build(args, torch.device("cpu"), torch.float64, args.blocks)
     for p in base.parameters():  # every layer random (the zero-initialised ones too), the same on every rank
-        p.data.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * (p.shape[-1] ** -0.5 if p.ndim > 1 else 0.3)
+        std = p.shape[-1] ** -0.5 if p.ndim > 1 else 0.3
+        p.data.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * std
                      + (1.0 if p.ndim == 1 and p.shape[0] in (args.c_z, args.c_s) else 0.0))
     base.train()  # dropout off below: the same function in every run
     for mod in base.modules():

@@ -6,7 +6,7 @@ inputs (the reference), then the sharded stack on its rows of the inputs padded 
 (N = 11 and 13, MSA depths 5 and 7: padding on every world size), with masks that have holes. The outputs, the
 input gradients (summed over ranks: each rank holds its rows') and every parameter gradient (``reduce_gradients``)
 must equal the reference to 1e-10 relative; the in-place inference path's outputs likewise. Cases cover both
-Pairformer variants, checkpointing, chunks, uneven channel groups and batches of 2.
+Pairformer variants, checkpointing of blocks and of modules, chunks, uneven channel groups and batches of 2.
 """
 import pytest
 import torch
@@ -27,7 +27,8 @@ EVO = dict(c_m=8, c_z=8, num_heads_msa=2, c_hidden_msa=4, num_heads_pair=2, c_hi
            c_hidden_mul=8, transition_n=2, msa_dropout=0.0, pair_dropout=0.0, attention="torch")
 
 CASES = [
-    # kind, N, batch, blocks, checkpoint_every, training chunk_size, variant / MSA sequences, post_norm_s
+    # kind, N, batch, blocks, checkpoint_every (0: every module checkpointed instead), training chunk_size,
+    # variant / MSA sequences, post_norm_s
     ("pairformer", 11, 1, 2, 1, None, "default", False),
     ("pairformer", 13, 2, 1, 0, 4, "boltz2", True),
     ("evoformer", 11, 1, 2, 1, None, 5, None),
@@ -83,7 +84,8 @@ def _check_case(case, rank, world, seed):
     # the sharded stack: this rank's rows, loss on its rows
     stack = _stack(case, seed)
     wrapper = ShardedPairformerStack if case[0] == "pairformer" else ShardedEvoformerStack
-    sharded = wrapper(stack, channel_groups=3)  # uneven groups of the 8 channels
+    # uneven groups of the 8 channels; every module checkpointed where the stack checkpoints no blocks
+    sharded = wrapper(stack, channel_groups=3, checkpoint_modules=case[4] == 0)
     s2, z2 = s.detach().clone().requires_grad_(), z.detach().clone().requires_grad_()
     s_r, z_r, sm, pm = sharded.shard(s2, z2, single_mask, pair_mask)
     assert z_r.shape[1] * world == z_r.shape[2] >= n and z_r.shape[2] < n + world
@@ -107,6 +109,10 @@ def _check_case(case, rank, world, seed):
     bad = {k: v for k, v in errs.items() if not v < TOL}
     assert not bad, f"world {world} case {case}: {bad}"
 
+    if sharded.checkpoint_modules:  # the forward keeps a fraction of what it keeps without
+        kept = [_saved_numel(sharded, s_r, z_r, sm, pm, flag) for flag in (True, False)]
+        assert kept[0] < 0.5 * kept[1], kept
+
     # inference: the in-place chunked path on each rank
     stack.eval().configure_inference(chunk_size=2)
     with torch.no_grad():
@@ -126,6 +132,21 @@ def _check_case(case, rank, world, seed):
         s_all, z_all = sharded.gather(out_x, out_z, n=n, **gather_kw)
     errs = {"s": rel_err(s_all, s_ref), "z": rel_err(z_all, z_ref)}
     assert all(v < TOL for v in errs.values()), f"inference in place, world {world} case {case}: {errs}"
+
+
+def _saved_numel(sharded, x, z, x_mask, pair_mask, checkpoint_modules):
+    """Elements the autograd graph keeps from one forward (checkpointed regions keep theirs out of reach)."""
+    sharded.checkpoint_modules = checkpoint_modules
+    numel = [0]
+
+    def pack(t):
+        numel[0] += t.numel()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        sharded(x, z, x_mask, pair_mask)
+    sharded.checkpoint_modules = True
+    return numel[0]
 
 
 def _check(rank, world):
