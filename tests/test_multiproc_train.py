@@ -37,9 +37,9 @@ EVO = QUIET + ["data=msa_synthetic", "data.msa_depth=4", "data.length=16", "data
                "data.val_samples=4", "model.net.trunk.num_blocks=1", "model.net.trunk.c_m=16", "model.net.trunk.c_z=8",
                "model.net.trunk.msa_dropout=0", "model.net.trunk.pair_dropout=0"]
 # the long-context causal LM (RoPE, relative-position bias) on 40 random windows of 32 tokens, a global batch of 2
-LM = QUIET + ["experiment=longctx_clm", "data=lm_synthetic", "data.seq_len=32", "data.train_samples=40",
-              "data.val_samples=4", "data.batch_size=2", "model.net.d_model=32", "model.net.num_layers=1",
-              "model.net.num_heads=2"]
+LM_NET = QUIET + ["experiment=longctx_clm", "data.batch_size=2", "model.net.d_model=32", "model.net.num_layers=1",
+                  "model.net.num_heads=2"]
+LM = LM_NET + ["data=lm_synthetic", "data.seq_len=32", "data.train_samples=40", "data.val_samples=4"]
 ONE = ["trainer=ddp_cpu", "trainer.devices=1"]
 TWO_CPU = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
 
@@ -166,6 +166,17 @@ def test_context_parallel_two_processes_take_the_steps_of_one(tmp_path):
     assert {r["ring"] for r in one["losses"]} == {1} and {r["ring"] for r in two["losses"]} == {2}
     _same_steps(two["losses"], one["losses"])
     _written_once(two)
+
+
+@pytest.mark.slow
+def test_context_parallel_trains_every_rank_on_rank0s_batch(tmp_path):
+    """The bundled proteins in random windows drawn by a loader worker, whose generator Lightning seeds with the
+    rank: the ranks' loaders give other windows for the same indices, and the run still takes the 1-process steps
+    (rank 0's batch, broadcast)."""
+    data = ["data.seq_len=32", "data.train_samples=20", "data.val_samples=4", "data.num_workers=1"]  # clm_sample
+    one = _train(tmp_path, "one", LM_NET + data + ONE + ["trainer.max_steps=4"])
+    two = _train(tmp_path, "cp", LM_NET + data + ["trainer=context_parallel", *TWO_CPU, "trainer.max_steps=4"])
+    _same_steps(two["losses"], one["losses"], steps=4)
 
 
 @pytest.mark.slow

@@ -127,9 +127,10 @@ class ContextParallelStrategy(DDPStrategy):
     """Sequence (context) parallelism: every rank trains on the same batches and holds ``1/W`` of each sequence.
 
     The data loader of every rank yields the whole global batch in the same order (a distributed sampler of one
-    replica); the task keeps this rank's shard (``net.shard_batch``, zigzag layout: equal causal work per rank);
-    the network's attention runs ``attn_ops.ring_attention`` over a process group of all ranks, separate from the
-    one DDP all-reduces gradients on. Losses are global means over the ranks' tokens (:func:`global_mean`), and
+    replica) and every rank trains on rank 0's copy of it (one broadcast per step); the task keeps this rank's
+    shard (``net.shard_batch``, zigzag layout: equal causal work per rank); the network's attention runs
+    ``attn_ops.ring_attention`` over a process group of all ranks, separate from the one DDP all-reduces
+    gradients on. Losses are global means over the ranks' tokens (:func:`global_mean`), and
     parameters stay replicated with gradients averaged as in DDP, so a step equals one process's step on the whole
     sequence. Needs a network with sequence-sharded attention (``models.transformer.TransformerLM``).
     """
@@ -143,6 +144,27 @@ class ContextParallelStrategy(DDPStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict:
         return {"num_replicas": 1, "rank": 0}  # every rank draws the same batches; the task shards the sequence
+
+    def batch_to_device(self, batch, device=None, dataloader_idx: int = 0):
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        return self._rank0_batch(batch) if self.world_size > 1 else batch
+
+    def _rank0_batch(self, batch):
+        """Rank 0's batch on every rank: the same indices can still give each rank other random crops or masks
+        (a worker's generator is seeded with its rank), and shards of different rows would train on nonsense."""
+        if not isinstance(batch, dict):
+            return batch
+        keys = sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor))
+        meta = [[(tuple(batch[k].shape), batch[k].dtype) for k in keys]]
+        dist.broadcast_object_list(meta, src=0)  # rank 0's shapes (a padded batch may be wider elsewhere)
+        out = dict(batch)
+        for k, (shape, dtype) in zip(keys, meta[0]):
+            t = batch[k]
+            t = t.contiguous() if (tuple(t.shape), t.dtype) == (shape, dtype) else t.new_empty(shape, dtype=dtype)
+            wire = t.to(torch.uint8) if t.dtype == torch.bool else t  # gloo has no bool broadcast
+            dist.broadcast(wire, src=0)
+            out[k] = wire.bool() if t.dtype == torch.bool else wire
+        return out
 
     def setup(self, trainer) -> None:
         from ..transformer import TransformerBlock, TransformerLM
