@@ -180,6 +180,19 @@ def test_context_parallel_trains_every_rank_on_rank0s_batch(tmp_path):
 
 
 @pytest.mark.slow
+def test_context_parallel_packed_rows_take_the_steps_of_one(tmp_path):
+    """Packed rows (several proteins in about half of the windows, segment ids; positions restart at each protein)
+    with the sequence split over 2 ranks. The 1-process run is the same strategy on one process (the config check
+    refuses packing under DDP)."""
+    data = ["data.seq_len=64", "data.train_samples=20", "data.val_samples=4", "data.packing=true"]  # clm_sample
+    cp = ["trainer=context_parallel", "trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.max_steps=4"]
+    one = _train(tmp_path, "one", LM_NET + data + cp + ["trainer.devices=1"])
+    two = _train(tmp_path, "cp", LM_NET + data + cp + ["trainer.devices=2"])
+    assert {r["ring"] for r in two["losses"]} == {2}
+    _same_steps(two["losses"], one["losses"], steps=4)
+
+
+@pytest.mark.slow
 def test_context_parallel_refuses_a_network_without_ring_attention(tmp_path):
     args = EVO + ["trainer=context_parallel", "trainer.accelerator=cpu", "trainer.devices=1",
                   "trainer.precision=32-true", "trainer.max_steps=1", f"paths.log_dir={tmp_path}", "run_name=x"]
