@@ -7,6 +7,7 @@ raises :class:`ZooCheckpointError` naming what is wrong and nothing half-loaded 
     ESM-2 (fair-esm)       from_fair_esm, to_fair_esm
     ESM-2 (Hugging Face)   from_hf_esm, to_hf_esm
     Boltz-2 Pairformer     from_boltz, to_boltz
+    ESM C (HF / esm)       from_esmc, to_esmc                      (models/zoo_esmc.py)
     trained here           load_checkpoint, build_network
     fine-tuning            load_pretrained (any of the above, into an existing network)
 
@@ -249,6 +250,11 @@ def from_fair_esm(state_dict_or_path: Any, attention: Any = None, *, num_heads: 
     if isinstance(obj, (str, os.PathLike)):
         source = f"fair-esm checkpoint {os.fspath(obj)!r}"
         obj = read_checkpoint(os.fspath(obj), trust_file=trust_file)
+    return _fair_esm(obj, source, attention, num_heads)
+
+
+def _fair_esm(obj: Any, source: str, attention: Any = None, num_heads: Optional[int] = None) -> ESM2:
+    """:func:`from_fair_esm` of an already read file (``source`` names it in errors)."""
     if not isinstance(obj, Mapping):
         raise ZooCheckpointError(f"{source}: expected a dict (a checkpoint or a state_dict), got {type(obj).__name__}")
     cfg_heads, token_dropout = None, None
@@ -795,6 +801,7 @@ NETWORKS = ClassRegistry("network", nn.Module, {
                      "TriangleAttentionEndingNode"),
         "transformer": ("TransformerLM", "TransformerBlock", "RelativePositionBias", "SwiGLU", "RotaryEmbedding"),
         "esm2": ("ESM2", "TransformerLayer", "RobertaLMHead", "ContactPredictionHead"),
+        "esmc": ("ESMC", "EsmcLayer", "EsmcLMHead"),
         "heads": ("DistogramHead", "MaskedMSAHead", "LMHead"),
         "primitives": ("Attention", "Transition", "SwiGLUTransition", "SharedDropout", "LineDropout"),
     }),
@@ -805,9 +812,11 @@ NETWORKS = ClassRegistry("network", nn.Module, {
 # ... and every task class a checkpoint's "attn_zoo_task" may name (load_checkpoint(path, task=True))
 TASKS = ClassRegistry("task", nn.Module, {
     **_entries("attn_zoo.models.tasks.", {"msa_distogram": ("MSADistogramTask",),
-                                          "language_model": ("LanguageModelTask",)}),
+                                          "language_model": ("LanguageModelTask",),
+                                          "lm_esm2": ("ESM2MaskedLMTask",)}),
     "attn_zoo.models.tasks.MSADistogramTask": "attn_zoo.models.tasks:MSADistogramTask",
     "attn_zoo.models.tasks.LanguageModelTask": "attn_zoo.models.tasks:LanguageModelTask",
+    "attn_zoo.models.tasks.ESM2MaskedLMTask": "attn_zoo.models.tasks:ESM2MaskedLMTask",
 }, register_with="register_task")
 
 
@@ -983,6 +992,39 @@ def _only_module_of(net: nn.Module, cls: type, what: str) -> nn.Module:
     return found[0]
 
 
+def _esm2_size_name(layers: int, width: int, heads: int) -> str:
+    names = [n.split("_")[2] for n, c in ESM2_CONFIGS.items() if (c.num_layers, c.embed_dim, c.attention_heads)
+             == (layers, width, heads)]
+    size = f" ({names[0]})" if names else ""
+    return f"{layers} layers, width {width}, {heads} heads{size}"
+
+
+def _esm2_into(into: nn.Module, converted: ESM2, source: str, what: str) -> nn.Module:
+    """Copy a converted ESM-2's weights into ``into`` (an ESM2, or a network holding exactly one), after
+    checking that the sizes agree; ``into`` is returned unchanged on any error."""
+    if isinstance(into, ESM2):
+        target = into
+    else:
+        found = [m for m in into.modules() if isinstance(m, ESM2)]
+        if len(found) != 1:
+            raise ZooCheckpointError(
+                f"{source} is a {what} ESM-2: it loads into an attn_zoo ESM2 (train.py experiment=esm2_mlm), but "
+                f"{type(into).__name__} holds {len(found)} of them")
+        target = found[0]
+    have = (target.num_layers, target.embed_dim, target.attention_heads)
+    got = (converted.num_layers, converted.embed_dim, converted.attention_heads)
+    if have != got:
+        names = [n.split("_")[2] for n, c in ESM2_CONFIGS.items() if (c.num_layers, c.embed_dim, c.attention_heads) == got]
+        fix = f"model.size={names[0]}" if names else (f"model.size=null model.net.num_layers={got[0]} "
+                                                      f"model.net.embed_dim={got[1]} model.net.attention_heads={got[2]}")
+        raise ZooCheckpointError(f"{source} holds a {what} ESM-2 of {_esm2_size_name(*got)}; the network's ESM2 has "
+                                 f"{_esm2_size_name(*have)}: build it at the file's size (train.py: {fix})")
+    _check_and_load(target, converted.state_dict(), f"{source} ({what}) does not fit {type(target).__name__}")
+    target.contact_head.loaded = converted.contact_head.loaded
+    target.lm_head.loaded = converted.lm_head.loaded
+    return into
+
+
 def load_pretrained(
     path: PathLike, into: nn.Module, *, map_location: Any = "cpu", trust_file: bool = False
 ) -> nn.Module:
@@ -1002,9 +1044,7 @@ def load_pretrained(
     p = Path(path).expanduser()
     source = repr(str(p))
     if p.is_dir():
-        converted = from_hf_esm(str(p), trust_file=trust_file)
-        _check_and_load(into, converted.state_dict(), f"{source} (Hugging Face ESM) does not fit {type(into).__name__}")
-        return into
+        return _esm2_into(into, from_hf_esm(str(p), trust_file=trust_file), source, "Hugging Face ESM")
     obj = read_checkpoint(p, map_location=map_location, trust_file=trust_file)
     if _is_ours(obj):
         _check_and_load(into, _net_state(obj["state_dict"], source), f"{source} does not fit {type(into).__name__}")
@@ -1023,10 +1063,13 @@ def load_pretrained(
                         "(build it with variant='boltz2' and the checkpoint's sizes)")
         return into
     if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):  # fair-esm: {"model", "args"/"cfg"}
-        converted = from_fair_esm(obj["model"])
-        _check_and_load(into, converted.state_dict(), f"{source} (fair-esm) does not fit {type(into).__name__}")
-        return into
+        return _esm2_into(into, _fair_esm(obj, f"fair-esm checkpoint {source}"), source, "fair-esm")
     if isinstance(obj, Mapping) and obj and all(isinstance(v, Tensor) for v in obj.values()):
+        target = into if isinstance(into, ESM2) else None
+        if target is None and "embed_tokens.weight" in obj and any(isinstance(m, ESM2) for m in into.modules()):
+            target = _only_module_of(into, ESM2, f"the ESM-2 state_dict {source}")
+        if target is not None:  # an ESM-2 state_dict (fair-esm's names are this project's)
+            return _esm2_into(into, _fair_esm(obj, f"ESM-2 state_dict {source}"), source, "ESM-2 state_dict")
         _check_and_load(into, obj, f"{source} (a state_dict) does not fit {type(into).__name__}")
         return into
     keys = _summarise([str(k) for k in obj], 5) if isinstance(obj, Mapping) else type(obj).__name__
@@ -1057,3 +1100,7 @@ def load_esm2(path: PathLike, attention: Any = None, *, map_location: Any = "cpu
     keys = _summarise([str(k) for k in obj], 5) if isinstance(obj, Mapping) else type(obj).__name__
     raise ZooCheckpointError(f"{str(p)!r} is not an ESM-2 the zoo reads (fair-esm .pt, Hugging Face folder, a "
                              f"checkpoint trained here, an ESM-2 state_dict): {keys}")
+
+
+# ESM C (Hugging Face port and the esm package's layout): models/zoo_esmc.py
+from .zoo_esmc import from_esmc, to_esmc  # noqa: E402

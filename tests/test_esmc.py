@@ -1,0 +1,188 @@
+"""ESM C: parity with the Hugging Face port (transformers' EsmcForMaskedLM, random weights, fp32) and exact
+round trips through both weight layouts (Hugging Face and the esm package's).
+
+The esm package itself is not installed in CI: it pins transformers < 4.49 and a CUDA build of torch, and its
+import name ``esm`` is fair-esm's, which the ESM-2 tests need. Its layout is tested by round trips and by
+loading into the same model as the Hugging Face layout (whose port splits exactly those fused weights).
+"""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "EsmcForMaskedLM"):
+    pytest.skip("this transformers has no ESM C (needs >= 5.x)", allow_module_level=True)
+from transformers import EsmcConfig, EsmcForMaskedLM, EsmcModel, EsmcTokenizer  # noqa: E402
+
+from attn_zoo.models.esmc import ALPHABET, ESMC, ESMC_CONFIGS, esmc  # noqa: E402
+from attn_zoo.models.zoo import ZooCheckpointError, from_esmc, to_esmc  # noqa: E402
+
+TOL = 1e-5  # fp32 parity, relative to the largest reference value
+
+
+def _hf(layers=3, width=64, heads=4, ffn=192, seed=0, cls=EsmcForMaskedLM):
+    torch.manual_seed(seed)
+    cfg = EsmcConfig(hidden_size=width, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # HF's init leaves LayerNorms at 1/0: draw everything
+            p.normal_(0.0, 0.2)
+    return model, cfg
+
+
+def _tokens(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.randint(4, 29, (3, 14), generator=g)
+    tok[:, 0] = ALPHABET.cls_idx
+    for row, n in enumerate((14, 9, 5)):  # right padding of different lengths
+        tok[row, n - 1] = ALPHABET.eos_idx
+        tok[row, n:] = ALPHABET.padding_idx
+    return tok
+
+
+def _rel(a, b, keep):
+    return ((a - b)[keep].abs().max() / b[keep].abs().max()).item()
+
+
+@pytest.mark.parametrize("layers,width,heads,ffn", [(3, 64, 4, 192), (2, 48, 3, 256)])
+def test_parity_with_hf_padded(layers, width, heads, ffn):
+    hf, cfg = _hf(layers, width, heads, ffn)
+    ours = from_esmc(hf.state_dict(), config=cfg, attention="torch")
+    tok = _tokens()
+    keep = tok.ne(ALPHABET.padding_idx)
+    with torch.no_grad():
+        ref = hf(input_ids=tok, attention_mask=keep.long(), output_hidden_states=True)
+        out = ours(tok, repr_layers=range(layers + 1))
+    assert _rel(out["logits"], ref.logits, keep) < TOL
+    assert len(ref.hidden_states) == layers + 1
+    for i, h in enumerate(ref.hidden_states):  # embeddings, block outputs, the last after the final norm
+        assert _rel(out["representations"][i], h, keep) < TOL, i
+    # a protein's outputs do not depend on its batch's padding
+    with torch.no_grad():
+        alone = ours(tok[1:2, :9])["logits"]
+    assert _rel(out["logits"][1:2, :9], alone, torch.ones_like(alone[..., 0], dtype=torch.bool)) < TOL
+
+
+def test_parity_chunked_backend_and_multichain():
+    hf, cfg = _hf()
+    ours = from_esmc(hf.state_dict(), config=cfg, attention={"backend": "chunked", "chunk_size": 4})
+    tok = _tokens()
+    tok[0, 6] = ALPHABET.get_idx("|")
+    seq = torch.zeros_like(tok)
+    seq[0, 7:] = 1  # two chains in row 0 (positions stay absolute)
+    seq[tok.eq(ALPHABET.padding_idx)] = -1
+    keep = seq.ge(0)
+    with torch.no_grad():
+        ref = hf(input_ids=tok, sequence_id=seq).logits
+        out = ours(tok, sequence_id=seq)["logits"]
+    assert _rel(out, ref, keep) < TOL
+    with torch.no_grad():  # the chains really are separated: one chain's tokens change, the other's outputs do not
+        tok2 = tok.clone()
+        tok2[0, 8:13] = torch.tensor([5, 6, 7, 8, 9])
+        out2 = ours(tok2, sequence_id=seq)["logits"]
+    assert torch.allclose(out2[0, :7], out[0, :7], atol=1e-6) and not torch.allclose(out2[0, 7:], out[0, 7:])
+
+
+def test_esmmodel_without_head():
+    hf, cfg = _hf(cls=EsmcModel)
+    ours = from_esmc(hf.state_dict(), config=cfg, attention="torch")
+    assert ours.lm_head.loaded is False
+    tok = _tokens()
+    keep = tok.ne(ALPHABET.padding_idx)
+    with torch.no_grad():
+        ref = hf(input_ids=tok, attention_mask=keep.long()).last_hidden_state
+        out = ours(tok)["embeddings"]
+    assert _rel(out, ref, keep) < TOL
+
+
+def test_round_trips_bitwise():
+    hf, cfg = _hf()
+    sd = hf.state_dict()
+    ours = from_esmc(sd, config=cfg)
+    back, config = to_esmc(ours)
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    reloaded = EsmcForMaskedLM(EsmcConfig(**config)).eval()
+    reloaded.load_state_dict(back, strict=True)
+    # ours -> esm layout -> ours, and the esm layout loads into the same model as the HF one
+    esm_sd = to_esmc(ours, layout="esm")
+    assert "transformer.blocks.0.attn.layernorm_qkv.1.weight" in esm_sd and "sequence_head.3.bias" in esm_sd
+    assert esm_sd["transformer.blocks.0.attn.layernorm_qkv.1.weight"].shape == (3 * 64, 64)
+    assert esm_sd["transformer.blocks.0.ffn.1.weight"].shape == (2 * 192, 64)
+    again = from_esmc(esm_sd, num_heads=4)
+    a, b = ours.state_dict(), again.state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(esm_sd[k], v) for k, v in to_esmc(again, layout="esm").items())
+
+
+def test_save_pretrained_folder(tmp_path):
+    hf, _ = _hf()
+    hf.save_pretrained(tmp_path)
+    ours = from_esmc(str(tmp_path), attention="torch")
+    assert (ours.num_layers, ours.width, ours.heads, ours.ffn_width) == (3, 64, 4, 192)
+    tok = _tokens()
+    keep = tok.ne(ALPHABET.padding_idx)
+    with torch.no_grad():
+        assert _rel(ours(tok)["logits"], hf(input_ids=tok, attention_mask=keep.long()).logits, keep) < TOL
+
+
+def test_published_sizes_match_hf():
+    for name, c in ESMC_CONFIGS.items():
+        if name == "6B":
+            continue
+        cfg = EsmcConfig(hidden_size=c.width, intermediate_size=c.ffn_width, num_hidden_layers=c.num_layers,
+                         num_attention_heads=c.heads)
+        with torch.device("meta"):
+            ref = {k: v.shape for k, v in EsmcForMaskedLM(cfg).state_dict().items()}
+            ours = esmc(name)
+        sd, _ = to_esmc(ours)
+        assert {k: v.shape for k, v in sd.items()} == ref, name
+    assert (ESMC_CONFIGS["300M"].ffn_width, ESMC_CONFIGS["600M"].ffn_width) == (2560, 3072)
+
+
+def test_tokenizer_matches_hf():
+    tk = EsmcTokenizer()
+    for s in ("ACDEFGHIKLMNPQRSTVWY", "MKT|LLX<mask>BZUO"):
+        ids = tk(s)["input_ids"]
+        assert ids == [ALPHABET.cls_idx] + ALPHABET.encode(s) + [ALPHABET.eos_idx], s
+
+
+def test_bad_checkpoints_name_the_keys():
+    hf, cfg = _hf()
+    sd = dict(hf.state_dict())
+    missing = dict(sd)
+    missing.pop("esmc.layers.1.self_attn.q_norm.weight")
+    with pytest.raises(ZooCheckpointError, match=r"layers\.1\.self_attn\.q_norm\.weight"):
+        from_esmc(missing, config=cfg)
+    wrong = dict(sd, **{"esmc.layers.2.mlp.down_proj.weight": torch.zeros(64, 100)})
+    with pytest.raises(ZooCheckpointError, match=r"layers\.2\.mlp\.down_proj\.weight has shape \(64, 100\)"):
+        from_esmc(wrong, config=cfg)
+    extra = dict(sd, **{"esmc.layers.0.self_attn.q_proj.bias": torch.zeros(64)})
+    with pytest.raises(ZooCheckpointError, match=r"unexpected keys.*q_proj\.bias"):
+        from_esmc(extra, config=cfg)
+    with pytest.raises(ZooCheckpointError, match="num_hidden_layers|layers of width"):
+        from_esmc(sd, config=EsmcConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=4,
+                                        num_attention_heads=4))
+    with pytest.raises(ZooCheckpointError, match="cannot tell the number of attention heads"):
+        from_esmc(sd)  # width 64 is no published size and there is no config
+    esm_sd = to_esmc(from_esmc(sd, config=cfg), layout="esm")
+    esm_sd.pop("transformer.blocks.1.ffn.1.weight")
+    with pytest.raises(ZooCheckpointError, match=r"transformer\.blocks\.1\.ffn\.1\.weight"):
+        from_esmc(esm_sd, num_heads=4)
+    esm2_like = {"embed_tokens.weight": torch.zeros(33, 64)}
+    with pytest.raises(ZooCheckpointError, match="33 rows"):
+        from_esmc(esm2_like, num_heads=4)
+
+
+def test_forward_checks_inputs():
+    m = ESMC(1, 32, 2, 64)
+    with pytest.raises(ValueError, match="tokens must lie"):
+        m(torch.tensor([[0, 64, 2]]))
+    with pytest.raises(ValueError, match="sequence_id must be an integer tensor"):
+        m(torch.tensor([[0, 5, 2]]), sequence_id=torch.zeros(1, 3))
+
+
+def test_registered_for_checkpoints():
+    from attn_zoo.models.zoo import build_network
+
+    net = build_network({"_target_": "attn_zoo.models.esmc.ESMC", "num_layers": 1, "width": 32, "heads": 2,
+                         "ffn_width": 64, "attention": {"backend": "torch"}})
+    assert isinstance(net, ESMC) and net.ffn_width == 64
