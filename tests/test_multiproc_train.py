@@ -150,6 +150,17 @@ def test_ddp_checkpoint_resumes_on_one_process(evo_reference, evo_ddp, tmp_path)
 
 
 @pytest.mark.slow
+def test_pairformer_ddp_two_processes_take_the_steps_of_one(tmp_path):
+    pair = [a for a in EVO if not a.startswith("model.net.trunk.")] + [
+        "model=pairformer_tiny", "model.net.embedder.c_m=16", "model.net.trunk.stack.c_s=16",
+        "model.net.trunk.stack.c_z=8", "model.net.trunk.stack.num_blocks=1", "model.net.trunk.stack.pair_dropout=0",
+        f"trainer.max_steps={STEPS}"]
+    one = _train(tmp_path, "one", pair + ONE + ["data.batch_size=4"])
+    two = _train(tmp_path, "ddp", pair + ["trainer=ddp_cpu", "data.batch_size=2"])
+    _same_steps(two["losses"], one["losses"])
+
+
+@pytest.mark.slow
 def test_fsdp_two_processes_take_the_steps_of_one(evo_reference, tmp_path):
     """FULL_SHARD over 2 CPU processes, one unit per Evoformer block, norm clipping by FSDP's own clip_grad_norm_."""
     run = _train(tmp_path, "fsdp", EVO + ["trainer=fsdp", *TWO_CPU, "data.batch_size=2", f"trainer.max_steps={STEPS}"])
