@@ -336,6 +336,20 @@ class ContactPredictionHead(nn.Module):
 # --------------------------------------------------------------------------------------------------
 # The model
 # --------------------------------------------------------------------------------------------------
+def _init_bert(module: nn.Module) -> None:
+    """fairseq's ``init_bert_params``, ESM-2's initialisation: weights N(0, 0.02), biases 0, the padding row 0
+    (PyTorch's defaults give the tied LM head logits of size ~sqrt(C): a from-scratch loss far above log 33)."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, std=0.02)
+        if module.padding_idx is not None:
+            with torch.no_grad():
+                module.weight[module.padding_idx].zero_()
+
+
 class ESM2(nn.Module):
     """ESM-2: ``m(tokens, repr_layers=[...], need_head_weights=False, return_contacts=False)`` returns fair-esm's
     dict: ``logits [B, L, 33]``, ``representations {layer: [B, L, C]}`` (layer 0 = embeddings, the last layer
@@ -348,15 +362,27 @@ class ESM2(nn.Module):
     probabilities), so contacts cost O(L^2) memory per layer, as in fair-esm.
 
     Args:
+        size: a published size (``"8M"``, ``"35M"``, ``"150M"``, ``"650M"``, ``"3B"``, ``"15B"`` or the full name
+            ``esm2_t33_650M_UR50D``) instead of ``num_layers`` / ``embed_dim`` / ``attention_heads`` (giving both
+            is an error); with neither, 650M.
         attention: what ``AttentionConfig.coerce`` takes (``"triton"``, ``{"backend": "chunked", ...}``).
         activation_checkpointing: in training, keep only each layer's input and recompute the layer in the
             backward (long sequences: memory per layer drops to one ``[B, L, C]`` tensor).
     """
 
-    def __init__(self, num_layers: int = 33, embed_dim: int = 1280, attention_heads: int = 20,
-                 token_dropout: bool = True, attention: Any = None, layer_norm_eps: float = 1e-5,
-                 activation_checkpointing: bool = False):
+    def __init__(self, num_layers: Optional[int] = None, embed_dim: Optional[int] = None,
+                 attention_heads: Optional[int] = None, token_dropout: bool = True, attention: Any = None,
+                 layer_norm_eps: float = 1e-5, activation_checkpointing: bool = False, size: Optional[str] = None):
         super().__init__()
+        given = {k: v for k, v in (("num_layers", num_layers), ("embed_dim", embed_dim),
+                                   ("attention_heads", attention_heads)) if v is not None}
+        if size is not None and given:
+            raise ValueError(f"ESM2 takes a published size or num_layers/embed_dim/attention_heads, not both: got "
+                             f"size={size!r} and {given} (set size to null for a size of your own)")
+        published = esm2_config("650M" if size is None else str(size))  # 650M fills what is not given
+        num_layers = published.num_layers if num_layers is None else num_layers
+        embed_dim = published.embed_dim if embed_dim is None else embed_dim
+        attention_heads = published.attention_heads if attention_heads is None else attention_heads
         if num_layers < 1 or embed_dim < 2 or attention_heads < 1:
             raise ValueError(f"need num_layers >= 1, embed_dim >= 2, attention_heads >= 1; got "
                              f"{num_layers}, {embed_dim}, {attention_heads}")
@@ -376,6 +402,8 @@ class ESM2(nn.Module):
         self.contact_head = ContactPredictionHead(num_layers * attention_heads, self.eos_idx)
         self.emb_layer_norm_after = LayerNorm(embed_dim, eps=layer_norm_eps)
         self.lm_head = RobertaLMHead(embed_dim, self.alphabet_size, self.embed_tokens.weight, layer_norm_eps)
+        self.apply(_init_bert)
+
 
     @property
     def config(self) -> ESM2Config:

@@ -992,11 +992,15 @@ def _only_module_of(net: nn.Module, cls: type, what: str) -> nn.Module:
     return found[0]
 
 
+def _esm2_published(layers: int, width: int, heads: int) -> Optional[str]:
+    """The published size name ("650M") of an ESM-2 of that shape, or None."""
+    return next((n.split("_")[2] for n, c in ESM2_CONFIGS.items()
+                 if (c.num_layers, c.embed_dim, c.attention_heads) == (layers, width, heads)), None)
+
+
 def _esm2_size_name(layers: int, width: int, heads: int) -> str:
-    names = [n.split("_")[2] for n, c in ESM2_CONFIGS.items() if (c.num_layers, c.embed_dim, c.attention_heads)
-             == (layers, width, heads)]
-    size = f" ({names[0]})" if names else ""
-    return f"{layers} layers, width {width}, {heads} heads{size}"
+    name = _esm2_published(layers, width, heads)
+    return f"{layers} layers, width {width}, {heads} heads" + (f" ({name})" if name else "")
 
 
 def _esm2_into(into: nn.Module, converted: ESM2, source: str, what: str) -> nn.Module:
@@ -1014,9 +1018,9 @@ def _esm2_into(into: nn.Module, converted: ESM2, source: str, what: str) -> nn.M
     have = (target.num_layers, target.embed_dim, target.attention_heads)
     got = (converted.num_layers, converted.embed_dim, converted.attention_heads)
     if have != got:
-        names = [n.split("_")[2] for n, c in ESM2_CONFIGS.items() if (c.num_layers, c.embed_dim, c.attention_heads) == got]
-        fix = f"model.size={names[0]}" if names else (f"model.size=null model.net.num_layers={got[0]} "
-                                                      f"model.net.embed_dim={got[1]} model.net.attention_heads={got[2]}")
+        name = _esm2_published(*got)
+        fix = f"model.size={name}" if name else (f"model.size=null model.net.num_layers={got[0]} "
+                                                 f"model.net.embed_dim={got[1]} model.net.attention_heads={got[2]}")
         raise ZooCheckpointError(f"{source} holds a {what} ESM-2 of {_esm2_size_name(*got)}; the network's ESM2 has "
                                  f"{_esm2_size_name(*have)}: build it at the file's size (train.py: {fix})")
     _check_and_load(target, converted.state_dict(), f"{source} ({what}) does not fit {type(target).__name__}")
@@ -1033,8 +1037,10 @@ def load_pretrained(
     - a checkpoint trained here (``.ckpt`` with the task's ``net.*`` weights): loaded into ``into``;
     - a Boltz-2 checkpoint or PairformerModule state_dict: ``from_boltz``, loaded into the one
       ``PairformerStack`` inside ``into`` (which must be ``variant="boltz2"`` of the same sizes);
-    - a fair-esm ``.pt`` (a dict with ``model``): ``from_fair_esm``; a Hugging Face folder (``config.json``):
-      ``from_hf_esm``; the converted module's weights are loaded into ``into``;
+    - a fair-esm ``.pt`` (a dict with ``model`` and ``cfg``/``args``, keys under ``encoder.sentence_encoder.``),
+      a Hugging Face ESM folder or a bare ESM-2 state_dict: read by ``from_fair_esm`` / ``from_hf_esm`` (the same
+      readers, the same checks), then copied into ``into`` if it is an ESM2, else into the one ESM2 inside it
+      (same size: an error names both sizes and the ``model.size`` to set);
     - a bare state_dict of ``into`` itself (``torch.save(net.state_dict())``).
 
     Every key and shape is checked before anything is copied: on a ZooCheckpointError ``into`` is unchanged.

@@ -36,7 +36,7 @@ def instantiate_model(cfg):
 
 def test_every_group_has_configs():
     names = {g: [n for gg, n in ALL if gg == g] for g in GROUPS}
-    assert set(names["model"]) == {"evoformer_tiny", "evoformer_af2", "pairformer_tiny", "pairformer_af3", "esm2_8m", "longctx_lm"}
+    assert set(names["model"]) == {"evoformer_tiny", "evoformer_af2", "pairformer_tiny", "pairformer_af3", "transformer_mlm", "esm2", "longctx_lm"}
     assert set(names["attention"]) == {"auto", "torch", "chunked", "triton", "sdpa", "flex"}
     assert {"cpu", "gpu", "ddp", "fsdp"} <= set(names["trainer"])
     assert {"csv", "tensorboard"} <= set(names["logger"]) and {"fdr", "overfit", "profiler"} <= set(names["debug"])
@@ -117,8 +117,8 @@ def test_valid_names_come_from_the_registry():
 def test_packing_with_ddp_is_refused_at_config_time(tmp_path):
     from attn_zoo.checks import ConfigError, check_config
 
-    cfg = make_cfg(["experiment=esm2_mlm", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+    cfg = make_cfg(["experiment=transformer_mlm", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
                     "trainer.precision=32-true", "attention=chunked", "data.packing=true"], tmp_path)
     with pytest.raises(ConfigError, match="data.packing=true runs in one process"):
         check_config(cfg)
-    check_config(make_cfg(["experiment=esm2_mlm", "data.packing=true"], tmp_path))  # one process: fine
+    check_config(make_cfg(["experiment=transformer_mlm", "data.packing=true"], tmp_path))  # one process: fine

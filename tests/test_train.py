@@ -15,10 +15,13 @@ TINY_MSA = ["data.crop_size=16", "data.msa_depth=4", "data.batch_size=2", "data.
             "data.max_msa_rows=64"]
 TINY_LM = ["model.net.d_model=32", "model.net.num_layers=1", "model.net.num_heads=2", "data.batch_size=2",
            "data.train_samples=4", "data.val_samples=2"]
+TINY_ESM2 = ["model.size=null", "model.net.num_layers=2", "model.net.embed_dim=32", "model.net.attention_heads=4",
+             "data.batch_size=2", "data.train_samples=4", "data.val_samples=2"]
 EXPERIMENTS = {
     "evoformer_msa": TINY_MSA + ["model.net.trunk.num_blocks=1", "model.net.trunk.c_m=16", "model.net.trunk.c_z=8"],
     "pairformer_msa": TINY_MSA + ["model.net.trunk.stack.num_blocks=1"],
-    "esm2_mlm": TINY_LM + ["data.max_len=32", "data.msa_rows=query"],
+    "transformer_mlm": TINY_LM + ["data.max_len=32", "data.msa_rows=query"],
+    "esm2_mlm": TINY_ESM2 + ["data.max_len=32", "data.msa_rows=query"],
     "longctx_clm": TINY_LM + ["data.seq_len=32", "data.msa_rows=query"],
     # GPU benchmarks, on CPU here with tiny shapes and fp32
     "bench_evoformer": ["trainer=cpu", "model.net.trunk.num_blocks=1", "model.net.trunk.c_m=16", "model.net.trunk.c_z=8",
@@ -139,7 +142,7 @@ def test_contact_precision_counts_separation_in_residue_numbers():
     assert p_gap > 0  # 30 residues apart in the chain: long-range, and the top-scored pair
 
 
-@pytest.mark.parametrize("experiment", ["esm2_mlm", "longctx_clm"])
+@pytest.mark.parametrize("experiment", ["transformer_mlm", "longctx_clm"])
 def test_packing_flag_trains(experiment, tmp_path):
     """``data.packing=true``: batches carry segment ids through the task into the network, one step runs."""
     cfg = make_cfg([f"experiment={experiment}", "attention=chunked", "debug=fdr", "logger=csv", "data.packing=true"]
@@ -165,7 +168,7 @@ def test_packing_flag_trains(experiment, tmp_path):
     assert math.isfinite(metrics["val/loss"])
 
 
-@pytest.mark.parametrize("experiment", ["pairformer_msa", "esm2_mlm"])
+@pytest.mark.parametrize("experiment", ["pairformer_msa", "transformer_mlm", "esm2_mlm"])
 def test_length_multiple_pads_batches_and_keeps_the_loss(experiment, tmp_path):
     """``data.length_multiple``: every batch's length is a multiple of it, and the task's loss on a batch is the
     unpadded batch's (padding is masked everywhere)."""
@@ -203,7 +206,7 @@ def test_length_multiple_is_checked():
         MaskedLMDataModule(packing=True, length_multiple=8)
 
 
-@pytest.mark.parametrize("experiment", ["pairformer_msa", "esm2_mlm"])
+@pytest.mark.parametrize("experiment", ["pairformer_msa", "transformer_mlm"])
 def test_warmup_batches_cover_every_width_the_loader_makes(experiment, tmp_path):
     """``warmup_batches``: one batch of ``batch_size`` rows per multiple the training examples pad to, each exactly
     that wide, in increasing order; none with ``length_multiple`` 1; a cap on the number of widths is an error."""

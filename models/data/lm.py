@@ -53,9 +53,17 @@ def load_sequences(fasta="sample", msa_dir="sample", msa_rows: str = "query",
         for i, seq in enumerate(msa.unaligned if msa_rows == "all" else msa.unaligned[:1]):
             add(f"msa:{protein_name(path, found['msa_dir'].root)}", seq, first=i == 0)
     for path, records in fastas:
+        labels: dict[str, tuple[str, int]] = {}  # folded label -> (label, line): a label names one protein
         for rec in records:
-            add(f"fasta:{protein_name(path, found['fasta'].root)}:{rec.header.split()[0] if rec.header else rec.line}",
-                rec.sequence)
+            label = rec.header.split()[0] if rec.header.split() else str(rec.line)
+            if label.lower() in labels:
+                first, line = labels[label.lower()]
+                what = f"duplicate label {label!r}" if first == label else \
+                    f"label {label!r} differs from {first!r} only in letter case"
+                raise DataError(f"{path}:{rec.line}: {what} (first at line {line}): FASTA labels name the proteins "
+                                "of the train/val/test split; give each record its own")
+            labels[label.lower()] = (label, rec.line)
+            add(f"fasta:{protein_name(path, found['fasta'].root)}:{label}", rec.sequence)
     report.kept = len({g for g, _ in out})
     if rows_dropped[0]:
         report.notes.append(f"{rows_dropped[0]} alignment row(s) dropped: exact copies of an earlier sequence")

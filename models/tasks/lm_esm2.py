@@ -1,0 +1,81 @@
+"""Masked-LM training of the real ESM-2 (``models/esm2.py``: fair-esm's 33-token alphabet and layout).
+
+The masked-LM data (``models/data/lm.py``) speak the project's 24-token alphabet; each batch is rewritten into
+ESM-2's tokens here: every residue, gap, ``<mask>`` and ``<pad>`` maps to its ESM-2 token (X stays X: the data
+alphabet already folded B, Z, U and O into it) and each crop is wrapped in ``<cls> ... <eos>``, as fair-esm's
+``BatchConverter`` does. The loss scores the masked residues only, so a checkpoint trained here and a fair-esm
+file are the same model to ``zoo.load_esm2`` and ``attn-zoo-embed``.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..data.alphabet import MASK, PAD, TOKENS
+from ..esm2 import ALPHABET, ESM2
+from .base import Task
+from .metrics import masked_accuracy, masked_cross_entropy
+from .parallel import loss_group
+
+
+def _data_to_esm2() -> torch.Tensor:
+    """``[24]`` lookup table: data-alphabet token -> ESM-2 token."""
+    lut = [ALPHABET.get_idx(t) for t in TOKENS]
+    lut[MASK], lut[PAD] = ALPHABET.mask_idx, ALPHABET.padding_idx
+    if ALPHABET.unk_idx in lut:
+        raise RuntimeError(f"the data alphabet has a token ESM-2 lacks: {TOKENS[lut.index(ALPHABET.unk_idx)]!r}")
+    return torch.tensor(lut, dtype=torch.long)
+
+
+DATA_TO_ESM2 = _data_to_esm2()
+
+
+def esm2_batch(batch: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """A masked-LM batch (tokens, target, loss_mask, pad_mask ``[B, L]``, right-padded) -> ESM-2 ``tokens`` and
+    ``target`` ``[B, L + 2]`` (``<cls>`` residues ``<eos>`` ``<pad>``...) and the scored ``mask`` ``[B, L + 2]``."""
+    if batch.get("segment_ids") is not None:
+        raise ValueError("ESM-2 training reads padded batches (one protein per row, each in <cls> ... <eos>); "
+                         "data.packing=true packs proteins for TransformerLM only: set data.packing=false")
+    tokens, target, pad_mask = batch["tokens"], batch["target"], batch["pad_mask"]
+    if tokens.ndim != 2 or tokens.shape != pad_mask.shape or tokens.shape != target.shape:
+        raise ValueError(f"ESM-2 batches need tokens, target and pad_mask [B, L] of one shape, got "
+                         f"{tuple(tokens.shape)}, {tuple(target.shape)}, {tuple(pad_mask.shape)}")
+    lengths = pad_mask.sum(1)  # [B]
+    if not torch.equal(pad_mask, torch.arange(tokens.shape[1], device=tokens.device) < lengths[:, None]):
+        raise ValueError("ESM-2 batches must be right-padded (pad_mask True on a prefix of each row)")
+    lut = DATA_TO_ESM2.to(tokens.device)
+    b = tokens.shape[0]
+
+    def wrap(t: torch.Tensor) -> torch.Tensor:  # [B, L] data tokens -> [B, L + 2] ESM-2 tokens
+        out = torch.full((b, t.shape[1] + 2), ALPHABET.padding_idx, dtype=torch.long, device=t.device)
+        out[:, 1:-1] = torch.where(pad_mask, lut[t.clamp(0, len(TOKENS) - 1)], ALPHABET.padding_idx)
+        out[:, 0] = ALPHABET.cls_idx
+        out[torch.arange(b, device=t.device), lengths + 1] = ALPHABET.eos_idx
+        return out
+
+    mask = torch.zeros(b, tokens.shape[1] + 2, dtype=torch.bool, device=tokens.device)
+    mask[:, 1:-1] = batch["loss_mask"] & pad_mask
+    return {"tokens": wrap(tokens), "target": wrap(target), "mask": mask}
+
+
+class ESM2MaskedLMTask(Task):
+    """Masked-LM training (from scratch or fine-tuning) of an :class:`~attn_zoo.models.esm2.ESM2`.
+
+    ``net``: the ESM2 (``configs/model/esm2.yaml``). ``size``: the published size the config named
+    (``model.size``), kept for the hyperparameter record only (the net was built with it). Loss: mean CE over the
+    masked residues; logged: loss, perplexity, accuracy. Other arguments: :class:`~attn_zoo.models.tasks.Task`.
+    """
+
+    def __init__(self, net: Optional[ESM2] = None, size: Optional[str] = None, **kwargs):
+        super().__init__(net=net, **kwargs)
+        if not isinstance(self.net, ESM2):
+            raise TypeError(f"{type(self).__name__} trains an attn_zoo ESM2 (model.net._target_: "
+                            f"attn_zoo.models.esm2.ESM2), got {type(self.net).__name__}")
+
+    def step(self, batch):
+        b = esm2_batch(batch)
+        logits = self.net(b["tokens"])["logits"]  # [B, L + 2, 33]
+        loss, _ = masked_cross_entropy(logits, b["target"], b["mask"], loss_group(self))
+        logs = {"perplexity": loss.detach().exp(), "accuracy": masked_accuracy(logits.detach(), b["target"], b["mask"])}
+        return loss, logs, b["tokens"].shape[0]
