@@ -37,7 +37,7 @@ class RunInterrupted(Exception):
     """SIGTERM or SIGINT stopped the run (after the on-exception checkpoint). ``exit_code``: 128 + the signal
     number (143 for SIGTERM, 130 for SIGINT), what a shell or scheduler sees for a run a signal ended."""
 
-    def __init__(self, message: str, signame: str, step: int, checkpoint: str | None):
+    def __init__(self, message: str, signame: str, step: int | None, checkpoint: str | None):
         super().__init__(message)
         self.signal, self.step, self.checkpoint = signame, step, checkpoint
         self.exit_code = 128 + int(getattr(signal, signame))
@@ -486,10 +486,14 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     datamodule, model, callbacks, loggers, trainer, summary). A run folder that this call found empty
     and leaves empty (a run that failed before writing anything) is removed.
     """
+    import threading
+
     out_dir = Path(cfg.paths.output_dir)
     # one run per folder: a refused run stops here, before it reads or writes anything of the holder's
     lock = RunLock(out_dir).acquire() if is_rank_zero() else None
     was_empty = not out_dir.exists() or _is_empty_run_folder(out_dir)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _sigterm_outside_the_trainer(cfg)) if main_thread else None
     try:
         return _train(cfg)
     except BaseException:
@@ -499,8 +503,27 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
             shutil.rmtree(out_dir, ignore_errors=True)
         raise
     finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         if lock is not None:
             lock.release()
+
+
+def _sigterm_outside_the_trainer(cfg: DictConfig):
+    """A SIGTERM handler for the run's life. Outside the trainer's loops (reading data, building the model,
+    the summary) it raises ``RunInterrupted`` at once: the lock is released, the exit status is 143. Inside
+    them Lightning's handler runs, and calls this one after its own: then it does nothing, and the trainer
+    stops at the end of the step (``_interruptible``)."""
+
+    def handler(signum, frame):
+        if signal.getsignal(signal.SIGTERM) is not handler:
+            return  # called by Lightning's handler
+        last = checkpoint_dir(cfg) / "last.ckpt"
+        raise RunInterrupted("interrupted outside the training loop (SIGTERM)"
+                             + (f"; the run's last checkpoint: {last}" if last.is_file() else ""),
+                             "SIGTERM", None, str(last) if last.is_file() else None)
+
+    return handler
 
 
 def _train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -398,6 +398,20 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint(tmp_path):
     assert signal.getsignal(signal.SIGINT) == before and not (tmp_path / "run.lock").exists()
 
 
+def test_sigterm_outside_the_training_loop_releases_the_lock(tmp_path, monkeypatch):
+    """SIGTERM while the data are read (no trainer loop runs, so Lightning's handler is not there): the run stops
+    at once with RunInterrupted (exit status 143), its lock removed and the SIGTERM handler restored."""
+    from attn_zoo.models.data import MSADataModule
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(MSADataModule, "prepare_report", lambda self, folder=None: os.kill(os.getpid(), signal.SIGTERM))
+    (tmp_path / "notes.txt").write_text("keeps the folder")
+    with pytest.raises(train.RunInterrupted, match=r"interrupted outside the training loop \(SIGTERM\)") as e:
+        train.train(make_cfg(TINY + ["debug=fdr"], tmp_path))
+    assert e.value.exit_code == 143 and signal.getsignal(signal.SIGTERM) == before
+    assert not (tmp_path / "run.lock").exists()
+
+
 def test_resume_never_starts_from_scratch_over_checkpoints(tmp_path):
     ckpts = tmp_path / "checkpoints"
     ckpts.mkdir()
