@@ -307,12 +307,18 @@ def embed(model, proteins: Sequence[Tuple[str, str]], out: str | os.PathLike, *,
     if memory_budget is None and budget is not None:  # the weights still to be moved there take their share
         budget -= sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
                       if t.device.type != device.type)
-    for batch in planned if budget is not None else ():
+    peak = 0
+    for batch in planned:
         width = round_up(max(len(s) for _, s in batch) + 2, length_multiple)
         need = memory_estimate(model, len(batch), width, include, len(layers))
-        if need > budget:
+        peak = max(peak, need)
+        if budget is not None and need > budget:
             raise MemoryError(_too_big(model, batch, width, need, budget, device, include, len(layers),
                                        length_multiple))
+    if progress and planned:  # one batch's memory at a time: the largest batch sets the peak
+        free = "" if budget is None else f" of {budget / 2**30:.1f} GiB free"
+        print(f"[embed] {len(todo)} protein(s) in {len(planned)} batch(es); the largest needs about "
+              f"{peak / 2**30:.2f} GiB{free} on {device}", file=sys.stderr)
 
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(".partial-*"):  # left by a killed run (an interrupted one removes its own)
@@ -355,6 +361,7 @@ def embed(model, proteins: Sequence[Tuple[str, str]], out: str | os.PathLike, *,
                     item["contacts"] = result["contacts"][i, :n, :n].float().cpu().clone()
                 _save_atomic(item, out / file_name(label), mode)
                 summary.written.append(label)
+            del result, item  # the maps of this batch must be gone before the next forward (peak = one batch)
             if bar is not None:
                 bar.update(len(batch))
     if bar is not None:
@@ -362,30 +369,45 @@ def embed(model, proteins: Sequence[Tuple[str, str]], out: str | os.PathLike, *,
     return summary
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The docstring's layout kept; every option that has a default shows it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or action.required or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        default = " ".join(map(str, action.default)) if isinstance(action.default, list) else action.default
+        return f"{text} (default: {default})"
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="attn-zoo-embed", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="fair-esm .pt, Hugging Face folder, checkpoint trained here")
-    p.add_argument("--fasta", required=True)
+                                epilog=__doc__.split("\n\n", 2)[2], formatter_class=_HelpFormatter)
+    p.add_argument("--model", required=True,
+                   help="fair-esm .pt, Hugging Face folder, or a checkpoint train.py wrote for a network with one "
+                        "ESM-2 (experiment=esm2_mlm: <run>/checkpoints/last.ckpt)")
+    p.add_argument("--fasta", required=True, help="proteins to embed (labels: the header's first word, unique)")
     p.add_argument("--out", required=True, help="output folder (one .pt per protein)")
     p.add_argument("--repr-layers", type=int, nargs="+", default=[-1], help="layers to keep (-1: last; 0: embedding)")
-    p.add_argument("--include", nargs="+", choices=INCLUDE, default=["mean"])
-    p.add_argument("--toks-per-batch", type=int, default=4096)
+    p.add_argument("--include", nargs="+", choices=INCLUDE, default=["mean"],
+                   help="what each file holds (contacts: memory grows as layers x heads x L^2, checked before the run)")
+    p.add_argument("--toks-per-batch", type=int, default=4096, help="padded tokens per forward")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, or auto (cuda when there is one)")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="autocast dtype of the forward")
     p.add_argument("--attention", default="auto", help="attention backend: auto, triton, torch, chunked, sdpa, flex")
     p.add_argument("--length-multiple", type=int, default=1,
                    help="pad each batch's width to a multiple of this (e.g. 32): fewer shapes, fewer first-call costs")
-    p.add_argument("--truncate", type=int, default=None, help="cut sequences to this many residues (default: none)")
+    p.add_argument("--truncate", type=int, default=None, help="cut sequences to this many residues (default: no cut)")
     p.add_argument("--overwrite", action="store_true",
                    help="recompute every protein, also into a folder written with other settings")
     p.add_argument("--trust-file", action="store_true",
                    help="unpickle anything in --model (it can run code): only for files you trust")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> EmbedSummary:
+def run(argv: Optional[Sequence[str]] = None) -> EmbedSummary:
+    """The command line as a function: parse ``argv``, embed, return what was done; errors raise."""
     from .models.zoo import load_esm2
 
     args = parser().parse_args(argv)
@@ -405,5 +427,22 @@ def main(argv: Optional[Sequence[str]] = None) -> EmbedSummary:
     return summary
 
 
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The ``attn-zoo-embed`` entry point: 0 on success; on bad input (files, arguments, memory) one line on
+    stderr and 1; argparse's usage errors exit 2. Other exceptions keep their traceback (a bug to report)."""
+    from .models.zoo import ZooCheckpointError
+
+    try:
+        run(argv)
+    except (ZooCheckpointError, ValueError, OSError, MemoryError) as err:
+        text = str(err).strip() or type(err).__name__
+        print(f"attn-zoo-embed: error: {' '.join(text.split())}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("attn-zoo-embed: interrupted (files written so far are complete; rerun to resume)", file=sys.stderr)
+        return 130
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

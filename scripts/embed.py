@@ -10,4 +10,4 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 from attn_zoo.embed import main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())  # 0 on success, 1 with one line on stderr for bad input

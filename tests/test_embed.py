@@ -59,7 +59,7 @@ def fasta(tmp_path):
 
 
 def run(ckpt, fasta, out, *extra):
-    return E.main(["--model", str(ckpt), "--fasta", str(fasta), "--out", str(out), "--attention", "torch",
+    return E.run(["--model", str(ckpt), "--fasta", str(fasta), "--out", str(out), "--attention", "torch",
                    "--no-progress", *extra])
 
 

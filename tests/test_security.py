@@ -207,12 +207,12 @@ def test_embed_refuses_a_pickle_and_a_function_config(tmp_path, marker):
     fasta.write_text(">p1\nMKTAYIAK\n")
     evil = evil_checkpoint(tmp_path / "esm.pt", marker)
     with pytest.raises(ZooCheckpointError) as err:
-        E.main(["--model", str(evil), "--fasta", str(fasta), "--out", str(tmp_path / "o"), "--no-progress"])
+        E.run(["--model", str(evil), "--fasta", str(fasta), "--out", str(tmp_path / "o"), "--no-progress"])
     assert refused(err) and "--trust-file" in str(err.value)
     config = weights_only_checkpoint(tmp_path / "cfg.ckpt", {"_target_": "attn_zoo.train.run_state",
                                                                "path": str(evil)})
     with pytest.raises(ZooCheckpointError, match="not a registered class"):
-        E.main(["--model", str(config), "--fasta", str(fasta), "--out", str(tmp_path / "o"), "--no-progress"])
+        E.run(["--model", str(config), "--fasta", str(fasta), "--out", str(tmp_path / "o"), "--no-progress"])
     assert not marker.exists()
 
 
