@@ -250,11 +250,18 @@ def test_locked_folder_refuses_a_run_before_any_work(finished_run, monkeypatch):
     assert _files(out) == before and (out / "summary.json").read_bytes() == summary
 
 
-def test_lock_is_released_when_the_run_fails(finished_run):
-    out, _, _ = finished_run
-    with pytest.raises(train.RunFolderInUse, match="resume=true"):
-        train.train(make_cfg(TINY + ["trainer.max_epochs=2"], out))
-    assert not (out / "run.lock").exists() and out.is_dir()
+def test_lock_is_held_for_the_run_and_released_when_it_fails(tmp_path, monkeypatch):
+    seen = []
+
+    def fails(cfg):
+        seen.append(json.loads((tmp_path / "run.lock").read_text())["pid"])
+        raise RuntimeError("simulated failure")
+
+    monkeypatch.setattr(train, "check_run_folder", fails)
+    (tmp_path / "notes.txt").write_text("keeps the folder")
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        train.train(make_cfg(TINY, tmp_path))
+    assert seen == [os.getpid()] and not (tmp_path / "run.lock").exists()
 
 
 ROOT = Path(__file__).resolve().parents[1]
