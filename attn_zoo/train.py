@@ -43,6 +43,10 @@ class RunInterrupted(Exception):
         self.exit_code = 128 + int(getattr(signal, signame))
 
 
+class CheckpointUnreadable(ValueError):
+    """``ckpt_path`` cannot be read; the message names the other checkpoints of its folder."""
+
+
 LOCK_NAME = "run.lock"
 
 
@@ -234,7 +238,15 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         path = Path(cfg.ckpt_path).expanduser()
         if not path.is_file():
             raise ValueError(f"ckpt_path {str(path)!r} does not exist")
-        run_state(path, trust_file=bool(cfg.get("trust_file")))  # a file naming code is refused here, clearly
+        try:
+            run_state(path, trust_file=bool(cfg.get("trust_file")))  # a file naming code is refused here, clearly
+        except ValueError as err:
+            others = [p.name for p in sorted(path.parent.glob("step*.ckpt"), key=_step_number, reverse=True)
+                      if p != path]
+            if not others or "refused to unpickle" in str(err):
+                raise
+            raise CheckpointUnreadable(f"{err}. Its folder also holds {', '.join(others)}: pass the newest readable "
+                                       f"one as ckpt_path (resume=true picks it by itself)") from None
         return str(path)
     if cfg.get("resume"):
         return resume_checkpoint(cfg)
@@ -628,7 +640,7 @@ def main(cfg: DictConfig) -> float | None:
 
     try:
         metrics, _ = train(cfg)
-    except (ConfigError, RunFolderInUse, DataError) as err:  # the message says what to change: no traceback
+    except (ConfigError, RunFolderInUse, DataError, CheckpointUnreadable) as err:  # says what to change: no traceback
         raise SystemExit(f"[train] error: {err}") from None
     except RunInterrupted as err:
         if is_rank_zero():

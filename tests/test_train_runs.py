@@ -431,6 +431,17 @@ def test_resume_never_starts_from_scratch_over_checkpoints(tmp_path):
     assert _files(tmp_path) == before
 
 
+def test_unreadable_ckpt_path_names_the_step_checkpoints_beside_it(tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    (ckpts / "last.ckpt").write_bytes(b"PK\x03\x04 a save cut short")
+    for n in (2, 10):
+        (ckpts / f"step{n}.ckpt").write_bytes(b"")
+    with pytest.raises(train.CheckpointUnreadable, match=r"last.ckpt.*also holds step10.ckpt, step2.ckpt: pass the "
+                                                         r"newest readable one as ckpt_path"):
+        train.resolve_ckpt_path(make_cfg(TINY + [f"ckpt_path={ckpts / 'last.ckpt'}"], tmp_path / "other"))
+
+
 @pytest.mark.slow
 def test_cli_sigterm_exits_143_with_the_resume_command(tmp_path):
     logs = tmp_path / "logs"
