@@ -160,12 +160,28 @@ def test_pairformer_ddp_two_processes_take_the_steps_of_one(tmp_path):
     _same_steps(two["losses"], one["losses"])
 
 
-@pytest.mark.slow
-def test_fsdp_two_processes_take_the_steps_of_one(evo_reference, tmp_path):
+@pytest.fixture(scope="module")
+def evo_fsdp(tmp_path_factory):
     """FULL_SHARD over 2 CPU processes, one unit per Evoformer block, norm clipping by FSDP's own clip_grad_norm_."""
-    run = _train(tmp_path, "fsdp", EVO + ["trainer=fsdp", *TWO_CPU, "data.batch_size=2", f"trainer.max_steps={STEPS}"])
-    _same_steps(run["losses"], evo_reference["losses"])
-    _written_once(run)
+    return _train(tmp_path_factory.mktemp("fsdp"), "fsdp", EVO + ["trainer=fsdp", *TWO_CPU, "data.batch_size=2",
+                                                                  f"trainer.max_steps={STEPS}"])
+
+
+@pytest.mark.slow
+def test_fsdp_two_processes_take_the_steps_of_one(evo_reference, evo_fsdp):
+    _same_steps(evo_fsdp["losses"], evo_reference["losses"])
+    _written_once(evo_fsdp)
+
+
+@pytest.mark.slow
+def test_fsdp_full_checkpoint_resumes_on_one_process(evo_reference, evo_fsdp, tmp_path):
+    """A full (gathered) FSDP checkpoint holds plain weights and optimizer state: one process continues it."""
+    ckpt = evo_fsdp["folder"] / "checkpoints" / "last.ckpt"
+    run = _train(tmp_path, "resumed", EVO + ONE + ["data.batch_size=4", "trainer.max_steps=11", f"ckpt_path={ckpt}"])
+    got, want = run["losses"][0], evo_reference["losses"][10]
+    assert got["step"] == want["step"] == 11
+    assert got["loss"] == pytest.approx(want["loss"], rel=RTOL, abs=0)
+    assert got["update"] == pytest.approx(want["update"], rel=RTOL, abs=0)
 
 
 @pytest.mark.slow
