@@ -8,6 +8,7 @@ raises :class:`ZooCheckpointError` naming what is wrong and nothing half-loaded 
     ESM-2 (Hugging Face)   from_hf_esm, to_hf_esm
     Boltz-2 Pairformer     from_boltz, to_boltz
     ESM C (HF / esm)       from_esmc, to_esmc                      (models/zoo_esmc.py)
+    AlphaFold 2 (npz)      from_alphafold, to_alphafold            (models/zoo_alphafold.py)
     trained here           load_checkpoint, build_network
     fine-tuning            load_pretrained (any of the above, into an existing network)
 
@@ -73,6 +74,10 @@ def read_checkpoint(path: PathLike, map_location: Any = "cpu", *, trust_file: bo
     except Exception as e:  # truncated zip, garbage bytes, pickled code refused by weights_only
         text = str(e)
         msg = text.splitlines()[0] if text else type(e).__name__
+        if not _looks_like_torch_save(path):  # a text file, an image: its bytes read as pickle opcodes
+            raise ZooCheckpointError(
+                f"cannot read checkpoint {str(path)!r} ({path.stat().st_size} bytes): truncated, corrupt or not a "
+                f"torch checkpoint: neither a torch.save zip archive nor a pickle, it starts {_head(path)!r}") from None
         if not trust_file and isinstance(e, pickle.UnpicklingError) and "weights_only" in text.lower():
             try:  # name what the file would have run (zip checkpoints list their globals without running them)
                 names = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path)
@@ -88,6 +93,17 @@ def read_checkpoint(path: PathLike, map_location: Any = "cpu", *, trust_file: bo
             f"cannot read checkpoint {str(path)!r} ({path.stat().st_size} bytes): truncated, corrupt or not a "
             f"torch checkpoint: {type(e).__name__}: {msg}"
         ) from e
+
+
+def _head(path: Path, n: int = 16) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(n)
+
+
+def _looks_like_torch_save(path: Path) -> bool:
+    """A torch.save zip archive (maybe truncated), or a legacy / plain pickle (protocol 2+ starts with 0x80)."""
+    head = _head(path, 4)
+    return head == b"PK\x03\x04" or head[:1] == b"\x80"
 
 
 def _summarise(items: Sequence[str], limit: int = 8) -> str:
@@ -802,6 +818,7 @@ NETWORKS = ClassRegistry("network", nn.Module, {
         "transformer": ("TransformerLM", "TransformerBlock", "RelativePositionBias", "SwiGLU", "RotaryEmbedding"),
         "esm2": ("ESM2", "TransformerLayer", "RobertaLMHead", "ContactPredictionHead"),
         "esmc": ("ESMC", "EsmcLayer", "EsmcLMHead"),
+        "zoo_alphafold": ("AlphaFold2Trunk",),
         "heads": ("DistogramHead", "MaskedMSAHead", "LMHead"),
         "primitives": ("Attention", "Transition", "SwiGLUTransition", "SharedDropout", "LineDropout"),
     }),
@@ -1110,3 +1127,6 @@ def load_esm2(path: PathLike, attention: Any = None, *, map_location: Any = "cpu
 
 # ESM C (Hugging Face port and the esm package's layout): models/zoo_esmc.py
 from .zoo_esmc import from_esmc, to_esmc  # noqa: E402
+
+# AlphaFold 2 parameters (npz) into the Evoformer and extra-MSA stacks: models/zoo_alphafold.py
+from .zoo_alphafold import AlphaFold2Trunk, from_alphafold, to_alphafold  # noqa: E402
