@@ -168,6 +168,19 @@ def evo_fsdp(tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_esm2_ddp_two_processes_take_the_steps_of_one(tmp_path):
+    """ESM-2 (its 33-token alphabet, token dropout's rescaling) on random token windows, 1 layer of width 32. The
+    masked-LM loss leaves the contact head without a gradient: DDP is told to look for unused parameters."""
+    esm = QUIET + ["experiment=esm2_mlm", "data=lm_synthetic", "~data.max_len", "data.seq_len=16",
+                   "data.train_samples=40", "data.val_samples=4", "model.size=null", "model.net.num_layers=1",
+                   "model.net.embed_dim=32", "model.net.attention_heads=2", f"trainer.max_steps={STEPS}",
+                   "trainer=ddp_cpu", "+trainer.strategy.find_unused_parameters=true"]
+    one = _train(tmp_path, "one", esm + ["trainer.devices=1", "data.batch_size=4"])
+    two = _train(tmp_path, "ddp", esm + ["data.batch_size=2"])
+    _same_steps(two["losses"], one["losses"])
+
+
+@pytest.mark.slow
 def test_fsdp_two_processes_take_the_steps_of_one(evo_reference, evo_fsdp):
     _same_steps(evo_fsdp["losses"], evo_reference["losses"])
     _written_once(evo_fsdp)
