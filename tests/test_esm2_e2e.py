@@ -1,0 +1,206 @@
+"""ESM-2 end to end as the README's walk-through runs it: a fair-esm-layout file (``encoder.sentence_encoder.*``
+keys and a ``cfg``) or a Hugging Face folder is fine-tuned with ``train.py experiment=esm2_mlm model.pretrained=``,
+and the checkpoint it writes is embedded with ``attn-zoo-embed``; the console script's exit codes; FASTA labels
+that name two proteins are refused in training data."""
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attn_zoo.models.data import DataError
+from attn_zoo.models.data.lm import load_sequences
+from attn_zoo.models.esm2 import ALPHABET, ESM2
+from attn_zoo.models.tasks.lm_esm2 import esm2_batch
+from attn_zoo.models.transformer import TransformerLM
+from attn_zoo.models.zoo import ZooCheckpointError, load_checkpoint, load_pretrained, to_fair_esm, to_hf_esm
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = dict(num_layers=2, embed_dim=32, attention_heads=4)
+TINY_ARGS = ["model.size=null", "model.net.num_layers=2", "model.net.embed_dim=32", "model.net.attention_heads=4"]
+
+
+def pretrained_esm2(seed=0) -> ESM2:
+    """A tiny ESM-2 with weights far from any fresh initialisation (N(0, 0.3) everywhere)."""
+    torch.manual_seed(seed)
+    m = ESM2(**TINY)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+    return m
+
+
+def fair_esm_file(path: Path, model: ESM2) -> Path:
+    ckpt = to_fair_esm(model, layout="checkpoint")
+    assert all(k.startswith(("encoder.sentence_encoder.", "encoder.lm_head.")) for k in ckpt["model"])
+    assert ckpt["cfg"]["model"].encoder_layers == 2  # fair-esm's layout: weights under "model", config in "cfg"
+    torch.save(ckpt, path)
+    return path
+
+
+def hf_folder(path: Path, model: ESM2) -> Path:
+    from safetensors.torch import save_file
+
+    sd, config = to_hf_esm(model)
+    path.mkdir()
+    save_file({k: v.clone().contiguous() for k, v in sd.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "esm"}))
+    return path
+
+
+def write_fasta(path: Path, n: int, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            seq = "".join(rng.choice("ACDEFGHIKLMNPQRSTVWY") for _ in range(rng.randint(20, 40)))
+            f.write(f">prot{i} a description\n{seq}\n")
+    return path
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# --------------------------------------------------------------------------------------------------
+# load_pretrained: the readers of from_fair_esm / from_hf_esm, into the ESM2 being trained
+# --------------------------------------------------------------------------------------------------
+def test_load_pretrained_reads_a_fair_esm_file(tmp_path):
+    src = pretrained_esm2()
+    path = fair_esm_file(tmp_path / "esm2_t2_tiny.pt", src)
+    net = ESM2(**TINY)
+    assert load_pretrained(path, into=net) is net and same_weights(net, src)
+
+
+def test_load_pretrained_reads_a_hugging_face_folder(tmp_path):
+    src = pretrained_esm2()
+    net = ESM2(**TINY)
+    load_pretrained(hf_folder(tmp_path / "hf", src), into=net)
+    assert same_weights(net, src)
+
+
+def test_load_pretrained_names_the_size_to_set(tmp_path):
+    path = fair_esm_file(tmp_path / "esm2_t2_tiny.pt", pretrained_esm2())
+    net = ESM2(size="8M")
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(ZooCheckpointError, match=r"2 layers, width 32, 4 heads; the network's ESM2 has 6 layers, "
+                                                 r"width 320, 20 heads \(8M\).*model.size=null model.net.num_layers=2"):
+        load_pretrained(path, into=net)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())  # untouched
+    lm = TransformerLM(vocab_size=24, d_model=32, num_layers=1, num_heads=2)
+    with pytest.raises(ZooCheckpointError, match="loads into an attn_zoo ESM2.*holds 0"):
+        load_pretrained(path, into=lm)
+
+
+def test_esm2_batch_wraps_crops_in_cls_and_eos():
+    from attn_zoo.models.data.alphabet import MASK, PAD, encode
+
+    a, b = encode("MKV"), encode("AC")
+    tokens = torch.stack([torch.cat([a[:1], torch.tensor([MASK]), a[2:]]), torch.cat([b, torch.tensor([PAD])])])
+    batch = {"tokens": tokens, "target": torch.stack([a, torch.cat([b, torch.tensor([PAD])])]),
+             "loss_mask": torch.tensor([[False, True, False], [True, False, True]]),
+             "pad_mask": torch.tensor([[True, True, True], [True, True, False]])}
+    out = esm2_batch(batch)
+    _, _, want = ALPHABET.get_batch_converter()([("a", "M<mask>V"), ("b", "AC")])
+    assert torch.equal(out["tokens"], want)
+    assert torch.equal(out["target"], ALPHABET.get_batch_converter()([("a", "MKV"), ("b", "AC")])[2])
+    assert out["mask"].tolist() == [[False, False, True, False, False], [False, True, False, False, False]]
+    with pytest.raises(ValueError, match="data.packing=false"):
+        esm2_batch({**batch, "segment_ids": torch.zeros_like(tokens)})
+
+
+def test_training_fasta_refuses_labels_that_name_two_proteins(tmp_path):
+    fasta = tmp_path / "train.fasta"
+    fasta.write_text(">p1\nMKTAYIAK\n>p3 first\nGGAKACLL\n>p3 second\nLLLLKKKK\n")
+    with pytest.raises(DataError, match=r"train.fasta:5: duplicate label 'p3' \(first at line 3\)"):
+        load_sequences(str(fasta), None)
+    fasta.write_text(">p1\nMKTAYIAK\n>P1\nGGAKACLL\n")
+    with pytest.raises(DataError, match=r"train.fasta:3: label 'P1' differs from 'p1' only in letter case"):
+        load_sequences(str(fasta), None)
+
+
+# --------------------------------------------------------------------------------------------------
+# The walk-through: train.py and the embed command line, as processes
+# --------------------------------------------------------------------------------------------------
+def _run(args, timeout=600):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout,
+                          cwd=str(ROOT))
+
+
+def _console(args):
+    """``attn-zoo-embed`` exactly as its installed script runs it: ``sys.exit(main())``."""
+    code = ("import sys; from importlib.metadata import entry_points; "
+            "ep, = [e for e in entry_points(group='console_scripts') if e.name == 'attn-zoo-embed']; "
+            "sys.argv[0] = 'attn-zoo-embed'; sys.exit(ep.load()())")
+    return _run(["-c", code, *args])
+
+
+def _fine_tune(tmp_path, pretrained, lr="1e-3"):
+    fasta = write_fasta(tmp_path / "train.fasta", 12)
+    logs = tmp_path / "logs"
+    r = _run(["train.py", "experiment=esm2_mlm", f"model.pretrained={pretrained}", *TINY_ARGS,
+              f"model.optimizer.lr={lr}", "model.scheduler.start_factor=1.0", f"data.fasta={fasta}",
+              "data.batch_size=2", "data.train_samples=6", "data.val_samples=2", "trainer.max_steps=3",
+              "trainer.max_epochs=1", "test=false", "logger=csv", f"paths.log_dir={logs}", "run_name=ft"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = logs / "train" / "runs" / "ft" / "checkpoints" / "last.ckpt"
+    assert last.is_file(), r.stderr[-2000:]
+    return last, fasta
+
+
+@pytest.mark.slow
+def test_fine_tune_a_fair_esm_file_then_embed_with_the_checkpoint(tmp_path):
+    src = pretrained_esm2()
+    last, fasta = _fine_tune(tmp_path, fair_esm_file(tmp_path / "esm2_t2_tiny.pt", src))
+    tuned = load_checkpoint(last, attention="torch")
+    assert isinstance(tuned, ESM2) and (tuned.num_layers, tuned.embed_dim) == (2, 32)
+    # started from the file (a fresh init is ~0.3 away everywhere), then trained: 3 Adam steps of lr 1e-3
+    src_sd, tuned_sd = src.state_dict(), tuned.state_dict()
+    moved = max((tuned_sd[k] - src_sd[k]).abs().max().item() for k in src_sd)
+    assert 0 < moved < 0.05
+
+    out = tmp_path / "emb"
+    r = _console(["--model", str(last), "--fasta", str(fasta), "--out", str(out), "--include", "mean", "contacts",
+                  "--attention", "torch", "--device", "cpu", "--no-progress"])
+    assert r.returncode == 0, r.stderr
+    assert "12 written, 0 skipped" in r.stderr
+    got = torch.load(out / "prot0.pt", weights_only=True)
+    seq = got["sequence"]
+    with torch.no_grad():
+        ref = tuned.eval()(ALPHABET.get_batch_converter()([("prot0", seq)])[2], repr_layers=[2])
+    want = ref["representations"][2][0, 1:len(seq) + 1].mean(0)
+    torch.testing.assert_close(got["mean_representations"][2], want, rtol=1e-5, atol=1e-6)
+    assert got["contacts"].shape == (len(seq), len(seq))
+
+    # the same run through scripts/embed.py, and a failure: exit 1 with one line
+    r = _run(["scripts/embed.py", "--model", str(last), "--fasta", str(fasta), "--out", str(out), "--no-progress"])
+    assert r.returncode != 0 and "other settings" in r.stderr  # --include differs from the folder's manifest
+    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("attn-zoo-embed: error:"), r.stderr
+
+
+@pytest.mark.slow
+def test_fine_tune_from_a_hugging_face_folder(tmp_path):
+    src = pretrained_esm2(seed=1)
+    last, _ = _fine_tune(tmp_path, hf_folder(tmp_path / "hf", src), lr="0")
+    tuned = load_checkpoint(last, attention="torch")
+    assert same_weights(tuned, src)  # lr 0: the checkpoint holds exactly the folder's weights
+
+
+@pytest.mark.slow
+def test_console_script_exit_codes(tmp_path):
+    fasta = write_fasta(tmp_path / "in.fasta", 3)
+    model = fair_esm_file(tmp_path / "esm2_t2_tiny.pt", pretrained_esm2())
+    ok = _console(["--model", str(model), "--fasta", str(fasta), "--out", str(tmp_path / "o"), "--no-progress"])
+    assert ok.returncode == 0, ok.stderr
+    bad = _console(["--model", str(fasta), "--fasta", str(fasta), "--out", str(tmp_path / "o2"), "--no-progress"])
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "not a torch checkpoint" in bad.stderr and "Traceback" not in bad.stderr
+    usage = _console(["--fasta", str(fasta)])
+    assert usage.returncode == 2 and "--model" in usage.stderr
+    help_ = _console(["--help"])
+    assert help_.returncode == 0 and "(default: 4096)" in help_.stdout and "(default: mean)" in help_.stdout
