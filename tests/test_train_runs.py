@@ -274,12 +274,12 @@ def _cli(args, **kw):
 
 
 def _snapshot(folder: Path) -> dict:
-    """Every file of a run folder but Hydra's record and log files: {path: (size, mtime, bytes hash)}."""
+    """Every file of a run folder but log files: {path: (size, mtime, bytes hash)}."""
     import hashlib
 
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns,
                                           hashlib.sha1(p.read_bytes()).hexdigest())
-            for p in sorted(folder.rglob("*")) if p.is_file() and ".hydra" not in p.parts and p.suffix != ".log"}
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.suffix != ".log"}
 
 
 class SecondRunAt(L.Callback):
@@ -305,6 +305,9 @@ def test_second_run_with_the_same_run_name_is_refused_and_the_first_runs_on(tmp_
     out = logs / "train" / "runs" / "r1"
     SecondRunAt.args = [f"paths.log_dir={logs}", "run_name=r1"] + TINY + ["trainer.max_epochs=1"]
     SecondRunAt.seen = {}
+    record = out / ".hydra" / "2026-01-01_00-00-00-000000"  # the first run's Hydra record, as the CLI writes it
+    record.mkdir(parents=True)
+    (record / "overrides.yaml").write_text("- run_name=r1\n")
     metrics, objs = train.train(make_cfg(
         TINY + ["trainer.max_epochs=2", "callbacks.last_checkpoint.every_n_train_steps=2",
                 f"+callbacks.second._target_={__name__}.SecondRunAt", "+callbacks.second.step=3",
@@ -314,7 +317,12 @@ def test_second_run_with_the_same_run_name_is_refused_and_the_first_runs_on(tmp_
     lines = [line for line in seen["err"].splitlines() if line.strip()]
     assert lines[-1].startswith("[train] error: run folder") and f"pid {os.getpid()} on host" in lines[-1]
     assert "Traceback" not in seen["err"]
-    assert seen["after"] == seen["before"] and any(k.endswith(".ckpt") for k in seen["before"])  # untouched
+    before, after = seen["before"], seen["after"]
+    assert any(k.endswith(".ckpt") for k in before) and any(k.startswith(".hydra") for k in before)
+    # the first run's files untouched (its Hydra record too); the refused run added only a record of its own
+    assert {k: after.get(k) for k in before} == before
+    added = [Path(k).parts for k in set(after) - set(before)]
+    assert added and all(len(p) == 3 and p[0] == ".hydra" and p[1] != record.name for p in added), added
     assert objs["trainer"].global_step == 8 and not (out / "run.lock").exists()
     assert train.run_state(out / "checkpoints" / "last.ckpt")["global_step"] == 8
 
