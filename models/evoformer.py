@@ -149,12 +149,16 @@ class MSATransition(Transition):
 
 
 class OuterProductMean(nn.Module):
-    """AF2 Alg. 10: ``z_ij += Linear(mean_s a_si (x) b_sj)``, the mean over real sequences only."""
+    """AF2 Alg. 10: ``z_ij += Linear(mean_s a_si (x) b_sj)``, the mean over real sequences only.
 
-    def __init__(self, c_m: int, c_z: int, c_hidden: int = 32, eps: float = 1e-3):
+    ``bias_in_mean``: divide the output bias by the count too, ``(W sum + b) / (count + eps)``, as AlphaFold 2's
+    and OpenFold's code do (the supplement adds it after the mean)."""
+
+    def __init__(self, c_m: int, c_z: int, c_hidden: int = 32, eps: float = 1e-3, bias_in_mean: bool = False):
         super().__init__()
         self.c_hidden = c_hidden
         self.eps = eps
+        self.bias_in_mean = bool(bias_in_mean)
         self.layer_norm = LayerNorm(c_m)
         self.linear_a = Linear(c_m, c_hidden)
         self.linear_b = Linear(c_m, c_hidden)
@@ -181,7 +185,10 @@ class OuterProductMean(nn.Module):
             outer = outer.transpose(-2, -3).flatten(-2)
             # Linear(sum / count) = (W sum) / count + bias: divide the c_z-wide result, not the C*D-wide sum
             out = nn.functional.linear(outer, self.linear_out.weight)  # [B, Ni, N, c_z]
-            return out / (count_rows.unsqueeze(-1) + self.eps).to(out.dtype) + self.linear_out.bias.to(out.dtype)
+            bias = self.linear_out.bias.to(out.dtype)
+            if self.bias_in_mean:
+                return (out + bias) / (count_rows.unsqueeze(-1) + self.eps).to(out.dtype)
+            return out / (count_rows.unsqueeze(-1) + self.eps).to(out.dtype) + bias
 
         return chunk_rows(rows, [a, count], [-2, -2], chunk_size, out_dim=-3)
 
@@ -197,20 +204,31 @@ class PairTransition(Transition):
 # --------------------------------------------------------------------------------------------------
 # Blocks and stacks
 # --------------------------------------------------------------------------------------------------
+VARIANTS = ("default", "alphafold2", "alphafold2_multimer")
+
+
 class _MSAPairBlock(nn.Module):
     """Shared body of EvoformerBlock (Alg. 6) and ExtraMSABlock (Alg. 18); ``column`` picks the column
-    attention: ``MSAColumnAttention`` or ``MSAColumnGlobalAttention``."""
+    attention: ``MSAColumnAttention`` or ``MSAColumnGlobalAttention``.
+
+    ``variant``: ``"default"`` (the supplement), ``"alphafold2"`` (AlphaFold 2's code: the outer product mean's
+    bias inside the mean) or ``"alphafold2_multimer"`` (also the outer product mean first, before the MSA
+    attention, as AlphaFold-Multimer's Evoformer)."""
 
     def __init__(
         self, c_m, c_z, num_heads_msa, c_hidden_msa, num_heads_pair, c_hidden_pair, c_hidden_opm,
         c_hidden_mul, transition_n, msa_dropout, pair_dropout, attention, column: nn.Module,
+        variant: str = "default",
     ):
         super().__init__()
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+        self.opm_first = variant == "alphafold2_multimer"
         attention = AttentionConfig.coerce(attention)
         self.msa_row_attention = MSARowAttentionWithPairBias(c_m, c_z, c_hidden_msa, num_heads_msa, attention)
         self.msa_column_attention = column
         self.msa_transition = MSATransition(c_m, transition_n)
-        self.outer_product_mean = OuterProductMean(c_m, c_z, c_hidden_opm)
+        self.outer_product_mean = OuterProductMean(c_m, c_z, c_hidden_opm, bias_in_mean=variant != "default")
         self.tri_mul_out = TriangleMultiplicationOutgoing(c_z, c_hidden_mul)
         self.tri_mul_in = TriangleMultiplicationIncoming(c_z, c_hidden_mul)
         self.tri_att_start = TriangleAttentionStartingNode(c_z, c_hidden_pair, num_heads_pair, attention)
@@ -231,10 +249,13 @@ class _MSAPairBlock(nn.Module):
         """m ``[B, S, N, c_m]``, z ``[B, N, N, c_z]``, msa_mask ``[B, S, N]``, pair_mask ``[B, N, N]`` -> (m, z)."""
         msa_mask, pair_mask = _default_masks(m, z, msa_mask, pair_mask)
         c = chunk_size
+        if self.opm_first:
+            z = z + self.outer_product_mean(m, msa_mask, c)
         m = m + self.msa_dropout_row(self.msa_row_attention(m, z, msa_mask, c))
         m = m + self.msa_column_attention(m, msa_mask, c)
         m = m + self.msa_transition(m, c)
-        z = z + self.outer_product_mean(m, msa_mask, c)
+        if not self.opm_first:
+            z = z + self.outer_product_mean(m, msa_mask, c)
         z = z + self.pair_dropout_row(self.tri_mul_out(z, pair_mask, c))
         z = z + self.pair_dropout_row(self.tri_mul_in(z, pair_mask, c))
         z = z + self.pair_dropout_row(self.tri_att_start(z, pair_mask, c))
@@ -266,12 +287,13 @@ class EvoformerBlock(_MSAPairBlock):
         self, c_m: int = 256, c_z: int = 128, num_heads_msa: int = 8, c_hidden_msa: int = 32,
         num_heads_pair: int = 4, c_hidden_pair: int = 32, c_hidden_opm: int = 32, c_hidden_mul: int = 128,
         transition_n: int = 4, msa_dropout: float = 0.15, pair_dropout: float = 0.25, attention: Any = None,
+        variant: str = "default",
     ):
         attention = AttentionConfig.coerce(attention)
         super().__init__(
             c_m, c_z, num_heads_msa, c_hidden_msa, num_heads_pair, c_hidden_pair, c_hidden_opm, c_hidden_mul,
             transition_n, msa_dropout, pair_dropout, attention,
-            column=MSAColumnAttention(c_m, c_hidden_msa, num_heads_msa, attention),
+            column=MSAColumnAttention(c_m, c_hidden_msa, num_heads_msa, attention), variant=variant,
         )
 
 
@@ -282,12 +304,13 @@ class ExtraMSABlock(_MSAPairBlock):
         self, c_m: int = 64, c_z: int = 128, num_heads_msa: int = 8, c_hidden_msa: int = 8,
         num_heads_pair: int = 4, c_hidden_pair: int = 32, c_hidden_opm: int = 32, c_hidden_mul: int = 128,
         transition_n: int = 4, msa_dropout: float = 0.15, pair_dropout: float = 0.25, attention: Any = None,
+        variant: str = "default",
     ):
         attention = AttentionConfig.coerce(attention)
         super().__init__(
             c_m, c_z, num_heads_msa, c_hidden_msa, num_heads_pair, c_hidden_pair, c_hidden_opm, c_hidden_mul,
             transition_n, msa_dropout, pair_dropout, attention,
-            column=MSAColumnGlobalAttention(c_m, c_hidden_msa, num_heads_msa, attention),
+            column=MSAColumnGlobalAttention(c_m, c_hidden_msa, num_heads_msa, attention), variant=variant,
         )
 
 
@@ -344,12 +367,13 @@ class EvoformerStack(_Stack):
         c_hidden_msa: int = 32, num_heads_pair: int = 4, c_hidden_pair: int = 32, c_hidden_opm: int = 32,
         c_hidden_mul: int = 128, transition_n: int = 4, msa_dropout: float = 0.15, pair_dropout: float = 0.25,
         attention: Any = None, checkpoint_every: int = 0, chunk_size: Optional[int] = None,
+        variant: str = "default",
     ):
         attention = AttentionConfig.coerce(attention)
         blocks = [
             EvoformerBlock(
                 c_m, c_z, num_heads_msa, c_hidden_msa, num_heads_pair, c_hidden_pair, c_hidden_opm,
-                c_hidden_mul, transition_n, msa_dropout, pair_dropout, attention,
+                c_hidden_mul, transition_n, msa_dropout, pair_dropout, attention, variant,
             )
             for _ in range(num_blocks)
         ]
@@ -364,13 +388,13 @@ class ExtraMSAStack(_Stack):
         self, c_m: int = 64, c_z: int = 128, num_blocks: int = 4, num_heads_msa: int = 8, c_hidden_msa: int = 8,
         num_heads_pair: int = 4, c_hidden_pair: int = 32, c_hidden_opm: int = 32, c_hidden_mul: int = 128,
         transition_n: int = 4, msa_dropout: float = 0.15, pair_dropout: float = 0.25, attention: Any = None,
-        checkpoint_every: int = 0, chunk_size: Optional[int] = None,
+        checkpoint_every: int = 0, chunk_size: Optional[int] = None, variant: str = "default",
     ):
         attention = AttentionConfig.coerce(attention)
         blocks = [
             ExtraMSABlock(
                 c_m, c_z, num_heads_msa, c_hidden_msa, num_heads_pair, c_hidden_pair, c_hidden_opm,
-                c_hidden_mul, transition_n, msa_dropout, pair_dropout, attention,
+                c_hidden_mul, transition_n, msa_dropout, pair_dropout, attention, variant,
             )
             for _ in range(num_blocks)
         ]

@@ -737,8 +737,11 @@ def outer_product_mean_(mod: nn.Module, m: Tensor, msa_mask: Tensor, z: Tensor, 
         outer = outer.unflatten(-1, (-1, cc)).unflatten(-3, (ni, cc)).transpose(-2, -3).flatten(-2)
         out = nn.functional.linear(outer, mod.linear_out.weight)  # [B, R, N, c_z]
         del outer
+        in_mean = getattr(mod, "bias_in_mean", False)
+        if mod.linear_out.bias is not None and in_mean:
+            out = out + mod.linear_out.bias.to(out.dtype)
         out = out / (count.unsqueeze(-1) + mod.eps).to(out.dtype)
-        if mod.linear_out.bias is not None:
+        if mod.linear_out.bias is not None and not in_mean:
             out = out + mod.linear_out.bias.to(out.dtype)
         z[..., idx, :, :] += out
     return z
@@ -776,10 +779,14 @@ def msa_pair_block_(blk: nn.Module, m: Tensor, z: Tensor, msa_mask: Tensor, pair
                     plan: InferencePlan) -> Tuple[Tensor, Tensor]:
     """One Evoformer / extra-MSA block (AF2 Alg. 6 / 18) updating ``m`` and ``z`` in place; returns ``(m, z)``."""
     c, mc = plan.chunk_size, plan.msa_chunk_size or plan.chunk_size
+    opm_first = getattr(blk, "opm_first", False)  # AlphaFold-Multimer's order
+    if opm_first:
+        outer_product_mean_(blk.outer_product_mean, m, msa_mask, z, c, mc)
     msa_row_attention_(blk.msa_row_attention, m, z, msa_mask, c, mc)
     msa_column_attention_(blk.msa_column_attention, m, msa_mask, mc)
     rows_update_(m, -3, mc, _transition_fn(blk.msa_transition))
-    outer_product_mean_(blk.outer_product_mean, m, msa_mask, z, c, mc)
+    if not opm_first:
+        outer_product_mean_(blk.outer_product_mean, m, msa_mask, z, c, mc)
     pair_stack_(blk, z, pair_mask, c)
     return m, z
 

@@ -9,6 +9,7 @@ raises :class:`ZooCheckpointError` naming what is wrong and nothing half-loaded 
     Boltz-2 Pairformer     from_boltz, to_boltz
     ESM C (HF / esm)       from_esmc, to_esmc                      (models/zoo_esmc.py)
     AlphaFold 2 (npz)      from_alphafold, to_alphafold            (models/zoo_alphafold.py)
+    AlphaFold 2 (npz)      from_alphafold, to_alphafold            (models/zoo_alphafold.py)
     trained here           load_checkpoint, build_network
     fine-tuning            load_pretrained (any of the above, into an existing network)
 
@@ -819,6 +820,7 @@ NETWORKS = ClassRegistry("network", nn.Module, {
         "esm2": ("ESM2", "TransformerLayer", "RobertaLMHead", "ContactPredictionHead"),
         "esmc": ("ESMC", "EsmcLayer", "EsmcLMHead"),
         "zoo_alphafold": ("AlphaFold2Trunk",),
+        "zoo_alphafold": ("AlphaFold2Trunk",),
         "heads": ("DistogramHead", "MaskedMSAHead", "LMHead"),
         "primitives": ("Attention", "Transition", "SwiGLUTransition", "SharedDropout", "LineDropout"),
     }),
@@ -1127,6 +1129,9 @@ def load_esm2(path: PathLike, attention: Any = None, *, map_location: Any = "cpu
 
 # ESM C (Hugging Face port and the esm package's layout): models/zoo_esmc.py
 from .zoo_esmc import from_esmc, to_esmc  # noqa: E402
+
+# AlphaFold 2 parameters (npz) into the Evoformer and extra-MSA stacks: models/zoo_alphafold.py
+from .zoo_alphafold import AlphaFold2Trunk, from_alphafold, to_alphafold  # noqa: E402
 
 # AlphaFold 2 parameters (npz) into the Evoformer and extra-MSA stacks: models/zoo_alphafold.py
 from .zoo_alphafold import AlphaFold2Trunk, from_alphafold, to_alphafold  # noqa: E402
