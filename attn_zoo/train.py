@@ -263,6 +263,8 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
     ``step*.ckpt`` (each read with ``run_state``), printed with why the ones before it were passed over.
     None (a start from scratch) only where the run folder holds no checkpoint at all: a folder whose
     checkpoints cannot be resumed is refused (``RunFolderInUse``), never trained over."""
+    from .models.zoo import UnsafeCheckpointError
+
     folder = checkpoint_dir(cfg)
     candidates = [folder / "last.ckpt"] + sorted(folder.glob("step*.ckpt"), key=_step_number, reverse=True)
     passed = []
@@ -272,6 +274,8 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
             continue
         try:
             state = run_state(path, trust_file=bool(cfg.get("trust_file")))
+        except UnsafeCheckpointError:  # code in a checkpoint is no damage to pass over: stop and say how to trust it
+            raise
         except Exception as err:  # truncated or corrupt (zip reader, unpickler), unreadable
             why = (str(err).strip().splitlines() or [""])[0][:160]
             passed.append(f"{path.name} cannot be read ({type(err).__name__}: {why})")

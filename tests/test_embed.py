@@ -68,7 +68,7 @@ def test_embeddings_and_contacts_match_fair_esm(fair, ckpt, fasta, tmp_path):
         "--toks-per-batch", "70")  # several batches, padded rows
     conv = esm.data.Alphabet.from_architecture("ESM-1b").get_batch_converter()
     for label, seq in PROTEINS:
-        got = torch.load(tmp_path / "out" / E.file_name(label))
+        got = torch.load(tmp_path / "out" / E.file_name(label), weights_only=True)
         assert got["label"] == label and got["sequence"] == seq
         with torch.no_grad():
             ref = fair(conv([(label, seq)])[2], repr_layers=[0, 2], return_contacts=True)
@@ -85,8 +85,8 @@ def test_batching_does_not_change_a_protein(ckpt, fasta, tmp_path):
     run(ckpt, fasta, tmp_path / "one", "--toks-per-batch", "100000")  # everything in one padded batch
     run(ckpt, fasta, tmp_path / "alone", "--toks-per-batch", "1")  # every protein alone
     for label, _ in PROTEINS:
-        a = torch.load(tmp_path / "one" / E.file_name(label))["mean_representations"][2]
-        b = torch.load(tmp_path / "alone" / E.file_name(label))["mean_representations"][2]
+        a = torch.load(tmp_path / "one" / E.file_name(label), weights_only=True)["mean_representations"][2]
+        b = torch.load(tmp_path / "alone" / E.file_name(label), weights_only=True)["mean_representations"][2]
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -103,7 +103,7 @@ def test_length_multiple_pads_batches_and_keeps_embeddings(ckpt, fasta, tmp_path
     run(ckpt, fasta, tmp_path / "padded", "--include", "per_tok", "contacts", "--length-multiple", "16")
     assert widths and all(w % 16 == 0 for w in widths)
     for label, _ in PROTEINS:
-        a, b = (torch.load(tmp_path / d / E.file_name(label)) for d in ("plain", "padded"))
+        a, b = (torch.load(tmp_path / d / E.file_name(label), weights_only=True) for d in ("plain", "padded"))
         torch.testing.assert_close(b["representations"][2], a["representations"][2], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(b["contacts"], a["contacts"], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="length_multiple must be an int >= 1, got 0"):
@@ -129,13 +129,14 @@ def test_resume_skips_written_proteins(ckpt, fasta, tmp_path):
     assert sorted(first.written) == sorted(label for label, _ in PROTEINS) and not first.skipped
     gone = out / E.file_name("p3")
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
-    kept = torch.load(gone)
+    kept = torch.load(gone, weights_only=True)
     gone.unlink()
     again = run(ckpt, fasta, out)
     assert again.written == ["p3"] and len(again.skipped) == len(PROTEINS) - 1
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p != gone} == {
         k: v for k, v in before.items() if k != gone.name}
-    torch.testing.assert_close(torch.load(gone)["mean_representations"], kept["mean_representations"])
+    again = torch.load(gone, weights_only=True)
+    torch.testing.assert_close(again["mean_representations"], kept["mean_representations"])
     assert run(ckpt, fasta, out, "--overwrite").written  # --overwrite recomputes all
 
 
@@ -157,7 +158,7 @@ def test_an_interrupted_run_leaves_no_partial_file(ckpt, fasta, tmp_path, monkey
     files = sorted(out.glob("*.pt"))
     assert len(files) == 2 and all(not p.name.startswith(".partial") for p in out.iterdir())
     for p in files:
-        assert "mean_representations" in torch.load(p)  # complete files only
+        assert "mean_representations" in torch.load(p, weights_only=True)  # complete files only
     assert len(run(ckpt, fasta, out).written) == len(PROTEINS) - 2
 
 
@@ -182,9 +183,9 @@ def test_long_sequences_run_and_truncate(ckpt, tmp_path):
     seq = ("MKTAYIAKQRQISFVKSHFSRQ" * 60)[:1100]
     fasta = write_fasta(tmp_path / "long.fasta", [("long", seq)], width=60)
     run(ckpt, fasta, tmp_path / "out", "--include", "per_tok")
-    assert torch.load(tmp_path / "out" / "long.pt")["representations"][2].shape == (1100, 64)
+    assert torch.load(tmp_path / "out" / "long.pt", weights_only=True)["representations"][2].shape == (1100, 64)
     run(ckpt, fasta, tmp_path / "cut", "--include", "per_tok", "--truncate", "300")
-    assert torch.load(tmp_path / "cut" / "long.pt")["representations"][2].shape == (300, 64)
+    assert torch.load(tmp_path / "cut" / "long.pt", weights_only=True)["representations"][2].shape == (300, 64)
 
 
 def test_file_names_are_safe_and_distinct():

@@ -223,7 +223,7 @@ def test_checkpoint_layout_round_trips_and_loads_in_fair_esm(peer, tokens, peer_
     path = tmp_path / "esm2_t2_tiny.pt"
     torch.save(ckpt, path)
     with torch.serialization.safe_globals([argparse.Namespace]):  # fair-esm's cfg, refused by weights_only
-        data = torch.load(path, map_location="cpu")
+        data = torch.load(path, map_location="cpu", weights_only=True)
     fair, _ = esm.pretrained.load_model_and_alphabet_core("esm2_t2_tiny", data)
     with torch.no_grad():
         assert torch.equal(fair.eval()(tokens)["logits"], peer_out["logits"])

@@ -116,9 +116,11 @@ def test_resume_does_not_unpickle_a_planted_last_ckpt(tmp_path, marker):
     assert refused(err)
     cfg = make_cfg(["resume=true", "run_name=planted", "attention=chunked", "~logger", "callbacks=none",
                     "trainer.max_steps=1", "test=false"], out)
-    with pytest.raises(Exception) as err:
+    good = out / "checkpoints" / "step1.ckpt"  # an older, safe checkpoint beside it is not resumed silently
+    torch.save({"global_step": 1, "epoch": 0}, good)
+    with pytest.raises(ZooCheckpointError) as err:
         train.train(cfg)
-    assert "last.ckpt" in str(err.value) and "refused to unpickle" in str(err.value), str(err.value)
+    assert "last.ckpt" in str(err.value) and refused(err) and "trust_file=true for train.py" in str(err.value)
     assert not marker.exists()
 
 

@@ -103,7 +103,7 @@ def test_crash_then_resume_continues_step_and_optimizer_state(tmp_path):
     with pytest.raises(RuntimeError, match="simulated crash"):
         train.train(crash)
     last = tmp_path / "checkpoints" / "last.ckpt"
-    saved = torch.load(last, map_location="cpu", weights_only=False)
+    saved = torch.load(last, map_location="cpu", weights_only=True)
     assert saved["global_step"] == 3  # saved on the exception: no step lost
     assert {int(s["step"]) for s in saved["optimizer_states"][0]["state"].values()} == {3}
 
