@@ -45,6 +45,11 @@ class ZooCheckpointError(ValueError):
     or unexpected keys, wrong shapes. The message names the file (if any), the keys and the shapes seen."""
 
 
+class UnsafeCheckpointError(ZooCheckpointError):
+    """A checkpoint refused because reading it would unpickle Python objects (run code): not a damaged file, so a
+    caller that falls back to another checkpoint over damage stops here and shows the whole message."""
+
+
 # --------------------------------------------------------------------------------------------------
 # Shared helpers
 # --------------------------------------------------------------------------------------------------
@@ -86,7 +91,7 @@ def read_checkpoint(path: PathLike, map_location: Any = "cpu", *, trust_file: bo
             except Exception:
                 names = []
             what = f" ({_summarise(names, 4)})" if names else ""
-            raise ZooCheckpointError(
+            raise UnsafeCheckpointError(
                 f"refused to unpickle Python objects{what} in {str(path)!r}: a checkpoint should hold tensors and "
                 f"plain values, and unpickling objects can run code; {_TRUST_HINT}"
             ) from None
