@@ -5,10 +5,11 @@
         --device cuda --dtype bf16 --attention triton
 
 ``--model``: a fair-esm ``.pt``, a Hugging Face ESM-2 folder, a checkpoint trained here or an ESM-2 state_dict
-(:func:`attn_zoo.models.zoo.load_esm2`). Writes one file per protein, ``OUT/<name>.pt``, holding a dict (as
-fair-esm's ``extract.py``): ``label``, ``sequence``, ``representations {layer: [L, C]}`` (``per_tok``),
-``mean_representations {layer: [C]}`` (``mean``: over the residues, ``<cls>``/``<eos>`` left out) and
-``contacts [L, L]`` (``contacts``), float32 on the CPU.
+(:func:`attn_zoo.models.zoo.load_esm2`), or an ESM C (a Hugging Face ``EsmcForMaskedLM`` folder, or its or the esm
+package's state_dict: :func:`attn_zoo.models.zoo_esmc.load_language_model`; no contacts). Writes one file per
+protein, ``OUT/<name>.pt``, holding a dict (as fair-esm's ``extract.py``): ``label``, ``sequence``,
+``representations {layer: [L, C]}`` (``per_tok``), ``mean_representations {layer: [C]}`` (``mean``: over the
+residues, ``<cls>``/``<eos>`` left out) and ``contacts [L, L]`` (``contacts``), float32 on the CPU.
 
 File names: the label (the FASTA header's first word) with every character outside ``A-Za-z0-9._-`` replaced by
 ``_`` (a leading ``.`` too); when that changed the label, ``-`` and 8 hex digits of its SHA-1 are appended, so different labels never
@@ -286,6 +287,9 @@ def embed(model, proteins: Sequence[Tuple[str, str]], out: str | os.PathLike, *,
     unknown = sorted(set(include) - set(INCLUDE))
     if unknown or not include:
         raise ValueError(f"include must be a non-empty subset of {INCLUDE}, got {list(include)}")
+    if "contacts" in include and not hasattr(model, "contact_head"):
+        raise ValueError(f"--include contacts: {type(model).__name__} has no contact head (ESM-2 has one)")
+    ALPHABET = getattr(model, "alphabet", ALPHABET)  # ESM C's adds the chain break '|'  # noqa: N806
     device = torch.device(device)
     layers = _layers(repr_layers, model.num_layers)
     out = Path(out)
@@ -408,7 +412,7 @@ def parser() -> argparse.ArgumentParser:
 
 def run(argv: Optional[Sequence[str]] = None) -> EmbedSummary:
     """The command line as a function: parse ``argv``, embed, return what was done; errors raise."""
-    from .models.zoo import load_esm2
+    from .models.zoo_esmc import load_language_model
 
     args = parser().parse_args(argv)
     if args.truncate is not None and args.truncate < 1:
@@ -417,7 +421,7 @@ def run(argv: Optional[Sequence[str]] = None) -> EmbedSummary:
         raise SystemExit(f"--length-multiple must be >= 1, got {args.length_multiple}")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     proteins = read_proteins(args.fasta, args.truncate)  # every FASTA error before the model loads
-    model = load_esm2(args.model, attention=args.attention, trust_file=args.trust_file)
+    model = load_language_model(args.model, attention=args.attention, trust_file=args.trust_file)
     summary = embed(model, proteins, args.out, repr_layers=args.repr_layers, include=args.include,
                     toks_per_batch=args.toks_per_batch, device=device, dtype=DTYPES[args.dtype],
                     overwrite=args.overwrite, progress=not args.no_progress, length_multiple=args.length_multiple,

@@ -201,6 +201,14 @@ class ESMC(nn.Module):
     def config(self) -> EsmcConfig:
         return EsmcConfig(self.num_layers, self.width, self.heads, self.ffn_width)
 
+    @property
+    def embed_dim(self) -> int:  # ESM-2's names, read by attn-zoo-embed
+        return self.width
+
+    @property
+    def attention_heads(self) -> int:
+        return self.heads
+
     def _check(self, tokens: Tensor, repr_layers: Sequence[int], sequence_id: Optional[Tensor]) -> set:
         if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"tokens must be an int64/int32 tensor [B, L], got "
@@ -218,8 +226,10 @@ class ESMC(nn.Module):
             raise ValueError(f"repr_layers must be ints in [0, {self.num_layers}], got {bad}")
         return layers
 
-    def forward(self, tokens: Tensor, repr_layers: Sequence[int] = (),
-                sequence_id: Optional[Tensor] = None) -> Dict[str, Any]:
+    def forward(self, tokens: Tensor, repr_layers: Sequence[int] = (), sequence_id: Optional[Tensor] = None,
+                return_contacts: bool = False) -> Dict[str, Any]:
+        if return_contacts:
+            raise ValueError("return_contacts: ESM C has no contact head (ESM-2's regression over attention maps)")
         repr_layers = self._check(tokens, repr_layers, sequence_id)
         x = self.embed_tokens(tokens)  # [B, L, C]
         mask = None

@@ -186,3 +186,35 @@ def test_registered_for_checkpoints():
     net = build_network({"_target_": "attn_zoo.models.esmc.ESMC", "num_layers": 1, "width": 32, "heads": 2,
                          "ffn_width": 64, "attention": {"backend": "torch"}})
     assert isinstance(net, ESMC) and net.ffn_width == 64
+
+
+def test_embed_command_takes_esmc(tmp_path):
+    from attn_zoo.embed import main
+
+    hf, _ = _hf()
+    hf.save_pretrained(tmp_path / "esmc")
+    fasta = tmp_path / "x.fa"
+    fasta.write_text(">p1 first\nMKTAYIAKQR\n>p2\nGAVLIW\n")
+    assert main(["--model", str(tmp_path / "esmc"), "--fasta", str(fasta), "--out", str(tmp_path / "emb"),
+                 "--include", "mean", "per_tok", "--repr-layers", "-1", "1", "--attention", "torch",
+                 "--no-progress"]) == 0
+    item = torch.load(tmp_path / "emb" / "p2.pt", weights_only=True)
+    tok = torch.tensor([[ALPHABET.cls_idx] + ALPHABET.encode("GAVLIW") + [ALPHABET.eos_idx]])
+    with torch.no_grad():
+        ref = hf(input_ids=tok, output_hidden_states=True).hidden_states
+    assert _rel(item["representations"][3], ref[3][0, 1:-1], torch.ones(6, dtype=torch.bool)) < TOL
+    assert _rel(item["mean_representations"][1], ref[1][0, 1:-1].mean(0), torch.ones(64, dtype=torch.bool)) < TOL
+    # the esm package's state_dict in a .pt file loads too (a published width: 960 -> 15 heads)
+    torch.manual_seed(3)
+    small = ESMC(1, 960, 15, 64, attention="torch").eval()
+    sd_path = tmp_path / "esmc.pt"
+    torch.save(to_esmc(small, layout="esm"), sd_path)
+    assert main(["--model", str(sd_path), "--fasta", str(fasta), "--out", str(tmp_path / "emb2"),
+                 "--attention", "torch", "--no-progress"]) == 0
+    with torch.no_grad():
+        want = small(tok, repr_layers=[1])["representations"][1][0, 1:-1].mean(0)
+    got = torch.load(tmp_path / "emb2" / "p2.pt", weights_only=True)["mean_representations"][1]
+    assert _rel(got, want, torch.ones(960, dtype=torch.bool)) < TOL
+    # contacts are refused with a reason
+    assert main(["--model", str(tmp_path / "esmc"), "--fasta", str(fasta), "--out", str(tmp_path / "emb3"),
+                 "--include", "contacts", "--no-progress"]) == 1
