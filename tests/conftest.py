@@ -21,7 +21,19 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: slower CPU test")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--all", action="store_true", default=False,
+                     help="run the slow tests too (by default they run only when -m names them: -m slow)")
+
+
 def pytest_collection_modifyitems(config, items):
+    # The default run is the fast suite, for every commit; slow tests (interpreter-heavy grids, multi-process
+    # runs, training runs, packaging) run with -m slow or --all, and CI runs both.
+    if not config.getoption("--all") and "slow" not in (config.getoption("markexpr") or ""):
+        slow = [item for item in items if "slow" in item.keywords]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if "slow" not in item.keywords]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
