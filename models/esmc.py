@@ -172,14 +172,28 @@ class ESMC(nn.Module):
     Args:
         num_layers, width, heads, ffn_width: sizes (``ffn_width`` default: :func:`swiglu_width`).
         attention: what ``AttentionConfig.coerce`` takes (``"triton"``, ``{"backend": "chunked", ...}``).
+        size: a published size (``"300M"``, ``"600M"``, ``"6B"``) instead of the four sizes above (giving both is
+            an error); with neither, 300M.
         rope_theta, layer_norm_eps: ESM C uses 10000 and 1e-5.
         activation_checkpointing: in training, recompute each block in the backward.
     """
 
-    def __init__(self, num_layers: int = 30, width: int = 960, heads: int = 15, ffn_width: Optional[int] = None,
-                 attention: Any = None, rope_theta: float = 10000.0, layer_norm_eps: float = 1e-5,
-                 activation_checkpointing: bool = False):
+    def __init__(self, num_layers: Optional[int] = None, width: Optional[int] = None, heads: Optional[int] = None,
+                 ffn_width: Optional[int] = None, attention: Any = None, rope_theta: float = 10000.0,
+                 layer_norm_eps: float = 1e-5, activation_checkpointing: bool = False, size: Optional[str] = None):
         super().__init__()
+        given = {k: v for k, v in (("num_layers", num_layers), ("width", width), ("heads", heads),
+                                   ("ffn_width", ffn_width)) if v is not None}
+        if size is not None and given:
+            raise ValueError(f"ESMC takes a published size or num_layers/width/heads/ffn_width, not both: got "
+                             f"size={size!r} and {given} (set size to null for a size of your own)")
+        if size is not None and str(size) not in ESMC_CONFIGS:
+            raise ValueError(f"unknown ESM C size {size!r}; known: {sorted(ESMC_CONFIGS)}")
+        c = ESMC_CONFIGS["300M" if size is None else str(size)]  # 300M fills what is not given
+        num_layers = c.num_layers if num_layers is None else num_layers
+        width = c.width if width is None else width
+        heads = c.heads if heads is None else heads
+        ffn_width = c.ffn_width if size is not None else ffn_width
         if num_layers < 1 or width < 2 or heads < 1 or width % heads or (width // heads) % 2:
             raise ValueError(f"need num_layers >= 1 and width divisible by heads into an even head dim; got "
                              f"num_layers={num_layers}, width={width}, heads={heads}")

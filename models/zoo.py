@@ -837,10 +837,10 @@ NETWORKS = ClassRegistry("network", nn.Module, {
 TASKS = ClassRegistry("task", nn.Module, {
     **_entries("attn_zoo.models.tasks.", {"msa_distogram": ("MSADistogramTask",),
                                           "language_model": ("LanguageModelTask",),
-                                          "lm_esm2": ("ESM2MaskedLMTask",)}),
+                                          "lm_esm": ("ESMMaskedLMTask",)}),
     "attn_zoo.models.tasks.MSADistogramTask": "attn_zoo.models.tasks:MSADistogramTask",
     "attn_zoo.models.tasks.LanguageModelTask": "attn_zoo.models.tasks:LanguageModelTask",
-    "attn_zoo.models.tasks.ESM2MaskedLMTask": "attn_zoo.models.tasks:ESM2MaskedLMTask",
+    "attn_zoo.models.tasks.ESMMaskedLMTask": "attn_zoo.models.tasks:ESMMaskedLMTask",
 }, register_with="register_task")
 
 
@@ -1016,40 +1016,64 @@ def _only_module_of(net: nn.Module, cls: type, what: str) -> nn.Module:
     return found[0]
 
 
-def _esm2_published(layers: int, width: int, heads: int) -> Optional[str]:
-    """The published size name ("650M") of an ESM-2 of that shape, or None."""
-    return next((n.split("_")[2] for n, c in ESM2_CONFIGS.items()
-                 if (c.num_layers, c.embed_dim, c.attention_heads) == (layers, width, heads)), None)
+def _lm_sizes(m: nn.Module) -> Tuple[Tuple[str, int], ...]:
+    """The constructor sizes of an ESM2 / ESMC, as (argument, value) pairs."""
+    if isinstance(m, ESM2):
+        return (("num_layers", m.num_layers), ("embed_dim", m.embed_dim), ("attention_heads", m.attention_heads))
+    return (("num_layers", m.num_layers), ("width", m.width), ("heads", m.heads), ("ffn_width", m.ffn_width))
 
 
-def _esm2_size_name(layers: int, width: int, heads: int) -> str:
-    name = _esm2_published(layers, width, heads)
-    return f"{layers} layers, width {width}, {heads} heads" + (f" ({name})" if name else "")
+def _lm_published(m: nn.Module) -> Optional[str]:
+    """The published size name ("650M", "300M") of an ESM2 / ESMC of ``m``'s shape, or None."""
+    from .esmc import ESMC_CONFIGS
+
+    if isinstance(m, ESM2):
+        return next((n.split("_")[2] for n, c in ESM2_CONFIGS.items()
+                     if (c.num_layers, c.embed_dim, c.attention_heads) == tuple(v for _, v in _lm_sizes(m))), None)
+    return next((n for n, c in ESMC_CONFIGS.items()
+                 if (c.num_layers, c.width, c.heads, c.ffn_width) == tuple(v for _, v in _lm_sizes(m))), None)
 
 
-def _esm2_into(into: nn.Module, converted: ESM2, source: str, what: str) -> nn.Module:
-    """Copy a converted ESM-2's weights into ``into`` (an ESM2, or a network holding exactly one), after
-    checking that the sizes agree; ``into`` is returned unchanged on any error."""
-    if isinstance(into, ESM2):
+def _lm_size_name(m: nn.Module) -> str:
+    name = _lm_published(m)
+    return ", ".join(f"{k} {v}" for k, v in _lm_sizes(m)) + (f" ({name})" if name else "")
+
+
+def _heads_of(into: nn.Module, cls_name: str, sd: Mapping[str, Any]) -> Optional[int]:
+    """The head count of the one ESM2 / ESMC in ``into`` when its width is the state_dict's: what a state_dict
+    without a config cannot tell (another width: the size check names both)."""
+    emb = next((sd[k] for k in ("embed_tokens.weight", "esmc.embed_tokens.weight", "embed.weight") if k in sd), None)
+    found = [m for m in into.modules() if type(m).__name__ == cls_name and hasattr(m, "attention_heads")]
+    if len(found) != 1 or not isinstance(emb, Tensor) or emb.ndim != 2 or emb.shape[1] != found[0].embed_dim:
+        return None
+    return found[0].attention_heads
+
+
+def _lm_into(into: nn.Module, converted: nn.Module, source: str, what: str) -> nn.Module:
+    """Copy a converted ESM-2 / ESM C's weights into ``into`` (one of that class, or a network holding exactly
+    one), after checking that the sizes agree; ``into`` is unchanged on any error."""
+    cls = type(converted)
+    name, experiment = ("ESM-2", "esm2_mlm") if cls is ESM2 else ("ESM C", "esmc_mlm")
+    if isinstance(into, cls):
         target = into
     else:
-        found = [m for m in into.modules() if isinstance(m, ESM2)]
+        found = [m for m in into.modules() if isinstance(m, cls)]
         if len(found) != 1:
             raise ZooCheckpointError(
-                f"{source} is a {what} ESM-2: it loads into an attn_zoo ESM2 (train.py experiment=esm2_mlm), but "
-                f"{type(into).__name__} holds {len(found)} of them")
+                f"{source} is a {what} {name}: it loads into an attn_zoo {cls.__name__} (train.py "
+                f"experiment={experiment}), but {type(into).__name__} holds {len(found)} of them")
         target = found[0]
-    have = (target.num_layers, target.embed_dim, target.attention_heads)
-    got = (converted.num_layers, converted.embed_dim, converted.attention_heads)
-    if have != got:
-        name = _esm2_published(*got)
-        fix = f"model.size={name}" if name else (f"model.size=null model.net.num_layers={got[0]} "
-                                                 f"model.net.embed_dim={got[1]} model.net.attention_heads={got[2]}")
-        raise ZooCheckpointError(f"{source} holds a {what} ESM-2 of {_esm2_size_name(*got)}; the network's ESM2 has "
-                                 f"{_esm2_size_name(*have)}: build it at the file's size (train.py: {fix})")
+    if _lm_sizes(target) != _lm_sizes(converted):
+        size = _lm_published(converted)
+        fix = f"model.size={size}" if size else "model.size=null " + " ".join(
+            f"model.net.{k}={v}" for k, v in _lm_sizes(converted))
+        raise ZooCheckpointError(f"{source} holds a {what} {name} of {_lm_size_name(converted)}; the network's "
+                                 f"{cls.__name__} has {_lm_size_name(target)}: build it at the file's size "
+                                 f"(train.py: {fix})")
     _check_and_load(target, converted.state_dict(), f"{source} ({what}) does not fit {type(target).__name__}")
-    target.contact_head.loaded = converted.contact_head.loaded
-    target.lm_head.loaded = converted.lm_head.loaded
+    for head in ("contact_head", "lm_head"):  # which heads came from the file (ESM-2: contacts may not)
+        if hasattr(getattr(converted, head, None), "loaded"):
+            getattr(target, head).loaded = getattr(converted, head).loaded
     return into
 
 
@@ -1062,9 +1086,9 @@ def load_pretrained(
     - a Boltz-2 checkpoint or PairformerModule state_dict: ``from_boltz``, loaded into the one
       ``PairformerStack`` inside ``into`` (which must be ``variant="boltz2"`` of the same sizes);
     - a fair-esm ``.pt`` (a dict with ``model`` and ``cfg``/``args``, keys under ``encoder.sentence_encoder.``),
-      a Hugging Face ESM folder or a bare ESM-2 state_dict: read by ``from_fair_esm`` / ``from_hf_esm`` (the same
-      readers, the same checks), then copied into ``into`` if it is an ESM2, else into the one ESM2 inside it
-      (same size: an error names both sizes and the ``model.size`` to set);
+      a Hugging Face ESM-2 or ESM C folder, a bare ESM-2 or ESM C state_dict: read by ``from_fair_esm`` /
+      ``from_hf_esm`` / ``from_esmc`` (the same readers, the same checks), then copied into ``into`` if it is an
+      ESM2 (ESMC), else into the one inside it (same size: an error names both sizes and the ``model.size`` to set);
     - a bare state_dict of ``into`` itself (``torch.save(net.state_dict())``).
 
     Every key and shape is checked before anything is copied: on a ZooCheckpointError ``into`` is unchanged.
@@ -1074,7 +1098,10 @@ def load_pretrained(
     p = Path(path).expanduser()
     source = repr(str(p))
     if p.is_dir():
-        return _esm2_into(into, from_hf_esm(str(p), trust_file=trust_file), source, "Hugging Face ESM")
+        from .zoo_esmc import load_language_model  # ESM C when its config.json says so, else ESM-2
+
+        converted = load_language_model(str(p), trust_file=trust_file)
+        return _lm_into(into, converted, source, "Hugging Face")
     obj = read_checkpoint(p, map_location=map_location, trust_file=trust_file)
     if _is_ours(obj):
         _check_and_load(into, _net_state(obj["state_dict"], source), f"{source} does not fit {type(into).__name__}")
@@ -1093,13 +1120,18 @@ def load_pretrained(
                         "(build it with variant='boltz2' and the checkpoint's sizes)")
         return into
     if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):  # fair-esm: {"model", "args"/"cfg"}
-        return _esm2_into(into, _fair_esm(obj, f"fair-esm checkpoint {source}"), source, "fair-esm")
+        return _lm_into(into, _fair_esm(obj, f"fair-esm checkpoint {source}"), source, "fair-esm")
+    from .zoo_esmc import _looks_like_esmc, from_esmc
+
+    if _looks_like_esmc(obj):  # a state_dict of ESM C (the esm package's or Hugging Face's names)
+        return _lm_into(into, from_esmc(obj, num_heads=_heads_of(into, "ESMC", obj)), source, "ESM C state_dict")
     if isinstance(obj, Mapping) and obj and all(isinstance(v, Tensor) for v in obj.values()):
         target = into if isinstance(into, ESM2) else None
         if target is None and "embed_tokens.weight" in obj and any(isinstance(m, ESM2) for m in into.modules()):
             target = _only_module_of(into, ESM2, f"the ESM-2 state_dict {source}")
         if target is not None:  # an ESM-2 state_dict (fair-esm's names are this project's)
-            return _esm2_into(into, _fair_esm(obj, f"ESM-2 state_dict {source}"), source, "ESM-2 state_dict")
+            return _lm_into(into, _fair_esm(obj, f"ESM-2 state_dict {source}", num_heads=_heads_of(into, "ESM2", obj)),
+                            source, "ESM-2 state_dict")
         _check_and_load(into, obj, f"{source} (a state_dict) does not fit {type(into).__name__}")
         return into
     keys = _summarise([str(k) for k in obj], 5) if isinstance(obj, Mapping) else type(obj).__name__
@@ -1123,7 +1155,13 @@ def load_esm2(path: PathLike, attention: Any = None, *, map_location: Any = "cpu
     obj = read_checkpoint(p, map_location=map_location, trust_file=trust_file)
     if _is_ours(obj):
         net = _from_checkpoint(obj, repr(str(p)), attention=attention, task=False, trust_file=trust_file)
-        return _only_module_of(net, ESM2, f"the ESM-2 of {str(p)!r}")
+        from .esmc import ESMC
+
+        found = [m for m in net.modules() if isinstance(m, (ESM2, ESMC))]  # embed reads either
+        if len(found) != 1:
+            raise ZooCheckpointError(f"{str(p)!r} was trained here for a {type(net).__name__}, which holds "
+                                     f"{len(found)} ESM-2 / ESM C models: embedding needs exactly one")
+        return found[0]
     if isinstance(obj, Mapping) and (isinstance(obj.get("model"), Mapping) or obj and all(
             isinstance(v, Tensor) for v in obj.values())):
         return from_fair_esm(obj, attention=attention)

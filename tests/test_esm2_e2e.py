@@ -15,19 +15,23 @@ import torch
 from attn_zoo.models.data import DataError
 from attn_zoo.models.data.lm import load_sequences
 from attn_zoo.models.esm2 import ALPHABET, ESM2
-from attn_zoo.models.tasks.lm_esm2 import esm2_batch
+from attn_zoo.models.esmc import ESMC
+from attn_zoo.models.tasks.lm_esm import esm2_batch
 from attn_zoo.models.transformer import TransformerLM
-from attn_zoo.models.zoo import ZooCheckpointError, load_checkpoint, load_pretrained, to_fair_esm, to_hf_esm
+from attn_zoo.models.zoo import (ZooCheckpointError, load_checkpoint, load_pretrained, to_esmc, to_fair_esm,
+                                  to_hf_esm)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(num_layers=2, embed_dim=32, attention_heads=4)
 TINY_ARGS = ["model.size=null", "model.net.num_layers=2", "model.net.embed_dim=32", "model.net.attention_heads=4"]
+TINY_ESMC = dict(num_layers=2, width=32, heads=4)
+TINY_ESMC_ARGS = ["model.size=null", "model.net.num_layers=2", "model.net.width=32", "model.net.heads=4"]
 
 
-def pretrained_esm2(seed=0) -> ESM2:
-    """A tiny ESM-2 with weights far from any fresh initialisation (N(0, 0.3) everywhere)."""
+def pretrained_esm2(seed=0, cls=ESM2, sizes=TINY):
+    """A tiny ESM-2 (or ESM C) with weights far from any fresh initialisation (N(0, 0.3) everywhere)."""
     torch.manual_seed(seed)
-    m = ESM2(**TINY)
+    m = cls(**sizes)
     with torch.no_grad():
         for p in m.parameters():
             p.normal_(0, 0.3)
@@ -42,13 +46,15 @@ def fair_esm_file(path: Path, model: ESM2) -> Path:
     return path
 
 
-def hf_folder(path: Path, model: ESM2) -> Path:
+def hf_folder(path: Path, model) -> Path:
+    """A ``save_pretrained``-style folder (config.json + model.safetensors) of an ESM2 or ESMC."""
     from safetensors.torch import save_file
 
-    sd, config = to_hf_esm(model)
+    sd, config = to_hf_esm(model) if isinstance(model, ESM2) else to_esmc(model, layout="hf")
     path.mkdir()
     save_file({k: v.clone().contiguous() for k, v in sd.items()}, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({**config, "model_type": "esm"}))
+    model_type = "esm" if isinstance(model, ESM2) else "esmc"
+    (path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
     return path
 
 
@@ -83,12 +89,29 @@ def test_load_pretrained_reads_a_hugging_face_folder(tmp_path):
     assert same_weights(net, src)
 
 
+def test_load_pretrained_reads_an_esmc_folder_and_state_dict(tmp_path):
+    src = pretrained_esm2(cls=ESMC, sizes=TINY_ESMC)
+    net = ESMC(**TINY_ESMC)
+    load_pretrained(hf_folder(tmp_path / "hf", src), into=net)
+    assert same_weights(net, src)
+    torch.save(to_esmc(src, layout="esm"), tmp_path / "esmc.pt")  # the esm package's names
+    other = ESMC(**TINY_ESMC)
+    load_pretrained(tmp_path / "esmc.pt", into=other)
+    assert same_weights(other, src)
+    with pytest.raises(ZooCheckpointError, match=r"ESM C of num_layers 2, width 32.*model.size=null "
+                                                 r"model.net.num_layers=2 model.net.width=32"):
+        load_pretrained(tmp_path / "hf", into=ESMC(size="300M"))
+    with pytest.raises(ZooCheckpointError, match="loads into an attn_zoo ESMC.*holds 0"):
+        load_pretrained(tmp_path / "hf", into=ESM2(**TINY))
+
+
 def test_load_pretrained_names_the_size_to_set(tmp_path):
     path = fair_esm_file(tmp_path / "esm2_t2_tiny.pt", pretrained_esm2())
     net = ESM2(size="8M")
     before = {k: v.clone() for k, v in net.state_dict().items()}
-    with pytest.raises(ZooCheckpointError, match=r"2 layers, width 32, 4 heads; the network's ESM2 has 6 layers, "
-                                                 r"width 320, 20 heads \(8M\).*model.size=null model.net.num_layers=2"):
+    with pytest.raises(ZooCheckpointError, match=r"num_layers 2, embed_dim 32, attention_heads 4; the network's ESM2 "
+                                                 r"has num_layers 6, embed_dim 320, attention_heads 20 \(8M\).*"
+                                                 r"model.size=null model.net.num_layers=2 model.net.embed_dim=32"):
         load_pretrained(path, into=net)
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())  # untouched
     lm = TransformerLM(vocab_size=24, d_model=32, num_layers=1, num_heads=2)
@@ -140,10 +163,11 @@ def _console(args):
     return _run(["-c", code, *args])
 
 
-def _fine_tune(tmp_path, pretrained, lr="1e-3"):
+def _fine_tune(tmp_path, pretrained, lr="1e-3", experiment="esm2_mlm"):
     fasta = write_fasta(tmp_path / "train.fasta", 12)
     logs = tmp_path / "logs"
-    r = _run(["train.py", "experiment=esm2_mlm", f"model.pretrained={pretrained}", *TINY_ARGS,
+    sizes = TINY_ARGS if experiment == "esm2_mlm" else TINY_ESMC_ARGS
+    r = _run(["train.py", f"experiment={experiment}", f"model.pretrained={pretrained}", *sizes,
               f"model.optimizer.lr={lr}", "model.scheduler.start_factor=1.0", f"data.fasta={fasta}",
               "data.batch_size=2", "data.train_samples=6", "data.val_samples=2", "trainer.max_steps=3",
               "trainer.max_epochs=1", "test=false", "logger=csv", f"paths.log_dir={logs}", "run_name=ft"])
@@ -189,6 +213,18 @@ def test_fine_tune_from_a_hugging_face_folder(tmp_path):
     last, _ = _fine_tune(tmp_path, hf_folder(tmp_path / "hf", src), lr="0")
     tuned = load_checkpoint(last, attention="torch")
     assert same_weights(tuned, src)  # lr 0: the checkpoint holds exactly the folder's weights
+
+
+@pytest.mark.slow
+def test_fine_tune_esmc_then_embed(tmp_path):
+    src = pretrained_esm2(seed=2, cls=ESMC, sizes=TINY_ESMC)
+    last, fasta = _fine_tune(tmp_path, hf_folder(tmp_path / "hf", src), lr="0", experiment="esmc_mlm")
+    tuned = load_checkpoint(last, attention="torch")
+    assert isinstance(tuned, ESMC) and same_weights(tuned, src)
+    r = _console(["--model", str(last), "--fasta", str(fasta), "--out", str(tmp_path / "emb"), "--attention", "torch",
+                  "--device", "cpu", "--no-progress"])
+    assert r.returncode == 0, r.stderr
+    assert "12 written, 0 skipped" in r.stderr
 
 
 @pytest.mark.slow

@@ -17,11 +17,14 @@ TINY_LM = ["model.net.d_model=32", "model.net.num_layers=1", "model.net.num_head
            "data.train_samples=4", "data.val_samples=2"]
 TINY_ESM2 = ["model.size=null", "model.net.num_layers=2", "model.net.embed_dim=32", "model.net.attention_heads=4",
              "data.batch_size=2", "data.train_samples=4", "data.val_samples=2"]
+TINY_ESMC = ["model.size=null", "model.net.num_layers=2", "model.net.width=32", "model.net.heads=4",
+             "data.batch_size=2", "data.train_samples=4", "data.val_samples=2"]
 EXPERIMENTS = {
     "evoformer_msa": TINY_MSA + ["model.net.trunk.num_blocks=1", "model.net.trunk.c_m=16", "model.net.trunk.c_z=8"],
     "pairformer_msa": TINY_MSA + ["model.net.trunk.stack.num_blocks=1"],
     "transformer_mlm": TINY_LM + ["data.max_len=32", "data.msa_rows=query"],
     "esm2_mlm": TINY_ESM2 + ["data.max_len=32", "data.msa_rows=query"],
+    "esmc_mlm": TINY_ESMC + ["data.max_len=32", "data.msa_rows=query"],
     "longctx_clm": TINY_LM + ["data.seq_len=32", "data.msa_rows=query"],
     # GPU benchmarks, on CPU here with tiny shapes and fp32
     "bench_evoformer": ["trainer=cpu", "model.net.trunk.num_blocks=1", "model.net.trunk.c_m=16", "model.net.trunk.c_z=8",
@@ -168,7 +171,7 @@ def test_packing_flag_trains(experiment, tmp_path):
     assert math.isfinite(metrics["val/loss"])
 
 
-@pytest.mark.parametrize("experiment", ["pairformer_msa", "transformer_mlm", "esm2_mlm"])
+@pytest.mark.parametrize("experiment", ["pairformer_msa", "transformer_mlm", "esm2_mlm", "esmc_mlm"])
 def test_length_multiple_pads_batches_and_keeps_the_loss(experiment, tmp_path):
     """``data.length_multiple``: every batch's length is a multiple of it, and the task's loss on a batch is the
     unpadded batch's (padding is masked everywhere)."""

@@ -3,7 +3,7 @@ callbacks. The networks they train live in ``attn_zoo.models.networks``."""
 from .base import Task
 from .callbacks import ThroughputMonitor
 from .language_model import LanguageModelTask
-from .lm_esm2 import ESM2MaskedLMTask
+from .lm_esm import ESMMaskedLMTask
 from .msa_distogram import MSADistogramTask
 
-__all__ = ["Task", "MSADistogramTask", "LanguageModelTask", "ESM2MaskedLMTask", "ThroughputMonitor"]
+__all__ = ["Task", "MSADistogramTask", "LanguageModelTask", "ESMMaskedLMTask", "ThroughputMonitor"]

@@ -1,10 +1,11 @@
-"""Masked-LM training of the real ESM-2 (``models/esm2.py``: fair-esm's 33-token alphabet and layout).
+"""Masked-LM training of the real ESM-2 (``models/esm2.py``: fair-esm's 33-token alphabet and layout) and of
+ESM C (``models/esmc.py``: the same token ids, ``|`` in place of ``<null_1>``).
 
 The masked-LM data (``models/data/lm.py``) speak the project's 24-token alphabet; each batch is rewritten into
 ESM-2's tokens here: every residue, gap, ``<mask>`` and ``<pad>`` maps to its ESM-2 token (X stays X: the data
 alphabet already folded B, Z, U and O into it) and each crop is wrapped in ``<cls> ... <eos>``, as fair-esm's
 ``BatchConverter`` does. The loss scores the masked residues only, so a checkpoint trained here and a fair-esm
-file are the same model to ``zoo.load_esm2`` and ``attn-zoo-embed``.
+file are the same model to ``zoo.load_esm2`` and ``attn-zoo-embed`` (likewise an ESM C and ``from_esmc``).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from ..data.alphabet import MASK, PAD, TOKENS
 from ..esm2 import ALPHABET, ESM2
+from ..esmc import ESMC
 from .base import Task
 from .metrics import masked_accuracy, masked_cross_entropy
 from .parallel import loss_group
@@ -59,23 +61,24 @@ def esm2_batch(batch: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     return {"tokens": wrap(tokens), "target": wrap(target), "mask": mask}
 
 
-class ESM2MaskedLMTask(Task):
-    """Masked-LM training (from scratch or fine-tuning) of an :class:`~attn_zoo.models.esm2.ESM2`.
+class ESMMaskedLMTask(Task):
+    """Masked-LM training (from scratch or fine-tuning) of an :class:`~attn_zoo.models.esm2.ESM2` or an
+    :class:`~attn_zoo.models.esmc.ESMC`.
 
-    ``net``: the ESM2 (``configs/model/esm2.yaml``). ``size``: the published size the config named
+    ``net``: the ESM2 or ESMC (``configs/model/esm2.yaml``, ``esmc.yaml``). ``size``: the published size the config named
     (``model.size``), kept for the hyperparameter record only (the net was built with it). Loss: mean CE over the
     masked residues; logged: loss, perplexity, accuracy. Other arguments: :class:`~attn_zoo.models.tasks.Task`.
     """
 
-    def __init__(self, net: Optional[ESM2] = None, size: Optional[str] = None, **kwargs):
+    def __init__(self, net: Optional[torch.nn.Module] = None, size: Optional[str] = None, **kwargs):
         super().__init__(net=net, **kwargs)
-        if not isinstance(self.net, ESM2):
-            raise TypeError(f"{type(self).__name__} trains an attn_zoo ESM2 (model.net._target_: "
-                            f"attn_zoo.models.esm2.ESM2), got {type(self.net).__name__}")
+        if not isinstance(self.net, (ESM2, ESMC)):
+            raise TypeError(f"{type(self).__name__} trains an attn_zoo ESM2 or ESMC (model.net._target_: "
+                            f"attn_zoo.models.esm2.ESM2 or attn_zoo.models.esmc.ESMC), got {type(self.net).__name__}")
 
     def step(self, batch):
         b = esm2_batch(batch)
-        logits = self.net(b["tokens"])["logits"]  # [B, L + 2, 33]
+        logits = self.net(b["tokens"])["logits"]  # [B, L + 2, 33] (ESM C: 64 rows, the last 31 never targets)
         loss, _ = masked_cross_entropy(logits, b["target"], b["mask"], loss_group(self))
         logs = {"perplexity": loss.detach().exp(), "accuracy": masked_accuracy(logits.detach(), b["target"], b["mask"])}
         return loss, logs, b["tokens"].shape[0]
