@@ -65,9 +65,10 @@ class ESMMaskedLMTask(Task):
     """Masked-LM training (from scratch or fine-tuning) of an :class:`~attn_zoo.models.esm2.ESM2` or an
     :class:`~attn_zoo.models.esmc.ESMC`.
 
-    ``net``: the ESM2 or ESMC (``configs/model/esm2.yaml``, ``esmc.yaml``). ``size``: the published size the config named
-    (``model.size``), kept for the hyperparameter record only (the net was built with it). Loss: mean CE over the
-    masked residues; logged: loss, perplexity, accuracy. Other arguments: :class:`~attn_zoo.models.tasks.Task`.
+    ``net``: the ESM2 or ESMC (``configs/model/esm2.yaml``, ``esmc.yaml``). ``size``: the published size the
+    config named (``model.size``), kept for the hyperparameter record only (the net was built with it). Loss:
+    mean CE over the masked residues; logged: loss, perplexity, accuracy. Other arguments:
+    :class:`~attn_zoo.models.tasks.Task`.
     """
 
     def __init__(self, net: Optional[torch.nn.Module] = None, size: Optional[str] = None, **kwargs):
