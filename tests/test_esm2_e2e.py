@@ -82,11 +82,12 @@ def test_load_pretrained_reads_a_fair_esm_file(tmp_path):
     assert load_pretrained(path, into=net) is net and same_weights(net, src)
 
 
-def test_load_pretrained_reads_a_hugging_face_folder(tmp_path):
+def test_load_pretrained_reads_a_hugging_face_folder_into_the_esm2_of_a_network(tmp_path):
     src = pretrained_esm2()
-    net = ESM2(**TINY)
+    net = torch.nn.ModuleDict({"esm": ESM2(**TINY), "head": torch.nn.Linear(32, 2)})  # a user's network
+    head = net["head"].weight.clone()
     load_pretrained(hf_folder(tmp_path / "hf", src), into=net)
-    assert same_weights(net, src)
+    assert same_weights(net["esm"], src) and torch.equal(net["head"].weight, head)
 
 
 def test_load_pretrained_reads_an_esmc_folder_and_state_dict(tmp_path):
