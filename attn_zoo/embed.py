@@ -289,6 +289,9 @@ def embed(model, proteins: Sequence[Tuple[str, str]], out: str | os.PathLike, *,
         raise ValueError(f"include must be a non-empty subset of {INCLUDE}, got {list(include)}")
     if "contacts" in include and not hasattr(model, "contact_head"):
         raise ValueError(f"--include contacts: {type(model).__name__} has no contact head (ESM-2 has one)")
+    if "contacts" in include and not getattr(model.contact_head, "loaded", True):
+        raise ValueError("--include contacts: this model has no contact regression (fair-esm ships it in a separate "
+                         "contact-regression file, and masked-LM training does not learn one): --include mean per_tok")
     ALPHABET = getattr(model, "alphabet", ALPHABET)  # ESM C's adds the chain break '|'  # noqa: N806
     device = torch.device(device)
     layers = _layers(repr_layers, model.num_layers)

@@ -991,6 +991,7 @@ def _from_checkpoint(obj: Any, source: str, *, attention: Any, task: bool, trust
     except ZooCheckpointError as e:
         raise ZooCheckpointError(f"{source}: {e}") from None
     _check_and_load(net, _net_state(obj["state_dict"], source), f"{source} does not match the net it records")
+    _restore_contact_flags(net, obj)
     if not task:
         return net
     cls_path = obj.get("attn_zoo_task")
@@ -1071,10 +1072,18 @@ def _lm_into(into: nn.Module, converted: nn.Module, source: str, what: str) -> n
                                  f"{cls.__name__} has {_lm_size_name(target)}: build it at the file's size "
                                  f"(train.py: {fix})")
     _check_and_load(target, converted.state_dict(), f"{source} ({what}) does not fit {type(target).__name__}")
-    for head in ("contact_head", "lm_head"):  # which heads came from the file (ESM-2: contacts may not)
-        if hasattr(getattr(converted, head, None), "loaded"):
-            getattr(target, head).loaded = getattr(converted, head).loaded
+    if isinstance(target, ESM2):  # fair-esm ships the contact regression apart: a file without it leaves it random
+        target.contact_head.loaded = converted.contact_head.loaded
     return into
+
+
+def _restore_contact_flags(net: nn.Module, obj: Mapping[str, Any]) -> None:
+    """A checkpoint trained here from weights without ESM-2's contact regression says so (``attn_zoo_contacts``,
+    written by the LM task); its model keeps refusing contacts rather than returning a random regression's."""
+    if obj.get("attn_zoo_contacts") is False:
+        for m in net.modules():
+            if isinstance(m, ESM2):
+                m.contact_head.loaded = False
 
 
 def load_pretrained(
@@ -1105,6 +1114,7 @@ def load_pretrained(
     obj = read_checkpoint(p, map_location=map_location, trust_file=trust_file)
     if _is_ours(obj):
         _check_and_load(into, _net_state(obj["state_dict"], source), f"{source} does not fit {type(into).__name__}")
+        _restore_contact_flags(into, obj)
         return into
     inner = obj.get("state_dict") if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping) else obj
     if isinstance(inner, Mapping) and any(

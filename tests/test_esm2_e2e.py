@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from attn_zoo.embed import run as embed_run
 from attn_zoo.models.data import DataError
 from attn_zoo.models.data.lm import load_sequences
 from attn_zoo.models.esm2 import ALPHABET, ESM2
@@ -118,6 +119,32 @@ def test_load_pretrained_names_the_size_to_set(tmp_path):
     lm = TransformerLM(vocab_size=24, d_model=32, num_layers=1, num_heads=2)
     with pytest.raises(ZooCheckpointError, match="loads into an attn_zoo ESM2.*holds 0"):
         load_pretrained(path, into=lm)
+
+
+def test_a_contact_regression_no_file_gave_stays_refused_after_training(tmp_path):
+    from attn_zoo.models.tasks import ESMMaskedLMTask
+    from attn_zoo.models.zoo import load_esm2
+
+    ckpt = to_fair_esm(pretrained_esm2(), layout="checkpoint")
+    for k in ("weight", "bias"):  # fair-esm's .pt files ship the contact regression in a file of its own
+        del ckpt["model"][f"encoder.sentence_encoder.contact_head.regression.{k}"]
+    torch.save(ckpt, tmp_path / "esm2_t2_tiny.pt")
+    task = ESMMaskedLMTask(net=ESM2(**TINY), pretrained=str(tmp_path / "esm2_t2_tiny.pt"))
+    assert task.net.contact_head.loaded is False
+    task.record_net_config({"_target_": "attn_zoo.models.esm2.ESM2", **TINY})
+    saved = {"state_dict": task.state_dict(), "hyper_parameters": dict(task.hparams)}
+    task.on_save_checkpoint(saved)  # what Lightning adds to every checkpoint it writes
+    torch.save(saved, tmp_path / "last.ckpt")
+    model = load_esm2(tmp_path / "last.ckpt", attention="torch")
+    tokens = ALPHABET.get_batch_converter()([("p", "MKTAYIAK")])[2]
+    with pytest.raises(ValueError, match="no contact regression"):
+        model(tokens, return_contacts=True)
+    assert load_checkpoint(tmp_path / "last.ckpt").contact_head.loaded is False
+    fasta = write_fasta(tmp_path / "in.fasta", 2)
+    with pytest.raises(ValueError, match="--include contacts: this model has no contact regression"):
+        embed_run(["--model", str(tmp_path / "last.ckpt"), "--fasta", str(fasta), "--out", str(tmp_path / "emb"),
+                   "--include", "contacts", "--no-progress"])
+    assert not (tmp_path / "emb").exists()  # refused before any work
 
 
 def test_esm2_batch_wraps_crops_in_cls_and_eos():

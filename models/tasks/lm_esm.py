@@ -77,6 +77,13 @@ class ESMMaskedLMTask(Task):
             raise TypeError(f"{type(self).__name__} trains an attn_zoo ESM2 or ESMC (model.net._target_: "
                             f"attn_zoo.models.esm2.ESM2 or attn_zoo.models.esmc.ESMC), got {type(self.net).__name__}")
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        # masked-LM training never trains ESM-2's contact regression: one that no file provided stays refused
+        head = getattr(self.net, "contact_head", None)
+        if head is not None:
+            checkpoint["attn_zoo_contacts"] = bool(head.loaded)
+
     def step(self, batch):
         b = esm2_batch(batch)
         logits = self.net(b["tokens"])["logits"]  # [B, L + 2, 33] (ESM C: 64 rows, the last 31 never targets)
