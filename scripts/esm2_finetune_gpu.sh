@@ -27,7 +27,7 @@ python train.py experiment=esm2_mlm trainer=gpu model.size=650M "model.pretraine
   trainer.max_steps="$steps" trainer.max_epochs=1 "paths.log_dir=$out/logs" run_name=esm2_650m_ft
 mid=$(date +%s)
 ckpt="$out/logs/train/runs/esm2_650m_ft/checkpoints/last.ckpt"
-python scripts/embed.py --model "$ckpt" --fasta "$fasta" --out "$out/emb" --include mean contacts \
+python scripts/embed.py --model "$ckpt" --fasta "$fasta" --out "$out/emb" --include mean per_tok \
   --device cuda --dtype bf16 --attention triton --overwrite --no-progress
 end=$(date +%s)
 echo "train ${steps} steps: $((mid - start)) s; embed: $((end - mid)) s" | tee "$out/timings.txt"
