@@ -147,6 +147,21 @@ def test_a_contact_regression_no_file_gave_stays_refused_after_training(tmp_path
     assert not (tmp_path / "emb").exists()  # refused before any work
 
 
+@pytest.mark.parametrize("net", [lambda: ESM2(**TINY), lambda: ESMC(**TINY_ESMC)], ids=["esm2", "esmc"])
+def test_every_trainable_parameter_gets_a_gradient(net):
+    """DDP (trainer=ddp) fails on a parameter the loss never reaches: ESM-2's contact regression is frozen."""
+    from attn_zoo.models.data.alphabet import encode
+    from attn_zoo.models.tasks import ESMMaskedLMTask
+
+    task = ESMMaskedLMTask(net=net())
+    t = encode("MKTAYIAKQRQISFVK")
+    batch = {"tokens": t[None], "target": t[None], "loss_mask": torch.arange(len(t))[None] % 3 == 0,
+             "pad_mask": torch.ones(1, len(t), dtype=torch.bool)}
+    task.step(batch)[0].backward()
+    unused = [n for n, p in task.named_parameters() if p.requires_grad and p.grad is None]
+    assert not unused
+
+
 def test_esm2_batch_wraps_crops_in_cls_and_eos():
     from attn_zoo.models.data.alphabet import MASK, PAD, encode
 

@@ -76,6 +76,8 @@ class ESMMaskedLMTask(Task):
         if not isinstance(self.net, (ESM2, ESMC)):
             raise TypeError(f"{type(self).__name__} trains an attn_zoo ESM2 or ESMC (model.net._target_: "
                             f"attn_zoo.models.esm2.ESM2 or attn_zoo.models.esmc.ESMC), got {type(self.net).__name__}")
+        if isinstance(self.net, ESM2):  # the masked-LM loss never reaches the contact regression: frozen, so DDP
+            self.net.contact_head.requires_grad_(False)  # finds no unused parameter and no optimizer state is kept
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
