@@ -245,6 +245,7 @@ def test_crop_table_flex_dynamic_is_a_ratio_not_a_target():
     assert (be, skip) == ("flex-dynamic", None)
 
 
+@pytest.mark.slow
 def test_varlen_run_on_cpu_and_tables(tmp_path):
     """The varlen rows of the torch-backend block at tiny sizes on the CPU: three steps per length, first and steady
     times, their ratio and the compile + tune share; the time limit skips lengths; the tables have one value per
@@ -286,6 +287,7 @@ def test_varlen_run_on_cpu_and_tables(tmp_path):
     assert steps == ["| 3 | 22 | 32.0 | 20.0 | 1.60 | skipped: time limit | - | - |"]
 
 
+@pytest.mark.slow
 def test_varlen_length_multiple_and_warmup_on_cpu(tmp_path):
     """``--varlen-multiple`` pads each length to a multiple (rows keep the length and name the padded width);
     ``--varlen-warmup`` first steps once through every padded length of the range, a step -1 row whose time counts
@@ -348,6 +350,7 @@ def test_varlen_names_full_collections(tmp_path, monkeypatch):
     assert "- step 1 (torch, first/steady " in path.read_text()
 
 
+@pytest.mark.slow
 def test_varlen_backends_run_in_fresh_processes(monkeypatch):
     """Each backend's varlen rows come from a worker process of its own (tagged JSON on stdout); a worker that
     fails (here: no CUDA device) becomes an error naming its last stderr line."""
@@ -381,6 +384,7 @@ def test_varlen_backends_run_in_fresh_processes(monkeypatch):
     assert seen[3][seen[3].index("--varlen-ahead-processes") + 1] == "6"
 
 
+@pytest.mark.slow
 def test_isolated_block_rows_run_in_fresh_processes(monkeypatch):
     """``--isolate``: each table row comes from a worker process of its own (tagged JSON on stdout) with the parent's
     compile options; a worker that prints no row (a real one without a GPU, here) becomes a row naming its exit

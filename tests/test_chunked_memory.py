@@ -52,6 +52,7 @@ print(json.dumps({"chunked_mb": chunked, "reference_mb": reference}))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
 def test_chunked_peak_memory_far_below_reference():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,6 +18,7 @@ from helpers import have_cuda_compiler  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not have_cuda_compiler(), reason="Triton without its CUDA backend (ptxas): nothing to compile")
 def test_lengths_differing_mod_16_compile_nothing_new_for_real():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

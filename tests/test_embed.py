@@ -212,6 +212,7 @@ def test_bad_arguments(ckpt, fasta, tmp_path):
         run(ckpt, tmp_path / "none.fasta", tmp_path / "o")
 
 
+@pytest.mark.slow
 def test_command_line(ckpt, fasta, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "embed.py"), "--model", str(ckpt), "--fasta",

@@ -351,6 +351,7 @@ def test_another_models_file_and_truncated_file(peer, tmp_path):
 # ----------------------------------------------------------------------------------------------------------
 # The GPU benchmark's CPU-checkable parts (a typo there would only show on the GPU machine)
 # ----------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_bench_esm2_models_batches_parity_and_tables(tmp_path):
     import sys
 

@@ -177,6 +177,7 @@ def test_padding_does_not_change_real_positions(kind):
         assert rel_err(grads_p[name], grads[name], floor=1.0) < 1e-10, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["chunked", "sdpa", "triton"])
 @pytest.mark.parametrize("kind", list(BLOCKS))
 def test_backends_agree_with_torch(kind, backend):

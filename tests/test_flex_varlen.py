@@ -180,6 +180,7 @@ def _pair_inputs(length, rows=3, seed=0):
     return q, k, v, bias, mask
 
 
+@pytest.mark.slow
 def test_compiles_once_per_bucket_past_the_recompile_limit(fresh_flex):
     """Real Dynamo (fullgraph, eager backend) under a recompile limit of 2: 5 buckets compile once each, with
     no warning and no unfused call; a second pass over the lengths compiles nothing; the limit is restored."""

@@ -636,6 +636,7 @@ def test_bench_inference_auto_script_runs_on_cpu(tmp_path):
     assert "| 12 | auto | plain |" in text and (tmp_path / "inference_auto.csv").exists()
 
 
+@pytest.mark.slow
 def test_bench_memory_script_runs_on_cpu(tmp_path):
     """scripts/bench_memory.py end to end at tiny widths on the CPU (a typo there would only show on the GPU)."""
     import os

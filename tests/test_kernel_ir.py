@@ -7,12 +7,16 @@ import sys
 
 import pytest
 
+# Compiling the kernels offline to inspect their IR takes a while (a module fixture): the slow suite.
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _PROBE = """
 import json, sys
 sys.path.insert(0, {root!r}); sys.path.insert(0, {scripts!r})
 import kernel_ir as K
+
 out = {{}}
 for name, kernel, in_range in (("fwd_ragged", "fwd", False), ("fwd_in_range", "fwd", True), ("dq_ragged", "dq", False),
                                ("dkdv_ragged", "dkdv", False)):

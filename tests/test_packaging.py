@@ -44,6 +44,7 @@ def run_clean(site: Path, user: Path, code: str, *args: str) -> subprocess.Compl
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_wheel_layout(installed):
     site, _ = installed
     assert (site / "attn_zoo" / "models" / "pairformer.py").is_file()
@@ -55,6 +56,7 @@ def test_wheel_layout(installed):
     assert not (site / "models").exists(), "the wheel must not install a top-level `models` package"
 
 
+@pytest.mark.slow
 def test_installed_imports_beside_user_models(installed):
     site, user = installed
     proc = run_clean(site, user, """
@@ -81,6 +83,7 @@ def test_installed_imports_beside_user_models(installed):
     assert out["sample"].startswith(str(site))
 
 
+@pytest.mark.slow
 def test_installed_train_entry_composes_from_any_folder(installed):
     site, user = installed
     # Hydra's --cfg job prints the composed config and exits: the configs are found inside the package.

@@ -169,6 +169,7 @@ def test_block_traces_without_graph_break_under_autocast():
     assert explained.graph_count == 1
 
 
+@pytest.mark.slow
 def test_block_compiles_once_for_variable_lengths():
     """Proteins differ in length: torch.compile(dynamic=True, fullgraph=True) of the block with the triton backend
     (interpreter on CPU) traces one graph on symbolic sizes that matches eager at two lengths."""

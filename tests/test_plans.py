@@ -132,6 +132,7 @@ def test_what_a_plan_depends_on_makes_a_new_one(fresh_plans):
     assert not launch._PLANS
 
 
+@pytest.mark.slow
 @interpreter
 def test_what_a_backward_plan_depends_on_makes_a_new_one(fresh_plans):
     """The backward's key: whether lse has a gradient, whether the bias needs one, and the variant (atomic dBias,
@@ -316,6 +317,7 @@ _FOLDED = {  # per kernel: tensor argument -> the prefix of the strides the kern
 }
 
 
+@pytest.mark.slow
 @interpreter
 @pytest.mark.parametrize("layout", ["views_c12", "views_c17", "views_c24", "contiguous_d24_dv20", "bias_pitch_33"])
 @pytest.mark.parametrize("variant", ["split", "fused", "atomic"])

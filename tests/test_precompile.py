@@ -35,6 +35,7 @@ def _compile_cost(*args):
     return rows, numbers, res.stdout
 
 
+@pytest.mark.slow
 @needs_ptxas
 def test_workers_compile_what_this_process_then_loads():
     """A tuned fwd + bwd (every candidate of each key) with two worker processes: each job writes one binary into
@@ -87,6 +88,7 @@ def test_the_hook_is_installed_only_while_capturing():
         knobs.runtime.jit_cache_hook = before
 
 
+@pytest.mark.slow
 @needs_ptxas
 def test_compile_ahead_compiles_what_a_run_then_needs():
     """Steps under ``attn_ops.compile_ahead()`` (sm_90 cross-compiles, on threads) compile at least what the plain
@@ -109,6 +111,7 @@ def test_compile_ahead_compiles_what_a_run_then_needs():
     assert p["plain"] >= 8 and p["plain"] <= a["ahead"] <= p["plain"] + 2 and a["after"] == 0, (plain, ahead)
 
 
+@pytest.mark.slow
 @needs_ptxas
 def test_compile_ahead_in_worker_processes_then_a_warm_cache_needs_none(tmp_path):
     """``compile_ahead`` with worker processes: every compile it asks for is a worker's job (none fails), this

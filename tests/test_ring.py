@@ -248,6 +248,7 @@ def _ring_checks(rank, world):
     _check_packed(world, rank, 4002, True, "zigzag", "torch", False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_matches_single_process(world):
     spawn_gloo(_ring_checks, world)

@@ -206,6 +206,7 @@ def _tiles_meeting(qids, kids, bm, bn):
     return n
 
 
+@pytest.mark.slow
 @interpreter
 def test_triton_skips_tiles_whose_segments_cannot_meet(monkeypatch):
     """Count the score tiles each kernel computes (forward, dQ, dK/dV and the dBias reduction of a bias shared by

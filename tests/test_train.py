@@ -273,6 +273,7 @@ def test_warmup_batches_take_the_deepest_msa_of_each_width():
         assert round_up(int(batch["seq_mask"][0].sum()), 32) == w  # the first example is of this width
 
 
+@pytest.mark.slow
 def test_length_warmup_steps_every_width_and_changes_nothing(tmp_path, monkeypatch):
     """The ``length_warmup`` callback (in the default callbacks, off unless enabled) runs a training step at every
     width the data pads to, first under ``compile_ahead`` and then for real, before the first optimizer step, and

@@ -165,6 +165,7 @@ def _packed_checks(rank, world):
     _check_bad_ids(rank, world)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_packed_lm_matches_single_process(world):
     spawn_gloo(_packed_checks, world)

@@ -190,6 +190,7 @@ def _adds_by_atomics(name: str, flags: dict) -> bool:
 
 @pytest.mark.parametrize("bias_shape", [(2, 1, 2, 33, 33), (1, 1, 2, 33, 33), (2, 3, 2, 33, 33)],
                          ids=["over_rows", "over_batch_and_rows", "full"])
+@pytest.mark.slow
 def test_split_backward_is_bitwise_deterministic(bias_shape, monkeypatch):
     """Repeated calls give the same bits. The interpreter runs atomics in order, so that alone cannot fail on the
     CPU: the launches are also checked for the atomic variants (fused dQ, a broadcast bias's gradient by atomics in
@@ -339,6 +340,7 @@ def test_compiles_without_graph_breaks():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.slow
 def test_compiles_with_dynamic_shapes():
     """Variable sequence lengths (proteins of different sizes) under ``torch.compile(dynamic=True)``: the graphs
     traced on symbolic shapes and strides for contiguous inputs and head-split views are reused for a second length
@@ -514,6 +516,7 @@ def test_tma_bias_tiles_equal_pointer_loads(name, dtype, variant, monkeypatch):
         check_against_reference("triton", q, k, v, bias, mask, **opts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["heads_last", "odd_rows"])
 def test_shared_bias_is_copied_into_tma_rows(layout, monkeypatch):
     """A pair bias shared over rows whose own layout TMA cannot read (heads-last memory, the blocks' projection
@@ -650,6 +653,7 @@ PADDED_RUNS = [("ragged_shared", torch.float32, "split"), ("ragged_shared", torc
                ("over_batch_q_mask", torch.float16, "split"), ("causal_shared", torch.float32, "fused")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,dtype,variant", PADDED_RUNS, ids=[f"{n}-{str(d)[6:]}-{v}" for n, d, v in PADDED_RUNS])
 def test_padded_bias_copy_equals_plain_pointer_loads(name, dtype, variant, monkeypatch):
     """A bias shared over a batch dim, read by pointer loads (TMA off), is copied into rows padded to whole key

@@ -220,6 +220,7 @@ def test_interpreter_shortcut(monkeypatch):
 
 @pytest.mark.parametrize("opts", [dict(bwd="fused", deterministic=False), dict(bwd="split", deterministic=False)],
                          ids=["fused", "atomic"])
+@pytest.mark.slow
 def test_timed_launchers_are_repeatable(monkeypatch, opts):
     """The op's real launch closures, timed by pick() over several configs each (interpreter launches, fake
     clock), must re-zero what they accumulate into (the fused dQ and the atomic dBias accumulators): the result
@@ -295,6 +296,7 @@ def _run(L, seed=3):
     return (out, lse) + grads, (q, k, v, bias, mask)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("same_pick", [True, False], ids=["same_config", "other_config"])
 def test_bucketed_tuning_matches_exact_tuning(monkeypatch, same_pick):
     """L = 20 is timed; L = 24 (same bucket, 32) reuses its picks without timing. Against tuning keyed by the exact
@@ -475,6 +477,7 @@ def test_pick_uses_the_disk_cache_across_processes(tuner, tmp_path, monkeypatch)
     assert len(tuner.timed) == len(cands)
 
 
+@pytest.mark.slow
 def test_pretune_fills_the_disk_cache_for_a_later_process(monkeypatch, tmp_path):
     """attn_ops.pretune times every kernel of a forward + backward for a shape and stores the picks; a later
     process (empty memory caches) running another length of the same bucket times nothing."""
@@ -538,6 +541,7 @@ def _launch_keys(monkeypatch, R, Lq, Lk=20, transposed_mask=False):
     return keys
 
 
+@pytest.mark.slow
 def test_lengths_differing_mod_16_compile_nothing_new(monkeypatch):
     """Row counts and query lengths 16 / 20 / 29 and 2 / 3 / 16 (one tile either way in the interpreter's configs,
     so the EVEN flags agree): every kernel launch has the same Triton specialisation, i.e. the GPU would reuse the
@@ -564,6 +568,7 @@ def test_dbias_split_counts_compile_nothing_new():
     assert len(keys) == 1
 
 
+@pytest.mark.slow
 def test_transposed_mask_key_strides_compile_nothing_new(monkeypatch):
     """A mask whose key stride is a length (the ending-node triangle attention's, a transposed pair mask): row
     counts 2 and 16 give the same Triton specialisation, so the one of 16 (a multiple of 16 there, like N=496 in

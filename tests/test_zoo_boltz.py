@@ -97,6 +97,7 @@ def test_outputs_and_input_grads_equal_boltz(backend, opts):
     check_parity(backend, **opts)
 
 
+@pytest.mark.slow
 def test_outputs_equal_boltz_with_triton_interpreter():
     skip_unless_backend("triton")
     check_parity("triton", N=5)
