@@ -352,6 +352,22 @@ def _hf_config(config: Any) -> Optional[Dict[str, Any]]:
     raise TypeError(f"config must be None, a dict or an EsmConfig, got {type(config).__name__}")
 
 
+def _hf_state(obj: Any, what: str, trust_file: bool) -> Tuple[Mapping[str, Any], Optional[Dict[str, Any]], str]:
+    """(state_dict, the folder's config.json or None, a name for messages) of a Hugging Face folder, a file or a
+    state_dict given as it is."""
+    source, file_cfg = f"{what} state_dict", None
+    if isinstance(obj, (str, os.PathLike)):
+        path = os.fspath(obj)
+        source = f"{what} checkpoint {path!r}"
+        if os.path.isdir(path):
+            obj, file_cfg = _hf_read_folder(path, trust_file)
+        else:
+            obj = read_checkpoint(path, trust_file=trust_file)
+    if not isinstance(obj, Mapping):
+        raise ZooCheckpointError(f"{source}: expected a state_dict, got {type(obj).__name__}")
+    return obj, file_cfg, source
+
+
 def _hf_read_folder(folder: str, trust_file: bool = False) -> Tuple[Dict[str, Tensor], Optional[Dict[str, Any]]]:
     """Weights (``model.safetensors``, sharded safetensors or ``pytorch_model.bin``) and ``config.json``."""
     config = None
@@ -421,17 +437,7 @@ def from_hf_esm(state_dict_or_folder: Any, config: Any = None, attention: Any = 
     False), its ``representations`` are the checkpoint's. The pooler of ``EsmModel`` (unused by HF's ESM
     forward) is dropped. Raises ZooCheckpointError for anything that is not a complete ESM-2 of one size.
     """
-    source = "Hugging Face ESM state_dict"
-    obj, file_cfg = state_dict_or_folder, None
-    if isinstance(obj, (str, os.PathLike)):
-        path = os.fspath(obj)
-        source = f"Hugging Face ESM checkpoint {path!r}"
-        if os.path.isdir(path):
-            obj, file_cfg = _hf_read_folder(path, trust_file)
-        else:
-            obj = read_checkpoint(path, trust_file=trust_file)
-    if not isinstance(obj, Mapping):
-        raise ZooCheckpointError(f"{source}: expected a state_dict, got {type(obj).__name__}")
+    obj, file_cfg, source = _hf_state(state_dict_or_folder, "Hugging Face ESM", trust_file)
     cfg = _hf_config(config) or file_cfg or {}
     _hf_check_config(cfg, source)
 
@@ -1131,7 +1137,7 @@ def load_pretrained(
         return into
     if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):  # fair-esm: {"model", "args"/"cfg"}
         return _lm_into(into, _fair_esm(obj, f"fair-esm checkpoint {source}"), source, "fair-esm")
-    from .zoo_esmc import _looks_like_esmc, from_esmc
+    from .zoo_esmc import _looks_like_esmc
 
     if _looks_like_esmc(obj):  # a state_dict of ESM C (the esm package's or Hugging Face's names)
         return _lm_into(into, from_esmc(obj, num_heads=_heads_of(into, "ESMC", obj)), source, "ESM C state_dict")
@@ -1181,10 +1187,7 @@ def load_esm2(path: PathLike, attention: Any = None, *, map_location: Any = "cpu
 
 
 # ESM C (Hugging Face port and the esm package's layout): models/zoo_esmc.py
-from .zoo_esmc import from_esmc, to_esmc  # noqa: E402
+from .zoo_esmc import from_esmc, to_esmc  # noqa: E402,F401  (re-exported)
 
 # AlphaFold 2 parameters (npz) into the Evoformer and extra-MSA stacks: models/zoo_alphafold.py
-from .zoo_alphafold import AlphaFold2Trunk, from_alphafold, to_alphafold  # noqa: E402
-
-# AlphaFold 2 parameters (npz) into the Evoformer and extra-MSA stacks: models/zoo_alphafold.py
-from .zoo_alphafold import AlphaFold2Trunk, from_alphafold, to_alphafold  # noqa: E402
+from .zoo_alphafold import AlphaFold2Trunk, from_alphafold, to_alphafold  # noqa: E402,F401  (re-exported)

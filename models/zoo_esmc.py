@@ -18,7 +18,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 import torch
 
 from .esmc import ALPHABET, ESMC, ESMC_CONFIGS, VOCAB_ROWS
-from .zoo import ZooCheckpointError, _check_state, _first_keys, _hf_read_folder, _shape, read_checkpoint
+from .zoo import ZooCheckpointError, _check_state, _first_keys, _hf_state, _shape, read_checkpoint
 
 Tensor = torch.Tensor
 
@@ -164,17 +164,7 @@ def from_esmc(state_dict_or_folder: Any, config: Any = None, attention: Any = No
         num_heads: needed only when neither a config nor a published width tells it.
         trust_file: unpickle anything in a ``.pt``/``.bin`` file (it can run code); safetensors are data either way.
     """
-    source = "ESM C state_dict"
-    obj, file_cfg = state_dict_or_folder, None
-    if isinstance(obj, (str, os.PathLike)):
-        path = os.fspath(obj)
-        source = f"ESM C checkpoint {path!r}"
-        if os.path.isdir(path):
-            obj, file_cfg = _hf_read_folder(path, trust_file)
-        else:
-            obj = read_checkpoint(path, trust_file=trust_file)
-    if not isinstance(obj, Mapping):
-        raise ZooCheckpointError(f"{source}: expected a state_dict, got {type(obj).__name__}")
+    obj, file_cfg, source = _hf_state(state_dict_or_folder, "ESM C", trust_file)
     bad = [str(k) for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, Tensor)]
     if bad:
         raise ZooCheckpointError(f"{source}: not a flat state dict: non-tensor entries {bad[:8]}")
