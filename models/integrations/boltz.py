@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 import attn_ops
 
-from .common import Options
+from .common import Options, modules_of
 from .openfold import triangle_core
 
 LOOKS_FOR = (
@@ -46,8 +46,7 @@ def _classes() -> Tuple[tuple, tuple]:
 
 def find(model: nn.Module) -> List[nn.Module]:
     tri, apb = _classes()
-    both = tri + apb
-    return [m for m in model.modules() if both and isinstance(m, both)]
+    return modules_of(model, tri + apb)
 
 
 def patch_targets(modules: List[nn.Module]) -> List[Tuple[nn.Module, object]]:

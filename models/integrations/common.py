@@ -48,6 +48,11 @@ class PatchedForward:
         return f"attn_zoo.PatchedForward({getattr(self.fn, '__qualname__', self.fn)}, {self.options})"
 
 
+def modules_of(model: nn.Module, classes: tuple) -> list:
+    """Every submodule of ``model`` (itself included) that is an instance of one of ``classes`` ([] for none)."""
+    return [m for m in model.modules() if isinstance(m, classes)] if classes else []
+
+
 def patched(module: nn.Module) -> Optional[PatchedForward]:
     """The module's patch, or None."""
     fwd = module.__dict__.get("forward")

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 import attn_ops
 
-from .common import Options
+from .common import Options, modules_of
 
 LOOKS_FOR = (
     "openfold.model.triangular_attention.TriangleAttention (OpenFold)",
@@ -40,8 +40,7 @@ def _classes() -> Tuple[tuple, tuple]:
 
 def find(model: nn.Module) -> List[nn.Module]:
     tri, msa = _classes()
-    both = tri + msa
-    return [m for m in model.modules() if both and isinstance(m, both)]
+    return modules_of(model, tri + msa)
 
 
 def patch_targets(modules: List[nn.Module]) -> List[Tuple[nn.Module, object]]:
