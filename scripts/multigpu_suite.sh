@@ -3,14 +3,16 @@
 # ring attention, as named stages, each under its own time limit so that one hang cannot take the others with it.
 #   bash scripts/multigpu_suite.sh env shard-check shard-fwd shard-train ddp      # one call of a few minutes
 #   bash scripts/multigpu_suite.sh shard-infer ring cp fsdp-esm2
-# Every stage writes its log to $OUT/<stage>*.log and its rows to $OUT/*.md; the summary of what passed, failed or
-# timed out is $OUT/stages.txt. Stages with 4 in them run only where 4 GPUs are visible. Needs torch, triton,
-# lightning and this repository; hydra-core/omegaconf/antlr4 may come as pure-Python packages in .whl/site.
+# Rows go to $OUT/*.md (shard.md, train.md) and $OUT/ring.jsonl, what passed, failed or timed out to
+# $OUT/stages.txt, and every stage's log into $OUT/logs.tgz at the end (the device returns only a few files).
+# Runs on 4 GPUs are left out where fewer are visible. Needs torch, triton, lightning and this repository;
+# hydra-core/omegaconf/antlr4 may come as pure-Python packages in .whl/site.
 set -o pipefail
 # NVLink multicast stays off (a program using it can take the host's GPUs out of service)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ -d .whl/site ]; then export PYTHONPATH="$PWD/.whl/site${PYTHONPATH:+:$PYTHONPATH}"; fi
 out=${OUT:-multigpu_out}
+logs=$(mktemp -d)
 mkdir -p "$out"
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 limit=${STAGE_LIMIT:-150}   # seconds per command
@@ -18,11 +20,11 @@ limit=${STAGE_LIMIT:-150}   # seconds per command
 step() {  # name, command...: run under the limit, log, record the outcome
   local name=$1; shift
   local t0=$SECONDS
-  timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" > "$logs/$name.log" 2>&1
   local rc=$?
   local what=ok; [ $rc -eq 124 ] || [ $rc -eq 137 ] && what=timeout; [ $rc -ne 0 ] && [ $what = ok ] && what="failed rc=$rc"
   printf '%-28s %-14s %4ds\n' "$name" "$what" $((SECONDS - t0)) | tee -a "$out/stages.txt"
-  if [ $rc -ne 0 ]; then tail -15 "$out/$name.log"; fi
+  if [ $rc -ne 0 ]; then tail -15 "$logs/$name.log"; fi
   return 0
 }
 shard() {  # P, name, bench_shard args...
@@ -33,15 +35,15 @@ shard() {  # P, name, bench_shard args...
 }
 train() {  # name, train.py overrides...: the run's [throughput] line goes to train.md
   local name=$1; shift
-  step "$name" python3 train.py "paths.log_dir=$out/logs" "run_name=$name" "$@"
-  echo "| $name | $(grep '^\[throughput\]' "$out/$name.log" | tail -1) | $*" >> "$out/train.md"
+  step "$name" python3 train.py "paths.log_dir=$logs/runs" "run_name=$name" "$@"
+  echo "| $name | $(grep '^\[throughput\]' "$logs/$name.log" | tail -1) | $*" >> "$out/train.md"
 }
 
 for stage in "$@"; do
   case $stage in
     env)
       { nvidia-smi; nvidia-smi topo -m; python3 -c "import torch, triton; print(torch.__version__, triton.__version__,
-torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.device_count())"; } > "$out/env.log" 2>&1
+torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.device_count())"; } > "$logs/env.log" 2>&1
       echo "env: $gpus GPUs" | tee -a "$out/stages.txt" ;;
     shard-check)
       shard 2 shard-check-2 --mode check
@@ -60,9 +62,11 @@ torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.device_count())"; 
       train ddp-gpu2 experiment=bench_evoformer trainer=ddp trainer.devices=2
       [ "$gpus" -ge 4 ] && train ddp-gpu4 experiment=bench_evoformer trainer=ddp trainer.devices=4 ;;
     cp)
-      train cp-gpu1 experiment=bench_longctx trainer=gpu data.seq_len=16384 model.net.max_len=16384 data.batch_size=1
-      train cp-gpu2 experiment=bench_longctx trainer=context_parallel trainer.devices=2 data.seq_len=16384 \
-        model.net.max_len=16384 data.batch_size=1 ;;
+      # 16384 tokens: one GPU takes about 3.8 s a step, so 24 steps with 6 of warm-up fit the limit
+      cp=(experiment=bench_longctx data.seq_len=16384 model.net.max_len=16384 data.batch_size=1 trainer.max_steps=24
+          callbacks.throughput.warmup_steps=6)
+      train cp-gpu1 "${cp[@]}" trainer=gpu
+      train cp-gpu2 "${cp[@]}" trainer=context_parallel trainer.devices=2 ;;
     fsdp-esm2)
       for n in 1 2 4; do
         [ "$n" -gt "$gpus" ] && continue
@@ -70,7 +74,7 @@ torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.device_count())"; 
         train "fsdp-esm2-3B-gpu$n" experiment=esm2_mlm model.size=3B trainer=$strat trainer.devices=$n \
           trainer.max_steps=12 trainer.max_epochs=1 data.batch_size=2 data.max_len=510 \
           callbacks.model_checkpoint=null callbacks.last_checkpoint=null logger=csv test=false \
-          trainer.limit_val_batches=0 trainer.num_sanity_val_steps=0 trainer.enable_checkpointing=false \
+          trainer.limit_val_batches=0 trainer.num_sanity_val_steps=0 +trainer.enable_checkpointing=false \
           callbacks.throughput.warmup_steps=4
       done ;;
     ring)
@@ -80,4 +84,5 @@ torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.device_count())"; 
     *) echo "unknown stage $stage" >&2 ;;
   esac
 done
+tar czf "$out/logs.tgz" -C "$logs" --exclude=runs .
 cat "$out/stages.txt"
