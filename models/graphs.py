@@ -1,7 +1,7 @@
 """CUDA graphs for a block in eager mode: :class:`CUDAGraphs`.
 
 At a fixed crop size an eager block's training step is bound by PyTorch's per-op host time; replaying its forward and
-backward as CUDA graphs takes that out without ``torch.compile`` (docs/bench/issue20_h200.md, "Stop 42"). PyTorch's
+backward as CUDA graphs takes that out without ``torch.compile`` (docs/bench/blocks_h200.md). PyTorch's
 ``torch.cuda.make_graphed_callables`` captures the graphs; this wrapper keeps one capture per input signature and
 hands out results that behave like the plain module's: outputs and gradients in tensors of their own, not in the
 graphs' buffers (which the next replay rewrites).
@@ -83,7 +83,7 @@ class CUDAGraphs(nn.Module):
     - recent PyTorch (2.11 measured) warns once that "The AccumulateGrad node's stream does not match the stream of
       the node that produced the incoming gradient": ``make_graphed_callables`` keeps the parameters' gradient
       accumulators of its capture, made on its side stream, so each backward syncs that stream per parameter.
-      Harmless: no measurable step time (docs/bench/issue20_h200.md, "Stop 46"); accumulators made on the caller's
+      Harmless: no measurable step time (docs/bench/history.md); accumulators made on the caller's
       stream instead break the capture.
 
     Calls it cannot capture run ``module`` as is: tensors off CUDA or on several devices, non-tensor or keyword

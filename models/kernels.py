@@ -332,7 +332,7 @@ class _LayerNorm(torch.autograd.Function):
 
 
 # The blocks' LayerNorm takes the kernels from this many rows (pair tensors of N >= 512): below it the eager step is
-# host-bound and the module's cheaper launch did as well (docs/bench/issue20_h200.md).
+# host-bound and the module's cheaper launch did as well (docs/bench/history.md).
 LAYER_NORM_MIN_ROWS = 1 << 18
 # ... and at any size for a view that is not contiguous: they read it in place where PyTorch's layer norm copies it.
 LAYER_NORM_STRIDED = True

@@ -51,9 +51,8 @@ def gemm_pad(n: int, device: torch.device, symbolic: bool = False) -> Optional[i
     other devices: the plain product.
 
     Rows whose length is not a multiple of 8 send the batched products to cuBLAS's unaligned kernels (and, under
-    torch.compile, to strided copies around them): the Pairformer block's GPU time at N=767 fell by a fifth with
-    them padded, compiled and eager (docs/bench/issue20_h200.md, "Stop 41"). The padded product does ``(N'/N)^3``
-    the arithmetic: at most 1.07x from N=300.
+    torch.compile, to strided copies around them), which cost more than the padding (docs/bench/history.md). The
+    padded product does ``(N'/N)^3`` the arithmetic: at most 1.07x from N=300.
     """
     if device.type != "cuda":
         return None
@@ -92,7 +91,7 @@ class TriangleMultiplication(nn.Module):
         or with ``m`` (the fused kernel's form only) ``[*, 2C, M, M]`` with zeros past N.
 
         Three forms of the same function, each the faster one where it runs (docs/bench/history.md, "Design
-        measurements"; docs/bench/issue20_h200.md, "Stop 41"):
+        measurements" and its 2026-11-27 entries):
         - under ``torch.compile``: one channels-last GEMM with the bias in its epilogue, then gate, mask and
           the transpose to channels-first as one fused pass;
         - eager CUDA: the same GEMM, then one Triton pass for the rest (``kernels.gate_channels_first``), which also
@@ -144,7 +143,7 @@ class TriangleMultiplication(nn.Module):
         # is taken whatever its value (0 included: a copy Inductor fuses), so symbolic lengths keep one graph. Eager
         # CUDA writes them in its gating kernel, for one leading element only (with more, x's slice has three strided
         # row dims: layer_norm_out would copy it). PyTorch's own eager ops would copy ab and x's gradient each way,
-        # which costs more than the aligned products gain (docs/bench/issue20_h200.md, "Stop 41").
+        # which costs more than the aligned products gain (docs/bench/history.md).
         pad = None  # None: the plain product
         if compiling:
             pad = gemm_pad(n, zn.device, symbolic=True)

@@ -355,7 +355,7 @@ def attn_bwd_dq_kernel(
     the broadcast dims, rows padded to a multiple of 4 floats) that every program adds its dS tiles into with
     atomics (not deterministic): dS [BM, BN] runs along the accumulator's rows here, so the adds go out as 16-byte
     vector atomics, where the dK/dV kernel's transposed tiles would add one float at a time
-    (docs/bench/issue20_h200.md, stop 37). (Two rows per program sharing the bias tile, as in the dK/dV kernel,
+    (docs/bench/history.md). (Two rows per program sharing the bias tile, as in the dK/dV kernel,
     measured slower here: docs/bench/history.md.)
     """
     EVEN_D: tl.constexpr = D == BLOCK_D and Dv == BLOCK_DV  # D and Dv fill their blocks: no column masks

@@ -307,7 +307,7 @@ def kv_scores(
     segment ids, ``KSeg`` this row's key ids.
     """
     # (a tile in range has no other select to merge the key mask's with: there the select after the dot cost the
-    # forward more than the wait on the mask, docs/bench/issue20_h200.md "Stop 40")
+    # forward more than the wait on the mask: docs/bench/history.md)
     SELECT_KEYS: tl.constexpr = HAS_MASK == 1 and not ZERO_K and not IN_RANGE
     if SELECT_KEYS:
         k_ok = key_rows(Mask, offs_n, s_mn, Lk, HAS_MASK)

@@ -50,9 +50,8 @@ _CANDIDATES = {
 # splits (timing the kernel alone picked too many splits on the H100 triangle; docs/bench).
 _DBIAS_SPLITS = (0, 1, 4)
 # The default aim (``Cfg.splits`` 0), programs per SM (here, not in the launcher: in the source hash, so a change
-# invalidates disk caches whose picks meant another default): faster than 4 at 7 of the 8 crop shapes that ran the
-# default on the H100 and in the best pick at every N=300 and 384 crop shape tuned for its exact length on the
-# H200 (docs/bench/issue20_h200.md, "Stop 39").
+# invalidates disk caches whose picks meant another default): the fastest count at most crop shapes on the H100
+# and the H200 (docs/bench/history.md).
 DBIAS_PER_SM = 8
 _INTERPRETER = Cfg(32, 16, 4, 1)
 
