@@ -41,7 +41,7 @@ MIB = 2.0 ** 20
 H100_BF16_TFLOPS = 989.0  # dense peak, SXM
 H100_HBM_TBS = 3.35
 # name: (B, R, H, L, D, padded keys)
-BIAS_SHAPES = {  # the issue's targets first: a run cut short keeps them
+BIAS_SHAPES = {  # the shapes with targets first: a run cut short keeps them
     "triangle 1,768,4,768,32": (1, 768, 4, 768, 32, 0),
     "MSA rows 1,512,8,384,32": (1, 512, 8, 384, 32, 0),
     "dense full bias 4,1,16,2048,128": (4, 1, 16, 2048, 128, 0),
@@ -56,7 +56,7 @@ LONG_SHAPES = {
     "1,16,16384,64 causal": (1, 16, 16384, 64, True),
     "1,32,32768,128 causal": (1, 32, 32768, 128, True),
 }
-TARGETS_MS = {  # issue 4, fwd+bwd
+TARGETS_MS = {  # fwd+bwd ms the op aims at on an H100, per shape
     "triangle 1,768,4,768,32": 3.9,
     "MSA rows 1,512,8,384,32": 1.5,
     "dense full bias 4,1,16,2048,128": 2.3,
@@ -69,7 +69,7 @@ CROP_D = (8, 16, 24, 32, 48, 64)
 CROP_D_AT = (300, 384)  # the head-width sweep runs at these N
 CROP_H = 4
 CROP_BACKENDS = ("triton", "triton-nondet", "flex", "flex-dynamic", "sdpa", "cuequivariance", "trifast")
-CROP_TARGET_MS = {(256, 32): 0.7}  # issue 20; and at every shape: triton <= flex and <= cuequivariance
+CROP_TARGET_MS = {(256, 32): 0.7}  # the crop set's aim; and at every shape: triton <= flex and <= cuequivariance
 CROP_FIELDS = ["shape", "n", "d", "pad", "backend", "fwdbwd_ms", "host_ms", "first_s", "note"]
 CROP_TIME_LIMIT = 300.0
 HOST_CALLS = 20
@@ -424,7 +424,7 @@ def write_md(rows, path, env):
                                                                                      "tflops")]
             cells += [_fmt_int(r["peak_mib"]), r["note"]]
             lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "## Targets (issue 4) and roofline", "",
+    lines += ["", "## Targets and roofline", "",
               "| shape | target ms | triton ms | met | flex ms | triton peak / flex peak MiB | GFLOP | "
               "compulsory MB | shared-bias re-read MB | roofline ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for shape, target in TARGETS_MS.items():
@@ -488,7 +488,7 @@ def write_crop_md(rows, path, env):
              "(gradient summed over rows), key padding mask `[1, N, 1, 1, N]` with the last ~10% of keys masked; "
              "gradients into q, k, v and bias.\n",
              "## fwd+bwd median ms (`triton.testing.do_bench`)\n",
-             "Target (issue 20): triton at most compiled flex's and cuEquivariance's time at every shape; "
+             "Target: triton at most compiled flex's and cuEquivariance's time at every shape; "
              "N=256 D=32 at most 0.7 ms.\n"]
     lines += crop_table(rows, "fwdbwd_ms")
     lines += ["", "## Host ms per eager fwd+bwd call\n",

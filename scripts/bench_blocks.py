@@ -7,7 +7,7 @@ device memory of one step beyond parameters and inputs (gradients included). Wri
 cut short still leaves its results. ``--breakdown CASE...`` first times every sub-module of the
 triton-backend block (where the block's time goes).
 
-    python scripts/bench_blocks.py                      # the issue's table (H100: ~5-7 min)
+    python scripts/bench_blocks.py                      # the default cases and backends (H100: ~5-7 min)
     python scripts/bench_blocks.py --cases pair384 --backends triton torch --breakdown pair384
     python scripts/bench_blocks.py --cases pair384 --backends triton+compile --compile-mode reduce-overhead
     python scripts/bench_blocks.py --cases pair384 pair299 --backends triton+compile --compile-dynamic
@@ -367,7 +367,7 @@ def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z:
     (bf16 autocast, train mode), wall time with a sync after each; first = the first step, steady = the fastest of
     the others. Lengths not started within ``budget_s`` get a "skipped: time limit" row. ``empty_cache``: hand the
     allocator's cached memory back to the driver after each length (a training loop does not: every first step
-    would then allocate from the driver; docs/bench/issue20_h200.md). ``multiple``: every length padded to a
+    would then allocate from the driver; docs/bench/varlen_h200.md). ``multiple``: every length padded to a
     multiple of it; ``warmup`` (lo, hi): first one step at each padded length of [lo, hi] (the range the lengths
     come from), reported as a row with step -1 whose ``overhead_s`` is its time; triton backends first run those
     steps under ``attn_ops.compile_ahead()`` (the plain block, not its CUDA graphs), so their kernels compile at
@@ -487,7 +487,7 @@ def write_varlen_markdown(path, rows, env, lengths, empty_cache: bool = False, m
              "Boltz-2's PairformerLayer for boltz rows), wall time with a sync; first includes compile/tune;",
              "  steady = the faster of the other two; the allocator's cache is "
              + ("emptied after each length (--varlen-empty-cache);" if empty_cache else "kept across lengths, as in training;"),
-             f"  target (issue 20): first/steady <= {VARLEN_RATIO_TARGET}x after the first {VARLEN_WARM} lengths, "
+             f"  target: first/steady <= {VARLEN_RATIO_TARGET}x after the first {VARLEN_WARM} lengths, "
              "compile + tune (sum of first - steady) <= 20 s fresh, <= 2 s with a warm on-disk cache.",
              *([f"- every length padded to a multiple of {multiple} (masked); N -> the padded length below"]
                if multiple > 1 else []),
@@ -544,7 +544,7 @@ def _varlen_worker(backend: str, lengths, budget: float, empty_cache: bool = Fal
 
 def _varlen_in_subprocess(backend: str, args, lengths, budget: float):
     """Rows of one backend, run in a fresh Python process: no backend inherits another's compiled kernels, cuBLAS
-    heuristics (a new GEMM shape costs host time on its first call: docs/bench/issue20_h200.md) or allocator
+    heuristics (a new GEMM shape costs host time on its first call: docs/bench/varlen_h200.md) or allocator
     segments."""
     cmd = [sys.executable, os.path.abspath(__file__), "--varlen-worker", backend, "--varlen-count",
            str(args.varlen_count), "--varlen-seed", str(args.varlen_seed), "--time-limit", str(budget),
@@ -673,7 +673,7 @@ ROW_WORKER_TIMEOUT_S = 1800  # a compiled row takes ~1 min (compile included)
 
 def _row_in_subprocess(case: str, backend: str, args) -> dict:
     """One table row measured in a fresh Python process (``--isolate``): a compiled step's host time grows with what
-    the process compiled and ran before it (docs/bench/issue20_h200.md, stop 38), which a training process that
+    the process compiled and ran before it (docs/bench/blocks_h200.md), which a training process that
     compiles one model never pays."""
     cmd = [sys.executable, os.path.abspath(__file__), "--row-worker", case, backend, "--iters", str(args.iters),
            "--warmup", str(args.warmup)] + (["--compile-mode", args.compile_mode] if args.compile_mode else []) + (

@@ -264,7 +264,7 @@ def write(out, env, parity_rows, rows, search_rows, notes):
 
 
 def targets(rows, search_rows):
-    """The issue's targets, as lines for the markdown."""
+    """The targets against fair-esm (speed, memory, longest length), as lines for the markdown."""
     get = {(r["model"], r["batch"], r["length"]): r for r in rows if r["ms"] != ""}
     lines = []
     ours, fair = get.get(("attn-zoo", 4, 1024)), get.get(("fair-esm", 4, 1024))

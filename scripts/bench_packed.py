@@ -1,11 +1,11 @@
 """Packed variable-length batches on the GPU: the op with ``segment_ids`` vs its sequences one at a time vs compiled
-flex_attention with a document block mask built from the same ids (issue 22's acceptance).
+flex_attention with a document block mask built from the same ids (the targets: packed <= 1.1x one at a time, <= flex).
 
 Lengths are drawn from a log-normal with median 300 capped at 1024 (UniRef50-like) and packed first-fit into rows of
 ``--tokens`` (default 4096) tokens, padding at the end (id -1). bf16 q, k, v ``[B, H, L, D]`` with gradients; every
 variant runs forward + backward. Times per variant:
 
-- ``kernel_ms``: the summed CUDA kernel time of one fwd+bwd (torch.profiler), the issue's measure;
+- ``kernel_ms``: the summed CUDA kernel time of one fwd+bwd (torch.profiler), what the targets compare;
 - ``wall_ms``: median wall time of one fwd+bwd (``triton.testing.do_bench``).
 
 Variants: ``packed`` (triton, segment_ids), ``one-by-one`` (triton on each sequence alone, times summed),

@@ -1,5 +1,5 @@
-"""The GPU benchmark scripts' backend tables, checked on CPU: a typo there only shows up on the GPU machine,
-after device time is spent."""
+"""The GPU benchmark scripts' backend tables, checked on CPU: a typo there would otherwise only show up on
+the GPU machine."""
 import os
 import sys
 
@@ -118,7 +118,7 @@ def test_packed_bench_draws_rows_within_the_budget():
 
 # ------------------------------------------------------------------------------------------ crop set
 def test_crop_set_arguments_and_shapes():
-    """``--set crop`` picks its own peers and a time limit; its shapes are the issue's N and D sweeps, each once,
+    """``--set crop`` picks its own peers and a time limit; its shapes are the N and D sweeps, each once,
     with the last ~10% of keys padded."""
     import bench_attention as ba
 

@@ -491,7 +491,7 @@ def test_planning_arithmetic():
         chunks.append(plan.chunk_size)
     assert chunks == sorted(chunks) and chunks[0] < chunks[-1], chunks
     free = plan_inference(d, n, None)
-    assert free.estimate.extra <= 2.5 * z and free.estimate.extra - z <= 1.5 * z  # the target, in bytes
+    assert free.estimate.extra <= 2.5 * z and free.estimate.extra - z <= 1.5 * z  # the memory target (2.5 z), in bytes
     assert plan_inference(d, n, None, inplace=True).estimate.extra <= 1.5 * z
     # Evoformer, AF2 widths, 512 sequences: the MSA chunk is planned too and fits its budget
     ev = plan_inference(Dims(c_m=256), n, 16 * GIB, n_seq=512)

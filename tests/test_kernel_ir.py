@@ -38,7 +38,7 @@ def _nvidia_backend() -> bool:
 @pytest.fixture(scope="module")
 def loops():
     """Per kernel variant, its loops' asynchronous copies, the loads an iteration waits on, register prefetches and
-    copies predicated on a load (in a fresh process: the test session runs Triton's interpreter, whose kernels
+    copies predicated on a load (in a fresh process: the test process runs Triton's interpreter, whose kernels
     cannot be compiled)."""
     if not _nvidia_backend():
         pytest.skip("Triton's NVIDIA backend is not installed")
@@ -64,7 +64,7 @@ def test_forward_ragged_tiles_copy_k_without_waiting_on_the_mask(loops):
 
 def test_dq_and_in_range_forward_keep_pipelined_copies(loops):
     """Tiles in range (the forward) and the dQ kernel keep K rows of masked keys zeroed through a mask-predicated copy
-    (docs/bench/issue20_h200.md "Stop 40"); their bias, K and V still go through asynchronous copies, and no other
+    (docs/bench/history.md); their bias, K and V still go through asynchronous copies, and no other
     load is waited on."""
     for name in ("fwd_in_range", "dq_ragged"):
         (loop,) = loops[name]

@@ -1,4 +1,4 @@
-"""Packed batches (issue 22, data and blocks): a packed row gives every sequence exactly what it gets alone (ESM-2
+"""Packed batches (data and blocks): a packed row gives every sequence exactly what it gets alone (ESM-2
 with token dropout, TransformerLM causal and bidirectional with RoPE and a relative bias), outputs and gradients;
 the packer, the data modules' ``packing`` flag, the loss over real tokens, bad input."""
 import math

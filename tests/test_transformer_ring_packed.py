@@ -1,4 +1,4 @@
-"""Packed rows (issue 22) in context-parallel mode: TransformerLM / TransformerBlock on gloo ranks (2 and 4, one
+"""Packed rows in context-parallel mode: TransformerLM / TransformerBlock on gloo ranks (2 and 4, one
 spawn each) with segment ids sharded like the tokens give the single-process model's logits and parameter
 gradients on the full packed row (causal zigzag and bidirectional contiguous, RoPE restarting at each sequence,
 relative-position bias), which equal the sequences run one by one; bad ids raise the same ValueError on every rank.

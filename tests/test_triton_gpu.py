@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(autouse=True)
 def _one_config_per_kernel(monkeypatch):
     """settings.tune False for this file's tests only, unless ATTN_ZOO_NO_TUNE is set: one config per kernel keeps
-    this file's compile time small; other GPU test modules in the session still tune, and the untuned picks stay in
+    this file's compile time small; other GPU test modules in the same run still tune, and the untuned picks stay in
     a cache of this test's own."""
     from attn_ops import settings
     from attn_ops.triton import tuning

@@ -3,7 +3,7 @@
 Parity against the real package on random weights (fp32, masks with holes inside and padding at the end, pair
 holes): outputs s and z at real positions and the gradients of the inputs, on the torch and chunked backends and
 triton under the interpreter; the to_boltz round trip; the boltz2 variant's dropout pattern; every bad
-checkpoint named in issue 21 raises ZooCheckpointError naming what is wrong.
+checkpoint below (wrong, missing or extra entries) raises ZooCheckpointError naming what is wrong.
 """
 import math
 
