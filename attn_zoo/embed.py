@@ -110,7 +110,7 @@ def batches(proteins: Sequence[Tuple[str, str]], toks_per_batch: int,
     counted, the width rounded up to ``length_multiple``); a protein longer than the budget forms a batch alone."""
     if toks_per_batch < 1:
         raise ValueError(f"toks_per_batch must be >= 1, got {toks_per_batch}")
-    from .models.primitives import check_multiple, round_up
+    from .models.shapes import check_multiple, round_up
 
     check_multiple(length_multiple)  # before any work
     batch: List[Tuple[str, str]] = []
@@ -245,7 +245,7 @@ def memory_estimate(model, rows: int, width: int, include: Sequence[str], kept_l
 
 
 def _too_big(model, batch, width: int, need: int, budget: int, device, include, kept: int, multiple: int) -> str:
-    from .models.primitives import round_up
+    from .models.shapes import round_up
 
     label, seq = max(batch, key=lambda p: len(p[1]))
     fits = lambda n: memory_estimate(model, 1, round_up(n + 2, multiple), include, kept) <= budget  # noqa: E731
@@ -282,7 +282,7 @@ def embed(model, proteins: Sequence[Tuple[str, str]], out: str | os.PathLike, *,
     ``truncate`` is compared on a rerun (see ``check_folder``). ``memory_budget``: bytes a batch may need
     (default: the device's free memory); a batch that needs more is refused (``MemoryError``) before any work."""
     from .models.esm2 import ALPHABET
-    from .models.primitives import round_up
+    from .models.shapes import round_up
 
     unknown = sorted(set(include) - set(INCLUDE))
     if unknown or not include:

@@ -18,6 +18,7 @@ import attn_ops
 from attn_ops import registry as _registry
 
 from . import kernels as _kernels
+from .shapes import check_multiple, round_up, segment_positions  # noqa: F401 - part of this module's API
 
 Tensor = torch.Tensor
 
@@ -86,18 +87,6 @@ class AttentionConfig:
             "attention must be None, a backend name, a mapping such as {'backend': 'chunked', "
             f"'chunk_size': 256}} or an AttentionConfig; got {type(x).__name__}: {x!r}"
         )
-
-
-def check_multiple(length_multiple: Any) -> int:
-    """``length_multiple`` if it is an int >= 1, else a ValueError naming it."""
-    if isinstance(length_multiple, bool) or not isinstance(length_multiple, int) or length_multiple < 1:
-        raise ValueError(f"length_multiple must be an int >= 1, got {length_multiple!r}")
-    return length_multiple
-
-
-def round_up(n: int, multiple: int) -> int:
-    """The smallest multiple of ``multiple`` that is at least ``n`` (padding lengths to a few shapes)."""
-    return -(-n // check_multiple(multiple)) * multiple
 
 
 def at_least_fp32(x: Tensor) -> Tensor:
@@ -613,14 +602,3 @@ def check_token_segments(segment_ids: torch.Tensor, tokens: torch.Tensor) -> Non
     if segment_ids.shape != tokens.shape or segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool:
         raise ValueError(f"segment_ids must be an integer tensor {tuple(tokens.shape)} like tokens, got "
                          f"{segment_ids.dtype} {tuple(segment_ids.shape)}")
-
-
-def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
-    """Long positions restarting at 0 where the id changes along the last dim (contiguous segments); 0 on
-    padding (negative ids)."""
-    n = segment_ids.shape[-1]
-    idx = torch.arange(n, device=segment_ids.device).expand_as(segment_ids)
-    start = torch.ones_like(segment_ids, dtype=torch.bool)
-    start[..., 1:] = segment_ids[..., 1:] != segment_ids[..., :-1]
-    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(-1).values  # index of each segment's start
-    return torch.where(segment_ids >= 0, idx - first, torch.zeros_like(idx))

@@ -60,7 +60,7 @@ from attn_ops.triton.fastlaunch import wait_background  # noqa: E402
 from attn_zoo.models.graphs import CUDAGraphs  # noqa: E402
 from attn_zoo.models.evoformer import EvoformerBlock  # noqa: E402
 from attn_zoo.models.pairformer import PairformerBlock  # noqa: E402
-from attn_zoo.models.primitives import round_up  # noqa: E402
+from attn_zoo.models.shapes import round_up  # noqa: E402
 
 GIB = 2.0 ** 30
 PADDED = 13  # padded residues at the end of every sequence (real masks, not all-True)

@@ -33,7 +33,7 @@ class SplitDataModule(L.LightningDataModule):
         of that width most likely gets (the attention kernels' tuning keys include it); else all are copies of the
         width's first example. Empty when ``length_multiple`` is 1 (a width per length: nothing bounds them) or the
         training set cannot tell its examples' lengths (``lengths()``). More than ``max_widths`` widths: ValueError."""
-        from ..primitives import round_up
+        from ..shapes import round_up
 
         multiple = self.hparams.get("length_multiple", 1)
         if multiple <= 1:

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..primitives import round_up
+from ..shapes import round_up
 from .alphabet import PAD
 
 

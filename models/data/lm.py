@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .alphabet import GAP, encode
 from .base import SplitDataModule
-from ..primitives import check_multiple
+from ..shapes import check_multiple
 from .packing import TokenBudgetSampler, collate_packed, collate_with_segments
 from .parsers import read_a3m, read_fasta
 from .sample import DataError

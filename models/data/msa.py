@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .alphabet import encode, encode_msa
 from .base import SplitDataModule
-from ..primitives import check_multiple
+from ..shapes import check_multiple
 from .batching import collate_msa
 from .parsers import read_a3m
 from .sample import DataError

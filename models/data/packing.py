@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import Sampler
 
 from .alphabet import PAD
-from ..primitives import segment_positions
+from ..shapes import segment_positions
 from .batching import collate_lm, pad_stack
 
 
