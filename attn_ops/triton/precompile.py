@@ -12,7 +12,7 @@ spawn), one per thread of a small pool, started at the first job and kept until 
 process's exit. They never touch a GPU: Triton's driver there is a stand-in that reports this process's compile
 target. Anything that fails leaves the compile to this process, as without workers (one warning says why). Off by
 default (``settings.compile_processes`` 0): worker processes did not beat 8 threads on the H100 host measured
-(docs/bench/varlen_h100.md, docs/bench/varlen_h200.md).
+(docs/bench/varlen_h100.md, docs/bench/history.md).
 """
 from __future__ import annotations
 
