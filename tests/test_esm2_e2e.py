@@ -1,4 +1,4 @@
-"""ESM-2 end to end as the README's walk-through runs it: a fair-esm-layout file (``encoder.sentence_encoder.*``
+"""ESM-2 end to end as the walk-through in docs/zoo.md runs it: a fair-esm-layout file (``encoder.sentence_encoder.*``
 keys and a ``cfg``) or a Hugging Face folder is fine-tuned with ``train.py experiment=esm2_mlm model.pretrained=``,
 and the checkpoint it writes is embedded with ``attn-zoo-embed``; the console script's exit codes; FASTA labels
 that name two proteins are refused in training data."""
