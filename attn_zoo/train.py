@@ -15,12 +15,16 @@ the model is built; the run ends with a summary (folder, checkpoints, each split
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import signal
 import socket
+import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -511,7 +515,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _sigterm_outside_the_trainer(cfg)) if main_thread else None
     try:
-        return _train(cfg)
+        with _quiet_lightning():
+            return _train(cfg)
     except BaseException:
         if was_empty and _is_empty_run_folder(out_dir):  # (still locked: no other run is starting there)
             import shutil
@@ -540,6 +545,54 @@ def _sigterm_outside_the_trainer(cfg: DictConfig):
                              "SIGTERM", None, str(last) if last.is_file() else None)
 
     return handler
+
+
+class _DropLightningTip(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
+
+
+@contextlib.contextmanager
+def _quiet_lightning():
+    """Keep out of the run's log what a user cannot act on: Lightning's advertising tip (shown when no
+    LitLogger is used), the deprecation torch >= 2.10 raises inside Lightning 2.6's own code, and the
+    warning that a resumed run's checkpoint folder is not empty (check_run_folder has already decided)."""
+    tip = _DropLightningTip()
+    names = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+    for name in names:
+        logging.getLogger(name).addFilter(tip)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+            yield
+    finally:
+        for name in names:
+            logging.getLogger(name).removeFilter(tip)
+
+
+def _continue_metrics(cfg: DictConfig, loggers, ckpt_path: str | None) -> None:
+    """One metrics file per run: a resumed run continues its run's ``metrics.csv`` from the checkpoint's step
+    (the rows the interrupted run logged after it are dropped), a test-only run adds to it."""
+    training = cfg.get("train", True)
+    if training and not ckpt_path:
+        return
+    step = run_state(ckpt_path, trust_file=bool(cfg.get("trust_file")))["global_step"] if training else None
+    for logger in loggers:
+        if hasattr(logger, "continue_from"):
+            logger.continue_from(step)
+
+
+def _progress_for_this_output(cfg: DictConfig, callbacks: list) -> tuple[list, dict]:
+    """The progress bar where stdout is a terminal; elsewhere (a log file, a pipe, a scheduler's output) no
+    bar, whose redraws would fill the file with carriage returns and escape codes, and one line per epoch
+    instead (``EpochLines``). ``trainer.enable_progress_bar`` set in the config is followed as given."""
+    if cfg.trainer.get("enable_progress_bar") is not None or sys.stdout.isatty():
+        return callbacks, {}
+    from .models.tasks.callbacks import EpochLines
+
+    kept = [c for c in callbacks if not isinstance(c, L.pytorch.callbacks.ProgressBar)]
+    return kept + [EpochLines()], {"enable_progress_bar": False}
 
 
 def _train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -579,7 +632,9 @@ def _train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     loggers = instantiate_group(cfg.get("logger"))
     if not loggers:  # LearningRateMonitor refuses to run without a logger
         callbacks = [c for c in callbacks if not isinstance(c, L.pytorch.callbacks.LearningRateMonitor)]
-    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
+    _continue_metrics(cfg, loggers, ckpt_path)
+    callbacks, bar = _progress_for_this_output(cfg, callbacks)
+    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers, **bar)
 
     attention = cfg.model.get("attention")
     n_params = sum(p.numel() for p in model.parameters())

@@ -1,6 +1,8 @@
 """Callbacks: training throughput (samples/s, tokens/s) and peak memory."""
 from __future__ import annotations
 
+import math
+import os
 import resource
 import signal
 import sys
@@ -114,13 +116,56 @@ class LastCheckpoint(ModelCheckpoint):
     so it holds the final step. The end-of-fit save records ``checkpoint["attn_zoo_run"] =
     {"finished": True, "max_steps", "max_epochs"}``, which lets a resume of a finished run do nothing.
     The version counter is off: there is one ``last.ckpt`` per run folder, never ``last-v1.ckpt``.
+
+    Beside it, each save also writes a ``filename`` checkpoint (``step<N>.ckpt``). ``keep_last``: how many of
+    those stay in ``dirpath`` (the newest by step; None keeps all); the older ones are deleted only after a
+    new one has been written, so the newest ``keep_last`` survive a save cut short and ``resume=true`` has one
+    to fall back on. Only files of this callback's name pattern are touched, never ``last.ckpt`` or ``best-*``.
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, keep_last: int | None = 2, **kwargs):
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"LastCheckpoint: keep_last must be an int >= 1 or null (keep all), got {keep_last!r}")
         kwargs.setdefault("save_last", True)
         kwargs.setdefault("enable_version_counter", False)
+        kwargs.setdefault("save_top_k", -1)  # Lightning keeps every step file; keep_last prunes them
         super().__init__(**kwargs)
+        self.keep_last = keep_last
         self._finishing = False
+
+    def _step_files(self) -> list[tuple[int, str]]:
+        """(step, path) of every file in ``dirpath`` named by this callback's ``filename`` pattern, newest first."""
+        import re
+
+        if not self.dirpath or not self._fs.isdir(self.dirpath):
+            return []
+        pattern = ""
+        for text, field in re.findall(r"([^{]*)(\{[^}]*\})?", self.filename or ""):
+            pattern += re.escape(text)
+            if field:  # {step} (with auto_insert_metric_name: step=N) is the number sorted on; other fields any text
+                name = field[1:-1].split(":")[0]
+                pattern += r"(?:step=)?(?P<step>\d+)" if name == "step" and "(?P<step>" not in pattern else ".+?"
+        if "(?P<step>" not in pattern:
+            return []
+        found = re.compile(pattern + r"(?:-v\d+)?" + re.escape(self.FILE_EXTENSION))
+        out = []
+        for path in self._fs.ls(self.dirpath, detail=False):
+            match = found.fullmatch(os.path.basename(os.path.normpath(path)))
+            if match:
+                out.append((int(match.group("step")), os.path.join(self.dirpath, os.path.basename(path))))
+        return sorted(out, reverse=True)
+
+    def _prune(self, trainer, written: str) -> None:
+        """Delete all but the ``keep_last`` newest step files, once ``written`` is on disk."""
+        if self.keep_last is None or not trainer.is_global_zero or not self._fs.exists(written):
+            return
+        for _, path in self._step_files()[self.keep_last:]:
+            if os.path.abspath(path) != os.path.abspath(written):
+                trainer.strategy.remove_checkpoint(path)
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)  # returns once the file is written (all ranks)
+        self._prune(trainer, filepath)
 
     def on_train_end(self, trainer, pl_module):
         self._finishing = True
@@ -133,6 +178,33 @@ class LastCheckpoint(ModelCheckpoint):
         state = {"finished": self._finishing, "max_steps": trainer.max_steps, "max_epochs": trainer.max_epochs}
         checkpoint[RUN_STATE_KEY] = state
         return super().on_save_checkpoint(trainer, pl_module, checkpoint)
+
+
+class EpochLines(L.Callback):
+    """One line per training epoch on rank 0: epoch, optimizer step, train and validation loss, time since
+    training started. The progress report of a run whose output is not a terminal (the progress bar is off)."""
+
+    def __init__(self):
+        super().__init__()
+        self._t0 = time.perf_counter()
+
+    def on_train_start(self, trainer, pl_module):
+        self._t0 = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if not trainer.is_global_zero:
+            return
+        metrics = trainer.callback_metrics
+        losses = []
+        for stage in ("train", "val"):
+            value = metrics.get(f"{stage}/loss_epoch", metrics.get(f"{stage}/loss"))
+            if value is not None:
+                losses.append(f"{stage}/loss={float(value):.4g}")
+        epochs = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
+        total = trainer.estimated_stepping_batches
+        steps = f"/{int(total)}" if math.isfinite(total) else ""
+        print(f"[train] epoch {trainer.current_epoch + 1}{epochs}, step {trainer.global_step}{steps}: "
+              f"{', '.join(losses) or 'no loss logged'} ({time.perf_counter() - self._t0:.0f} s)", flush=True)
 
 
 class GracefulInterrupt(L.Callback):
