@@ -451,6 +451,34 @@ def test_hf_esmc_patched_equals_sdpa_with_chains_and_grads():
     assert_close_grads(m, got_g, ref_g)
 
 
+def test_hf_esmc_patched_under_autocast_within_twice_sdpa():
+    """ESM C's q/k LayerNorms come out float32 under autocast while v is bfloat16 (sdpa casts all three): the
+    patched attention serves the mix, with an error against float32 within twice sdpa's, and trains."""
+    tr = pytest.importorskip("transformers", reason="transformers is a test dependency")
+    if not hasattr(tr, "EsmcForMaskedLM"):
+        pytest.skip(f"transformers {tr.__version__} has no ESM C")
+    config = tr.EsmcConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4)
+    m = randomize_(tr.EsmcForMaskedLM(config), 0).eval()
+    ids = torch.randint(4, 30, (2, 11), generator=torch.Generator().manual_seed(1))
+    am = torch.ones(2, 11, dtype=torch.long)
+    am[1, 7:] = 0
+
+    def run():
+        return m(input_ids=ids, attention_mask=am).logits.float()[am.bool()]
+
+    with torch.no_grad():
+        ref32 = run()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref16 = run()
+            attn_zoo.patch(m, backend="torch")
+            got16 = run()
+    assert rel_err(got16, ref32) <= 2 * rel_err(ref16, ref32) + 1e-5, (rel_err(got16, ref32), rel_err(ref16, ref32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        run().square().mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+
+
 @pytest.mark.slow
 def test_triton_interpreter_serves_fair_esm_and_boltz():
     """The fused kernels themselves (Triton's interpreter on CPU): head dims 16."""

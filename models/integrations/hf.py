@@ -89,6 +89,8 @@ class HFAttention:
         if causal and Lk > Lq:  # transformers' causal without a mask is aligned top-left (SDPA's is_causal)
             key, value = key[:, :, :Lq], value[:, :, :Lq]
         segment_ids = _segment_ids(kwargs, B, Lq, key.shape[2], query.device)
+        if query.dtype != value.dtype or key.dtype != value.dtype:  # ESM C's float32 q/k norms beside autocast's v
+            query, key = query.to(value.dtype), key.to(value.dtype)
         out = attn_ops.attention(query, key, value, bias=bias, mask=mask, scale=scaling, causal=causal,
                                  segment_ids=segment_ids, **self.options.kwargs())  # [B, H, Lq, Dv]
         return out.transpose(1, 2).contiguous(), None
