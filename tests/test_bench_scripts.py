@@ -457,3 +457,33 @@ def test_row_worker_measures_its_row_with_the_given_options(monkeypatch, capsys)
     row = json.loads(lines[0][len(bench_blocks._ROW_TAG):])
     assert (row["case"], row["backend"], row["ms"], row["peak_gib"]) == ("pair299", "triton+compile", 12.5, 1.25)
     assert row["note"].endswith("dynamic=True") and not row["note"].startswith("failed")
+
+
+# ------------------------------------------------------------------------------------------ zoo bench
+@pytest.mark.slow
+def test_zoo_bench_smoke_runs_every_row(tmp_path, monkeypatch):
+    """scripts/bench_zoo.py --smoke end to end: every row is measured or says why it was skipped; ours and the
+    Hugging Face ESM C (same weights) agree on the first step's loss; zoo.csv / zoo.md hold the rows."""
+    import csv
+
+    monkeypatch.delenv("TRITON_INTERPRET")  # triton rows run as torch: the interpreter would take minutes
+
+    pytest.importorskip("transformers")
+    import bench_zoo
+
+    rows = bench_zoo.main(["--smoke", "--out", str(tmp_path), "--iters", "1", "--warmup", "1"])
+    assert rows, "no rows"
+    for r in rows:
+        assert r.get("ms") or r.get("note", "").startswith(("skipped", "not measured")), r
+        assert "failed" not in r.get("note", ""), r
+    esmc = {r["variant"]: r for r in rows if r["case"] == "esmc"}
+    ours = next(r for v, r in esmc.items() if v.startswith("ours"))
+    assert esmc["HF sdpa"]["ms"] and float(ours["tokens_per_s"]) > 0 and float(ours["first_step_s"]) > 0
+    # bf16 autocast on both sides: a wrong weight mapping would move the loss by far more
+    assert float(ours["diff_vs_ref"]) < 1e-2, ours
+    evo = [r for r in rows if r["case"] == "af2-evoformer"]
+    assert {r["shape"].rsplit(", ", 1)[-1] for r in evo if r.get("ms")} == {"train step", "inference"}
+    assert any("JAX" in r["variant"] and r["note"].startswith("not measured") for r in evo)
+    with open(tmp_path / "zoo.csv") as f:
+        assert list(csv.DictReader(f)) == [{k: r.get(k, "") for k in bench_zoo.FIELDS} for r in rows]
+    assert (tmp_path / "zoo.md").read_text().count("\n| ") == len(rows) + 1
