@@ -158,6 +158,12 @@ def test_keep_last_deletes_older_step_checkpoints_after_the_new_one_is_written(t
     assert [name for name, _ in seen] == ["step2.ckpt", "step3.ckpt"]
     assert seen[0][1] == ["step2.ckpt", "step3.ckpt", "step4.ckpt"]
     assert seen[1][1] == ["step3.ckpt", "step4.ckpt", "step6.ckpt"]
+    # last.ckpt and the newest step file cut short: resume=true falls back on the one kept before it
+    for name in ("last.ckpt", "step6.ckpt"):
+        path = tmp_path / "checkpoints" / name
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    cfg = make_cfg(RESUMABLE + ["resume=true"], tmp_path)
+    assert train.resume_checkpoint(cfg) == str(tmp_path / "checkpoints" / "step4.ckpt")
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
