@@ -669,7 +669,9 @@ def triangle_attention_(mod: nn.Module, z: Tensor, pair_mask: Tensor, chunk: int
     """``z += mod(z, pair_mask)`` in place (AF2 Alg. 13/14): the bias once, then rows (columns) by chunks."""
     zt = z if mod.starting else z.transpose(-2, -3)  # [*, I, J, c_z] view: rows attend along themselves
     mt = pair_mask if mod.starting else pair_mask.transpose(-1, -2)
-    bias = pair_bias(zt, mod.layer_norm, mod.linear_bias, chunk).unsqueeze(-4)  # [*, 1, H, J, K]
+    # [*, 1, H, J, K]; OpenFold3's ending node reads it off z itself (TriangleAttention's transpose_bias)
+    bias = pair_bias(z if getattr(mod, "transpose_bias", False) else zt, mod.layer_norm, mod.linear_bias,
+                     chunk).unsqueeze(-4)
     for idx in _spans(zt.shape[-3], chunk):
         zr = zt[..., idx, :, :]  # [*, R, J, c_z] view into z
         zn = layer_norm_rows(zr, mod.layer_norm)
@@ -757,7 +759,17 @@ def pair_stack_(blk: nn.Module, z: Tensor, pair_mask: Tensor, chunk: int) -> Ten
     triangle_multiplication_(blk.tri_mul_in, z, pair_mask, chunk)
     triangle_attention_(blk.tri_att_start, z, pair_mask, chunk)
     triangle_attention_(blk.tri_att_end, z, pair_mask, chunk)
+    if getattr(blk, "mask_transitions", False):  # OpenFold3: the update zeroed at masked pairs
+        return _masked_rows_update_(z, pair_mask, chunk, _transition_fn(blk.pair_transition))
     return rows_update_(z, -3, chunk, _transition_fn(blk.pair_transition))
+
+
+def _masked_rows_update_(z: Tensor, pair_mask: Tensor, chunk: int, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """``z += fn(z) * pair_mask`` by chunks of rows i (``z [*, N, N, C]``, ``pair_mask [*, N, N]`` bool)."""
+    for idx in _spans(z.shape[-3], chunk):
+        part = z[..., idx, :, :]  # [*, R, N, C] view
+        part += fn(part) * pair_mask[..., idx, :].unsqueeze(-1).to(part.dtype)
+    return z
 
 
 def pairformer_block_(blk: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor, pair_mask: Tensor,
@@ -769,7 +781,10 @@ def pairformer_block_(blk: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor,
     with torch.autocast(s.device.type, enabled=False) if fp32 else contextlib.nullcontext():
         s = at_least_fp32(s) if fp32 else s
         s = s + attention_pair_bias(blk.attention_pair_bias, s, z, single_mask, c, fp32=fp32)
-        s = s + blk.single_transition(s, c)
+        update = blk.single_transition(s, c)
+        if getattr(blk, "mask_transitions", False):  # OpenFold3: zeroed at padded residues
+            update = update * single_mask.unsqueeze(-1).to(update.dtype)
+        s = s + update
         if blk.post_norm_s is not None:
             s = blk.post_norm_s(s)
     return s, z

@@ -38,7 +38,7 @@ from .triangle import (
 
 Tensor = torch.Tensor
 
-VARIANTS = ("default", "boltz2")
+VARIANTS = ("default", "boltz2", "openfold3", "protenix")
 
 
 def _default_masks(s: Tensor, z: Tensor, single_mask: Optional[Tensor], pair_mask: Optional[Tensor]):
@@ -55,6 +55,11 @@ def _default_masks(s: Tensor, z: Tensor, single_mask: Optional[Tensor], pair_mas
         if t.shape != want:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(want)}")
     return single_mask, pair_mask
+
+
+def _masked(update: Tensor, mask: Tensor, on: bool) -> Tensor:
+    """``update`` zeroed where ``mask`` (``update.shape[:-1]``) is False when ``on``, else ``update`` itself."""
+    return update * mask.unsqueeze(-1).to(update.dtype) if on else update
 
 
 class AttentionPairBias(nn.Module):
@@ -100,6 +105,13 @@ class PairformerBlock(nn.Module):
       at 0.5), and dropout drops whole rows i (row-wise) or whole columns j (column-wise) of the pair update,
       one draw per row / column shared by every channel; the single track (attention, transition, post-norm)
       runs in float32 with autocast off, as Boltz-2 runs it. ``attn_zoo.models.zoo.from_boltz`` builds it.
+    - ``"openfold3"``: OpenFold3's ``PairFormerBlock``: the biases of ``"boltz2"``, the dropout of ``"default"``;
+      the ending-node attention reads its bias off the untransposed pair (``b_ik`` for ``z_ij``, see
+      ``TriangleAttention``), and the transitions' updates are zeroed at masked positions (pair and single).
+      ``attn_zoo.models.zoo.from_openfold3`` builds it.
+    - ``"protenix"``: Protenix's ``PairformerBlock``: the biases of ``"boltz2"``, the dropout of ``"default"``.
+      Protenix runs its trunk unpadded and its single attention takes no mask; here padded keys are masked, so
+      a padded input gives Protenix's result on the unpadded one. ``attn_zoo.models.zoo.from_protenix`` builds it.
     ``post_norm_s``: a LayerNorm on s at the end of the block (Boltz's ``post_layer_norm``; off in Boltz-2).
     Fully masked attention rows (padded residues) give 0 here and a mean of the masked values in Boltz;
     neither reaches a real position.
@@ -115,10 +127,12 @@ class PairformerBlock(nn.Module):
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
         attention = AttentionConfig.coerce(attention)
         bias = variant == "default"
+        self.variant = variant
         self.tri_mul_out = TriangleMultiplicationOutgoing(c_z, c_hidden_mul, bias=bias)
         self.tri_mul_in = TriangleMultiplicationIncoming(c_z, c_hidden_mul, bias=bias)
         self.tri_att_start = TriangleAttentionStartingNode(c_z, c_hidden_pair, num_heads_pair, attention, bias=bias)
-        self.tri_att_end = TriangleAttentionEndingNode(c_z, c_hidden_pair, num_heads_pair, attention, bias=bias)
+        self.tri_att_end = TriangleAttentionEndingNode(c_z, c_hidden_pair, num_heads_pair, attention, bias=bias,
+                                                       transpose_bias=variant == "openfold3")
         self.pair_transition = SwiGLUTransition(c_z, transition_n)
         self.attention_pair_bias = AttentionPairBias(c_s, c_z, num_heads_single, attention, gate_bias=bias)
         self.single_transition = SwiGLUTransition(c_s, transition_n)
@@ -130,6 +144,7 @@ class PairformerBlock(nn.Module):
             self.pair_dropout_col = SharedDropout(pair_dropout, shared_dim=-2)
         self.post_norm_s = LayerNorm(c_s) if post_norm_s else None
         self.single_fp32 = variant == "boltz2"
+        self.mask_transitions = variant == "openfold3"  # transition updates zeroed where the mask is False
 
     def forward(
         self,
@@ -146,12 +161,12 @@ class PairformerBlock(nn.Module):
         z = z + self.pair_dropout_row(self.tri_mul_in(z, pair_mask, c))
         z = z + self.pair_dropout_row(self.tri_att_start(z, pair_mask, c))
         z = z + self.pair_dropout_col(self.tri_att_end(z, pair_mask, c))
-        z = z + self.pair_transition(z, c)
+        z = z + _masked(self.pair_transition(z, c), pair_mask, self.mask_transitions)
         with torch.autocast(s.device.type, enabled=False) if self.single_fp32 else contextlib.nullcontext():
             if self.single_fp32:  # Boltz-2: the whole single track in float32, autocast off
                 s, z = at_least_fp32(s), at_least_fp32(z)
             s = s + self.attention_pair_bias(s, z, single_mask, c)
-            s = s + self.single_transition(s, c)
+            s = s + _masked(self.single_transition(s, c), single_mask, self.mask_transitions)
             if self.post_norm_s is not None:
                 s = self.post_norm_s(s)
         return s, z

@@ -595,6 +595,9 @@ class _ShardedStack(nn.Module):
         if not isinstance(stack, self.stack_types):
             names = " or ".join(t.__name__ for t in self.stack_types)
             raise TypeError(f"stack must be a {names}, got {type(stack).__name__}")
+        if any(getattr(b, "variant", None) == "openfold3" for b in getattr(stack, "blocks", ())):
+            raise ValueError(f"{type(self).__name__} has no sharded form of the 'openfold3' Pairformer variant (its "
+                             "ending-node bias and masked transitions): run that stack unsharded")
         if isinstance(channel_groups, bool) or not isinstance(channel_groups, int) or channel_groups < 1:
             raise ValueError(f"channel_groups must be an int >= 1, got {channel_groups!r}")
         if not dist.is_available() or not dist.is_initialized():

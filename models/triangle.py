@@ -193,14 +193,17 @@ class TriangleAttention(nn.Module):
     pair tensor.
 
     ``bias=False`` drops the gate's and the output projection's biases (Boltz-2, OpenFold's layout as Boltz
-    vendors it: the gate starts at ``sigmoid(0) = 0.5``).
+    vendors it: the gate starts at ``sigmoid(0) = 0.5``). ``transpose_bias``: the ending node reads its bias off
+    the untransposed pair, ``b_ik`` instead of AF2's ``b_ki`` for the update of ``z_ij`` (OpenFold3).
     """
 
     def __init__(
-        self, c_z: int, c_hidden: int, num_heads: int, starting: bool, attention: Any = None, bias: bool = True
+        self, c_z: int, c_hidden: int, num_heads: int, starting: bool, attention: Any = None, bias: bool = True,
+        transpose_bias: bool = False,
     ):
         super().__init__()
         self.starting = starting
+        self.transpose_bias = bool(transpose_bias)
         self.layer_norm = LayerNorm(c_z)
         self.linear_bias = Linear(c_z, num_heads, bias=False, init="normal")
         self.mha = Attention(
@@ -218,7 +221,10 @@ class TriangleAttention(nn.Module):
         zn = self.layer_norm(z)  # [*, I, J, c_z]
         # q, k, v, gate and the pair bias of the same normalised input: one matmul
         q, k, v, g, bias = self.mha.project(zn, zn, extra=[self.linear_bias])  # [*, I, J, H*C] / [*, J, K, H]
-        bias = bias.movedim(-1, -3).contiguous().unsqueeze(-4)  # [*, 1, H, J, K]: shared by all rows i
+        bias = bias.movedim(-1, -3)  # [*, H, J, K]
+        if self.transpose_bias:
+            bias = bias.transpose(-1, -2)  # b_jk read at (k, j) here: (j, k) of the pair before the transpose
+        bias = bias.contiguous().unsqueeze(-4)  # [*, 1, H, J, K]: shared by all rows i
         mask = None if pair_mask is None else pair_mask[..., :, None, None, :]  # [*, I, 1, 1, K]
         out = chunk_rows(
             lambda q, k, v, g, m: self.mha.attend(q, k, v, g, bias, m),
@@ -242,6 +248,8 @@ class TriangleAttentionEndingNode(TriangleAttention):
     """AF2 Alg. 14: columns of the pair tensor attend along their own column, biased by the pair."""
 
     def __init__(
-        self, c_z: int, c_hidden: int = 32, num_heads: int = 4, attention: Any = None, bias: bool = True
+        self, c_z: int, c_hidden: int = 32, num_heads: int = 4, attention: Any = None, bias: bool = True,
+        transpose_bias: bool = False,
     ):
-        super().__init__(c_z, c_hidden, num_heads, starting=False, attention=attention, bias=bias)
+        super().__init__(c_z, c_hidden, num_heads, starting=False, attention=attention, bias=bias,
+                         transpose_bias=transpose_bias)

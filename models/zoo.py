@@ -10,6 +10,8 @@ raises :class:`ZooCheckpointError` naming what is wrong and nothing half-loaded 
     ESM C (HF / esm)       from_esmc, to_esmc                      (models/zoo_esmc.py)
     AlphaFold 2 (npz)      from_alphafold, to_alphafold            (models/zoo_alphafold.py)
     AlphaFold 2 (npz)      from_alphafold, to_alphafold            (models/zoo_alphafold.py)
+    OpenFold3 Pairformer   from_openfold3, to_openfold3            (models/zoo_openfold3.py)
+    Protenix Pairformer    from_protenix, to_protenix              (models/zoo_protenix.py)
     trained here           load_checkpoint, build_network
     fine-tuning            load_pretrained (any of the above, into an existing network)
 
@@ -1191,3 +1193,7 @@ from .zoo_esmc import from_esmc, to_esmc  # noqa: E402,F401  (re-exported)
 
 # AlphaFold 2 parameters (npz) into the Evoformer and extra-MSA stacks: models/zoo_alphafold.py
 from .zoo_alphafold import AlphaFold2Trunk, from_alphafold, to_alphafold  # noqa: E402,F401  (re-exported)
+
+# OpenFold3's and Protenix's trunk Pairformers: models/zoo_openfold3.py, models/zoo_protenix.py
+from .zoo_openfold3 import from_openfold3, to_openfold3  # noqa: E402,F401  (re-exported)
+from .zoo_protenix import from_protenix, to_protenix  # noqa: E402,F401  (re-exported)
