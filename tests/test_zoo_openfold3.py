@@ -264,3 +264,37 @@ def test_other_layouts_and_files_are_refused(tmp_path):
     with pytest.raises(TypeError, match="variant='openfold3'"):
         to_openfold3(PairformerStack(32, 8, num_blocks=1, num_heads_single=2, num_heads_pair=2, c_hidden_pair=16,
                                      c_hidden_mul=8, transition_n=2))
+
+
+# ---- GPU: OpenFold3's published widths (c_s 384, c_z 128, 16 / 4 heads, pair head width 32), 4 blocks ----
+def _gpu_case(N=192, seed=0):
+    m = of3_stack(seed, **{**PUBLISHED, "no_blocks": 4}).cuda()
+    s, z, mask, pair_mask = (t.cuda() for t in inputs(B=2, N=N, seed=seed, c_s=384, c_z=128))
+    return m, s, z, mask, pair_mask
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "chunked"])
+def test_gpu_fp32_parity_at_published_widths(backend):
+    """fp32 on the GPU (no TF32: the triton backend's fp32 uses tf32 dots, so it is checked in bf16 below)."""
+    m, s, z, mask, pair_mask = _gpu_case()
+    stack = from_openfold3(m, attention=backend).cuda()
+    _, ref = run(m, s, z, mask, pair_mask, theirs=True)
+    _, out = run(stack, s, z, mask, pair_mask, theirs=False)
+    es, ez = real_err(out, ref, mask)
+    assert es < 1e-5 and ez < 1e-5, (es, ez)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_bf16_within_2x_openfold3_own_bf16_error():
+    """Under bf16 autocast, ours on the triton backend against OpenFold3's fp32 output: at most 2x the error
+    OpenFold3's own autocast run makes (s and z at real positions)."""
+    m, s, z, mask, pair_mask = _gpu_case()
+    stack = from_openfold3(m, attention="triton").cuda()
+    _, ref = run(m, s, z, mask, pair_mask, theirs=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _, peer = run(m, s, z, mask, pair_mask, theirs=True)
+        _, out = run(stack, s, z, mask, pair_mask, theirs=False)
+    (ps, pz), (os_, oz) = real_err(peer, ref, mask), real_err(out, ref, mask)
+    print(f"bf16 error vs OpenFold3 fp32: s ours {os_:.3g} theirs {ps:.3g}; z ours {oz:.3g} theirs {pz:.3g}")
+    assert os_ <= 2 * ps and oz <= 2 * pz
