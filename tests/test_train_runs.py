@@ -104,6 +104,7 @@ def test_early_stopping_says_when_and_why(tmp_path):
     assert objs["trainer"].current_epoch == 2  # epoch 0 sets the best, epoch 1 fails to improve by 100
     msg = objs["summary"]["early_stopping"]
     assert "early stopping after epoch 1 (step 8" in msg and "val/loss" in msg and "patience 1" in msg
+    assert "min_delta 100)" in msg  # as configured (Lightning keeps it negated for mode=min)
 
 
 # ---------------------------------------------------------------- config checks before any work

@@ -267,7 +267,7 @@ class ReportingEarlyStopping(EarlyStopping):
         if trainer.should_stop and not before and self.report is None and reason:
             self.report = (
                 f"early stopping after epoch {trainer.current_epoch} (step {trainer.global_step}, "
-                f"patience {self.patience}, min_delta {self.min_delta}): {reason}"
+                f"patience {self.patience}, min_delta {abs(self.min_delta):g}): {reason}"
             )
             if trainer.is_global_zero:
                 print(f"[train] {self.report}", flush=True)
