@@ -202,7 +202,7 @@ class EpochLines(L.Callback):
                 losses.append(f"{stage}/loss={float(value):.4g}")
         epochs = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
         total = trainer.estimated_stepping_batches
-        steps = f"/{int(total)}" if math.isfinite(total) else ""
+        steps = f"/{int(total)}" if math.isfinite(total) and total > 0 else ""  # -1: an iterable without a limit
         print(f"[train] epoch {trainer.current_epoch + 1}{epochs}, step {trainer.global_step}{steps}: "
               f"{', '.join(losses) or 'no loss logged'} ({time.perf_counter() - self._t0:.0f} s)", flush=True)
 
