@@ -12,7 +12,8 @@ first call's wall time, compiles and autotuning included):
   padding), N = 384 (the last 37 residues padding): a training step (fwd + bwd into the inputs, dropout on) and
   inference (eval, no grad) per attention backend (triton, torch, flex). ``diff_vs_ref``: the first step's loss
   (training) or the pair output on real positions (inference) against the first backend's. AlphaFold 2's own
-  Evoformer is JAX; no JAX with GPU support runs on the GPU machine, so its row says so.
+  Evoformer is JAX/Haiku: its row is not measured and says which of jax, a JAX CUDA plugin, dm-haiku and
+  alphafold the Python running the bench has.
 
 Writes ``zoo.csv`` and ``zoo.md`` to ``--out`` (default ``$OUT`` or ``bench_out``), rewritten after every row.
 
@@ -28,6 +29,7 @@ import importlib.util
 import os
 import sys
 import time
+from dataclasses import astuple
 
 import torch
 
@@ -37,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import attn_zoo  # noqa: E402
 from attn_ops.registry import BACKENDS  # noqa: E402
 from attn_ops.triton.fastlaunch import wait_background  # noqa: E402
+from attn_zoo.models.esmc import ESMC_CONFIGS  # noqa: E402
 from bench_blocks import _randomize, attention_config  # noqa: E402
 from bench_patch import Timer, cleanup, env_lines, is_oom, mlm_batch, mlm_step, rel_diff  # noqa: E402
 
@@ -45,7 +48,7 @@ EVO_BACKENDS = ("triton", "torch", "flex")
 HF_ATTN = ("sdpa", "flash_attention_2", "attn_zoo.patch")
 
 FULL = dict(
-    esmc=dict(layers=36, width=1152, heads=18, ffn=3072),  # ESMC_CONFIGS["600M"]
+    esmc=dict(zip(("layers", "width", "heads", "ffn"), astuple(ESMC_CONFIGS["600M"]))),
     esmc_shape=(4, 1024, (300, 1024)),
     evo=dict(c_m=256, c_z=128),
     evo_shape=(512, 48, 384, 37),  # MSA rows, padded rows, residues, padded residues
@@ -148,6 +151,10 @@ def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN):
     real = int(am.sum())
     shape = f"{B}x{L} padded ({lengths[0]}-{lengths[1]}), {real} real tokens"
     ref = None
+
+    def hf_logits(_):
+        return hf(input_ids=inp, attention_mask=am).logits
+
     for attn in hf_attn:
         row = dict(case="esmc", shape=shape, variant=f"HF {attn}")
         if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
@@ -164,7 +171,7 @@ def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN):
         except Exception as exc:  # e.g. flash-attention refusing this device
             emit(dict(row, note=f"skipped: {type(exc).__name__}: {exc}"))
             continue
-        fn = lambda: mlm_step(lambda t: hf(input_ids=inp, attention_mask=am).logits, hf, tokens, target, device)  # noqa: E731
+        fn = lambda: mlm_step(hf_logits, hf, tokens, target, device)  # noqa: E731
         ref = run_row(emit, timer, device, row, fn, ref, real)
     attn_zoo.unpatch(hf)
     hf.to("cpu")
@@ -180,11 +187,19 @@ def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN):
 # ------------------------------------------------------------------------------------------------
 # AF2 Evoformer block per backend
 # ------------------------------------------------------------------------------------------------
+def jax_note() -> str:
+    """Why the original (AlphaFold 2's JAX/Haiku Evoformer) has no row: which of its packages this Python lacks.
+    Only looked up, never imported: JAX would claim most of the GPU's memory beside torch."""
+    have = {name: importlib.util.find_spec(mod) is not None for name, mod in (
+        ("jax", "jax"), ("a JAX CUDA plugin", "jax_plugins"), ("dm-haiku", "haiku"), ("alphafold", "alphafold"))}
+    return ("not measured: the original Evoformer is AlphaFold 2's JAX/Haiku code, not run in this torch process; "
+            + ", ".join(f"{k} {'found' if v else 'missing'}" for k, v in have.items()))
+
+
 def bench_evoformer(cfg, device, timer, backends, emit):
     from attn_zoo.models.evoformer import EvoformerBlock
 
-    emit(dict(case="af2-evoformer", variant="AlphaFold 2 (JAX)",
-              note="not measured: the original Evoformer is JAX/Haiku and no JAX with GPU support runs here"))
+    emit(dict(case="af2-evoformer", variant="AlphaFold 2 (JAX)", note=jax_note()))
     S, S_pad, N, N_pad = cfg["evo_shape"]
     c = cfg["evo"]
     g = torch.Generator().manual_seed(1)

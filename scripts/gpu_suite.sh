@@ -1,0 +1,95 @@
+#!/bin/bash
+# The single-GPU measurements as named stages, each under its own time limit so that one hang cannot take the others
+# with it. Three calls of under 10 minutes (stage limits in seconds; expected minutes when every stage runs to its
+# limit, about 9 a call):
+#   bash scripts/gpu_suite.sh env tests inference         # A: GPU tests in 4 shards (450), inference paths (90)
+#   bash scripts/gpu_suite.sh compile                     # B: compile_module over six lengths, 3 models x 2 modes (540)
+#   bash scripts/gpu_suite.sh env patch esm2-ft zoo       # C: attn_zoo.patch (150), ESM-2 650M fine-tune (180),
+#                                                         #    zoo models vs originals (210)
+# `compile` is also its six stages one by one: compile-pairformer-default, compile-pairformer-reduce-overhead, ...
+# Each stage's markdown is appended to $OUT/results.md as it ends, what passed, failed or timed out to
+# $OUT/stages.txt, and the logs and CSV files to $OUT/logs.tgz after every stage (the device returns only a few
+# files, and a call cut off by its own limit still returns what $OUT holds). LIMIT_PCT scales every limit (50: half).
+# ZOO_SMOKE=1 runs the zoo stage with --smoke (any device). Needs torch, triton and this repository; transformers
+# for patch and zoo; lightning and hydra-core/omegaconf/antlr4 for esm2-ft, the latter may come as pure-Python
+# packages in .whl/site.
+set -o pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # as the multi-GPU suite
+if [ -d .whl/site ]; then export PYTHONPATH="$PWD/.whl/site${PYTHONPATH:+:$PYTHONPATH}"; fi
+out=${OUT:-gpu_suite_out}
+work=$(mktemp -d)  # bench folders, the fine-tune's checkpoints (GBs): never under $OUT
+logs=$work/logs
+mkdir -p "$out" "$logs"
+out=$(cd "$out" && pwd)
+if ! command -v python > /dev/null; then  # gpu_tests.sh and esm2_finetune_gpu.sh call python; an image may have python3 alone
+  mkdir -p "$work/bin" && ln -s "$(command -v python3)" "$work/bin/python" && export PATH="$work/bin:$PATH"
+fi
+pct=${LIMIT_PCT:-100}
+fasta=models/data/sample/some_proteins.fasta
+compile_lengths=447:21,768,300:13,512,1024,257
+declare -A compile_limit=([pairformer]=100 [evoformer]=100 [esm2]=70)
+
+step() {  # name, limit (s), command...: run under the limit, log, record the outcome
+  local name=$1 limit=$(( $2 * pct / 100 )); shift 2
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" > "$logs/$name.log" 2>&1
+  local rc=$?
+  local what=ok; [ $rc -eq 124 ] || [ $rc -eq 137 ] && what=timeout; [ $rc -ne 0 ] && [ $what = ok ] && what="failed rc=$rc"
+  printf '%-36s %-14s %4ds (limit %ds)\n' "$name" "$what" $((SECONDS - t0)) "$limit" | tee -a "$out/stages.txt"
+  if [ $rc -ne 0 ]; then tail -15 "$logs/$name.log"; fi
+  return 0
+}
+collect() {  # title, file...: append the files that exist to results.md; then refresh logs.tgz
+  local title=$1; shift
+  { echo; echo "## $title ($(date -u +%H:%M) UTC)"; echo; for f in "$@"; do [ -s "$f" ] && cat "$f"; done; } \
+    >> "$out/results.md"
+  tar czf "$out/logs.tgz" -C "$work" --exclude=esm2_ft/logs --exclude='*.pt' --exclude='*.npy' . 2>/dev/null
+}
+compile_stage() {  # model, mode
+  step "compile-$1-$2" "${compile_limit[$1]}" python3 scripts/compile_lengths.py --model "$1" --modes "$2" \
+    --lengths "$compile_lengths"
+  grep '^|' "$logs/compile-$1-$2.log" | grep -v -e '^| model' -e '^|---' >> "$work/compile.md"
+  { echo "| model | mode | N | first call (s) | step (ms) |"; echo "|---|---|---|---|---|"
+    cat "$work/compile.md"; } > "$work/compile_table.md"
+}
+
+for stage in "$@"; do
+  case $stage in
+    env)
+      { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
+torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
+        python3 -c "import transformers as t; print('transformers', t.__version__, 'ESM C:', hasattr(t, 'EsmcForMaskedLM'))"
+        python3 -c "import hydra, lightning; print('hydra', hydra.__version__, 'lightning', lightning.__version__)"
+        git log -1 --format='commit %h %cI' 2>/dev/null; } > "$logs/env.log" 2>&1
+      grep -E "^(torch|transformers|hydra|commit)" "$logs/env.log" | tee "$work/env.txt" >> "$out/stages.txt"
+      collect env "$work/env.txt" ;;
+    tests)
+      step tests 450 env OUT="$work/gpu_tests" bash scripts/gpu_tests.sh 4 $((420 * pct / 100)) tests/
+      collect "GPU tests (4 shards)" "$logs/tests.log" ;;
+    compile)
+      for model in pairformer evoformer esm2; do
+        for mode in default reduce-overhead; do compile_stage $model $mode; done
+      done
+      collect "compile_module over lengths $compile_lengths" "$work/compile_table.md" ;;
+    compile-*-*)
+      rest=${stage#compile-}; model=${rest%%-*}; mode=${rest#*-}
+      compile_stage "$model" "$mode"
+      collect "compile_module over lengths $compile_lengths" "$work/compile_table.md" ;;
+    patch)
+      step patch 150 python3 scripts/bench_patch.py --out "$work/patch"
+      collect "attn_zoo.patch vs unpatched" "$work/patch/patch.md" ;;
+    inference)
+      step inference 90 python3 scripts/bench_inference_auto.py --out "$work/inference"
+      collect "Inference paths" "$work/inference/inference_auto.md" ;;
+    esm2-ft)
+      step esm2-ft 180 env OUT="$work/esm2_ft" bash scripts/esm2_finetune_gpu.sh random "$fasta" 200
+      grep -h '^\[throughput\]' "$logs/esm2-ft.log" | tail -1 > "$work/esm2_ft.txt"
+      cat "$work/esm2_ft/timings.txt" >> "$work/esm2_ft.txt" 2>/dev/null
+      collect "ESM-2 650M fine-tune (random weights, 200 steps) and embedding" "$work/esm2_ft.txt" ;;
+    zoo)
+      step zoo 210 python3 scripts/bench_zoo.py --out "$work/zoo" ${ZOO_SMOKE:+--smoke}
+      collect "Zoo models vs originals" "$work/zoo/zoo.md" ;;
+    *) echo "unknown stage $stage" >&2 ;;
+  esac
+done
+cat "$out/stages.txt"
