@@ -3,8 +3,8 @@
 # with it. Three calls of under 10 minutes (stage limits in seconds; expected minutes when every stage runs to its
 # limit, about 9 a call):
 #   bash scripts/gpu_suite.sh env tests inference         # A: GPU tests in 4 shards (450), inference paths (90)
-#   bash scripts/gpu_suite.sh compile                     # B: compile_module over six lengths, 3 models x 2 modes (540)
-#   bash scripts/gpu_suite.sh env patch esm2-ft zoo       # C: attn_zoo.patch (150), ESM-2 650M fine-tune (180),
+#   bash scripts/gpu_suite.sh compile                     # B: compile_module over six lengths, 3 models x 2 modes (510)
+#   bash scripts/gpu_suite.sh env patch esm2-ft zoo       # C: attn_zoo.patch (140), ESM-2 650M fine-tune (180),
 #                                                         #    zoo models vs originals (210)
 # `compile` is also its six stages one by one: compile-pairformer-default, compile-pairformer-reduce-overhead, ...
 # Each stage's markdown is appended to $OUT/results.md as it ends, what passed, failed or timed out to
@@ -12,7 +12,7 @@
 # files, and a call cut off by its own limit still returns what $OUT holds). LIMIT_PCT scales every limit (50: half).
 # ZOO_SMOKE=1 runs the zoo stage with --smoke (any device). Needs torch, triton and this repository; transformers
 # for patch and zoo; lightning and hydra-core/omegaconf/antlr4 for esm2-ft, the latter may come as pure-Python
-# packages in .whl/site.
+# packages in .whl/site (ignored by git: a device call names it in carry).
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # as the multi-GPU suite
 if [ -d .whl/site ]; then export PYTHONPATH="$PWD/.whl/site${PYTHONPATH:+:$PYTHONPATH}"; fi
@@ -27,7 +27,7 @@ fi
 pct=${LIMIT_PCT:-100}
 fasta=models/data/sample/some_proteins.fasta
 compile_lengths=447:21,768,300:13,512,1024,257
-declare -A compile_limit=([pairformer]=100 [evoformer]=100 [esm2]=70)
+declare -A compile_limit=([pairformer]=95 [evoformer]=95 [esm2]=65)
 
 step() {  # name, limit (s), command...: run under the limit, log, record the outcome
   local name=$1 limit=$(( $2 * pct / 100 )); shift 2
@@ -76,7 +76,7 @@ torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() e
       compile_stage "$model" "$mode"
       collect "compile_module over lengths $compile_lengths" "$work/compile_table.md" ;;
     patch)
-      step patch 150 python3 scripts/bench_patch.py --out "$work/patch"
+      step patch 140 python3 scripts/bench_patch.py --out "$work/patch"
       collect "attn_zoo.patch vs unpatched" "$work/patch/patch.md" ;;
     inference)
       step inference 90 python3 scripts/bench_inference_auto.py --out "$work/inference"
