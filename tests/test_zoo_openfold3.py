@@ -13,8 +13,8 @@ import pytest
 import torch
 
 pytest.importorskip("openfold3.core.model.latent.pairformer",
-                    reason="openfold3==0.5.0 (installed with --no-deps, plus gemmi and ml-collections) is a test "
-                           "dependency")
+                    reason="openfold3==0.5.0 (installed with --no-deps, plus gemmi, ml-collections, pandas and "
+                           "optree: .ci/run) is a test dependency")
 from openfold3.core.model.latent.pairformer import PairFormerStack  # noqa: E402
 
 from attn_zoo.models.pairformer import PairformerBlock, PairformerStack  # noqa: E402

@@ -18,7 +18,8 @@ import torch
 
 os.environ.setdefault("LAYERNORM_TYPE", "torch")
 pytest.importorskip("protenix.model.modules.pairformer",
-                    reason="protenix==2.0.0 (installed with --no-deps, plus rdkit and optree) is a test dependency")
+                    reason="protenix==2.0.0 (installed with --no-deps, plus rdkit and optree: .ci/run) is a test "
+                           "dependency")
 from protenix.model.modules.pairformer import PairformerBlock as TheirBlock  # noqa: E402
 from protenix.model.modules.pairformer import PairformerStack as TheirStack  # noqa: E402
 
