@@ -461,12 +461,10 @@ def test_row_worker_measures_its_row_with_the_given_options(monkeypatch, capsys)
 
 # ------------------------------------------------------------------------------------------ zoo bench
 @pytest.mark.slow
-def test_zoo_bench_smoke_runs_every_row(tmp_path, monkeypatch):
+def test_zoo_bench_smoke_runs_every_row(tmp_path):
     """scripts/bench_zoo.py --smoke end to end: every row is measured or says why it was skipped; ours and the
     Hugging Face ESM C (same weights) agree on the first step's loss; zoo.csv / zoo.md hold the rows."""
     import csv
-
-    monkeypatch.delenv("TRITON_INTERPRET")  # triton rows run as torch: the interpreter would take minutes
 
     pytest.importorskip("transformers")
     import bench_zoo
@@ -482,6 +480,7 @@ def test_zoo_bench_smoke_runs_every_row(tmp_path, monkeypatch):
     # bf16 autocast on both sides: a wrong weight mapping would move the loss by far more
     assert float(ours["diff_vs_ref"]) < 1e-2, ours
     evo = [r for r in rows if r["case"] == "af2-evoformer"]
+    assert all(float(r["diff_vs_ref"]) < 5e-2 for r in evo if r.get("diff_vs_ref")), evo  # bf16 vs bf16, not ~1
     assert {r["shape"].rsplit(", ", 1)[-1] for r in evo if r.get("ms")} == {"train step", "inference"}
     assert any("JAX" in r["variant"] and r["note"].startswith("not measured") for r in evo)
     with open(tmp_path / "zoo.csv") as f:
