@@ -30,19 +30,22 @@ TABLE = tuple(
     [
         (f"{tri}.{ours}.weight", tuple(f"pair_stack.{tri}.{t}.weight" for t in theirs))
         for tri in ("tri_mul_out", "tri_mul_in")
-        for ours, theirs in (("linear_ab_p", ("linear_a_p", "linear_b_p")), ("linear_ab_g", ("linear_a_g", "linear_b_g")),
+        for ours, theirs in (("linear_ab_p", ("linear_a_p", "linear_b_p")),
+                             ("linear_ab_g", ("linear_a_g", "linear_b_g")),
                              ("linear_z", ("linear_z",)), ("linear_g", ("linear_g",)))
     ]
     + [(f"{tri}.{ln}.{p}", (f"pair_stack.{tri}.{ln}.{p}",)) for tri in ("tri_mul_out", "tri_mul_in")
        for ln in ("layer_norm_in", "layer_norm_out") for p in ("weight", "bias")]
     + [(f"{tri}.layer_norm.{p}", (f"pair_stack.{tri}.layer_norm.{p}",)) for tri in ("tri_att_start", "tri_att_end")
        for p in ("weight", "bias")]
-    + [(f"{tri}.linear_bias.weight", (f"pair_stack.{tri}.linear_z.weight",)) for tri in ("tri_att_start", "tri_att_end")]
+    + [(f"{tri}.linear_bias.weight", (f"pair_stack.{tri}.linear_z.weight",))
+       for tri in ("tri_att_start", "tri_att_end")]
     + [(f"{tri}.mha.linear_{x}.weight", (f"pair_stack.{tri}.mha.linear_{x}.weight",))
        for tri in ("tri_att_start", "tri_att_end") for x in "qkvgo"]
     + [
         item
-        for ours, theirs in (("pair_transition", "pair_stack.pair_transition"), ("single_transition", "single_transition"))
+        for ours, theirs in (("pair_transition", "pair_stack.pair_transition"),
+                             ("single_transition", "single_transition"))
         for item in (
             (f"{ours}.layer_norm.weight", (f"{theirs}.layer_norm.weight",)),
             (f"{ours}.layer_norm.bias", (f"{theirs}.layer_norm.bias",)),

@@ -29,7 +29,8 @@ TABLE = tuple(
     [
         (f"{tri}.{ours}.weight", tuple(f"{tri}.{t}.weight" for t in theirs))
         for tri in ("tri_mul_out", "tri_mul_in")
-        for ours, theirs in (("linear_ab_p", ("linear_a_p", "linear_b_p")), ("linear_ab_g", ("linear_a_g", "linear_b_g")),
+        for ours, theirs in (("linear_ab_p", ("linear_a_p", "linear_b_p")),
+                             ("linear_ab_g", ("linear_a_g", "linear_b_g")),
                              ("linear_z", ("linear_z",)), ("linear_g", ("linear_g",)))
     ]
     + [(f"{tri}.{ln}.{p}", (f"{tri}.{ln}.{p}",)) for tri in ("tri_mul_out", "tri_mul_in")

@@ -191,7 +191,8 @@ def test_whole_model_checkpoint_picks_the_trunk_stack(tmp_path):
     torch.save({"model": state, "step": 10}, path)
     stack = from_protenix(path)
     assert len(stack.blocks) == 2
-    assert torch.equal(stack.blocks[1].tri_mul_in.linear_z.weight, m.state_dict()["blocks.1.tri_mul_in.linear_z.weight"])
+    assert torch.equal(stack.blocks[1].tri_mul_in.linear_z.weight,
+                       m.state_dict()["blocks.1.tri_mul_in.linear_z.weight"])
     assert len(from_protenix(path, prefix="module.confidence_head.pairformer_stack.").blocks) == 1
 
 
