@@ -79,6 +79,17 @@ class KernelSettings:
             raise TypeError(f"KernelSettings.cache_dir must be a path or None, got {self.cache_dir!r}")
 
 
+_ENV_DATA = getattr(os.environ, "_data", None)  # POSIX: the bytes dict behind os.environ (kept in sync by it)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), read on every call (tests flip
+    it); asked a dozen times per forward + backward, so a plain dict lookup where the platform allows."""
+    if type(_ENV_DATA) is dict:
+        return _ENV_DATA.get(b"TRITON_INTERPRET") == b"1"
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _default_cache_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "attn_zoo")
 

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from attn_ops import settings  # noqa: E402
-from attn_ops.triton import fastlaunch  # noqa: E402
+from attn_ops.triton import fastlaunch, precompile  # noqa: E402
 
 
 class FakeCompiled:
@@ -189,7 +189,7 @@ def test_compile_only_holds_in_its_own_thread_only():
 
     thread = threading.Thread(target=other)
     thread.start()
-    with fastlaunch.compile_only():
+    with precompile.compile_only():
         inside.set()
         assert done.wait(5)
     thread.join()

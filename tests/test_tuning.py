@@ -583,7 +583,7 @@ def test_transposed_mask_key_strides_compile_nothing_new(monkeypatch):
 def test_a_miss_compiles_every_candidate_at_once_before_timing(tuner, monkeypatch):
     """compile_threads > 1: each candidate goes through the launcher once in compile-only mode (inside Triton's
     asynchronous compile mode), a failing compile is left to the timing loop, and the timing launches for real."""
-    from attn_ops.triton import fastlaunch
+    from attn_ops.triton import precompile
     from triton.runtime import _async_compile
 
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, compile_threads=4,
@@ -592,7 +592,7 @@ def test_a_miss_compiles_every_candidate_at_once_before_timing(tuner, monkeypatc
     real = tuner.launch
 
     def launch(cfg):
-        modes.append((cfg, fastlaunch._WARMUP_ONLY.get(), _async_compile.active_mode.get() is not None))
+        modes.append((cfg, precompile._WARMUP_ONLY.get(), _async_compile.active_mode.get() is not None))
         return real(cfg)
 
     cands = candidates("fwd", **ARGS)
@@ -603,11 +603,11 @@ def test_a_miss_compiles_every_candidate_at_once_before_timing(tuner, monkeypatc
     assert modes[:n] == [(c, True, True) for c in cands]  # all compiles submitted first
     assert [m[0] for m in modes[n:]] == cands and not any(m[1] or m[2] for m in modes[n:])  # then timed for real
     assert tuner.timed == cands[1:]
-    assert fastlaunch._WARMUP_ONLY.get() is False and _async_compile.active_mode.get() is None
+    assert precompile._WARMUP_ONLY.get() is False and _async_compile.active_mode.get() is None
 
 
 def test_compile_only_launch_warms_up_and_runs_nothing(monkeypatch):
-    from attn_ops.triton import fastlaunch
+    from attn_ops.triton import fastlaunch, precompile
 
     calls = []
 
@@ -618,10 +618,10 @@ def test_compile_only_launch_warms_up_and_runs_nothing(monkeypatch):
         def __getitem__(self, grid):
             raise AssertionError("launched in compile-only mode")
 
-    with fastlaunch.compile_only():
+    with precompile.compile_only():
         fastlaunch.launch(Kernel(), (3,), (1, 2), 4, 2, BLOCK=16)
     assert calls == [("warmup", (1, 2), (3,), {"num_warps": 4, "num_stages": 2, "BLOCK": 16})]
-    assert fastlaunch._WARMUP_ONLY.get() is False
+    assert precompile._WARMUP_ONLY.get() is False
 
 
 

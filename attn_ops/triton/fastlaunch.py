@@ -22,7 +22,6 @@ The direct call passes the arguments in the kernel's parameter order, constexprs
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import inspect
 import threading
 from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
@@ -30,7 +29,9 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 import torch
 
 from .. import settings as _settings
-from .tuning import interpreting
+from ..settings import interpreting
+from . import precompile
+from .precompile import _WARMUP_ONLY
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -101,22 +102,6 @@ def _device() -> int:
     return torch.cuda.current_device()
 
 
-# Set by compile_only() in the thread (context) that compiles a tuning key's candidates; other threads launching
-# at the same time are not affected.
-_WARMUP_ONLY: contextvars.ContextVar = contextvars.ContextVar("attn_zoo_warmup_only", default=False)
-
-
-@contextlib.contextmanager
-def compile_only() -> Iterator[None]:
-    """Inside the block :func:`launch` compiles (``kernel.warmup``) and launches nothing, in this thread only: under
-    Triton's asynchronous compile mode the tuner submits every candidate's compile at once this way."""
-    token = _WARMUP_ONLY.set(True)
-    try:
-        yield
-    finally:
-        _WARMUP_ONLY.reset(token)
-
-
 # Set by compile_ahead() for the whole process (autograd runs a CUDA backward on threads of its own): [the thread
 # pool, {signature key: Future}, worker processes (0: compiles on the threads)]; empty when off. _AHEAD_LOCK:
 # submitting against the block's end.
@@ -153,8 +138,6 @@ def compile_ahead(threads: Optional[int] = None, processes: Optional[int] = None
     processes = s.compile_processes if processes is None else processes
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 0:
         raise ValueError(f"compile_ahead: processes must be an int >= 0, got {processes!r}")
-    from . import precompile
-
     if processes and not precompile._supported():
         processes = 0  # this Triton cannot hand compiles to workers: threads
     # (with workers, each thread waits on one worker's compile and then loads its binary here)
@@ -196,8 +179,6 @@ def _compile_job(kernel, grid, args, num_warps: int, num_stages: int, constexprs
         if device >= 0 and torch.cuda.is_available():
             torch.cuda.set_device(device)  # the compile's target and cache are the caller's device's
         if processes:
-            from . import precompile
-
             try:
                 specs = precompile.capture([None], lambda _: warmup())
                 if specs:

@@ -28,7 +28,8 @@ from .fastlaunch import compiling_ahead as _compiling_ahead
 from .fastlaunch import is_compiled as _is_compiled
 from .fastlaunch import launch as _launch
 from .forward import attn_fwd_kernel
-from .tuning import bucket, interpreting, pick
+from ..settings import interpreting
+from .tuning import bucket, pick
 
 Tensor = torch.Tensor
 

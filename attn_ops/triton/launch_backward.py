@@ -9,6 +9,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .. import settings as _settings
+from ..settings import interpreting
 from . import tuning
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
 from .common import LOG2E
@@ -16,7 +17,6 @@ from .dbias import attn_bwd_dbias_kernel, sum_splits_kernel
 from .launch import (Recorder, TensorDescriptor, _align, _bias_align, _bias_operand_slot, _bias_slot, _bstrides,
                      _cdiv, _current_device, _empty, _even, _geo, _host_bound, _keep, _key, _mask_kind,
                      _mask_strides, _mask_u8, _pow2, _replay, _rows, _seg_strides, _tma_capable, _width)
-from .tuning import interpreting
 
 Tensor = torch.Tensor
 

@@ -121,12 +121,26 @@ def _hook_installed() -> Iterator[None]:
                 _PREVIOUS_HOOK = None
 
 
+# Set by compile_only() in the thread (context) that compiles a tuning key's candidates; other threads launching
+# at the same time are not affected.
+_WARMUP_ONLY: contextvars.ContextVar = contextvars.ContextVar("attn_zoo_warmup_only", default=False)
+
+
+@contextlib.contextmanager
+def compile_only() -> Iterator[None]:
+    """Inside the block :func:`launch` compiles (``kernel.warmup``) and launches nothing, in this thread only: under
+    Triton's asynchronous compile mode the tuner submits every candidate's compile at once this way."""
+    token = _WARMUP_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _WARMUP_ONLY.reset(token)
+
+
 def capture(cands: Sequence, launch: Callable) -> List[Tuple[str, str, str]]:
     """(module, kernel name, specialization data) of every compile that ``launch(c)`` for the candidates would do
     here, in order, without compiling (compile-only launches; kernels already compiled in this process capture
     nothing). A candidate whose launch raises is left out (the timing loop skips it)."""
-    from .fastlaunch import compile_only
-
     sink: List[Tuple[str, str, str]] = []
     token = _CAPTURE.set(sink)
     try:

@@ -21,6 +21,10 @@ import warnings
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from .. import settings as _settings
+from ..settings import interpreting
+from . import precompile
+from .fastlaunch import compiling_ahead
+from .precompile import compile_only
 
 
 class Cfg(NamedTuple):
@@ -54,17 +58,6 @@ _DBIAS_SPLITS = (0, 1, 4)
 # and the H200 (docs/bench/history.md).
 DBIAS_PER_SM = 8
 _INTERPRETER = Cfg(32, 16, 4, 1)
-
-
-_ENV_DATA = getattr(os.environ, "_data", None)  # POSIX: the bytes dict behind os.environ (kept in sync by it)
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), read on every call (tests flip
-    it); asked a dozen times per forward + backward, so a plain dict lookup where the platform allows."""
-    if type(_ENV_DATA) is dict:
-        return _ENV_DATA.get(b"TRITON_INTERPRET") == b"1"
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def bucket(n: int) -> int:
@@ -128,8 +121,6 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
         if cfg is not None and cfg not in cands:
             cfg = None  # a config the current candidate lists no longer offer
     if cfg is None:
-        from .fastlaunch import compiling_ahead
-
         if compiling_ahead():  # nothing runs: submit the compiles the real call will want (the shipped config, else
             # every candidate to time, else the first); check, time and cache nothing (the real call does)
             first = shipped(device).get(DiskCache._name((kernel, pair) + key)) if s.tune and s.shipped_configs \
@@ -149,8 +140,6 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
         if len(cands) == 1 or not s.tune:
             cfg = _first_that_launches(cands, launch)
         else:
-            from . import precompile
-
             try:
                 handled = precompile.compile_candidates(cands, launch, s.compile_processes)
             except Exception:  # noqa: BLE001 - the workers are an optimisation: compile here instead
@@ -175,8 +164,6 @@ def _compile_all(cands: List[Cfg], launch: Callable[[Cfg], None], threads: int) 
     except ImportError:  # pragma: no cover - Triton before the asynchronous compile mode: compiled when timed
         return
     from concurrent.futures import ThreadPoolExecutor
-
-    from .fastlaunch import compile_only
 
     with ThreadPoolExecutor(min(threads, len(cands))) as pool:
         with AsyncCompileMode(pool, ignore_errors=True), compile_only():
