@@ -6,7 +6,7 @@
 
 ``--model``: a fair-esm ``.pt``, a Hugging Face ESM-2 folder, a checkpoint trained here or an ESM-2 state_dict
 (:func:`attn_zoo.models.zoo.load_esm2`), or an ESM C (a Hugging Face ``EsmcForMaskedLM`` folder, or its or the esm
-package's state_dict: :func:`attn_zoo.models.zoo_esmc.load_language_model`; no contacts). Writes one file per
+package's state_dict: :func:`attn_zoo.models.zoo.load_language_model`; no contacts). Writes one file per
 protein, ``OUT/<name>.pt``, holding a dict (as fair-esm's ``extract.py``): ``label``, ``sequence``,
 ``representations {layer: [L, C]}`` (``per_tok``), ``mean_representations {layer: [C]}`` (``mean``: over the
 residues, ``<cls>``/``<eos>`` left out) and ``contacts [L, L]`` (``contacts``), float32 on the CPU.
@@ -415,7 +415,7 @@ def parser() -> argparse.ArgumentParser:
 
 def run(argv: Optional[Sequence[str]] = None) -> EmbedSummary:
     """The command line as a function: parse ``argv``, embed, return what was done; errors raise."""
-    from .models.zoo_esmc import load_language_model
+    from .models.zoo import load_language_model
 
     args = parser().parse_args(argv)
     if args.truncate is not None and args.truncate < 1:

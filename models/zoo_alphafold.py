@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .evoformer import EvoformerStack, ExtraMSAStack
-from .zoo import ZooCheckpointError, _summarise
+from .zoo_files import ZooCheckpointError, _summarise
 
 Tensor = torch.Tensor
 PREFIX = "alphafold/alphafold_iteration/evoformer/"

@@ -11,14 +11,13 @@ Sizes come from the weights; the number of heads from the config, else the publi
 """
 from __future__ import annotations
 
-import os
 import re
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
 from .esmc import ALPHABET, ESMC, ESMC_CONFIGS, VOCAB_ROWS
-from .zoo import ZooCheckpointError, _check_state, _first_keys, _hf_state, _shape, read_checkpoint
+from .zoo_files import ZooCheckpointError, _check_state, _first_keys, _hf_state, _shape
 
 Tensor = torch.Tensor
 
@@ -221,38 +220,3 @@ def _looks_like_esmc(sd: Any) -> bool:
         return False
     emb = sd.get("esmc.embed_tokens.weight", sd.get("embed.weight", sd.get("embed_tokens.weight")))
     return isinstance(emb, Tensor) and emb.ndim == 2 and emb.shape[0] == VOCAB_ROWS
-
-
-def load_language_model(path: Any, attention: Any = None, *, trust_file: bool = False) -> torch.nn.Module:
-    """An ESM-2 or an ESM C from a file or folder, for inference (``attn-zoo-embed``): ESM C when the folder's
-    ``config.json`` says ``model_type: esmc`` or the weights have ESM C's 64-row embedding (a Hugging Face or
-    ``esm``-package state dict), else :func:`~attn_zoo.models.zoo.load_esm2`."""
-    import json
-
-    from .zoo import load_esm2
-
-    p = os.path.expanduser(os.fspath(path))
-    if os.path.isdir(p):
-        cfg_path = os.path.join(p, "config.json")
-        model_type = None
-        if os.path.isfile(cfg_path):
-            try:
-                with open(cfg_path) as f:
-                    model_type = json.load(f).get("model_type")
-            except ValueError as e:
-                raise ZooCheckpointError(f"cannot parse {cfg_path!r}: {e}") from e
-        if model_type == "esmc":
-            return from_esmc(p, attention=attention, trust_file=trust_file)
-        return load_esm2(p, attention=attention, trust_file=trust_file)
-    if os.path.isfile(p):
-        try:  # memory-mapped: an ESM-2 file is read again, in full, by load_esm2
-            obj = read_checkpoint(p, trust_file=trust_file, mmap=True)
-        except ZooCheckpointError:
-            obj = None  # a legacy (non-zip) file or an unreadable one: load_esm2 reads it or says why
-        if _looks_like_esmc(obj):
-            source = f"ESM C checkpoint {p!r}"
-            try:
-                return from_esmc(obj, attention=attention)
-            except ZooCheckpointError as e:
-                raise ZooCheckpointError(f"{source}: {e}") from None
-    return load_esm2(p, attention=attention, trust_file=trust_file)

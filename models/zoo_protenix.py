@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from .zoo import ZooCheckpointError
+from .zoo_files import ZooCheckpointError
 from .zoo_tables import convert, export, find_prefix, num_blocks, read_source, sub_dict
 
 Tensor = torch.Tensor

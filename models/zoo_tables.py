@@ -14,7 +14,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .zoo import ZooCheckpointError, _mismatch_report, _summarise, read_checkpoint
+from .zoo_files import ZooCheckpointError, _mismatch_report, _summarise, read_checkpoint
 
 Tensor = torch.Tensor
 Table = Sequence[Tuple[str, Tuple[str, ...]]]
