@@ -654,7 +654,6 @@ NETWORKS = ClassRegistry("network", nn.Module, {
         "esm2": ("ESM2", "TransformerLayer", "RobertaLMHead", "ContactPredictionHead"),
         "esmc": ("ESMC", "EsmcLayer", "EsmcLMHead"),
         "zoo_alphafold": ("AlphaFold2Trunk",),
-        "zoo_alphafold": ("AlphaFold2Trunk",),
         "heads": ("DistogramHead", "MaskedMSAHead", "LMHead"),
         "primitives": ("Attention", "Transition", "SwiGLUTransition", "SharedDropout", "LineDropout"),
     }),
