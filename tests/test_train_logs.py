@@ -120,8 +120,8 @@ def test_cli_log_has_no_bar_redraws_tip_or_deprecations_and_resume_keeps_both_re
         assert "\r" not in log and "\x1b[" not in log, log[-2000:]
         assert "Tip:" not in log and "litlogger" not in log and "LeafSpec" not in log and "is deprecated" not in log
         assert "exists and is not empty" not in log
-    assert "[train] epoch 1/1, step 4/4: train/loss=" in first.stdout
-    assert "[train] epoch 2/2, step 8/8: train/loss=" in resumed.stdout
+    assert "[train] epoch 0 (1/1), step 4/4: train/loss=" in first.stdout
+    assert "[train] epoch 1 (2/2), step 8/8: train/loss=" in resumed.stdout
     records = sorted((out / ".hydra").glob("*/overrides.yaml"))
     assert len(records) == 2 and records[0].read_text() == first_record and "resume=true" in records[1].read_text()
     assert [p.relative_to(out).as_posix() for p in out.glob("csv/*/metrics.csv")] == ["csv/version_0/metrics.csv"]

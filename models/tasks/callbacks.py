@@ -200,10 +200,12 @@ class EpochLines(L.Callback):
             value = metrics.get(f"{stage}/loss_epoch", metrics.get(f"{stage}/loss"))
             if value is not None:
                 losses.append(f"{stage}/loss={float(value):.4g}")
-        epochs = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
+        # numbered from 0 as in checkpoint names and the early-stopping report, with the count done beside it
+        done = trainer.current_epoch + 1
+        epochs = f" ({done}/{trainer.max_epochs})" if trainer.max_epochs and trainer.max_epochs > 0 else ""
         total = trainer.estimated_stepping_batches
         steps = f"/{int(total)}" if math.isfinite(total) and total > 0 else ""  # -1: an iterable without a limit
-        print(f"[train] epoch {trainer.current_epoch + 1}{epochs}, step {trainer.global_step}{steps}: "
+        print(f"[train] epoch {trainer.current_epoch}{epochs}, step {trainer.global_step}{steps}: "
               f"{', '.join(losses) or 'no loss logged'} ({time.perf_counter() - self._t0:.0f} s)", flush=True)
 
 
