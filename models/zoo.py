@@ -38,6 +38,7 @@ from .esm2 import ALPHABET, ESM2, ESM2_CONFIGS, RobertaLMHead
 from .zoo_files import (SAFE_GLOBALS, UnsafeCheckpointError, ZooCheckpointError, _check_state,  # noqa: F401
                         _first_keys, _flat_tensors, _hf_read_folder, _hf_state, _mismatch_report, _shape, _summarise,
                         _TRUST_HINT, read_checkpoint)
+from .zoo_tables import convert, export, transition_rows, tri_att_rows
 
 Tensor = torch.Tensor
 PathLike = Union[str, "os.PathLike[str]"]
@@ -383,21 +384,9 @@ _BOLTZ_LAYER_MAP: Tuple[Tuple[str, Tuple[str, ...]], ...] = tuple(
         for ours, theirs in (("linear_ab_p", "p_in"), ("linear_ab_g", "g_in"), ("linear_z", "p_out"),
                              ("linear_g", "g_out"))
     ]
-    + [(f"{tri}.layer_norm.{p}", (f"{tri}.layer_norm.{p}",)) for tri in ("tri_att_start", "tri_att_end")
-       for p in ("weight", "bias")]
-    + [(f"{tri}.linear_bias.weight", (f"{tri}.linear.weight",)) for tri in ("tri_att_start", "tri_att_end")]
-    + [(f"{tri}.mha.linear_{x}.weight", (f"{tri}.mha.linear_{x}.weight",))
-       for tri in ("tri_att_start", "tri_att_end") for x in "qkvgo"]
-    + [
-        item
-        for ours, theirs in (("pair_transition", "transition_z"), ("single_transition", "transition_s"))
-        for item in (
-            (f"{ours}.layer_norm.weight", (f"{theirs}.norm.weight",)),
-            (f"{ours}.layer_norm.bias", (f"{theirs}.norm.bias",)),
-            (f"{ours}.linear_ab.weight", (f"{theirs}.fc1.weight", f"{theirs}.fc2.weight")),
-            (f"{ours}.linear_out.weight", (f"{theirs}.fc3.weight",)),
-        )
-    ]
+    + tri_att_rows("", "linear")
+    + transition_rows((("pair_transition", "transition_z"), ("single_transition", "transition_s")),
+                      "norm", "fc1", "fc2", "fc3")
     + [
         ("attention_pair_bias.layer_norm_s.weight", ("pre_norm_s.weight",)),
         ("attention_pair_bias.layer_norm_s.bias", ("pre_norm_s.bias",)),
@@ -477,40 +466,6 @@ def _boltz_hyperparameters(sd: Mapping[str, Tensor], source: str) -> Dict[str, A
     )
 
 
-def _convert(
-    sd: Mapping[str, Tensor],
-    target: Mapping[str, Tensor],
-    layer_map: Sequence[Tuple[str, Tuple[str, ...]]],
-    num_blocks: int,
-    source: str,
-) -> Dict[str, Tensor]:
-    """Boltz ``layers.i.<theirs>`` -> our ``blocks.i.<ours>``; every missing, unexpected or wrongly shaped
-    key is reported at once (``target``: our state dict, for the shapes)."""
-    out: Dict[str, Tensor] = {}
-    used, missing, shapes = set(), [], []
-    for i in range(num_blocks):
-        for ours, theirs in layer_map:
-            want = tuple(target[f"blocks.{i}.{ours}"].shape)
-            parts = []
-            for t in theirs:
-                key = f"layers.{i}.{t}"
-                used.add(key)
-                w = (want[0] // len(theirs),) + want[1:]  # each source holds its share of dim 0
-                if key not in sd:
-                    missing.append(key)
-                elif tuple(sd[key].shape) != w:
-                    shapes.append(f"{key} {tuple(sd[key].shape)} (expected {w})")
-                else:
-                    parts.append(sd[key])
-            if len(parts) == len(theirs):
-                out[f"blocks.{i}.{ours}"] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    unexpected = sorted(set(sd) - used)
-    report = _mismatch_report(missing, unexpected, shapes, f"{source} does not match a Boltz-2 Pairformer")
-    if report:
-        raise ZooCheckpointError(report)
-    return out
-
-
 def from_boltz(
     state_dict_or_path: Union[PathLike, Mapping[str, Any]],
     attention: Any = None,
@@ -557,7 +512,8 @@ def from_boltz(
         transition_n=hp["transition_n"], pair_dropout=pair_dropout, attention=attention,
         checkpoint_every=checkpoint_every, chunk_size=chunk_size, variant="boltz2", post_norm_s=hp["post_norm_s"],
     )
-    converted = _convert(sd, stack.state_dict(), _boltz_layer_map(hp["post_norm_s"]), hp["num_blocks"], source)
+    converted = convert(sd, stack.state_dict(), _boltz_layer_map(hp["post_norm_s"]), hp["num_blocks"], source,
+                        "a Boltz-2 Pairformer", layers="layers", floats_only=False)
     stack.load_state_dict(converted, strict=True)
     return stack
 
@@ -571,15 +527,7 @@ def to_boltz(stack: nn.Module) -> Dict[str, Tensor]:
     if not isinstance(stack, PairformerStack) or not all(isinstance(b.pair_dropout_row, LineDropout)
                                                          for b in stack.blocks):
         raise TypeError(f"to_boltz needs a PairformerStack built with variant='boltz2', got {type(stack).__name__}")
-    sd, blocks = stack.state_dict(), stack.blocks
-    post = blocks[0].post_norm_s is not None
-    out: Dict[str, Tensor] = {}
-    for i in range(len(blocks)):
-        for ours, theirs in _boltz_layer_map(post):
-            parts = sd[f"blocks.{i}.{ours}"].chunk(len(theirs), dim=0)
-            for t, p in zip(theirs, parts):
-                out[f"layers.{i}.{t}"] = p.clone()
-    return out
+    return export(stack, _boltz_layer_map(stack.blocks[0].post_norm_s is not None), "layers")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -19,60 +19,23 @@ import torch
 from torch import nn
 
 from .zoo_files import ZooCheckpointError
-from .zoo_tables import convert, export, find_prefix, num_blocks, read_source, sub_dict
+from .zoo_tables import export_stack, load_stack, num_blocks, pairformer_table, shape_reader
 
 Tensor = torch.Tensor
 WHAT = "an OpenFold3 PairFormerStack"
 _MARKER = "blocks.0.pair_stack.tri_mul_out.layer_norm_in.weight"
 
 # Our PairformerBlock(variant="openfold3") parameter -> OpenFold3's PairFormerBlock parameter(s)
-TABLE = tuple(
-    [
-        (f"{tri}.{ours}.weight", tuple(f"pair_stack.{tri}.{t}.weight" for t in theirs))
-        for tri in ("tri_mul_out", "tri_mul_in")
-        for ours, theirs in (("linear_ab_p", ("linear_a_p", "linear_b_p")),
-                             ("linear_ab_g", ("linear_a_g", "linear_b_g")),
-                             ("linear_z", ("linear_z",)), ("linear_g", ("linear_g",)))
-    ]
-    + [(f"{tri}.{ln}.{p}", (f"pair_stack.{tri}.{ln}.{p}",)) for tri in ("tri_mul_out", "tri_mul_in")
-       for ln in ("layer_norm_in", "layer_norm_out") for p in ("weight", "bias")]
-    + [(f"{tri}.layer_norm.{p}", (f"pair_stack.{tri}.layer_norm.{p}",)) for tri in ("tri_att_start", "tri_att_end")
-       for p in ("weight", "bias")]
-    + [(f"{tri}.linear_bias.weight", (f"pair_stack.{tri}.linear_z.weight",))
-       for tri in ("tri_att_start", "tri_att_end")]
-    + [(f"{tri}.mha.linear_{x}.weight", (f"pair_stack.{tri}.mha.linear_{x}.weight",))
-       for tri in ("tri_att_start", "tri_att_end") for x in "qkvgo"]
-    + [
-        item
-        for ours, theirs in (("pair_transition", "pair_stack.pair_transition"),
-                             ("single_transition", "single_transition"))
-        for item in (
-            (f"{ours}.layer_norm.weight", (f"{theirs}.layer_norm.weight",)),
-            (f"{ours}.layer_norm.bias", (f"{theirs}.layer_norm.bias",)),
-            (f"{ours}.linear_ab.weight", (f"{theirs}.swiglu.linear_a.weight", f"{theirs}.swiglu.linear_b.weight")),
-            (f"{ours}.linear_out.weight", (f"{theirs}.linear_out.weight",)),
-        )
-    ]
-    + [
-        ("attention_pair_bias.layer_norm_s.weight", ("attn_pair_bias.layer_norm_a.weight",)),
-        ("attention_pair_bias.layer_norm_s.bias", ("attn_pair_bias.layer_norm_a.bias",)),
-        ("attention_pair_bias.layer_norm_z.weight", ("attn_pair_bias.layer_norm_z.weight",)),
-        ("attention_pair_bias.layer_norm_z.bias", ("attn_pair_bias.layer_norm_z.bias",)),
-        ("attention_pair_bias.linear_z.weight", ("attn_pair_bias.linear_z.weight",)),
-        ("attention_pair_bias.mha.linear_q.bias", ("attn_pair_bias.mha.linear_q.bias",)),
-    ]
-    + [(f"attention_pair_bias.mha.linear_{x}.weight", (f"attn_pair_bias.mha.linear_{x}.weight",)) for x in "qkvgo"]
-)
+TABLE = pairformer_table(
+    "pair_stack.", "linear_z",
+    (("pair_transition", "pair_stack.pair_transition"), ("single_transition", "single_transition")),
+    ("layer_norm", "swiglu.linear_a", "swiglu.linear_b", "linear_out"),
+    "attn_pair_bias", ("layer_norm_a", "layer_norm_z", "linear_z", "mha"))
 
 
 def openfold3_sizes(sd: Dict[str, Any], source: str) -> Dict[str, int]:
     """``PairformerStack`` sizes read off an OpenFold3 PairFormerStack state dict (keys ``blocks.i...``)."""
-    def shape(key: str):
-        v = sd.get(key)
-        if not isinstance(v, Tensor):
-            raise ZooCheckpointError(f"{source}: missing {key!r} (needed to read the Pairformer's sizes)")
-        return tuple(v.shape)
-
+    shape = shape_reader(sd, source)
     b = "blocks.0."
     if b + "pair_stack.tri_mul_out.linear_ab_p.weight" in sd:
         raise ZooCheckpointError(f"{source}: fused triangle projections (fuse_projection_weights=True, "
@@ -118,29 +81,13 @@ def from_openfold3(state_dict_or_module: Any, attention: Any = None, *, prefix: 
     inputs with bool masks. Raises ``ZooCheckpointError`` naming every missing, unexpected, misshapen or non-float
     key, another model's file, a layout other than the published one; nothing half-loaded is returned.
     """
-    from .pairformer import PairformerStack
-
-    sd, source = read_source(state_dict_or_module, WHAT, map_location, trust_file)
-    keys = [k for k in sd if isinstance(k, str)]
-    pre = find_prefix(keys, _MARKER, "pairformer_stack.", WHAT, source, prefix)
-    sd, source = sub_dict(sd, pre), f"{source} (prefix {pre!r})" if pre else source
-    sizes = openfold3_sizes(sd, source)
-    kwargs = dict(**sizes, pair_dropout=pair_dropout, checkpoint_every=checkpoint_every, chunk_size=chunk_size,
-                  variant="openfold3")
-    with torch.device("meta"):  # the expected shapes, before anything is allocated
-        target = PairformerStack(**kwargs).state_dict()
-    converted = convert(sd, target, TABLE, sizes["num_blocks"], source, WHAT)
-    stack = PairformerStack(**kwargs, attention=attention)
-    stack.load_state_dict(converted, strict=True)
-    return stack.eval()
+    return load_stack(state_dict_or_module, what=WHAT, marker=_MARKER, table=TABLE, sizes=openfold3_sizes,
+                      variant="openfold3", attention=attention, prefix=prefix, pair_dropout=pair_dropout,
+                      checkpoint_every=checkpoint_every, chunk_size=chunk_size, map_location=map_location,
+                      trust_file=trust_file)
 
 
 def to_openfold3(stack: nn.Module) -> Dict[str, Tensor]:
     """The inverse of :func:`from_openfold3`: a ``PairformerStack(variant="openfold3")`` -> the state dict of
     OpenFold3's ``PairFormerStack`` (``blocks.N...``; prefix it with ``pairformer_stack.`` for a whole model)."""
-    from .pairformer import PairformerStack
-
-    if not isinstance(stack, PairformerStack) or any(b.variant != "openfold3" for b in stack.blocks):
-        raise TypeError(f"to_openfold3 needs a PairformerStack built with variant='openfold3', got "
-                        f"{type(stack).__name__}")
-    return export(stack, TABLE)
+    return export_stack(stack, TABLE, "openfold3", "to_openfold3")

@@ -18,59 +18,22 @@ import torch
 from torch import nn
 
 from .zoo_files import ZooCheckpointError
-from .zoo_tables import convert, export, find_prefix, num_blocks, read_source, sub_dict
+from .zoo_tables import export_stack, load_stack, num_blocks, pairformer_table, shape_reader
 
 Tensor = torch.Tensor
 WHAT = "a Protenix PairformerStack"
 _MARKER = "blocks.0.attention_pair_bias.layernorm_a.weight"  # only stacks with a single track (c_s > 0)
 
 # Our PairformerBlock(variant="protenix") parameter -> Protenix's PairformerBlock parameter(s)
-TABLE = tuple(
-    [
-        (f"{tri}.{ours}.weight", tuple(f"{tri}.{t}.weight" for t in theirs))
-        for tri in ("tri_mul_out", "tri_mul_in")
-        for ours, theirs in (("linear_ab_p", ("linear_a_p", "linear_b_p")),
-                             ("linear_ab_g", ("linear_a_g", "linear_b_g")),
-                             ("linear_z", ("linear_z",)), ("linear_g", ("linear_g",)))
-    ]
-    + [(f"{tri}.{ln}.{p}", (f"{tri}.{ln}.{p}",)) for tri in ("tri_mul_out", "tri_mul_in")
-       for ln in ("layer_norm_in", "layer_norm_out") for p in ("weight", "bias")]
-    + [(f"{tri}.layer_norm.{p}", (f"{tri}.layer_norm.{p}",)) for tri in ("tri_att_start", "tri_att_end")
-       for p in ("weight", "bias")]
-    + [(f"{tri}.linear_bias.weight", (f"{tri}.linear.weight",)) for tri in ("tri_att_start", "tri_att_end")]
-    + [(f"{tri}.mha.linear_{x}.weight", (f"{tri}.mha.linear_{x}.weight",))
-       for tri in ("tri_att_start", "tri_att_end") for x in "qkvgo"]
-    + [
-        item
-        for t in ("pair_transition", "single_transition")
-        for item in (
-            (f"{t}.layer_norm.weight", (f"{t}.layernorm1.weight",)),
-            (f"{t}.layer_norm.bias", (f"{t}.layernorm1.bias",)),
-            (f"{t}.linear_ab.weight", (f"{t}.linear_no_bias_a.weight", f"{t}.linear_no_bias_b.weight")),
-            (f"{t}.linear_out.weight", (f"{t}.linear_no_bias.weight",)),
-        )
-    ]
-    + [
-        ("attention_pair_bias.layer_norm_s.weight", ("attention_pair_bias.layernorm_a.weight",)),
-        ("attention_pair_bias.layer_norm_s.bias", ("attention_pair_bias.layernorm_a.bias",)),
-        ("attention_pair_bias.layer_norm_z.weight", ("attention_pair_bias.layernorm_z.weight",)),
-        ("attention_pair_bias.layer_norm_z.bias", ("attention_pair_bias.layernorm_z.bias",)),
-        ("attention_pair_bias.linear_z.weight", ("attention_pair_bias.linear_nobias_z.weight",)),
-        ("attention_pair_bias.mha.linear_q.bias", ("attention_pair_bias.attention.linear_q.bias",)),
-    ]
-    + [(f"attention_pair_bias.mha.linear_{x}.weight", (f"attention_pair_bias.attention.linear_{x}.weight",))
-       for x in "qkvgo"]
-)
+TABLE = pairformer_table(
+    "", "linear", (("pair_transition", "pair_transition"), ("single_transition", "single_transition")),
+    ("layernorm1", "linear_no_bias_a", "linear_no_bias_b", "linear_no_bias"),
+    "attention_pair_bias", ("layernorm_a", "layernorm_z", "linear_nobias_z", "attention"))
 
 
 def protenix_sizes(sd: Dict[str, Any], source: str) -> Dict[str, int]:
     """``PairformerStack`` sizes read off a Protenix PairformerStack state dict (keys ``blocks.i...``)."""
-    def shape(key: str):
-        v = sd.get(key)
-        if not isinstance(v, Tensor):
-            raise ZooCheckpointError(f"{source}: missing {key!r} (needed to read the Pairformer's sizes)")
-        return tuple(v.shape)
-
+    shape = shape_reader(sd, source)
     b = "blocks.0."
     c_z = shape(b + "tri_mul_out.layer_norm_in.weight")[0]
     c_s = shape(b + "attention_pair_bias.layernorm_a.weight")[0]
@@ -109,29 +72,13 @@ def from_protenix(state_dict_or_module: Any, attention: Any = None, *, prefix: O
     Sizes are read off the weights. Raises ``ZooCheckpointError`` naming every missing, unexpected, misshapen or
     non-float key and another model's file; nothing half-loaded is returned.
     """
-    from .pairformer import PairformerStack
-
-    sd, source = read_source(state_dict_or_module, WHAT, map_location, trust_file)
-    keys = [k for k in sd if isinstance(k, str)]
-    pre = find_prefix(keys, _MARKER, "pairformer_stack.", WHAT, source, prefix)
-    sd, source = sub_dict(sd, pre), f"{source} (prefix {pre!r})" if pre else source
-    sizes = protenix_sizes(sd, source)
-    kwargs = dict(**sizes, pair_dropout=pair_dropout, checkpoint_every=checkpoint_every, chunk_size=chunk_size,
-                  variant="protenix")
-    with torch.device("meta"):  # the expected shapes, before anything is allocated
-        target = PairformerStack(**kwargs).state_dict()
-    converted = convert(sd, target, TABLE, sizes["num_blocks"], source, WHAT)
-    stack = PairformerStack(**kwargs, attention=attention)
-    stack.load_state_dict(converted, strict=True)
-    return stack.eval()
+    return load_stack(state_dict_or_module, what=WHAT, marker=_MARKER, table=TABLE, sizes=protenix_sizes,
+                      variant="protenix", attention=attention, prefix=prefix, pair_dropout=pair_dropout,
+                      checkpoint_every=checkpoint_every, chunk_size=chunk_size, map_location=map_location,
+                      trust_file=trust_file)
 
 
 def to_protenix(stack: nn.Module) -> Dict[str, Tensor]:
     """The inverse of :func:`from_protenix`: a ``PairformerStack(variant="protenix")`` -> the state dict of
     Protenix's ``PairformerStack`` (``blocks.N...``; prefix it with ``pairformer_stack.`` for a whole model)."""
-    from .pairformer import PairformerStack
-
-    if not isinstance(stack, PairformerStack) or any(b.variant != "protenix" for b in stack.blocks):
-        raise TypeError(f"to_protenix needs a PairformerStack built with variant='protenix', got "
-                        f"{type(stack).__name__}")
-    return export(stack, TABLE)
+    return export_stack(stack, TABLE, "protenix", "to_protenix")

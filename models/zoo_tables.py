@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -17,7 +17,61 @@ from torch import nn
 from .zoo_files import ZooCheckpointError, _mismatch_report, _summarise, read_checkpoint
 
 Tensor = torch.Tensor
-Table = Sequence[Tuple[str, Tuple[str, ...]]]
+Row = Tuple[str, Tuple[str, ...]]
+Table = Sequence[Row]
+_TRI_MUL = ("tri_mul_out", "tri_mul_in")
+_TRI_ATT = ("tri_att_start", "tri_att_end")
+
+
+def tri_att_rows(pre: str, bias: str) -> List[Row]:
+    """The triangle attentions' rows: theirs under ``pre`` (``""`` or ``"pair_stack."``), the pair-bias projection
+    named ``bias``."""
+    return ([(f"{tri}.layer_norm.{p}", (f"{pre}{tri}.layer_norm.{p}",)) for tri in _TRI_ATT for p in ("weight", "bias")]
+            + [(f"{tri}.linear_bias.weight", (f"{pre}{tri}.{bias}.weight",)) for tri in _TRI_ATT]
+            + [(f"{tri}.mha.linear_{x}.weight", (f"{pre}{tri}.mha.linear_{x}.weight",))
+               for tri in _TRI_ATT for x in "qkvgo"])
+
+
+def transition_rows(pairs: Sequence[Tuple[str, str]], norm: str, a: str, b: str, out: str) -> List[Row]:
+    """SwiGLU transitions' rows, for each (ours, theirs) module: their layer norm ``norm``, the ``a`` and ``b``
+    projections (our ``linear_ab``) and the output projection ``out``."""
+    return [item for ours, theirs in pairs for item in (
+        (f"{ours}.layer_norm.weight", (f"{theirs}.{norm}.weight",)),
+        (f"{ours}.layer_norm.bias", (f"{theirs}.{norm}.bias",)),
+        (f"{ours}.linear_ab.weight", (f"{theirs}.{a}.weight", f"{theirs}.{b}.weight")),
+        (f"{ours}.linear_out.weight", (f"{theirs}.{out}.weight",)),
+    )]
+
+
+def pairformer_table(pre: str, tri_att_bias: str, transitions: Sequence[Tuple[str, str]],
+                     transition_parts: Tuple[str, str, str, str], pair_bias: str, pair_bias_parts: Tuple[str, ...]
+                     ) -> Tuple[Row, ...]:
+    """The table of a block laid out as AF3's with split triangle projections (OpenFold3's, Protenix's): the pair
+    track under ``pre``; the single attention under ``pair_bias`` with its (layer norm s, layer norm z, pair-bias
+    projection, attention) named ``pair_bias_parts``."""
+    ln_s, ln_z, lin_z, mha = (f"{pair_bias}.{n}" for n in pair_bias_parts)
+    return tuple(
+        [
+            (f"{tri}.{ours}.weight", tuple(f"{pre}{tri}.{t}.weight" for t in theirs))
+            for tri in _TRI_MUL
+            for ours, theirs in (("linear_ab_p", ("linear_a_p", "linear_b_p")),
+                                 ("linear_ab_g", ("linear_a_g", "linear_b_g")),
+                                 ("linear_z", ("linear_z",)), ("linear_g", ("linear_g",)))
+        ]
+        + [(f"{tri}.{ln}.{p}", (f"{pre}{tri}.{ln}.{p}",)) for tri in _TRI_MUL
+           for ln in ("layer_norm_in", "layer_norm_out") for p in ("weight", "bias")]
+        + tri_att_rows(pre, tri_att_bias)
+        + transition_rows(transitions, *transition_parts)
+        + [
+            ("attention_pair_bias.layer_norm_s.weight", (f"{ln_s}.weight",)),
+            ("attention_pair_bias.layer_norm_s.bias", (f"{ln_s}.bias",)),
+            ("attention_pair_bias.layer_norm_z.weight", (f"{ln_z}.weight",)),
+            ("attention_pair_bias.layer_norm_z.bias", (f"{ln_z}.bias",)),
+            ("attention_pair_bias.linear_z.weight", (f"{lin_z}.weight",)),
+            ("attention_pair_bias.mha.linear_q.bias", (f"{mha}.linear_q.bias",)),
+        ]
+        + [(f"attention_pair_bias.mha.linear_{x}.weight", (f"{mha}.linear_{x}.weight",)) for x in "qkvgo"]
+    )
 
 
 def read_source(obj: Any, what: str, map_location: Any, trust_file: bool) -> Tuple[Mapping[str, Any], str]:
@@ -70,9 +124,10 @@ def num_blocks(sd: Mapping[str, Any]) -> int:
 
 
 def convert(sd: Mapping[str, Any], target: Mapping[str, Tensor], table: Table, blocks: int, source: str,
-            what: str) -> Dict[str, Tensor]:
-    """Foreign ``blocks.i.<theirs>`` -> our ``blocks.i.<ours>`` (``target``: our state dict, for the shapes); every
-    missing, unexpected, misshapen or non-float entry is reported at once in a ZooCheckpointError."""
+            what: str, *, layers: str = "blocks", floats_only: bool = True) -> Dict[str, Tensor]:
+    """Foreign ``<layers>.i.<theirs>`` -> our ``blocks.i.<ours>`` (``target``: our state dict, for the shapes); every
+    missing, unexpected, misshapen or (with ``floats_only``) non-float entry is reported at once in a
+    ZooCheckpointError."""
     out: Dict[str, Tensor] = {}
     used, missing, shapes, dtypes = set(), [], [], []
     for i in range(blocks):
@@ -80,13 +135,13 @@ def convert(sd: Mapping[str, Any], target: Mapping[str, Tensor], table: Table, b
             want = tuple(target[f"blocks.{i}.{ours}"].shape)
             parts = []
             for t in theirs:
-                key = f"blocks.{i}.{t}"
+                key = f"{layers}.{i}.{t}"
                 used.add(key)
                 w = (want[0] // len(theirs),) + want[1:]  # each source holds its share of dim 0
                 v = sd.get(key)
                 if key not in sd:
                     missing.append(key)
-                elif not isinstance(v, Tensor) or not v.is_floating_point():
+                elif floats_only and (not isinstance(v, Tensor) or not v.is_floating_point()):
                     dtypes.append(f"{key} ({v.dtype if isinstance(v, Tensor) else type(v).__name__})")
                 elif tuple(v.shape) != w:
                     shapes.append(f"{key} {tuple(v.shape)} (expected {w})")
@@ -104,12 +159,55 @@ def convert(sd: Mapping[str, Any], target: Mapping[str, Tensor], table: Table, b
     return out
 
 
-def export(stack: nn.Module, table: Table) -> Dict[str, Tensor]:
-    """Our stack's weights under the foreign names (``blocks.i.<theirs>``), each its own copy."""
+def export(stack: nn.Module, table: Table, layers: str = "blocks") -> Dict[str, Tensor]:
+    """Our stack's weights under the foreign names (``<layers>.i.<theirs>``), each its own copy."""
     sd = stack.state_dict()
     out: Dict[str, Tensor] = {}
     for i in range(len(stack.blocks)):
         for ours, theirs in table:
             for t, p in zip(theirs, sd[f"blocks.{i}.{ours}"].chunk(len(theirs), dim=0)):
-                out[f"blocks.{i}.{t}"] = p.clone()
+                out[f"{layers}.{i}.{t}"] = p.clone()
     return out
+
+
+def shape_reader(sd: Mapping[str, Any], source: str) -> Callable[[str], Tuple[int, ...]]:
+    """``shape(key)``: the shape of the tensor ``sd[key]``, or a ZooCheckpointError naming the key."""
+    def shape(key: str) -> Tuple[int, ...]:
+        v = sd.get(key)
+        if not isinstance(v, Tensor):
+            raise ZooCheckpointError(f"{source}: missing {key!r} (needed to read the Pairformer's sizes)")
+        return tuple(v.shape)
+
+    return shape
+
+
+def load_stack(obj: Any, *, what: str, marker: str, table: Table,
+               sizes: Callable[[Dict[str, Any], str], Dict[str, int]], variant: str, attention: Any, prefix: Optional[str], pair_dropout: float, checkpoint_every: int,
+               chunk_size: Optional[int], map_location: Any, trust_file: bool) -> nn.Module:
+    """A foreign trunk stack (path, module or state dict) -> ``PairformerStack(variant=variant)`` in eval mode: the
+    stack found by ``marker`` (see :func:`find_prefix`), sized by ``sizes``, read through ``table``."""
+    from .pairformer import PairformerStack
+
+    sd, source = read_source(obj, what, map_location, trust_file)
+    keys = [k for k in sd if isinstance(k, str)]
+    pre = find_prefix(keys, marker, "pairformer_stack.", what, source, prefix)
+    sd, source = sub_dict(sd, pre), f"{source} (prefix {pre!r})" if pre else source
+    found = sizes(sd, source)
+    kwargs = dict(**found, pair_dropout=pair_dropout, checkpoint_every=checkpoint_every, chunk_size=chunk_size,
+                  variant=variant)
+    with torch.device("meta"):  # the expected shapes, before anything is allocated
+        target = PairformerStack(**kwargs).state_dict()
+    converted = convert(sd, target, table, found["num_blocks"], source, what)
+    stack = PairformerStack(**kwargs, attention=attention)
+    stack.load_state_dict(converted, strict=True)
+    return stack.eval()
+
+
+def export_stack(stack: nn.Module, table: Table, variant: str, caller: str) -> Dict[str, Tensor]:
+    """:func:`export` of a ``PairformerStack(variant=variant)``; any other module is a TypeError naming ``caller``."""
+    from .pairformer import PairformerStack
+
+    if not isinstance(stack, PairformerStack) or any(b.variant != variant for b in stack.blocks):
+        raise TypeError(f"{caller} needs a PairformerStack built with variant={variant!r}, got "
+                        f"{type(stack).__name__}")
+    return export(stack, table)
