@@ -6,23 +6,24 @@
     with attn_ops.kernel_settings(tma=False):     # for a block of code; the previous values come back after it
         ...
 
-Initial values come from the environment when attn_ops is imported (later changes to ``os.environ`` are not
-seen; call :func:`reload_from_env` to read it again):
+Four of them also have an environment variable, read when attn_ops is imported (later changes to ``os.environ``
+are not seen; call :func:`reload_from_env` to read it again): the ones a run started from a command line (train.py,
+torchrun, a benchmark) needs before any code of its own runs:
 
-- ``ATTN_ZOO_NO_TUNE=1`` -> ``tune=False``: no timing, the first candidate config (the same in every process)
-- ``ATTN_ZOO_NO_SHIPPED=1`` -> ``shipped_configs=False``: time every new key, ignoring the configs shipped for this
-  GPU model (``triton/tuned/``)
-- ``ATTN_ZOO_TUNE_LOG=1`` -> ``tune_log=True``: print each timed candidate
-- ``ATTN_ZOO_PLAIN_LAUNCH=1`` -> ``fast_launch=False``: Triton's own launch path on every call
-- ``ATTN_ZOO_NO_TMA=1`` -> ``tma=False``: pointer loads and per-element atomics, no TMA descriptors
-- ``ATTN_ZOO_NO_TILE_VARIANTS=1`` -> ``tile_variants=False``: no kernel variants for lengths that are a multiple of
-  a tile (fewer compiles where many such lengths come, e.g. lengths padded to a multiple)
 - ``ATTN_ZOO_CACHE_DIR=DIR`` -> ``cache_dir``: the on-disk tuning cache (default ``~/.cache/attn_zoo``; empty: none)
+- ``ATTN_ZOO_NO_TUNE=1`` -> ``tune=False``: no timing, the first candidate config (the same in every process)
 - ``ATTN_ZOO_COMPILE_THREADS=N`` -> ``compile_threads``: threads compiling a tuning key's candidates at once
   (default 8; 1: one after another)
-- ``ATTN_ZOO_COMPILE_PROCESSES=N`` -> ``compile_processes``: worker processes compiling a tuning key's candidates
-  instead of the threads above (default 0: none; slower than the threads on the H100 host measured, see
-  ``triton/precompile.py`` and docs/bench/varlen_h100.md)
+- ``ATTN_ZOO_NO_TMA=1`` -> ``tma=False``: pointer loads and per-element atomics, no TMA descriptors (the way around
+  a GPU, driver or Triton release whose TMA path fails, for a run that cannot change code)
+
+The other fields are set in code only: ``shipped_configs`` (False: time every new key, ignoring the configs shipped
+for this GPU model in ``triton/tuned/``), ``tune_log`` (print each timed candidate), ``fast_launch`` (False:
+Triton's own launch path on every call), ``tile_variants`` (False: no kernel variants for lengths that are a
+multiple of a tile, fewer compiles where many such lengths come) and ``compile_processes`` (worker processes
+compiling a tuning key's candidates instead of the threads; default 0; slower than the threads on the H100 host
+measured, see ``triton/precompile.py`` and docs/bench/varlen_h100.md). Their former variables (``REMOVED_ENV``)
+are not read; one that is set gets a warning naming the setting to use instead.
 
 Every field that changes which kernel or tile config runs is part of the cache keys it affects: ``tune`` of the
 tuner's (untuned picks are cached apart), ``tma`` of the launchers' tuning key and, through the kernels' arguments
@@ -35,14 +36,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 from typing import Iterator, Mapping, Optional
 
-__all__ = ["KernelSettings", "get", "update", "kernel_settings", "from_env", "reload_from_env"]
+__all__ = ["KernelSettings", "get", "update", "kernel_settings", "from_env", "reload_from_env", "ENV", "REMOVED_ENV"]
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelSettings:
-    """Behaviour switches of the triton kernels (see the module docstring for their environment variables).
+    """Behaviour switches of the triton kernels (see the module docstring for the four environment variables).
 
     tune: time the candidate tile configs of a length bucket not yet in the cache (False: the heuristic choice).
     shipped_configs: before timing, take the config shipped for this GPU model and Triton release if there is one.
@@ -94,36 +96,57 @@ def _default_cache_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "attn_zoo")
 
 
+# The environment variables read, and the setting each one gives.
+ENV = {
+    "ATTN_ZOO_CACHE_DIR": "cache_dir",
+    "ATTN_ZOO_NO_TUNE": "tune=False",
+    "ATTN_ZOO_COMPILE_THREADS": "compile_threads",
+    "ATTN_ZOO_NO_TMA": "tma=False",
+}
+# Variables no longer read, and the setting that replaces each one.
+REMOVED_ENV = {
+    "ATTN_ZOO_NO_SHIPPED": "shipped_configs=False",
+    "ATTN_ZOO_TUNE_LOG": "tune_log=True",
+    "ATTN_ZOO_PLAIN_LAUNCH": "fast_launch=False",
+    "ATTN_ZOO_NO_TILE_VARIANTS": "tile_variants=False",
+    "ATTN_ZOO_COMPILE_PROCESSES": "compile_processes=N",
+}
+_warned = set()  # removed variables already warned about in this process
+
+
 def from_env(environ: Optional[Mapping[str, str]] = None) -> KernelSettings:
-    """Settings from environment variables (``os.environ`` by default); unset variables give the defaults."""
+    """Settings from environment variables (``os.environ`` by default); unset variables give the defaults. A set
+    variable of ``REMOVED_ENV`` changes nothing and is warned about once per process."""
     env = os.environ if environ is None else environ
+    for name, setting in REMOVED_ENV.items():
+        if name in env and name not in _warned:
+            _warned.add(name)
+            if setting.endswith("=N") and env[name].strip().isdigit():
+                setting = setting[:-1] + str(int(env[name]))
+            warnings.warn(f"{name}={env[name]!r} is set but no longer read (environment variables: "
+                          f"{', '.join(ENV)}); set it in code instead: attn_ops.settings.update({setting}) or "
+                          f"`with attn_ops.kernel_settings({setting}):`", UserWarning, stacklevel=2)
     cache_dir = env.get("ATTN_ZOO_CACHE_DIR")
     if cache_dir is None:
         cache_dir = _default_cache_dir()
     return KernelSettings(
         tune=env.get("ATTN_ZOO_NO_TUNE") != "1",
-        shipped_configs=env.get("ATTN_ZOO_NO_SHIPPED") != "1",
-        tune_log=env.get("ATTN_ZOO_TUNE_LOG") == "1",
-        fast_launch=env.get("ATTN_ZOO_PLAIN_LAUNCH") != "1",
         tma=env.get("ATTN_ZOO_NO_TMA") != "1",
         cache_dir=cache_dir or None,
         compile_threads=_env_int(env, "ATTN_ZOO_COMPILE_THREADS", 8),
-        compile_processes=_env_int(env, "ATTN_ZOO_COMPILE_PROCESSES", 0, least=0),
-        tile_variants=env.get("ATTN_ZOO_NO_TILE_VARIANTS") != "1",
     )
 
 
-def _env_int(env: Mapping[str, str], name: str, default: int, least: int = 1) -> int:
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:
         value = int(raw)
     except ValueError:
-        value = least - 1
-    if value < least:
-        what = "a positive integer" if least == 1 else f"an integer >= {least}"
-        raise ValueError(f"{name} must be {what}, got {raw!r}")
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}")
     return value
 
 

@@ -1,8 +1,11 @@
 """attn_ops.settings: one object for the triton kernels' switches (environment at import, code, context manager),
 and its place in the cache keys it affects."""
+import dataclasses
 import os
+import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -20,16 +23,34 @@ def _restore(monkeypatch):
 
 def test_environment_gives_the_initial_values():
     assert settings.from_env({}) == KernelSettings(cache_dir=settings._default_cache_dir())
-    env = {"ATTN_ZOO_NO_TUNE": "1", "ATTN_ZOO_TUNE_LOG": "1", "ATTN_ZOO_PLAIN_LAUNCH": "1", "ATTN_ZOO_NO_TMA": "1",
-           "ATTN_ZOO_CACHE_DIR": "/tmp/somewhere", "ATTN_ZOO_NO_SHIPPED": "1"}
-    assert settings.from_env(env) == KernelSettings(tune=False, tune_log=True, fast_launch=False, tma=False,
-                                                    cache_dir="/tmp/somewhere", shipped_configs=False)
+    env = {"ATTN_ZOO_NO_TUNE": "1", "ATTN_ZOO_NO_TMA": "1", "ATTN_ZOO_CACHE_DIR": "/tmp/somewhere",
+           "ATTN_ZOO_COMPILE_THREADS": "3"}
+    assert settings.from_env(env) == KernelSettings(tune=False, tma=False, cache_dir="/tmp/somewhere",
+                                                    compile_threads=3)
     assert settings.from_env({"ATTN_ZOO_NO_TUNE": "0", "ATTN_ZOO_CACHE_DIR": ""}) == KernelSettings(cache_dir=None)
-    assert settings.from_env({"ATTN_ZOO_COMPILE_THREADS": "3"}).compile_threads == 3
-    assert settings.from_env({"ATTN_ZOO_COMPILE_PROCESSES": "0"}).compile_processes == 0
-    assert settings.from_env({"ATTN_ZOO_COMPILE_PROCESSES": "6"}).compile_processes == 6
-    assert settings.from_env({"ATTN_ZOO_NO_TILE_VARIANTS": "1"}).tile_variants is False
-    assert settings.from_env({}).tile_variants is True
+    assert sorted(settings.ENV) == sorted(env)  # four variables, no more
+
+
+@pytest.mark.parametrize("name, value, field, expected", [
+    ("ATTN_ZOO_TUNE_LOG", "1", "tune_log", "tune_log=True"),
+    ("ATTN_ZOO_PLAIN_LAUNCH", "1", "fast_launch", "fast_launch=False"),
+    ("ATTN_ZOO_NO_SHIPPED", "1", "shipped_configs", "shipped_configs=False"),
+    ("ATTN_ZOO_NO_TILE_VARIANTS", "1", "tile_variants", "tile_variants=False"),
+    ("ATTN_ZOO_COMPILE_PROCESSES", "6", "compile_processes", "compile_processes=6"),
+])
+def test_removed_variables_warn_once_and_name_the_setting(monkeypatch, name, value, field, expected):
+    """A variable that is no longer read changes nothing, and is not ignored silently: the first read warns, naming
+    the setting that replaces it (an os.environ read again, e.g. by reload_from_env, does not warn twice)."""
+    monkeypatch.setattr(settings, "_warned", set())
+    with pytest.warns(UserWarning, match=rf"{name}='{value}' is set but no longer read.*"
+                                         rf"attn_ops\.settings\.update\({expected}\)") as seen:
+        got = settings.from_env({name: value, "ATTN_ZOO_CACHE_DIR": ""})
+    assert len(seen) == 1
+    assert getattr(got, field) == getattr(KernelSettings(), field)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        settings.from_env({name: value})
+        settings.from_env({"ATTN_ZOO_NO_TUNE": "1"})  # the four kept variables never warn
 
 
 @pytest.mark.parametrize("raw", ["0", "-2", "many"])
@@ -40,27 +61,28 @@ def test_bad_compile_threads_names_the_variable(raw):
         KernelSettings(compile_threads=0)
 
 
-@pytest.mark.parametrize("raw", ["-1", "some"])
-def test_bad_compile_processes_names_the_variable(raw):
-    with pytest.raises(ValueError, match="ATTN_ZOO_COMPILE_PROCESSES must be an integer >= 0"):
-        settings.from_env({"ATTN_ZOO_COMPILE_PROCESSES": raw})
+def test_bad_compile_processes_is_refused():
     with pytest.raises(TypeError, match="compile_processes must be an int >= 0"):
         KernelSettings(compile_processes=-1)
+    with pytest.raises(TypeError, match="compile_processes must be an int >= 0"):
+        settings.update(compile_processes=-1)
+    assert settings.update(compile_processes=6).compile_processes == 6
 
 
 def test_environment_is_read_once_at_import():
     """A fresh interpreter with the variables set starts with them; changing os.environ afterwards changes nothing
-    until reload_from_env()."""
+    until reload_from_env(). A removed variable set there (ATTN_ZOO_PLAIN_LAUNCH) changes nothing and warns once."""
     code = ("import os, attn_ops; s = attn_ops.settings.get(); os.environ['ATTN_ZOO_NO_TMA'] = '0';"
             "t = attn_ops.settings.get(); u = attn_ops.settings.reload_from_env();"
             "print(s.tune, s.tma, s.fast_launch, s.cache_dir, t.tma, u.tma)")
     env = dict(os.environ, ATTN_ZOO_NO_TUNE="1", ATTN_ZOO_NO_TMA="1", ATTN_ZOO_CACHE_DIR="/tmp/az",
-               PYTHONPATH=ROOT)
-    env.pop("ATTN_ZOO_PLAIN_LAUNCH", None)
+               ATTN_ZOO_PLAIN_LAUNCH="1", PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False", "True", "/tmp/az", "False", "True"]
+    assert out.stderr.count("ATTN_ZOO_PLAIN_LAUNCH='1' is set but no longer read") == 1, out.stderr
+    assert "attn_ops.settings.update(fast_launch=False)" in out.stderr
 
 
 def test_update_and_context_manager_restore():
@@ -121,3 +143,15 @@ def test_settings_are_in_the_cache_keys_they_affect(monkeypatch):
     assert len(launched) == 1 + len(tuning.candidates("fwd", 64, 256, 256))  # the tuned pick did not reuse it
     assert set(tuning.chosen()) == {("fwd", False, "k", False, True, None), ("fwd", False, "k", True, True, None)}
     assert untuned == tuning.candidates("fwd", 64, 256, 256)[0] and tuned is not None
+
+
+def test_docs_table_lists_the_variables_and_every_setting():
+    """docs/backends.md's one table: a row per field, the four variables beside theirs, no removed variable."""
+    with open(os.path.join(ROOT, "docs", "backends.md")) as f:
+        rows = [line for line in f if re.match(r"\| (`ATTN_ZOO_[^`]*`|-) \|", line)]
+    found = {}
+    for row in rows:
+        variable, setting = [c.strip().strip("`") for c in row.split("|")[1:3]]
+        found[setting.split("=")[0]] = variable.split("=")[0]
+    assert sorted(found) == sorted(f.name for f in dataclasses.fields(KernelSettings))
+    assert {v: k.split("=")[0] for v, k in settings.ENV.items()} == {v: k for k, v in found.items() if v != "-"}

@@ -17,7 +17,8 @@ remembered too.
 The direct call passes the arguments in the kernel's parameter order, constexprs included, as Triton's own
 ``JITFunction.run`` does in 3.x; kernels whose constexprs are not the trailing parameters, the CPU interpreter
 (``TRITON_INTERPRET=1``) and Triton versions whose launch does not return a compiled kernel take the plain path.
-``settings.fast_launch`` False (``ATTN_ZOO_PLAIN_LAUNCH=1``) forces the plain path (for comparison).
+``settings.fast_launch`` False (``attn_ops.settings.update(fast_launch=False)``) forces the plain path (for
+comparison).
 """
 from __future__ import annotations
 
