@@ -236,3 +236,121 @@ def have_cuda_compiler() -> bool:
     except ImportError:
         return False
     return os.path.exists(os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas"))
+
+
+# ---- foreign Pairformer stacks (Boltz-2, OpenFold3, Protenix) against ours ----------------------------------------
+def randomize_(module, seed):
+    """Random weights everywhere in ``module`` (the foreign inits zero the last layers and the gates): matrices over
+    sqrt(fan-in), layer-norm scales near 1, other vectors small. Returns ``module``."""
+    import math
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if p.ndim >= 2:
+                p.copy_(r / math.sqrt(p.shape[-1]))
+            elif name.endswith("weight"):  # layer-norm scale
+                p.copy_(1.0 + 0.2 * r)
+            else:
+                p.copy_(0.2 * r)
+    return module
+
+
+def padded_inputs(B=2, N=7, seed=0, c_s=32, c_z=8):
+    """s, z and bool masks with a hole inside one sequence and padding at the end of the other; pair holes off the
+    diagonal between real residues (so no real row or column of the pair mask is empty)."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(B, N, c_s, generator=g)
+    z = torch.randn(B, N, N, c_z, generator=g)
+    mask = torch.ones(B, N, dtype=torch.bool)
+    mask[0, 3] = False
+    mask[1, N - 2:] = False
+    holes = (torch.rand(B, N, N, generator=g) < 0.15) & ~torch.eye(N, dtype=torch.bool)
+    pair_mask = mask[:, :, None] & mask[:, None, :] & ~holes
+    assert holes[mask[:, :, None] & mask[:, None, :]].any(), "the pair mask must have real holes"
+    return s, z, mask, pair_mask
+
+
+def run_on(fn, s, z, grad=False):
+    """``fn(s, z)`` on fresh copies of s and z (leaves that need grad when ``grad``): ((s, z), output)."""
+    s, z = s.clone().requires_grad_(grad), z.clone().requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        out = fn(s, z)
+    return (s, z), out
+
+
+def real_err(out, ref, mask=None):
+    """rel_err of s and z (``out`` against ``ref``) at the real positions of the bool [B, N] ``mask`` (None: all)."""
+    from test_primitives import rel_err
+
+    if mask is None:
+        return rel_err(out[0].float(), ref[0]), rel_err(out[1].float(), ref[1])
+    real_pairs = mask[:, :, None] & mask[:, None, :]
+    return rel_err(out[0].float()[mask], ref[0][mask]), rel_err(out[1].float()[real_pairs], ref[1][real_pairs])
+
+
+def loss_at_real(s_out, z_out, mask=None, seed=7):
+    """A random weighted sum of s and z over real positions only (``mask`` None: all); padded ones are defined
+    differently (see PairformerBlock)."""
+    g = torch.Generator().manual_seed(seed)
+    ws, wz = torch.randn(s_out.shape, generator=g), torch.randn(z_out.shape, generator=g)
+    if mask is None:
+        return (s_out * ws).sum() + (z_out * wz).sum()
+    real_pairs = mask[:, :, None] & mask[:, None, :]
+    return (s_out * ws * mask[..., None]).sum() + (z_out * wz * real_pairs[..., None]).sum()
+
+
+def assert_parity(theirs, ours, s, z, mask=None, tol=1e-5):
+    """``ours(s, z)`` against ``theirs(s, z)``: s and z out at the real positions of ``mask`` (None: all), and the
+    gradients of the inputs s and z under :func:`loss_at_real`, each within ``tol`` (rel_err)."""
+    from test_primitives import rel_err
+
+    (ts, tz), ref = run_on(theirs, s, z, grad=True)
+    (os_, oz), out = run_on(ours, s, z, grad=True)
+    es, ez = real_err(out, ref, mask)
+    assert es < tol and ez < tol, (es, ez)
+    loss_at_real(*ref, mask).backward()
+    loss_at_real(*out, mask).backward()
+    assert rel_err(os_.grad, ts.grad) < tol
+    assert rel_err(oz.grad, tz.grad) < tol
+
+
+def assert_round_trip(theirs, stack, export, load, again):
+    """``export(stack)`` (``stack`` loaded from ``theirs``) gives back ``theirs``' state dict bit for bit and loads
+    strictly into ``again`` (a fresh foreign module), whose ``export(load(again))`` is the same again."""
+    sd, back = theirs.state_dict(), export(stack)
+    assert back.keys() == sd.keys()
+    for k in sd:
+        assert torch.equal(back[k], sd[k]), k
+    again.load_state_dict(back, strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(export(load(again)).values(), back.values()))
+
+
+def assert_published_names(block, ours, export, num_blocks=48):
+    """``export(ours)`` has the names and shapes of ``num_blocks`` copies of a one-block foreign state dict
+    ``block`` (keys ``blocks.0...``): the foreign stack at its published size. Returns that state dict."""
+    theirs = {f"blocks.{i}.{k[len('blocks.0.'):]}": v for i in range(num_blocks) for k, v in block.items()}
+    back = export(ours)
+    assert back.keys() == theirs.keys()
+    assert all(back[k].shape == theirs[k].shape for k in theirs)
+    return theirs
+
+
+def assert_bad_keys_named_together(load, sd, missing, unexpected, misshapen, shape, expected):
+    """``load`` of ``sd`` without ``missing``, with ``unexpected`` (zeros(8)) and ``misshapen`` of ``shape`` raises
+    one ZooCheckpointError naming all three (``expected``: the shape the message must give for ``misshapen``)."""
+    import pytest
+
+    from attn_zoo.models.zoo_files import ZooCheckpointError
+
+    sd = dict(sd)
+    del sd[missing]
+    sd[unexpected] = torch.zeros(8)
+    sd[misshapen] = torch.zeros(shape)
+    with pytest.raises(ZooCheckpointError) as e:
+        load(sd)
+    msg = str(e.value)
+    assert f"1 missing key(s): {missing}" in msg
+    assert f"1 unexpected key(s): {unexpected}" in msg
+    assert f"{misshapen} {tuple(shape)} (expected {tuple(expected)})" in msg

@@ -5,8 +5,6 @@ holes): outputs s and z at real positions and the gradients of the inputs, on th
 triton under the interpreter; the to_boltz round trip; the boltz2 variant's dropout pattern; every bad
 checkpoint below (wrong, missing or extra entries) raises ZooCheckpointError naming what is wrong.
 """
-import math
-
 import pytest
 import torch
 
@@ -16,6 +14,8 @@ from boltz.model.layers.pairformer import PairformerModule  # noqa: E402
 from attn_zoo.models.pairformer import PairformerBlock, PairformerStack  # noqa: E402
 from attn_zoo.models.primitives import LineDropout  # noqa: E402
 from attn_zoo.models.zoo import ZooCheckpointError, from_boltz, to_boltz  # noqa: E402
+from helpers import assert_parity, randomize_, real_err, run_on  # noqa: E402
+from helpers import padded_inputs as inputs  # noqa: E402
 from test_primitives import rel_err, skip_unless_backend  # noqa: E402
 
 # small widths; head dims 16 so that triton serves every attention
@@ -26,70 +26,23 @@ def boltz_module(seed=0, **over):
     """A Boltz-2 PairformerModule with random weights everywhere (its own init zeroes the last layers)."""
     torch.manual_seed(seed)
     m = PairformerModule(**{**SIZES, **over}, v2=True, dropout=0.25).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if p.ndim >= 2:
-                p.copy_(r / math.sqrt(p.shape[-1]))
-            elif name.endswith("weight"):  # layer-norm scale
-                p.copy_(1.0 + 0.2 * r)
-            else:
-                p.copy_(0.2 * r)
-    return m
-
-
-def inputs(B=2, N=7, seed=0, c_s=32, c_z=8):
-    """s, z and bool masks with a hole inside one sequence and padding at the end of the other; pair holes
-    off the diagonal (so no real row or column of the pair mask is empty)."""
-    g = torch.Generator().manual_seed(seed)
-    s = torch.randn(B, N, c_s, generator=g)
-    z = torch.randn(B, N, N, c_z, generator=g)
-    mask = torch.ones(B, N, dtype=torch.bool)
-    mask[0, 3] = False
-    mask[1, N - 2:] = False
-    holes = torch.rand(B, N, N, generator=g) < 0.15
-    holes &= ~torch.eye(N, dtype=torch.bool)
-    pair_mask = mask[:, :, None] & mask[:, None, :] & ~holes
-    assert holes[mask[:, :, None] & mask[:, None, :]].any(), "the pair mask must have real holes"
-    return s, z, mask, pair_mask
+    return randomize_(m, seed + 1)
 
 
 def run_boltz(m, s, z, mask, pair_mask, grad=False):
-    s, z = s.clone().requires_grad_(grad), z.clone().requires_grad_(grad)
-    with torch.set_grad_enabled(grad):
-        out = m(s, z, mask.float(), pair_mask.float())
-    return (s, z), out
+    return run_on(lambda s, z: m(s, z, mask.float(), pair_mask.float()), s, z, grad)
 
 
 def run_ours(stack, s, z, mask, pair_mask, grad=False):
-    s, z = s.clone().requires_grad_(grad), z.clone().requires_grad_(grad)
-    with torch.set_grad_enabled(grad):
-        out = stack(s, z, mask, pair_mask)
-    return (s, z), out
-
-
-def loss_at_real(s_out, z_out, mask, seed=7):
-    """A weighted sum over real positions only (padded ones are defined differently: see PairformerBlock)."""
-    g = torch.Generator().manual_seed(seed)
-    real_pairs = mask[:, :, None] & mask[:, None, :]
-    ws, wz = torch.randn(s_out.shape, generator=g), torch.randn(z_out.shape, generator=g)
-    return (s_out * ws * mask[..., None]).sum() + (z_out * wz * real_pairs[..., None]).sum()
+    return run_on(lambda s, z: stack(s, z, mask, pair_mask), s, z, grad)
 
 
 def check_parity(backend, N=7, tol=1e-5, **opts):
     m = boltz_module()
     stack = from_boltz(m.state_dict(), attention={"backend": backend, **opts}).eval()
     s, z, mask, pair_mask = inputs(N=N)
-    (bs, bz), (s_ref, z_ref) = run_boltz(m, s, z, mask, pair_mask, grad=True)
-    (os_, oz), (s_out, z_out) = run_ours(stack, s, z, mask, pair_mask, grad=True)
-    real_pairs = mask[:, :, None] & mask[:, None, :]
-    assert rel_err(s_out[mask], s_ref[mask]) < tol
-    assert rel_err(z_out[real_pairs], z_ref[real_pairs]) < tol
-    loss_at_real(s_ref, z_ref, mask).backward()
-    loss_at_real(s_out, z_out, mask).backward()
-    assert rel_err(os_.grad, bs.grad) < tol
-    assert rel_err(oz.grad, bz.grad) < tol
+    assert_parity(lambda s, z: m(s, z, mask.float(), pair_mask.float()), lambda s, z: stack(s, z, mask, pair_mask),
+                  s, z, mask, tol)
 
 
 @pytest.mark.parametrize("backend,opts", [("torch", {}), ("chunked", {"chunk_size": 3})])
@@ -257,11 +210,6 @@ def _gpu_case(num_blocks=4, N=192, seed=0):
     return m, s, z, mask, pair_mask
 
 
-def _real_err(out, ref, mask):
-    real_pairs = mask[:, :, None] & mask[:, None, :]
-    return rel_err(out[0][mask], ref[0][mask]), rel_err(out[1][real_pairs], ref[1][real_pairs])
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["torch", "chunked"])
 def test_gpu_fp32_parity_at_published_widths(backend):
@@ -271,7 +219,7 @@ def test_gpu_fp32_parity_at_published_widths(backend):
     with torch.no_grad():
         ref = m(s, z, mask.float(), pair_mask.float())
         out = stack(s, z, mask, pair_mask)
-    es, ez = _real_err(out, ref, mask)
+    es, ez = real_err(out, ref, mask)
     assert es < 1e-5 and ez < 1e-5, (es, ez)
 
 
@@ -286,7 +234,7 @@ def test_gpu_triton_bf16_within_2x_boltz_own_bf16_error():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             peer = m(s, z, mask.float(), pair_mask.float())
             out = stack(s, z, mask, pair_mask)
-    peer_s, peer_z = _real_err([t.float() for t in peer], ref, mask)
-    ours_s, ours_z = _real_err([t.float() for t in out], ref, mask)
+    peer_s, peer_z = real_err(peer, ref, mask)
+    ours_s, ours_z = real_err(out, ref, mask)
     print(f"bf16 error vs Boltz fp32: s ours {ours_s:.3g} boltz {peer_s:.3g}; z ours {ours_z:.3g} boltz {peer_z:.3g}")
     assert ours_s <= 2 * peer_s and ours_z <= 2 * peer_z

@@ -7,7 +7,6 @@ output bounded by OpenFold3's own; the to_openfold3 round trip bit for bit; the 
 every bad state dict raises ZooCheckpointError naming what is wrong.
 """
 import copy
-import math
 
 import pytest
 import torch
@@ -19,7 +18,10 @@ from openfold3.core.model.latent.pairformer import PairFormerStack  # noqa: E402
 
 from attn_zoo.models.pairformer import PairformerBlock, PairformerStack  # noqa: E402
 from attn_zoo.models.zoo import ZooCheckpointError, from_openfold3, to_openfold3  # noqa: E402
-from test_primitives import rel_err, skip_unless_backend  # noqa: E402
+from helpers import (assert_bad_keys_named_together, assert_parity, assert_published_names,  # noqa: E402
+                     assert_round_trip, randomize_, real_err, run_on)
+from helpers import padded_inputs as inputs  # noqa: E402
+from test_primitives import skip_unless_backend  # noqa: E402
 
 # small widths; head dims 16 so that triton serves every attention
 SIZES = dict(c_s=32, c_z=8, c_hidden_pair_bias=16, no_heads_pair_bias=2, c_hidden_mul=8, c_hidden_pair_att=16,
@@ -34,65 +36,20 @@ def of3_stack(seed=0, **over):
     torch.manual_seed(seed)
     m = PairFormerStack(**{**SIZES, **over}, transition_type="swiglu", pair_dropout=0.25,
                         fuse_projection_weights=False, blocks_per_ckpt=None, inf=1e9).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if p.ndim >= 2:
-                p.copy_(r / math.sqrt(p.shape[-1]))
-            elif name.endswith("weight"):  # layer-norm scale
-                p.copy_(1.0 + 0.2 * r)
-            else:
-                p.copy_(0.2 * r)
-    return m
-
-
-def inputs(B=2, N=7, seed=0, c_s=32, c_z=8):
-    """s, z and bool masks with a hole inside one sequence and padding at the end of the other; pair holes off the
-    diagonal between real residues."""
-    g = torch.Generator().manual_seed(seed)
-    s = torch.randn(B, N, c_s, generator=g)
-    z = torch.randn(B, N, N, c_z, generator=g)
-    mask = torch.ones(B, N, dtype=torch.bool)
-    mask[0, 3] = False
-    mask[1, N - 2:] = False
-    holes = (torch.rand(B, N, N, generator=g) < 0.15) & ~torch.eye(N, dtype=torch.bool)
-    pair_mask = mask[:, :, None] & mask[:, None, :] & ~holes
-    assert holes[mask[:, :, None] & mask[:, None, :]].any(), "the pair mask must have real holes"
-    return s, z, mask, pair_mask
+    return randomize_(m, seed + 1)
 
 
 def run(module, s, z, mask, pair_mask, theirs, grad=False):
-    s, z = s.clone().requires_grad_(grad), z.clone().requires_grad_(grad)
-    with torch.set_grad_enabled(grad):
-        out = module(s, z, mask.float(), pair_mask.float()) if theirs else module(s, z, mask, pair_mask)
-    return (s, z), out
-
-
-def real_err(out, ref, mask):
-    real_pairs = mask[:, :, None] & mask[:, None, :]
-    return rel_err(out[0].float()[mask], ref[0][mask]), rel_err(out[1].float()[real_pairs], ref[1][real_pairs])
-
-
-def loss_at_real(s_out, z_out, mask, seed=7):
-    g = torch.Generator().manual_seed(seed)
-    real_pairs = mask[:, :, None] & mask[:, None, :]
-    ws, wz = torch.randn(s_out.shape, generator=g), torch.randn(z_out.shape, generator=g)
-    return (s_out * ws * mask[..., None]).sum() + (z_out * wz * real_pairs[..., None]).sum()
+    masks = (mask.float(), pair_mask.float()) if theirs else (mask, pair_mask)
+    return run_on(lambda s, z: module(s, z, *masks), s, z, grad)
 
 
 def check_parity(backend, N=7, tol=1e-5, **opts):
     m = of3_stack()
     stack = from_openfold3(m, attention={"backend": backend, **opts})
     s, z, mask, pair_mask = inputs(N=N)
-    (ts, tz), ref = run(m, s, z, mask, pair_mask, theirs=True, grad=True)
-    (os_, oz), out = run(stack, s, z, mask, pair_mask, theirs=False, grad=True)
-    es, ez = real_err(out, ref, mask)
-    assert es < tol and ez < tol, (es, ez)
-    loss_at_real(*ref, mask).backward()
-    loss_at_real(*out, mask).backward()
-    assert rel_err(os_.grad, ts.grad) < tol
-    assert rel_err(oz.grad, tz.grad) < tol
+    assert_parity(lambda s, z: m(s, z, mask.float(), pair_mask.float()), lambda s, z: stack(s, z, mask, pair_mask),
+                  s, z, mask, tol)
 
 
 @pytest.mark.parametrize("backend,opts", [("torch", {}), ("chunked", {"chunk_size": 3})])
@@ -166,13 +123,7 @@ def test_sizes_are_read_off_the_weights_and_round_trip_is_bitwise():
     assert blk.variant == "openfold3" and blk.attention_pair_bias.mha.num_heads == 3
     assert blk.tri_att_start.mha.num_heads == 3 and blk.tri_att_start.mha.c_hidden == 4
     assert blk.tri_mul_out.c_hidden == 5 and blk.pair_transition.linear_out.in_features == 36
-    sd, back = m.state_dict(), to_openfold3(stack)
-    assert back.keys() == sd.keys()
-    for k in sd:
-        assert torch.equal(back[k], sd[k]), k
-    again = of3_stack(seed=3, **over, c_hidden_pair_bias=16)
-    again.load_state_dict(back, strict=True)
-    assert all(torch.equal(a, b) for a, b in zip(to_openfold3(from_openfold3(again)).values(), back.values()))
+    assert_round_trip(m, stack, to_openfold3, from_openfold3, of3_stack(seed=3, **over, c_hidden_pair_bias=16))
 
 
 def test_published_sizes_map_key_for_key_without_compute():
@@ -182,10 +133,7 @@ def test_published_sizes_map_key_for_key_without_compute():
         block = PairFormerStack(**{**PUBLISHED, "no_blocks": 1}, transition_type="swiglu", pair_dropout=0.25,
                                 fuse_projection_weights=False, blocks_per_ckpt=None, inf=1e9).state_dict()
         ours = PairformerStack(384, 128, 48, 16, 4, 32, 128, 4, variant="openfold3")
-    theirs = {f"blocks.{i}.{k[len('blocks.0.'):]}": v for i in range(48) for k, v in block.items()}
-    back = to_openfold3(ours)
-    assert back.keys() == theirs.keys()
-    assert all(back[k].shape == theirs[k].shape for k in theirs)
+    theirs = assert_published_names(block, ours, to_openfold3)
     from attn_zoo.models.zoo_openfold3 import openfold3_sizes
 
     assert openfold3_sizes(theirs, "x") == dict(c_s=384, c_z=128, num_blocks=48, num_heads_single=16,
@@ -228,16 +176,10 @@ def test_sharded_stack_refuses_the_variant():
 
 # ---- bad state dicts ---------------------------------------------------------------------------------
 def test_missing_unexpected_and_misshapen_keys_are_named_together():
-    sd = of3_stack().state_dict()
-    del sd["blocks.1.pair_stack.tri_att_end.mha.linear_g.weight"]
-    sd["blocks.0.pair_stack.tri_mul_out.linear_a_p.bias"] = torch.zeros(8)
-    sd["blocks.1.single_transition.swiglu.linear_b.weight"] = torch.zeros(32, 32)
-    with pytest.raises(ZooCheckpointError) as e:
-        from_openfold3(sd)
-    msg = str(e.value)
-    assert "1 missing key(s): blocks.1.pair_stack.tri_att_end.mha.linear_g.weight" in msg
-    assert "1 unexpected key(s): blocks.0.pair_stack.tri_mul_out.linear_a_p.bias" in msg
-    assert "blocks.1.single_transition.swiglu.linear_b.weight (32, 32) (expected (64, 32))" in msg
+    assert_bad_keys_named_together(from_openfold3, of3_stack().state_dict(),
+                                   "blocks.1.pair_stack.tri_att_end.mha.linear_g.weight",
+                                   "blocks.0.pair_stack.tri_mul_out.linear_a_p.bias",
+                                   "blocks.1.single_transition.swiglu.linear_b.weight", (32, 32), (64, 32))
 
 
 def test_non_float_entry_is_named():

@@ -10,7 +10,6 @@ of the other) ours equals Protenix run on each unpadded sequence; bf16 error aga
 by Protenix's own; the to_protenix round trip bit for bit; the published sizes' names and shapes; every bad state
 dict raises ZooCheckpointError naming what is wrong.
 """
-import math
 import os
 
 import pytest
@@ -25,6 +24,8 @@ from protenix.model.modules.pairformer import PairformerStack as TheirStack  # n
 
 from attn_zoo.models.pairformer import PairformerBlock, PairformerStack  # noqa: E402
 from attn_zoo.models.zoo import ZooCheckpointError, from_protenix, to_protenix  # noqa: E402
+from helpers import (assert_bad_keys_named_together, assert_parity, assert_published_names,  # noqa: E402
+                     assert_round_trip, randomize_, run_on)
 from test_primitives import rel_err, skip_unless_backend  # noqa: E402
 
 # small widths; head dims 16 so that triton serves every attention. Protenix's stack fixes the triangle widths
@@ -39,17 +40,7 @@ def protenix_stack(seed=0, n_blocks=2, **over):
     kw = {**BLOCK, **over}
     m = TheirStack(n_blocks=0, n_heads=kw["n_heads"], c_z=kw["c_z"], c_s=kw["c_s"], dropout=0.25)
     m.blocks = torch.nn.ModuleList(TheirBlock(**kw, dropout=0.25) for _ in range(n_blocks))
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if p.ndim >= 2:
-                p.copy_(r / math.sqrt(p.shape[-1]))
-            elif name.endswith("weight"):  # layer-norm scale
-                p.copy_(1.0 + 0.2 * r)
-            else:
-                p.copy_(0.2 * r)
-    return m.eval()
+    return randomize_(m, seed + 1).eval()
 
 
 def inputs(B=2, N=7, seed=0, c_s=32, c_z=8):
@@ -63,28 +54,15 @@ def inputs(B=2, N=7, seed=0, c_s=32, c_z=8):
 
 
 def run(module, s, z, pair_mask, theirs, grad=False):
-    s, z = s.clone().requires_grad_(grad), z.clone().requires_grad_(grad)
-    with torch.set_grad_enabled(grad):
-        out = module(s, z, pair_mask.float()) if theirs else module(s, z, None, pair_mask)
-    return (s, z), out
-
-
-def loss(s_out, z_out, seed=7):
-    g = torch.Generator().manual_seed(seed)
-    return (s_out * torch.randn(s_out.shape, generator=g)).sum() + (z_out * torch.randn(z_out.shape, generator=g)).sum()
+    masks = (pair_mask.float(),) if theirs else (None, pair_mask)
+    return run_on(lambda s, z: module(s, z, *masks), s, z, grad)
 
 
 def check_parity(backend, N=7, tol=1e-5, **opts):
     m = protenix_stack()
     stack = from_protenix(m, attention={"backend": backend, **opts})
     s, z, pair_mask = inputs(N=N)
-    (ts, tz), ref = run(m, s, z, pair_mask, theirs=True, grad=True)
-    (os_, oz), out = run(stack, s, z, pair_mask, theirs=False, grad=True)
-    assert rel_err(out[0], ref[0]) < tol and rel_err(out[1], ref[1]) < tol
-    loss(*ref).backward()
-    loss(*out).backward()
-    assert rel_err(os_.grad, ts.grad) < tol
-    assert rel_err(oz.grad, tz.grad) < tol
+    assert_parity(lambda s, z: m(s, z, pair_mask.float()), lambda s, z: stack(s, z, None, pair_mask), s, z, tol=tol)
 
 
 @pytest.mark.parametrize("backend,opts", [("torch", {}), ("chunked", {"chunk_size": 3})])
@@ -155,13 +133,7 @@ def test_sizes_are_read_off_the_weights_and_round_trip_is_bitwise():
     assert blk.variant == "protenix" and blk.attention_pair_bias.mha.num_heads == 3
     assert blk.tri_att_start.mha.num_heads == 3 and blk.tri_att_start.mha.c_hidden == 4
     assert blk.tri_mul_out.c_hidden == 5 and not blk.tri_att_end.transpose_bias and not blk.mask_transitions
-    sd, back = m.state_dict(), to_protenix(stack)
-    assert back.keys() == sd.keys()
-    for k in sd:
-        assert torch.equal(back[k], sd[k]), k
-    again = protenix_stack(seed=3, n_blocks=3, **over)
-    again.load_state_dict(back, strict=True)
-    assert all(torch.equal(a, b) for a, b in zip(to_protenix(from_protenix(again)).values(), back.values()))
+    assert_round_trip(m, stack, to_protenix, from_protenix, protenix_stack(seed=3, n_blocks=3, **over))
 
 
 def test_published_sizes_map_key_for_key_without_compute():
@@ -170,10 +142,7 @@ def test_published_sizes_map_key_for_key_without_compute():
     with torch.device("meta"):
         block = TheirStack(n_blocks=1, n_heads=16, c_z=128, c_s=384).state_dict()
         ours = PairformerStack(384, 128, 48, 16, 4, 32, 128, 4, variant="protenix")
-    theirs = {f"blocks.{i}.{k[len('blocks.0.'):]}": v for i in range(48) for k, v in block.items()}
-    back = to_protenix(ours)
-    assert back.keys() == theirs.keys()
-    assert all(back[k].shape == theirs[k].shape for k in theirs)
+    theirs = assert_published_names(block, ours, to_protenix)
     from attn_zoo.models.zoo_protenix import protenix_sizes
 
     assert protenix_sizes(theirs, "x") == dict(c_s=384, c_z=128, num_blocks=48, num_heads_single=16,
@@ -205,16 +174,9 @@ def test_variant_has_no_biases_and_default_dropout():
 
 # ---- bad state dicts ---------------------------------------------------------------------------------
 def test_missing_unexpected_and_misshapen_keys_are_named_together():
-    sd = protenix_stack().state_dict()
-    del sd["blocks.1.tri_att_end.mha.linear_g.weight"]
-    sd["blocks.0.tri_mul_out.linear_a_p.bias"] = torch.zeros(8)
-    sd["blocks.1.single_transition.linear_no_bias_b.weight"] = torch.zeros(64, 32)
-    with pytest.raises(ZooCheckpointError) as e:
-        from_protenix(sd)
-    msg = str(e.value)
-    assert "1 missing key(s): blocks.1.tri_att_end.mha.linear_g.weight" in msg
-    assert "1 unexpected key(s): blocks.0.tri_mul_out.linear_a_p.bias" in msg
-    assert "blocks.1.single_transition.linear_no_bias_b.weight (64, 32) (expected (128, 32))" in msg
+    assert_bad_keys_named_together(from_protenix, protenix_stack().state_dict(),
+                                   "blocks.1.tri_att_end.mha.linear_g.weight", "blocks.0.tri_mul_out.linear_a_p.bias",
+                                   "blocks.1.single_transition.linear_no_bias_b.weight", (64, 32), (128, 32))
 
 
 def test_transition_factors_that_differ_are_refused():
