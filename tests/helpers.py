@@ -238,10 +238,10 @@ def have_cuda_compiler() -> bool:
     return os.path.exists(os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas"))
 
 
-# ---- foreign Pairformer stacks (Boltz-2, OpenFold3, Protenix) against ours ----------------------------------------
-def randomize_(module, seed):
-    """Random weights everywhere in ``module`` (the foreign inits zero the last layers and the gates): matrices over
-    sqrt(fan-in), layer-norm scales near 1, other vectors small. Returns ``module``."""
+# ---- other projects' modules against ours (integrations; Boltz-2, OpenFold3, Protenix Pairformers) ------------------
+def randomize_(module, seed=0):
+    """Random weights everywhere in ``module`` (other projects' inits zero some output layers and gates): matrices
+    over sqrt(fan-in), norm scales near 1, other vectors small. Returns ``module``."""
     import math
 
     g = torch.Generator().manual_seed(seed)
@@ -250,7 +250,7 @@ def randomize_(module, seed):
             r = torch.randn(p.shape, generator=g)
             if p.ndim >= 2:
                 p.copy_(r / math.sqrt(p.shape[-1]))
-            elif name.endswith("weight"):  # layer-norm scale
+            elif name.endswith("weight"):  # norm scales
                 p.copy_(1.0 + 0.2 * r)
             else:
                 p.copy_(0.2 * r)
@@ -314,6 +314,14 @@ def assert_parity(theirs, ours, s, z, mask=None, tol=1e-5):
     loss_at_real(*out, mask).backward()
     assert rel_err(os_.grad, ts.grad) < tol
     assert rel_err(oz.grad, tz.grad) < tol
+
+
+def assert_padded_parity(theirs, ours, N=7, tol=1e-5):
+    """:func:`assert_parity` on :func:`padded_inputs` of length ``N``: ``theirs`` takes the masks as floats,
+    ``ours`` as bools."""
+    s, z, mask, pair_mask = padded_inputs(N=N)
+    assert_parity(lambda s, z: theirs(s, z, mask.float(), pair_mask.float()), lambda s, z: ours(s, z, mask, pair_mask),
+                  s, z, mask, tol)
 
 
 def assert_round_trip(theirs, stack, export, load, again):

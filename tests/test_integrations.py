@@ -6,7 +6,6 @@ with holes inside sequences, parameters and state_dict untouched, unpatch restor
 patching twice being patching once; and the refusal message for a model of unknown layout.
 """
 import copy
-import math
 import pickle
 import warnings
 
@@ -16,25 +15,11 @@ from torch import nn
 
 import attn_zoo
 from attn_zoo.models.integrations import is_patched, looked_for
+from helpers import randomize_
 from test_primitives import rel_err
 
 TOL = 1e-5
 BACKENDS = ["auto", "torch"]  # auto is the chunked backend on CPU
-
-
-def randomize_(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Random weights everywhere (the projects' own inits zero some output layers)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if p.ndim >= 2:
-                p.copy_(r / math.sqrt(p.shape[-1]))
-            elif name.endswith("weight"):  # norm scales
-                p.copy_(1.0 + 0.2 * r)
-            else:
-                p.copy_(0.2 * r)
-    return model
 
 
 def param_grads(model: nn.Module) -> dict:

@@ -14,7 +14,7 @@ from boltz.model.layers.pairformer import PairformerModule  # noqa: E402
 from attn_zoo.models.pairformer import PairformerBlock, PairformerStack  # noqa: E402
 from attn_zoo.models.primitives import LineDropout  # noqa: E402
 from attn_zoo.models.zoo import ZooCheckpointError, from_boltz, to_boltz  # noqa: E402
-from helpers import assert_parity, randomize_, real_err, run_on  # noqa: E402
+from helpers import assert_padded_parity, randomize_, real_err, run_on  # noqa: E402
 from helpers import padded_inputs as inputs  # noqa: E402
 from test_primitives import rel_err, skip_unless_backend  # noqa: E402
 
@@ -39,10 +39,7 @@ def run_ours(stack, s, z, mask, pair_mask, grad=False):
 
 def check_parity(backend, N=7, tol=1e-5, **opts):
     m = boltz_module()
-    stack = from_boltz(m.state_dict(), attention={"backend": backend, **opts}).eval()
-    s, z, mask, pair_mask = inputs(N=N)
-    assert_parity(lambda s, z: m(s, z, mask.float(), pair_mask.float()), lambda s, z: stack(s, z, mask, pair_mask),
-                  s, z, mask, tol)
+    assert_padded_parity(m, from_boltz(m.state_dict(), attention={"backend": backend, **opts}).eval(), N, tol)
 
 
 @pytest.mark.parametrize("backend,opts", [("torch", {}), ("chunked", {"chunk_size": 3})])

@@ -18,7 +18,7 @@ from openfold3.core.model.latent.pairformer import PairFormerStack  # noqa: E402
 
 from attn_zoo.models.pairformer import PairformerBlock, PairformerStack  # noqa: E402
 from attn_zoo.models.zoo import ZooCheckpointError, from_openfold3, to_openfold3  # noqa: E402
-from helpers import (assert_bad_keys_named_together, assert_parity, assert_published_names,  # noqa: E402
+from helpers import (assert_bad_keys_named_together, assert_padded_parity, assert_published_names,  # noqa: E402
                      assert_round_trip, randomize_, real_err, run_on)
 from helpers import padded_inputs as inputs  # noqa: E402
 from test_primitives import skip_unless_backend  # noqa: E402
@@ -46,10 +46,7 @@ def run(module, s, z, mask, pair_mask, theirs, grad=False):
 
 def check_parity(backend, N=7, tol=1e-5, **opts):
     m = of3_stack()
-    stack = from_openfold3(m, attention={"backend": backend, **opts})
-    s, z, mask, pair_mask = inputs(N=N)
-    assert_parity(lambda s, z: m(s, z, mask.float(), pair_mask.float()), lambda s, z: stack(s, z, mask, pair_mask),
-                  s, z, mask, tol)
+    assert_padded_parity(m, from_openfold3(m, attention={"backend": backend, **opts}), N, tol)
 
 
 @pytest.mark.parametrize("backend,opts", [("torch", {}), ("chunked", {"chunk_size": 3})])
