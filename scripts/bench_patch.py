@@ -271,41 +271,62 @@ def env_lines(device, backend):
     return lines
 
 
-def write(out, env, rows):
-    with open(os.path.join(out, "patch.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
+def write(out, name, title, env, rows, fields):
+    """``out/name.csv`` and ``out/name.md`` (a table under ``title`` and the ``env`` lines): the rows so far."""
+    with open(os.path.join(out, f"{name}.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         for r in rows:
             w.writerow(r)
-    with open(os.path.join(out, "patch.md"), "w") as f:
-        f.write("# attn_zoo.patch: patched vs unpatched\n\n" + "\n".join(env) + "\n\n")
-        f.write("| " + " | ".join(FIELDS) + " |\n|" + "---|" * len(FIELDS) + "\n")
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(f"# {title}\n\n" + "\n".join(env) + "\n\n")
+        f.write("| " + " | ".join(fields) + " |\n|" + "---|" * len(fields) + "\n")
         for r in rows:
-            f.write("| " + " | ".join(str(r.get(k, "")) for k in FIELDS) + " |\n")
+            f.write("| " + " | ".join(str(r.get(k, "")) for k in fields) + " |\n")
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def emitter(out, name, title, env, rows, fields):
+    """``emit(row)``: appends the row to ``rows``, prints its filled fields and rewrites the tables (:func:`write`),
+    so a run cut short keeps what it measured."""
+    def emit(row):
+        rows.append(row)
+        print(" | ".join(f"{k}={row[k]}" for k in fields if row.get(k)), flush=True)
+        write(out, name, title, env, rows, fields)
+
+    return emit
+
+
+def parser(doc):
+    """The arguments every bench script takes first: --out and --smoke (its own follow, then :func:`start`'s)."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--smoke", action="store_true", help="tiny shapes, any device")
-    p.add_argument("--backend", default="auto", help="attn_ops backend the patched models use")
-    p.add_argument("--cases", nargs="+", default=["hf-esm2", "boltz2-pairformer", "fair-esm"],
-                   choices=["hf-esm2", "boltz2-pairformer", "fair-esm"])
+    return p
+
+
+def start(p, argv):
+    """Parse (with --iters / --warmup), pick the device (CUDA, or any with --smoke), make the output folder:
+    (args, device, timer)."""
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
         p.error("no CUDA device: run on a GPU, or pass --smoke")
-    cfg = SMOKE if args.smoke else FULL
     timer = Timer(device, args.iters or (2 if args.smoke else 10), args.warmup or (1 if args.smoke else 3))
     os.makedirs(args.out, exist_ok=True)
-    env, rows = env_lines(device, args.backend), []
+    return args, device, timer
 
-    def emit(row):
-        rows.append(row)
-        print(" | ".join(f"{k}={row[k]}" for k in FIELDS if row.get(k)), flush=True)
-        write(args.out, env, rows)
+
+def main(argv=None):
+    p = parser(__doc__)
+    p.add_argument("--backend", default="auto", help="attn_ops backend the patched models use")
+    p.add_argument("--cases", nargs="+", default=["hf-esm2", "boltz2-pairformer", "fair-esm"],
+                   choices=["hf-esm2", "boltz2-pairformer", "fair-esm"])
+    args, device, timer = start(p, argv)
+    cfg = SMOKE if args.smoke else FULL
+    env, rows = env_lines(device, args.backend), []
+    emit = emitter(args.out, "patch", "attn_zoo.patch: patched vs unpatched", env, rows, FIELDS)
 
     cases = {"hf-esm2": hf_esm2, "boltz2-pairformer": boltz2_pairformer, "fair-esm": fair_esm}
     for name in args.cases:

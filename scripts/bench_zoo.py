@@ -23,8 +23,6 @@ On a device without CUDA the triton backend runs as ``torch`` (the Triton interp
 """
 from __future__ import annotations
 
-import argparse
-import csv
 import importlib.util
 import os
 import sys
@@ -41,7 +39,8 @@ from attn_ops.registry import BACKENDS  # noqa: E402
 from attn_ops.triton.fastlaunch import wait_background  # noqa: E402
 from attn_zoo.models.esmc import ESMC_CONFIGS  # noqa: E402
 from bench_blocks import _randomize, attention_config  # noqa: E402
-from bench_patch import Timer, cleanup, env_lines, is_oom, mlm_batch, mlm_step, rel_diff  # noqa: E402
+from bench_patch import (cleanup, emitter, env_lines, is_oom, mlm_batch, mlm_step, parser, rel_diff,  # noqa: E402
+                         start)
 
 FIELDS = ["case", "shape", "variant", "ms", "tokens_per_s", "peak_gib", "first_step_s", "diff_vs_ref", "note"]
 EVO_BACKENDS = ("triton", "torch", "flex")
@@ -257,47 +256,21 @@ def bench_evoformer(cfg, device, timer, backends, emit):
 # ------------------------------------------------------------------------------------------------
 # Output
 # ------------------------------------------------------------------------------------------------
-def write(out, env, rows):
-    with open(os.path.join(out, "zoo.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow(r)
-    with open(os.path.join(out, "zoo.md"), "w") as f:
-        f.write("# Zoo models: converted vs original\n\n" + "\n".join(env) + "\n\n")
-        f.write("| " + " | ".join(FIELDS) + " |\n|" + "---|" * len(FIELDS) + "\n")
-        for r in rows:
-            f.write("| " + " | ".join(str(r.get(k, "")) for k in FIELDS) + " |\n")
-
-
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    p.add_argument("--smoke", action="store_true", help="tiny shapes, any device")
+    p = parser(__doc__)
     p.add_argument("--cases", nargs="+", default=["esmc", "af2-evoformer"], choices=["esmc", "af2-evoformer"])
     p.add_argument("--backends", nargs="+", default=list(EVO_BACKENDS), choices=list(EVO_BACKENDS),
                    help="the Evoformer's attention backends (the first is the reference of diff_vs_ref)")
     p.add_argument("--hf-attn", nargs="+", default=list(HF_ATTN), choices=list(HF_ATTN),
                    help="the Hugging Face ESM C's attention (the first is the reference of diff_vs_ref)")
-    p.add_argument("--iters", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=None)
-    args = p.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type != "cuda" and not args.smoke:
-        p.error("no CUDA device: run on a GPU, or pass --smoke")
+    args, device, timer = start(p, argv)
     cfg = SMOKE if args.smoke else FULL
-    timer = Timer(device, args.iters or (2 if args.smoke else 10), args.warmup or (1 if args.smoke else 3))
     backend = resolve_backend("triton", device)
-    os.makedirs(args.out, exist_ok=True)
     env = env_lines(device, backend)[:-1] + [
         f"- bf16 autocast, fp32 parameters, random weights; ours on {backend}; "
         f"{timer.iters} timed steps after {timer.warmup} warm-up"]
     rows = []
-
-    def emit(row):
-        rows.append(row)
-        print(" | ".join(f"{k}={row[k]}" for k in FIELDS if row.get(k)), flush=True)
-        write(args.out, env, rows)
+    emit = emitter(args.out, "zoo", "Zoo models: converted vs original", env, rows, FIELDS)
 
     for name in args.cases:
         if name == "esmc":
