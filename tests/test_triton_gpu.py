@@ -364,7 +364,7 @@ def test_tma_reduce_and_element_atomics_both_match_reference_gpu(variant, monkey
     want = (200, 32) if variant == "fused" else (200, 200)  # (rows, cols) of the accumulator's slices
     assert want in made
     made.clear()
-    monkeypatch.setattr(launch, "_tma_reduce", lambda device: False)
+    monkeypatch.setattr(launch_backward, "_tma_reduce", lambda device: False)
     monkeypatch.setattr(launch, "_PLANS", {})  # the plans made above hold the TMA path
     check_against_reference("triton", q, k, v, bias, mask, **opts)
     assert not made
