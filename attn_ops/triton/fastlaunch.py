@@ -25,6 +25,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
@@ -133,8 +136,6 @@ def compile_ahead(threads: Optional[int] = None, processes: Optional[int] = None
         raise RuntimeError("compile_ahead() during a CUDA graph capture: the graph would hold no kernel launches")
     if _AHEAD:
         raise RuntimeError("compile_ahead() is already active")
-    from concurrent.futures import ThreadPoolExecutor, wait
-
     s = _settings.get()
     processes = s.compile_processes if processes is None else processes
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 0:
@@ -157,8 +158,6 @@ def compile_ahead(threads: Optional[int] = None, processes: Optional[int] = None
             precompile.shutdown()  # the workers were for this block only (tuning misses compile in threads)
         failed = [e for e in (f.exception() for f in jobs.values()) if e is not None]
         if failed:
-            import warnings
-
             warnings.warn(f"compile_ahead: {len(failed)} of {len(jobs)} compiles failed (each compiles again at its "
                           f"first real launch, which raises if it fails there too): {failed[0]!r}", RuntimeWarning,
                           stacklevel=3)
@@ -289,8 +288,6 @@ def compile_in_background(kernel, grid: Tuple[int, ...], args: Sequence, num_war
     job = _BACKGROUND.get(key)
     if job is None:
         if not _POOL:
-            from concurrent.futures import ThreadPoolExecutor
-
             _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="attn_zoo_compile"))
         _BACKGROUND[key] = _POOL[0].submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key))
         return "pending"
@@ -308,9 +305,6 @@ def wait_background(timeout: Optional[float] = None) -> float:
     """Wait until every background compile submitted so far has ended (or ``timeout`` seconds passed); returns
     the seconds waited. Benchmarks call it before timing a steady state: until then a tile-multiple length runs
     its general stand-in variants."""
-    import time
-    from concurrent.futures import wait
-
     t0 = time.perf_counter()
     jobs = [j for j in list(_BACKGROUND.values()) if not j.done()]
     if jobs:

@@ -18,7 +18,12 @@ import json
 import os
 import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+import triton
+from triton.runtime.errors import OutOfResources
 
 from .. import settings as _settings
 from ..settings import interpreting
@@ -163,8 +168,6 @@ def _compile_all(cands: List[Cfg], launch: Callable[[Cfg], None], threads: int) 
         from triton.runtime._async_compile import AsyncCompileMode
     except ImportError:  # pragma: no cover - Triton before the asynchronous compile mode: compiled when timed
         return
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(min(threads, len(cands))) as pool:
         with AsyncCompileMode(pool, ignore_errors=True), compile_only():
             for c in cands:
@@ -196,8 +199,6 @@ def measure(fn: Callable[[], None], budget_ms: float = 2.0, min_runs: int = 5, m
     clear also hides most of the host's launch latency from the events). Not ``triton.testing.do_bench``: its fixed
     warm-up and repetition windows made timing the larger part of a tuning stall, where the choice between
     candidates only needs their order (docs/bench/varlen_h100.md)."""
-    import torch
-
     device = torch.cuda.current_device()
     # A buffer per call, not one kept: tuning may run inside a CUDA-graph tree's warm-up, whose memory pool must
     # hold no tensor that outlives the call (torch.compile(mode="reduce-overhead") refuses such a pool).
@@ -224,8 +225,6 @@ def measure(fn: Callable[[], None], budget_ms: float = 2.0, min_runs: int = 5, m
 
 def _first_that_launches(cands: List[Cfg], launch: Callable[[Cfg], None]) -> Cfg:
     """The first candidate whose kernel compiles and launches (shared memory and registers permitting)."""
-    from triton.runtime.errors import OutOfResources
-
     for c in cands[:-1]:
         try:
             launch(c)
@@ -259,9 +258,6 @@ def source_hash() -> str:
 
 
 def _gpu_and_triton(device=None) -> Tuple[str, str]:
-    import torch
-    import triton
-
     return (torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"), triton.__version__
 
 
@@ -438,8 +434,6 @@ def disk_cache(folder: Optional[str], device=None) -> Optional[DiskCache]:
     """The disk cache for ``folder`` and the current GPU (None: no folder set)."""
     if not folder:
         return None
-    import torch
-
     index = torch.cuda.current_device() if device is None and torch.cuda.is_available() else device
     key = (os.fspath(folder), index)
     cache = _DISK.get(key)
