@@ -576,11 +576,17 @@ def _rows(x: Tensor, dim: int, idx: slice) -> Tensor:
     return x.narrow(dim, idx.start, idx.stop - idx.start)
 
 
-def rows_update_(x: Tensor, dim: int, chunk: int, fn: Callable[[Tensor], Tensor]) -> Tensor:
-    """``x += fn(x)`` by chunks along ``dim``, where each row of ``fn(x)`` depends only on that row of ``x``."""
+def rows_update_(x: Tensor, dim: int, chunk: int, fn: Callable[[Tensor], Tensor],
+                 mask: Optional[Tensor] = None) -> Tensor:
+    """``x += fn(x)`` by chunks along ``dim``, where each row of ``fn(x)`` depends only on that row of ``x``;
+    with ``mask`` (bool, ``x.shape[:-1]``) the update is zeroed where it is False (OpenFold3's transitions)."""
+    mask_dim = dim + 1 if dim < 0 else dim  # the mask lacks x's channel dim
     for idx in _spans(x.shape[dim], chunk):
         part = _rows(x, dim, idx)
-        part += fn(part)
+        update = fn(part)
+        if mask is not None:
+            update = update * _rows(mask, mask_dim, idx).unsqueeze(-1).to(update.dtype)
+        part += update
     return x
 
 
@@ -759,17 +765,8 @@ def pair_stack_(blk: nn.Module, z: Tensor, pair_mask: Tensor, chunk: int) -> Ten
     triangle_multiplication_(blk.tri_mul_in, z, pair_mask, chunk)
     triangle_attention_(blk.tri_att_start, z, pair_mask, chunk)
     triangle_attention_(blk.tri_att_end, z, pair_mask, chunk)
-    if getattr(blk, "mask_transitions", False):  # OpenFold3: the update zeroed at masked pairs
-        return _masked_rows_update_(z, pair_mask, chunk, _transition_fn(blk.pair_transition))
-    return rows_update_(z, -3, chunk, _transition_fn(blk.pair_transition))
-
-
-def _masked_rows_update_(z: Tensor, pair_mask: Tensor, chunk: int, fn: Callable[[Tensor], Tensor]) -> Tensor:
-    """``z += fn(z) * pair_mask`` by chunks of rows i (``z [*, N, N, C]``, ``pair_mask [*, N, N]`` bool)."""
-    for idx in _spans(z.shape[-3], chunk):
-        part = z[..., idx, :, :]  # [*, R, N, C] view
-        part += fn(part) * pair_mask[..., idx, :].unsqueeze(-1).to(part.dtype)
-    return z
+    mask = pair_mask if getattr(blk, "mask_transitions", False) else None  # OpenFold3: zeroed at masked pairs
+    return rows_update_(z, -3, chunk, _transition_fn(blk.pair_transition), mask=mask)
 
 
 def pairformer_block_(blk: nn.Module, s: Tensor, z: Tensor, single_mask: Tensor, pair_mask: Tensor,
