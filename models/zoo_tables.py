@@ -76,7 +76,7 @@ def pairformer_table(pre: str, tri_att_bias: str, transitions: Sequence[Tuple[st
 
 def read_source(obj: Any, what: str, map_location: Any, trust_file: bool) -> Tuple[Mapping[str, Any], str]:
     """A state dict and a name for messages, from a path (read as data), a module or a mapping; a checkpoint's
-    ``state_dict`` / ``model`` / ``ema`` entry (Lightning, Protenix and DeepSpeed-style files) is unwrapped."""
+    ``state_dict`` / ``model`` / ``module`` entry (Lightning, Protenix and DeepSpeed-style files) is unwrapped."""
     if isinstance(obj, (str, os.PathLike)):
         source = repr(os.fspath(obj))
         obj = read_checkpoint(obj, map_location=map_location, trust_file=trust_file)
@@ -182,8 +182,9 @@ def shape_reader(sd: Mapping[str, Any], source: str) -> Callable[[str], Tuple[in
 
 
 def load_stack(obj: Any, *, what: str, marker: str, table: Table,
-               sizes: Callable[[Dict[str, Any], str], Dict[str, int]], variant: str, attention: Any, prefix: Optional[str], pair_dropout: float, checkpoint_every: int,
-               chunk_size: Optional[int], map_location: Any, trust_file: bool) -> nn.Module:
+               sizes: Callable[[Dict[str, Any], str], Dict[str, int]], variant: str, attention: Any,
+               prefix: Optional[str], pair_dropout: float, checkpoint_every: int, chunk_size: Optional[int],
+               map_location: Any, trust_file: bool) -> nn.Module:
     """A foreign trunk stack (path, module or state dict) -> ``PairformerStack(variant=variant)`` in eval mode: the
     stack found by ``marker`` (see :func:`find_prefix`), sized by ``sizes``, read through ``table``."""
     from .pairformer import PairformerStack
