@@ -168,6 +168,35 @@ def markdown(rows: list, env: list) -> str:
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
+def profile(args, n: int) -> str:
+    """Where the time goes at ``n``: each path's kernels by device time (torch.profiler), after one warm-up; the
+    wall time, kernel count and device total of one call head each table."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    blk = randomize(PairformerBlock(c_s=args.c_s, c_z=args.c_z, attention=args.backend or "triton"))
+    blk = blk.to(dev, dtype).eval()
+    s, z, single, pair = inputs(n, dev, dtype, args.c_s, args.c_z)
+    parts = []
+    for mode in ("plain", "bounded"):
+        def fn():
+            return blk.forward_inference(s, z, single, pair, mode=mode)
+        fn()
+        sync(dev)
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            fn()
+            sync(dev)
+            wall = (time.perf_counter() - t) * 1e3
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = sum(e.count for e in events)
+        device_ms = sum(e.self_device_time_total for e in events) / 1e3
+        parts.append(f"## N={n}, {mode}: wall {wall:.2f} ms, {kernels} kernels, {device_ms:.2f} ms on the device\n")
+        parts.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+    return "\n".join(parts)
+
+
 def main(argv=None) -> list:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -180,6 +209,8 @@ def main(argv=None) -> list:
     ap.add_argument("--c-s", type=int, default=384)
     ap.add_argument("--c-z", type=int, default=128)
     ap.add_argument("--out", default=None, help="folder for inference_auto.md / .csv")
+    ap.add_argument("--profile", type=int, nargs="*", default=[], metavar="N",
+                    help="also profile both paths at these N (inference_profile.txt in --out)")
     args = ap.parse_args(argv)
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
@@ -194,6 +225,12 @@ def main(argv=None) -> list:
             w = csv.DictWriter(f, fieldnames=FIELDS)
             w.writeheader()
             w.writerows(rows)
+    if args.profile:
+        text = "\n\n".join(profile(args, n) for n in args.profile)
+        print(text)
+        if args.out:
+            with open(os.path.join(args.out, "inference_profile.txt"), "w") as f:
+                f.write(text)
     return rows
 
 

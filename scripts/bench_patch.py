@@ -6,8 +6,10 @@ steps, parameters and gradients included):
   weights; an MLM training step (fwd + bwd) with ``attn_implementation`` ``sdpa`` vs ``attn_zoo``; 4 x 1024 padded
   from random lengths 300-1024 (``attention_mask``), and 1 x 4096.
 - ``boltz2-pairformer``: Boltz-2's ``PairformerLayer`` at its default widths (c_s 384, c_z 128, 16 heads; pair
-  heads 4 x 32), unpatched vs patched: a training step (fwd + bwd) and inference (no grad, Boltz's own
-  ``chunk_size_tri_attn`` rule), at N = 384 and N = 299 with its last 42 tokens padded.
+  heads 4 x 32): its own layer, with cuEquivariance (``use_kernels``, when ``cuequivariance_torch`` imports), patched,
+  and patched beside cuEquivariance's triangle multiplication; a training step (fwd + bwd) and inference (no grad,
+  Boltz's own ``chunk_size_tri_attn`` rule), at N = 384 and N = 299 with its last 42 tokens padded; then one layer's
+  bf16 inference at N = 4096, Boltz's and patched, beside our PairformerBlock's memory-bounded path.
 - ``fair-esm``: fair-esm ``ESM2(33, 1280, 20)`` (650M-shaped, random init), own attention vs patched, MLM step at
   4 x 1024 padded from the same lengths.
 Each pair of rows also gives the first step's loss (or output) difference, patched vs unpatched.
@@ -46,6 +48,7 @@ FULL = dict(
     esm_shapes=(("4x1024 padded (300-1024)", 4, 1024, (300, 1024)), ("1x4096", 1, 4096, None)),
     boltz=dict(token_s=384, token_z=128, num_heads=16, pairwise_head_width=32, pairwise_num_heads=4),
     boltz_shapes=(("N=384", 384, 0), ("N=299, 42 padded", 299, 42)),
+    long_n=4096,
     fair_shapes=(("4x1024 padded (300-1024)", 4, 1024, (300, 1024)),),
 )
 SMOKE = dict(
@@ -53,6 +56,7 @@ SMOKE = dict(
     esm_shapes=(("3x24 padded (9-24)", 3, 24, (9, 24)), ("1x40", 1, 40, None)),
     boltz=dict(token_s=32, token_z=16, num_heads=2, pairwise_head_width=16, pairwise_num_heads=2),
     boltz_shapes=(("N=12", 12, 0), ("N=11, 3 padded", 11, 3)),
+    long_n=20,
     fair_shapes=(("3x24 padded (9-24)", 3, 24, (9, 24)),),
 )
 
@@ -184,6 +188,17 @@ def fair_esm(cfg, device, timer, backend, emit):
     cleanup(device)
 
 
+def cuequivariance_available(device) -> bool:
+    """Whether Boltz's ``use_kernels`` path can run: cuequivariance's torch ops import and the device is a GPU."""
+    if device.type != "cuda":
+        return False
+    try:
+        import cuequivariance_torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def boltz2_pairformer(cfg, device, timer, backend, emit):
     try:
         from boltz.data import const
@@ -198,41 +213,93 @@ def boltz2_pairformer(cfg, device, timer, backend, emit):
         for prm in layer.parameters():
             if prm.ndim >= 2:
                 prm.normal_(0.0, prm.shape[-1] ** -0.5)
+    # (name, patched, Boltz's kernel flags): its own layer, with cuEquivariance for both triangle ops
+    # (use_kernels, Boltz's fastest), and patched, alone or beside cuEquivariance's triangle multiplication
+    variants = [("boltz", False, {})]
+    cue = cuequivariance_available(device)
+    if cue:
+        variants.append(("boltz+cue", False, dict(use_kernels=True)))
+    variants.append(("patched", True, {}))
+    if cue:
+        variants.append(("patched+cue-mul", True, dict(use_cuequiv_mul=True)))
+    else:
+        emit(dict(case="boltz2-pairformer", note="cuequivariance rows skipped: cuequivariance_torch does not "
+                                                 "import or no GPU"))
     for shape, N, pad in cfg["boltz_shapes"]:
-        g = torch.Generator().manual_seed(1)
-        s = torch.randn(1, N, c["token_s"], generator=g).to(device)
-        z = torch.randn(1, N, N, c["token_z"], generator=g).to(device)
-        mask = (torch.arange(N) < N - pad).float()[None].to(device)
-        pair_mask = mask[:, :, None] * mask[:, None, :]
-        real = (mask[0] > 0)
+        s, z, mask, pair_mask, real = boltz_inputs(N, pad, c, device)
         chunk = 128 if N > const.chunk_size_threshold else 512  # Boltz's own inference rule
 
-        def train():
+        def train(flags):
             layer.train()
             torch.manual_seed(0)  # the same dropout masks in every step and variant
             sg, zg = s.clone().requires_grad_(True), z.clone().requires_grad_(True)
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                so, zo = layer(sg, zg, mask, pair_mask)
+                so, zo = layer(sg, zg, mask, pair_mask, **flags)
             loss = so[0, real].float().square().mean() + zo[0][real][:, real].float().square().mean()
             loss.backward()
             layer.zero_grad(set_to_none=True)
             return loss.detach()
 
-        def infer():
+        def infer(flags):
             layer.eval()
             with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
-                so, zo = layer(s, z, mask, pair_mask, chunk_size_tri_attn=chunk)
+                so, zo = layer(s, z, mask, pair_mask, chunk_size_tri_attn=chunk, **flags)
             return zo[0][real][:, real].float()
 
-        for mode, fn in (("train step", train), (f"inference (chunk {chunk})", infer)):
+        for mode, step in (("train step", train), (f"inference (chunk {chunk})", infer)):
             ref = None
-            for variant in ("boltz", "patched"):
+            for variant, patched, flags in variants:
                 attn_zoo.unpatch(layer)
-                if variant == "patched":
+                if patched:
                     attn_zoo.patch(layer, backend=backend)
-                ref = run_row(emit, timer, device, "boltz2-pairformer", f"{shape}, {mode}", variant, fn, ref)
+                ref = run_row(emit, timer, device, "boltz2-pairformer", f"{shape}, {mode}", variant,
+                              lambda: step(flags), ref)
     attn_zoo.unpatch(layer)
+    long_inference(layer, cfg, device, timer, backend, emit, const)
     del layer
+    cleanup(device)
+
+
+def boltz_inputs(N, pad, c, device):
+    """Random s, z of Boltz's widths; the last ``pad`` tokens masked out."""
+    g = torch.Generator().manual_seed(1)
+    s = torch.randn(1, N, c["token_s"], generator=g).to(device)
+    z = torch.randn(1, N, N, c["token_z"], generator=g).to(device)
+    mask = (torch.arange(N) < N - pad).float()[None].to(device)
+    pair_mask = mask[:, :, None] * mask[:, None, :]
+    return s, z, mask, pair_mask, mask[0] > 0
+
+
+def long_inference(layer, cfg, device, timer, backend, emit, const):
+    """One layer's inference at a long N in bf16 (inputs bf16 too): Boltz's own (chunk 128), patched, and our
+    PairformerBlock of the same widths on its memory-bounded path, whose peak the patched layer should stay within."""
+    from attn_zoo.models.pairformer import PairformerBlock
+
+    c, N = cfg["boltz"], cfg["long_n"]
+    shape = f"N={N}, inference bf16"
+    s, z, mask, pair_mask, _ = boltz_inputs(N, 0, c, device)
+    s, z = s.bfloat16(), z.bfloat16()
+    layer.eval()
+    chunk = 128 if N > const.chunk_size_threshold else 512
+    for variant in ("boltz", "patched"):
+        attn_zoo.unpatch(layer)
+        if variant == "patched":
+            attn_zoo.patch(layer, backend=backend)
+
+        def infer():
+            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+                layer(s, z, mask, pair_mask, chunk_size_tri_attn=chunk)
+
+        run_row(emit, timer, device, "boltz2-pairformer", shape, variant, infer, None)
+    attn_zoo.unpatch(layer)
+    ours = PairformerBlock(c_s=c["token_s"], c_z=c["token_z"], attention=backend).to(device, torch.bfloat16).eval()
+
+    def bounded():
+        with torch.no_grad():
+            ours.forward_inference(s, z, mask > 0, pair_mask > 0, mode="bounded")
+
+    run_row(emit, timer, device, "boltz2-pairformer", shape, "attn-zoo block, bounded", bounded, None)
+    del ours
     cleanup(device)
 
 

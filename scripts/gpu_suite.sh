@@ -6,6 +6,9 @@
 #   bash scripts/gpu_suite.sh compile                     # B: compile_module over six lengths, 3 models x 2 modes (510)
 #   bash scripts/gpu_suite.sh env patch esm2-ft zoo       # C: attn_zoo.patch (140), ESM-2 650M fine-tune (180),
 #                                                         #    zoo models vs originals (210)
+# Other stages: compile-par (every model x mode of compile at once, one process each, tuning off: the question is
+# whether Inductor runs through the lengths; step times then share the GPU), esm2-peer (ESM-2 650M training step
+# at the fine-tune's batch, 8 x 1024, beside fair-esm's own, 150).
 # `compile` is also its six stages one by one: compile-pairformer-default, compile-pairformer-reduce-overhead, ...
 # Each stage's markdown is appended to $OUT/results.md as it ends, what passed, failed or timed out to
 # $OUT/stages.txt, and the logs and CSV files to $OUT/logs.tgz after every stage (the device returns only a few
@@ -20,6 +23,9 @@ out=${OUT:-gpu_suite_out}
 work=$(mktemp -d)  # bench folders, the fine-tune's checkpoints (GBs): never under $OUT
 logs=$work/logs
 mkdir -p "$out" "$logs"
+if [ -f .whl/cue.tar.xz ]; then  # cuEquivariance (../shared/anchor-wheels) for the Boltz peer rows of `patch`
+  mkdir -p "$work/site" && tar xJf .whl/cue.tar.xz -C "$work/site" && export PYTHONPATH="$work/site:$PYTHONPATH"
+fi
 out=$(cd "$out" && pwd)
 if ! command -v python > /dev/null; then  # gpu_tests.sh and esm2_finetune_gpu.sh call python; an image may have python3 alone
   mkdir -p "$work/bin" && ln -s "$(command -v python3)" "$work/bin/python" && export PATH="$work/bin:$PATH"
@@ -79,8 +85,26 @@ torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() e
       step patch 140 python3 scripts/bench_patch.py --out "$work/patch"
       collect "attn_zoo.patch vs unpatched" "$work/patch/patch.md" ;;
     inference)
-      step inference 90 python3 scripts/bench_inference_auto.py --out "$work/inference"
+      step inference 120 python3 scripts/bench_inference_auto.py --out "$work/inference" --profile 512 1024
       collect "Inference paths" "$work/inference/inference_auto.md" ;;
+    compile-par)
+      jobs=(pairformer:default pairformer:dynamic pairformer:reduce-overhead evoformer:default evoformer:dynamic
+            evoformer:reduce-overhead esm2:default esm2:dynamic esm2:reduce-overhead transformer:default
+            transformer:dynamic transformer:reduce-overhead)
+      for j in "${jobs[@]}"; do
+        ( export ATTN_ZOO_NO_TUNE=1 TORCHINDUCTOR_COMPILE_THREADS=1; step "compile-${j%%:*}-${j#*:}" 430 \
+            python3 scripts/compile_lengths.py --model "${j%%:*}" --modes "${j#*:}" --lengths "$compile_lengths" ) &
+      done
+      wait
+      { echo "| model | mode | N | first call (s) | step (ms) |"; echo "|---|---|---|---|---|"
+        for j in "${jobs[@]}"; do grep '^|' "$logs/compile-${j%%:*}-${j#*:}.log" | grep -v -e '^| model' -e '^|---'; done
+      } > "$work/compile_table.md"
+      collect "compile_module over lengths $compile_lengths (${#jobs[@]} processes at once, tuning off)" \
+        "$work/compile_table.md" ;;
+    esm2-peer)
+      step esm2-peer 150 python3 scripts/bench_esm2.py --out "$work/esm2" --models attn-zoo fair-esm \
+        --shapes 8x1024 --search-time 0 --time-limit 120
+      collect "ESM-2 650M training step beside fair-esm (8 x 1024)" "$work/esm2/esm2.md" ;;
     esm2-ft)
       step esm2-ft 180 env OUT="$work/esm2_ft" bash scripts/esm2_finetune_gpu.sh random "$fasta" 200
       grep -h '^\[throughput\]' "$logs/esm2-ft.log" | tail -1 > "$work/esm2_ft.txt"
