@@ -160,6 +160,8 @@ def hf_esm2(cfg, device, timer, backend, emit):
                 model.set_attn_implementation("sdpa")
             fn = lambda: mlm_step(lambda t: model(input_ids=t, attention_mask=am).logits, model, tokens, target, device)  # noqa: E731
             ref = run_row(emit, timer, device, "hf-esm2", shape, variant, fn, ref)
+            if cfg.get("profile"):
+                profile_step(cfg["profile"], f"hf-esm2 {shape} {variant}", fn, device)
     attn_zoo.unpatch(model)
     del model
     cleanup(device)
@@ -303,6 +305,21 @@ def long_inference(layer, cfg, device, timer, backend, emit, const):
     cleanup(device)
 
 
+def profile_step(path, title, fn, device):
+    """Append one step's kernels by device time (torch.profiler) to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    with open(path, "a") as f:
+        f.write(f"## {title}\n\n")
+        f.write(prof.key_averages().table(sort_by="self_cuda_time_total" if device.type == "cuda" else
+                                          "self_cpu_time_total", row_limit=25, max_name_column_width=60) + "\n\n")
+
+
 def run_row(emit, timer, device, case, shape, variant, fn, ref):
     """Time one variant; returns the first step's result (the reference for the next variant)."""
     row = dict(case=case, shape=shape, variant=variant)
@@ -390,8 +407,11 @@ def main(argv=None):
     p.add_argument("--backend", default="auto", help="attn_ops backend the patched models use")
     p.add_argument("--cases", nargs="+", default=["hf-esm2", "boltz2-pairformer", "fair-esm"],
                    choices=["hf-esm2", "boltz2-pairformer", "fair-esm"])
+    p.add_argument("--profile", action="store_true", help="also profile each hf-esm2 step (patch_profile.txt)")
     args, device, timer = start(p, argv)
-    cfg = SMOKE if args.smoke else FULL
+    cfg = dict(SMOKE if args.smoke else FULL)
+    if args.profile:
+        cfg["profile"] = os.path.join(args.out, "patch_profile.txt")
     env, rows = env_lines(device, args.backend), []
     emit = emitter(args.out, "patch", "attn_zoo.patch: patched vs unpatched", env, rows, FIELDS)
 

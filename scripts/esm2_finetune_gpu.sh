@@ -24,7 +24,8 @@ start=$(date +%s)
 python train.py experiment=esm2_mlm trainer=gpu model.size=650M "model.pretrained=$weights" \
   model.attention.backend=triton model.optimizer.lr=2e-5 model.scheduler.total_iters=20 \
   "data.fasta=$fasta" data.max_len=1022 data.batch_size=8 data.train_samples=$((steps * 8)) \
-  trainer.max_steps="$steps" trainer.max_epochs=1 "paths.log_dir=$out/logs" run_name=esm2_650m_ft
+  trainer.max_steps="$steps" trainer.max_epochs=1 "paths.log_dir=$out/logs" run_name=esm2_650m_ft \
+  callbacks.last_checkpoint.every_n_train_steps=100  # each save of 650M with AdamW state is about 8 GB
 mid=$(date +%s)
 ckpt="$out/logs/train/runs/esm2_650m_ft/checkpoints/last.ckpt"
 python scripts/embed.py --model "$ckpt" --fasta "$fasta" --out "$out/emb" --include mean per_tok \

@@ -49,7 +49,8 @@ collect() {  # title, file...: append the files that exist to results.md; then r
   local title=$1; shift
   { echo; echo "## $title ($(date -u +%H:%M) UTC)"; echo; for f in "$@"; do [ -s "$f" ] && cat "$f"; done; } \
     >> "$out/results.md"
-  tar czf "$out/logs.tgz" -C "$work" --exclude=esm2_ft/logs --exclude='*.pt' --exclude='*.npy' . 2>/dev/null
+  tar czf "$out/logs.tgz" -C "$work" --exclude=esm2_ft/logs --exclude='*.pt' --exclude='*.npy' --exclude=./site . \
+    2>/dev/null
 }
 compile_stage() {  # model, mode
   step "compile-$1-$2" "${compile_limit[$1]}" python3 scripts/compile_lengths.py --model "$1" --modes "$2" \
@@ -82,7 +83,8 @@ torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() e
       compile_stage "$model" "$mode"
       collect "compile_module over lengths $compile_lengths" "$work/compile_table.md" ;;
     patch)
-      step patch 140 python3 scripts/bench_patch.py --out "$work/patch"
+      python3 -c "import cuequivariance_ops_torch" > "$logs/cue-import.log" 2>&1 || true
+      step patch 170 python3 scripts/bench_patch.py --out "$work/patch" --profile
       collect "attn_zoo.patch vs unpatched" "$work/patch/patch.md" ;;
     inference)
       step inference 120 python3 scripts/bench_inference_auto.py --out "$work/inference" --profile 512 1024
@@ -106,9 +108,12 @@ torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() e
         --shapes 8x1024 --search-time 0 --time-limit 120
       collect "ESM-2 650M training step beside fair-esm (8 x 1024)" "$work/esm2/esm2.md" ;;
     esm2-ft)
-      step esm2-ft 180 env OUT="$work/esm2_ft" bash scripts/esm2_finetune_gpu.sh random "$fasta" 200
+      step esm2-ft 330 env OUT="$work/esm2_ft" bash scripts/esm2_finetune_gpu.sh random "$fasta" 200
       grep -h '^\[throughput\]' "$logs/esm2-ft.log" | tail -1 > "$work/esm2_ft.txt"
       cat "$work/esm2_ft/timings.txt" >> "$work/esm2_ft.txt" 2>/dev/null
+      m=$(find "$work/esm2_ft/logs" -name metrics.csv | head -1)  # the loss curve: the header and every row
+      [ -n "$m" ] && { echo; echo '```'; cat "$m"; echo '```'; } >> "$work/esm2_ft.txt"
+      grep -h -e 'peak' -e 'summary' "$logs/esm2-ft.log" | tail -5 >> "$work/esm2_ft.txt"
       collect "ESM-2 650M fine-tune (random weights, 200 steps) and embedding" "$work/esm2_ft.txt" ;;
     zoo)
       step zoo 210 python3 scripts/bench_zoo.py --out "$work/zoo" ${ZOO_SMOKE:+--smoke}
