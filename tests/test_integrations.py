@@ -59,9 +59,12 @@ def test_refuses_unknown_model_naming_what_it_looked_for():
     assert "Sequential" in msg
     for name in ["AttentionInterface", "esm.multihead_attention.MultiheadAttention", "TriangleAttention",
                  "attention.AttentionPairBias", "attentionv2.AttentionPairBias", "openfold.model.msa.MSAAttention",
-                 "openfold.model.triangular_attention.TriangleAttention"]:
+                 "openfold.model.triangular_attention.TriangleAttention",
+                 "openfold3.core.model.layers.triangular_attention.TriangleAttention",
+                 "openfold3.core.model.layers.attention_pair_bias.AttentionPairBias",
+                 "openfold3.core.model.layers.msa.MSAAttention"]:
         assert name in msg
-    assert len(looked_for()) == 7
+    assert len(looked_for()) == 10
     with pytest.raises(ValueError, match="backend"):
         attn_zoo.patch(nn.Linear(2, 2), backend="no-such-backend")
     with pytest.raises(TypeError, match="torch.nn.Module"):

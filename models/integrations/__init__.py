@@ -1,5 +1,5 @@
 """In-place patching of other projects' models onto ``attn_ops.attention``: the only code that knows their
-module layouts (one module per project: ``hf``, ``fair_esm``, ``boltz``, ``openfold``).
+module layouts (one module per project: ``hf``, ``fair_esm``, ``boltz``, ``openfold``, ``openfold3``).
 
     import attn_zoo
     attn_zoo.patch(model)      # the model's attention modules now run attn_ops.attention
@@ -16,10 +16,10 @@ from typing import List
 
 from torch import nn
 
-from . import boltz, fair_esm, hf, openfold
+from . import boltz, fair_esm, hf, openfold, openfold3
 from .common import Options, patched, restore_forward, swap_forward
 
-_MODULE_PATCHERS = (fair_esm, boltz, openfold)
+_MODULE_PATCHERS = (fair_esm, boltz, openfold, openfold3)
 
 
 def looked_for() -> List[str]:
@@ -31,8 +31,8 @@ def patch(model: nn.Module, *, backend: str = "auto", deterministic: bool = True
     """Run ``model``'s attention on ``attn_ops.attention(..., backend=backend, deterministic=deterministic)``.
 
     Recognises transformers models written against the attention registry, fair-esm's ``MultiheadAttention``,
-    Boltz-1/2 triangle attention and attention with pair bias, OpenFold's triangle and MSA attention (see
-    :func:`looked_for`), in ``model`` itself or
+    Boltz-1/2 triangle attention and attention with pair bias, OpenFold's triangle and MSA attention, OpenFold3's
+    triangle attention, trunk attention with pair bias and MSA attention (see :func:`looked_for`), in ``model`` itself or
     anywhere inside it (a wrapper of yours). Returns ``model``, patched in place. Raises ``TypeError`` for a model
     with none of them.
     """

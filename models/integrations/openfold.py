@@ -128,7 +128,13 @@ def msa_attention(mod: nn.Module, options: Options, m: Tensor, z: Optional[Tenso
                   use_memory_efficient_kernel: bool = False, use_deepspeed_evo_attention: bool = False,
                   use_lma: bool = False, use_flash: bool = False, inplace_safe: bool = False,
                   _chunk_logits: Optional[int] = None, _checkpoint_chunks: Optional[bool] = None) -> Tensor:
-    """OpenFold's ``MSAAttention.forward``: ``m [*, S, N, C_m]``, ``z [*, N, N, C_z]``, ``mask [*, S, N]``."""
+    """OpenFold's ``MSAAttention.forward``."""
+    return msa_core(mod, options, m, z, mask, chunk_size)
+
+
+def msa_core(mod: nn.Module, options: Options, m: Tensor, z: Optional[Tensor], mask: Optional[Tensor],
+             chunk_size: Optional[int]) -> Tensor:
+    """OpenFold's (and OpenFold3's) ``MSAAttention``: ``m [*, S, N, C_m]``, ``z [*, N, N, C_z]``, ``mask [*, S, N]``."""
     check_chunk_size(chunk_size)
     if mask is None:
         mask = m.new_ones(m.shape[:-1])
