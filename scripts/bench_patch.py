@@ -228,8 +228,8 @@ def boltz2_pairformer(cfg, device, timer, backend, emit):
     if cue:
         variants.append(("patched+cue-mul", True, dict(use_cuequiv_mul=True)))
     else:
-        emit(dict(case="boltz2-pairformer", note="cuequivariance rows skipped: cuequivariance_torch does not "
-                                                 "import or no GPU"))
+        print("boltz2-pairformer: cuequivariance rows skipped (cuequivariance_torch does not import, or no GPU)",
+              flush=True)
     for shape, N, pad in cfg["boltz_shapes"]:
         s, z, mask, pair_mask, real = boltz_inputs(N, pad, c, device)
         chunk = 128 if N > const.chunk_size_threshold else 512  # Boltz's own inference rule
@@ -286,6 +286,7 @@ def long_inference(layer, cfg, device, timer, backend, emit, const):
     s, z = s.bfloat16(), z.bfloat16()
     layer.eval()
     chunk = 128 if N > const.chunk_size_threshold else 512
+    ref = None
     for variant in ("boltz", "patched"):
         attn_zoo.unpatch(layer)
         if variant == "patched":
@@ -293,9 +294,9 @@ def long_inference(layer, cfg, device, timer, backend, emit, const):
 
         def infer():
             with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
-                layer(s, z, mask, pair_mask, chunk_size_tri_attn=chunk)
+                return layer(s, z, mask, pair_mask, chunk_size_tri_attn=chunk)[1][0, :64, :64].float()
 
-        run_row(emit, timer, device, "boltz2-pairformer", shape, variant, infer, None)
+        ref = run_row(emit, timer, device, "boltz2-pairformer", shape, variant, infer, ref)
     attn_zoo.unpatch(layer)
     ours = PairformerBlock(c_s=c["token_s"], c_z=c["token_z"], attention=backend).to(device, torch.bfloat16).eval()
 
