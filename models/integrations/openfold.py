@@ -98,8 +98,10 @@ def pair_bias(z: Tensor, layer_norm: nn.Module, linear: nn.Module, chunk_size: O
 
 
 def triangle_core(mod: nn.Module, options: Options, x: Tensor, mask: Optional[Tensor],
-                  chunk_size: Optional[int]) -> Tensor:
-    """OpenFold's (and Boltz's) ``TriangleAttention``: ``x [*, I, J, C_in]``, ``mask [*, I, J]``."""
+                  chunk_size: Optional[int], linear: Optional[nn.Module] = None,
+                  transpose_bias: bool = False) -> Tensor:
+    """OpenFold's (and Boltz's, and OpenFold3's) ``TriangleAttention``: ``x [*, I, J, C_in]``, ``mask [*, I, J]``;
+    ``linear``: the bias projection (None: ``mod.linear``); ``transpose_bias``: ``b[h, i, j]`` read at ``(j, i)``."""
     check_chunk_size(chunk_size)
     if mask is None:
         mask = x.new_ones(x.shape[:-1])
@@ -107,7 +109,9 @@ def triangle_core(mod: nn.Module, options: Options, x: Tensor, mask: Optional[Te
         raise ValueError(f"mask: expected shape {tuple(x.shape[:-1])} (x without channels), got {tuple(mask.shape)}")
     if not mod.starting:
         x, mask = x.transpose(-2, -3), mask.transpose(-1, -2)
-    bias = pair_bias(x, mod.layer_norm, mod.linear, chunk_size)  # [*, 1, H, I, J]
+    bias = pair_bias(x, mod.layer_norm, mod.linear if linear is None else linear, chunk_size)  # [*, 1, H, I, J]
+    if transpose_bias:
+        bias = bias.transpose(-1, -2)
     out = row_attention(mod.mha, mod.layer_norm, options, x, bias, mask, chunk_size)
     return out.transpose(-2, -3) if not mod.starting else out
 

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 import attn_ops
 
 from .common import Options, modules_of
-from .openfold import check_chunk_size, msa_core, pair_bias, row_attention
+from .openfold import msa_core, triangle_core
 
 LOOKS_FOR = (
     "openfold3.core.model.layers.triangular_attention.TriangleAttention (OpenFold3)",
@@ -66,19 +66,8 @@ def triangle_attention(mod: nn.Module, options: Options, x: Tensor, mask: Option
                        use_deepspeed_evo_attention: bool = False, use_cueq_triangle_kernels: bool = False,
                        use_triton_triangle_kernels: bool = False, use_lma: bool = False,
                        inplace_safe: bool = False) -> Tensor:
-    """OpenFold3's ``TriangleAttention.forward``: ``x [*, I, J, C_in]``, ``mask [*, I, J]``."""
-    check_chunk_size(chunk_size)
-    if mask is None:
-        mask = x.new_ones(x.shape[:-1])
-    if tuple(mask.shape) != tuple(x.shape[:-1]):
-        raise ValueError(f"mask: expected shape {tuple(x.shape[:-1])} (x without channels), got {tuple(mask.shape)}")
-    if not mod.starting:
-        x, mask = x.transpose(-2, -3), mask.transpose(-1, -2)
-    bias = pair_bias(x, mod.layer_norm, mod.linear_z, chunk_size)  # [*, 1, H, I, J]
-    if transpose_bias:
-        bias = bias.transpose(-1, -2)  # b[h, i, j] = linear_z(x)[j, i, h]
-    out = row_attention(mod.mha, mod.layer_norm, options, x, bias, mask, chunk_size)
-    return out.transpose(-2, -3) if not mod.starting else out
+    """OpenFold3's ``TriangleAttention.forward`` (its bias projection is ``linear_z``)."""
+    return triangle_core(mod, options, x, mask, chunk_size, linear=mod.linear_z, transpose_bias=transpose_bias)
 
 
 def attention_pair_bias(mod: nn.Module, options: Options, a: Tensor, z: Tensor, mask: Optional[Tensor] = None,
