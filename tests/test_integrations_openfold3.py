@@ -150,5 +150,12 @@ def test_wrong_mask_shape_is_named():
         tri(torch.randn(1, 5, 5, 8), mask=torch.ones(1, 5, 4))
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
         tri(torch.randn(1, 5, 5, 8), chunk_size=0)
-    attn_zoo.unpatch(m)
-    assert copy.deepcopy(m) is not None
+    apb = m.blocks[0].attn_pair_bias
+    with pytest.raises(ValueError, match=r"mask: expected shape \(1, 5\)"):
+        apb(torch.randn(1, 5, 32), torch.randn(1, 5, 5, 8), mask=torch.ones(1, 4))
+    # a patched model deep-copies into a patched twin computing the same
+    twin = copy.deepcopy(m)
+    assert is_patched(twin) and patched(twin.blocks[0].attn_pair_bias).module is twin.blocks[0].attn_pair_bias
+    x = torch.randn(1, 5, 5, 8)
+    with torch.no_grad():
+        assert torch.equal(twin.blocks[0].pair_stack.tri_att_start(x), tri(x))

@@ -8,6 +8,7 @@ import triton.language as tl
 # (a power of two dividing sa and sb, see _align) gives back what their divisibility told the compiler.
 _ROWS = ["M", "B", "sa", "sb"]
 
+
 @triton.jit(do_not_specialize=_ROWS, do_not_specialize_on_alignment=["sc"])
 def _layer_norm_kernel(X, W, Bias, Y, Mean, Rstd, M, B, C, sa, sb, sc, eps, HAS_W: tl.constexpr,
                        HAS_B: tl.constexpr, STATS: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -39,6 +40,7 @@ def _layer_norm_kernel(X, W, Bias, Y, Mean, Rstd, M, B, C, sa, sb, sc, eps, HAS_
     if STATS:
         tl.store(Mean + offs_m, mean, mask=row_ok)
         tl.store(Rstd + offs_m, rstd, mask=row_ok)
+
 
 @triton.jit(do_not_specialize=_ROWS + ["da", "db", "ROWS"], do_not_specialize_on_alignment=["sc", "dc"])
 def _layer_norm_bwd_kernel(X, W, DY, DX, Mean, Rstd, DW, DB, M, B, C, sa, sb, sc, da, db, dc, ROWS,
@@ -81,6 +83,7 @@ def _layer_norm_bwd_kernel(X, W, DY, DX, Mean, Rstd, DW, DB, M, B, C, sa, sb, sc
     tl.store(DW + pid * C + offs_c, dw, mask=col_ok)
     tl.store(DB + pid * C + offs_c, dbias, mask=col_ok)
 
+
 @triton.jit
 def _gate_tile(C2, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr):
     """A gating program's row ``i``, columns ``offs_j``, batch ``b`` and channels ``offs_c`` (with ``c_ok``) of
@@ -89,6 +92,7 @@ def _gate_tile(C2, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr):
     offs_c = (tl.program_id(2) % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
     return (tl.program_id(0), tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J), tl.program_id(2) // n_cb,
             offs_c, offs_c < C2)
+
 
 @triton.jit(do_not_specialize=["N", "M"])
 def _gate_cf_kernel(Y, Mask, Out, N, M, C2: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_J: tl.constexpr,
@@ -108,6 +112,7 @@ def _gate_cf_kernel(Y, Mask, Out, N, M, C2: tl.constexpr, HAS_MASK: tl.constexpr
         v = v * tl.load(Mask + p, mask=in_ok, other=0.0).to(tl.float32)[:, None]
     out = Out + ((b * C2 + offs_c[None, :]).to(tl.int64) * M + i) * M + offs_j[:, None]
     tl.store(out, v.to(Out.dtype.element_ty), mask=(offs_j[:, None] < M) & c_ok[None, :])
+
 
 @triton.jit(do_not_specialize=["N", "M"])
 def _gate_cf_bwd_kernel(Y, Mask, GOut, DY, N, M, C2: tl.constexpr, HAS_MASK: tl.constexpr,

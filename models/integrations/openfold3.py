@@ -78,9 +78,11 @@ def attention_pair_bias(mod: nn.Module, options: Options, a: Tensor, z: Tensor, 
     a = mod.layer_norm_a(a)
     if mask is None:
         mask = a.new_ones(a.shape[:-1])
-    mask = mask.expand(*a.shape[:-2], -1)
-    if tuple(mask.shape) != tuple(a.shape[:-1]):
-        raise ValueError(f"mask: expected shape {tuple(a.shape[:-1])} (a without channels), got {tuple(mask.shape)}")
+    try:
+        mask = mask.expand(*a.shape[:-1])
+    except RuntimeError:
+        raise ValueError(f"mask: expected shape {tuple(a.shape[:-1])} (a without channels), got "
+                         f"{tuple(mask.shape)}") from None
     bias = mod.linear_z(mod.layer_norm_z(z)).movedim(-1, -3)  # [*, H, N, N]
     q, k, v = mod.mha._prep_qkv(a, a, apply_scale=False)  # [*, H, N, C]
     keys = mask.bool()[..., None, None, :]  # [*, 1, 1, N], True = attend
