@@ -6,7 +6,8 @@
 #   bash scripts/gpu_suite.sh compile                     # B: compile_module over six lengths, 3 models x 2 modes (510)
 #   bash scripts/gpu_suite.sh env patch esm2-ft zoo       # C: attn_zoo.patch (140), ESM-2 650M fine-tune (180),
 #                                                         #    zoo models vs originals (210)
-# Other stages: compile-par (every model x mode of compile at once, one process each, tuning off: the question is
+# Other stages: baseline (the triton backend's host time, crop set, Pairformer step and first-step compiles, ~460),
+# compile-par (every model x mode of compile at once, one process each, tuning off: the question is
 # whether Inductor runs through the lengths; step times then share the GPU), esm2-peer (ESM-2 650M training step
 # at the fine-tune's batch, 8 x 1024, beside fair-esm's own, 150).
 # `compile` is also its six stages one by one: compile-pairformer-default, compile-pairformer-reduce-overhead, ...
@@ -118,6 +119,21 @@ torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() e
     zoo)
       step zoo 210 python3 scripts/bench_zoo.py --out "$work/zoo" ${ZOO_SMOKE:+--smoke}
       collect "Zoo models vs originals" "$work/zoo/zoo.md" ;;
+    baseline)  # the triton backend's host time, crop-set kernels, Pairformer step, first-step compiles (threads vs
+      # worker processes): taken before and after a change to the backend's host code
+      step host 40 python3 scripts/bench_host.py
+      step host-stub 30 python3 scripts/bench_host.py --stub
+      step crop 130 python3 scripts/bench_attention.py --set crop --backends triton flex --time-limit 100 \
+        --out "$work/crop"
+      step blocks 100 python3 scripts/bench_blocks.py --cases pair384 --backends triton torch --breakdown pair384 \
+        --out "$work/blocks"
+      step compile-threads 80 python3 scripts/compile_cost.py --varlen 40 --threads 8
+      step compile-processes 80 python3 scripts/compile_cost.py --varlen 40 --threads 8 --processes 8
+      for f in host host-stub compile-threads compile-processes; do
+        { echo "### $f"; echo '```'; tail -12 "$logs/$f.log"; echo '```'; } > "$work/$f.txt"
+      done
+      collect "Triton backend baseline" "$work/host.txt" "$work/host-stub.txt" "$work/crop/crop.md" \
+        "$work/blocks/blocks.md" "$work/compile-threads.txt" "$work/compile-processes.txt" ;;
     *) echo "unknown stage $stage" >&2 ;;
   esac
 done
