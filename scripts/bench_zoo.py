@@ -39,8 +39,8 @@ from attn_ops.registry import BACKENDS  # noqa: E402
 from attn_ops.triton.fastlaunch import wait_background  # noqa: E402
 from attn_zoo.models.esmc import ESMC_CONFIGS  # noqa: E402
 from bench_blocks import _randomize, attention_config  # noqa: E402
-from bench_patch import (cleanup, emitter, env_lines, is_oom, mlm_batch, mlm_step, parser, rel_diff,  # noqa: E402
-                         start)
+from bench_patch import (cleanup, emitter, env_lines, is_oom, mlm_batch, mlm_step, parser, profile_step,  # noqa: E402
+                         rel_diff, start)
 
 FIELDS = ["case", "shape", "variant", "ms", "tokens_per_s", "peak_gib", "first_step_s", "diff_vs_ref", "note"]
 EVO_BACKENDS = ("triton", "torch", "flex")
@@ -172,6 +172,8 @@ def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN):
             continue
         fn = lambda: mlm_step(hf_logits, hf, tokens, target, device)  # noqa: E731
         ref = run_row(emit, timer, device, row, fn, ref, real)
+        if cfg.get("profile"):
+            profile_step(cfg["profile"], f"esmc {shape} {row['variant']}", fn, device)
     attn_zoo.unpatch(hf)
     hf.to("cpu")
     cleanup(device)
@@ -179,6 +181,8 @@ def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN):
     row = dict(case="esmc", shape=shape, variant=f"ours from_esmc ({backend})")
     fn = lambda: mlm_step(lambda t: ours(inp)["logits"], ours, tokens, target, device)  # noqa: E731
     run_row(emit, timer, device, row, fn, ref, real)
+    if cfg.get("profile"):
+        profile_step(cfg["profile"], f"esmc {shape} {row['variant']}", fn, device)
     del hf, ours
     cleanup(device)
 
@@ -263,8 +267,11 @@ def main(argv=None):
                    help="the Evoformer's attention backends (the first is the reference of diff_vs_ref)")
     p.add_argument("--hf-attn", nargs="+", default=list(HF_ATTN), choices=list(HF_ATTN),
                    help="the Hugging Face ESM C's attention (the first is the reference of diff_vs_ref)")
+    p.add_argument("--profile", action="store_true", help="also profile each ESM C step (zoo_profile.txt)")
     args, device, timer = start(p, argv)
-    cfg = SMOKE if args.smoke else FULL
+    cfg = dict(SMOKE if args.smoke else FULL)
+    if args.profile:
+        cfg["profile"] = os.path.join(args.out, "zoo_profile.txt")
     backend = resolve_backend("triton", device)
     env = env_lines(device, backend)[:-1] + [
         f"- bf16 autocast, fp32 parameters, random weights; ours on {backend}; "
