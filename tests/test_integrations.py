@@ -208,6 +208,34 @@ def test_hf_esm_patched_equals_sdpa_with_grads(backend):
         assert torch.equal(m(input_ids=ids, attention_mask=am).logits, ref)
 
 
+def test_hf_padding_mask_reaches_the_op_as_a_key_mask(monkeypatch):
+    """ESM's bidirectional padding mask is one row per batch: the op is handed ``[B, 1, 1, L]``, not ``[B, 1, L,
+    L]``; a mask that varies along the queries (a causal builder over padding) keeps its full shape."""
+    import attn_ops
+    from transformers import masking_utils
+
+    from attn_zoo.models.integrations import hf as hf_integration
+
+    m = hf_model()
+    ids, am = hf_inputs()
+    ref, _ = hf_run(m, ids, am)
+    seen = []
+    real = attn_ops.attention
+    monkeypatch.setattr(attn_ops, "attention", lambda *a, **kw: seen.append(kw.get("mask")) or real(*a, **kw))
+    attn_zoo.patch(m, backend="torch")
+    got, _ = hf_run(m, ids, am)
+    assert rel_err(got, ref) < TOL
+    assert seen and all(mk is not None and tuple(mk.shape) == (3, 1, 1, 12) for mk in seen)
+    assert torch.equal(seen[0][:, 0, 0], am.bool())
+    build = hf_integration._key_mask_builder(masking_utils.sdpa_mask)
+    causal = build(batch_size=3, q_length=12, kv_length=12, mask_function=masking_utils.causal_mask_function,
+                   attention_mask=am.bool(), allow_is_causal_skip=False)
+    assert causal.shape == (3, 1, 12, 12) and torch.equal(causal, masking_utils.sdpa_mask(
+        batch_size=3, q_length=12, kv_length=12, mask_function=masking_utils.causal_mask_function,
+        attention_mask=am.bool(), allow_is_causal_skip=False))
+    attn_zoo.unpatch(m)
+
+
 def test_hf_from_pretrained_with_attn_implementation(tmp_path):
     m = hf_model()
     m.save_pretrained(tmp_path)

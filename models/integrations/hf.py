@@ -131,6 +131,24 @@ def _eager(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attenti
     return torch.matmul(w, value).transpose(1, 2).contiguous(), w
 
 
+def _key_mask_builder(sdpa_mask):
+    """transformers' boolean mask builder, returning ``[B, 1, 1, Lk]`` where its ``[B, 1, Lq, Lk]`` mask is one
+    row repeated (key padding in a bidirectional model, e.g. ESM): the kernels then read one row per batch instead
+    of Lq x Lk bytes and skip padded key tiles. The comparison costs one host sync per forward (the builder runs
+    once per forward, not per layer); under torch.compile the full mask is kept (a data-dependent branch)."""
+
+    def build(*args, **kwargs):
+        mask = sdpa_mask(*args, **kwargs)
+        if (isinstance(mask, Tensor) and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[2] > 1
+                and not torch.compiler.is_compiling()):
+            row = mask[:, :, :1]
+            if torch.equal(mask, row.expand_as(mask)):
+                return row
+        return mask
+
+    return build
+
+
 def register(backend: str = "auto", deterministic: bool = True) -> str:
     """Register the attention function (and the boolean mask builder) under :func:`name_for` these options;
     returns the name to pass as ``attn_implementation``. transformers' registry is the only state: a name already
@@ -144,7 +162,7 @@ def register(backend: str = "auto", deterministic: bool = True) -> str:
     if not (isinstance(current, HFAttention) and current.options == options):
         AttentionInterface.register(name, HFAttention(options))
         if hasattr(masking_utils, "AttentionMaskInterface"):  # older versions build additive masks (served as bias)
-            masking_utils.AttentionMaskInterface.register(name, masking_utils.sdpa_mask)
+            masking_utils.AttentionMaskInterface.register(name, _key_mask_builder(masking_utils.sdpa_mask))
     return name
 
 

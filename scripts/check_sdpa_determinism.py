@@ -1,0 +1,79 @@
+"""Whether each SDPA kernel's backward is bitwise reproducible on this GPU: repeat one fwd+bwd and compare.
+
+    python scripts/check_sdpa_determinism.py --repeats 20     # GPU: a table of identical / differing runs
+
+For each shape and mask (none, key padding, causal) and each of PyTorch's SDPA kernels (cuDNN, flash, efficient)
+the same inputs run ``--repeats`` times; a run counts as identical when its output and dq, dk, dv are bitwise
+equal to the first run's. Between runs other work is put on the GPU (a matmul of changing size), so that a
+backward whose result depends on the order in which thread blocks finish shows it. A kernel that is identical
+on every run of every shape is a candidate for the deterministic no-bias path; one differing run rules it out.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+SHAPES = ((4, 20, 1024, 64), (4, 18, 1024, 64), (2, 16, 2048, 128), (1, 16, 4096, 64), (3, 8, 777, 64),
+          (1, 16, 16384, 128))
+
+
+def run_once(kernel, q, k, v, mask, causal, do):
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel([kernel]):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    return [out.detach().clone()] + [g.clone() for g in grads]
+
+
+def main():
+    from torch.nn.attention import SDPBackend
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    args = ap.parse_args()
+    kernels = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    lines = [f"# SDPA backward reproducibility ({torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+             f"cuDNN {torch.backends.cudnn.version()}, {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC)", "",
+             f"identical runs of {args.repeats} (output, dq, dk, dv bitwise equal to the first run), bf16", "",
+             "| shape | mask | " + " | ".join(kernels) + " |", "|---|---|" + "---|" * len(kernels)]
+    noise = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    for B, H, L, D in SHAPES:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v = [torch.randn(B, L, H, D, generator=g).to("cuda", torch.bfloat16).transpose(1, 2).requires_grad_()
+                   for _ in range(3)]
+        do = torch.randn(B, H, L, D, generator=g).to("cuda", torch.bfloat16)
+        lengths = torch.randint(L // 3, L + 1, (B,), generator=g)
+        key = (torch.arange(L)[None] < lengths[:, None])[:, None, None, :].cuda()
+        for mask_name, mask, causal in (("none", None, False), ("key", key, False), ("causal", None, True)):
+            cells = []
+            for name, kernel in kernels.items():
+                if name == "flash" and mask is not None:
+                    cells.append("-")
+                    continue
+                try:
+                    first = run_once(kernel, q, k, v, mask, causal, do)
+                    same = 1
+                    for i in range(1, args.repeats):
+                        n = 512 + 256 * (i % 8)
+                        noise[:n, :n] @ noise[:n, :n]  # other work in flight: changes block scheduling
+                        again = run_once(kernel, q, k, v, mask, causal, do)
+                        same += all(torch.equal(a, b) for a, b in zip(first, again))
+                    cells.append(f"{same}/{args.repeats}")
+                except RuntimeError as exc:  # the kernel refuses these inputs
+                    cells.append(f"refused: {str(exc).splitlines()[0][:50]}")
+            lines.append(f"| [{B},{H},{L},{D}] | {mask_name} | " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "sdpa_determinism.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
