@@ -99,7 +99,7 @@ def compiling_ahead() -> bool:
     """Whether :func:`compile_ahead` is active (calls then launch nothing; e.g. a CUDA-graph wrapper must not
     capture them)."""
     try:
-        from .triton.fastlaunch import compiling_ahead as _active
+        from .triton.tuning import compiling_ahead as _active
     except ImportError:
         return False
     return _active()

@@ -81,8 +81,8 @@ def cross_compile(arch: int = 90, triton_cache: str = None) -> Iterator[List[dic
     saved_cache, saved_driver = knobs.cache.dir, getattr(driver, "_active", None)
     cache_dir = triton_cache or tempfile.mkdtemp(prefix="attn_zoo_compile_cost_")
     token = precompile._WARMUP_ONLY.set(True)
-    patches = [(tuning, "measure", lambda fn, **kw: (fn(), 1.0)[1]), (tuning, "_CACHE", {}),
-               (launch, "_bound", lambda *a, **k: None), (launch, "_PLANS", {}), (fastlaunch, "_device", lambda: 0),
+    patches = [(tuning, "measure", lambda fn, **kw: (fn(), 1.0)[1]), (tuning.TUNER, "picks", {}),
+               (launch, "_bound", lambda *a, **k: None), (launch.STATE, "plans", {}), (fastlaunch, "_device", lambda: 0),
                (JITFunction, "_do_compile", counted)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     before = settings.get()

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from attn_ops import settings  # noqa: E402
-from attn_ops.triton import fastlaunch, precompile  # noqa: E402
+from attn_ops.triton import fastlaunch, precompile, tuning  # noqa: E402
 
 
 class FakeCompiled:
@@ -44,10 +44,8 @@ class FakeKernel:
 def compiled_path(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None))
-    monkeypatch.setattr(fastlaunch, "_COMPILED", {})
-    monkeypatch.setattr(fastlaunch, "_EXACT", {})
-    monkeypatch.setattr(fastlaunch, "_TRAILING", {})
-    monkeypatch.setattr(fastlaunch, "_SPECIALIZE", {})
+    for name in ("compiled", "exact", "params"):
+        monkeypatch.setattr(fastlaunch.STATE, name, {})
     monkeypatch.setattr(fastlaunch, "_device", lambda: 0)  # no CUDA here
 
 
@@ -142,7 +140,7 @@ def test_integers_key_on_what_triton_specialises_not_their_value():
         fastlaunch.launch(k, (1,), (x, n, L), 4, 1, BLOCK=16)
     assert [e[0] for e in k.log] == ["plain", "direct", "plain", "plain", "direct", "plain"]
     assert k.log[1][2][1:] == (80, 201, 16)  # the direct call gets this launch's values (and BLOCK)
-    assert fastlaunch._leading_params(k) == 3 and len(fastlaunch._COMPILED) == 4
+    assert fastlaunch._params(k)[0] == 3 and len(fastlaunch.STATE.compiled) == 4
     assert fastlaunch.signature((x, 64, 200), (True, True, False)) == fastlaunch.signature((x, 80, 17),
                                                                                            (True, True, False))
     assert fastlaunch.signature((True,)) != fastlaunch.signature((1,)) != fastlaunch.signature((1.0,))
@@ -156,7 +154,7 @@ def test_integers_unspecialised_on_alignment_key_on_being_one_only():
     for s in (48, 50, 496, 1, 1):
         fastlaunch.launch(k, (1,), (x, s), 4, 1, BLOCK=16)
     assert [e[0] for e in k.log] == ["plain", "direct", "direct", "plain", "direct"]
-    assert fastlaunch._specialized(k) == (2, 1, 2)
+    assert fastlaunch._params(k)[1] == (2, 1, 2)
     assert fastlaunch.signature((x, 48), (2, 1)) == fastlaunch.signature((x, 50), (2, 1))
     assert fastlaunch.signature((x, 48), (2, 2)) != fastlaunch.signature((x, 50), (2, 2))
 
@@ -201,8 +199,8 @@ def test_background_compile_reports_pending_ready_and_failed(monkeypatch):
     (is_compiled) and reports a compile error as "failed" (the caller then compiles in its own thread)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.setattr(fastlaunch, "_BACKGROUND", {})
-    monkeypatch.setattr(fastlaunch, "_POOL", [ThreadPoolExecutor(1)])
+    monkeypatch.setattr(tuning.TUNER, "jobs", {})
+    monkeypatch.setattr(tuning.TUNER, "pool", ThreadPoolExecutor(1))
     monkeypatch.setattr(fastlaunch, "_device", lambda: -1)
     k, x = _kernel(), torch.zeros(64)
     go = threading.Event()
@@ -225,9 +223,9 @@ def test_background_compile_reports_pending_ready_and_failed(monkeypatch):
         raise RuntimeError("ptxas")
 
     k.warmup = broken
-    monkeypatch.setattr(fastlaunch, "_POOL", [ThreadPoolExecutor(1)])
+    monkeypatch.setattr(tuning.TUNER, "pool", ThreadPoolExecutor(1))
     fastlaunch.compile_in_background(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=False)
-    fastlaunch._POOL[0].shutdown(wait=True)
+    tuning.TUNER.pool.shutdown(wait=True)
     assert fastlaunch.compile_in_background(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=False) == "failed"
     assert not fastlaunch.is_compiled(k, (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=False)
     with settings.kernel_settings(fast_launch=False):

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from attn_ops import settings  # noqa: E402
 from attn_ops.settings import kernel_settings  # noqa: E402
-from attn_ops.triton import fastlaunch, launch, launch_backward, triton_attention  # noqa: E402
+from attn_ops.triton import fastlaunch, launch, launch_backward, triton_attention, tuning  # noqa: E402
 from helpers import ids_from_lengths, make_inputs  # noqa: E402
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -41,8 +41,8 @@ CASES = [
 
 @pytest.fixture
 def fresh_plans(monkeypatch):
-    monkeypatch.setattr(launch, "_PLANS", {})
-    return launch._PLANS
+    monkeypatch.setattr(launch.STATE, "plans", {})
+    return launch.STATE.plans
 
 
 def _inputs(case, seed):
@@ -129,7 +129,7 @@ def test_what_a_plan_depends_on_makes_a_new_one(fresh_plans):
             forward(q, k, v)
     assert fresh_plans.keys() == plans.keys() and all(fresh_plans[key] is plans[key] for key in plans)
     launch.clear_plans()
-    assert not launch._PLANS
+    assert not launch.STATE.plans
 
 
 @pytest.mark.slow
@@ -167,7 +167,6 @@ def test_what_a_backward_plan_depends_on_makes_a_new_one(fresh_plans):
 def test_module_knobs_a_plan_was_made_under_remake_it(knob, fresh_plans, monkeypatch):
     """The interpreter's config and the TMA threshold are read while recording: replacing either (as tests and
     experiments do) makes the next call record again instead of replaying the old choice."""
-    from attn_ops.triton import tuning
 
     q, k, v, bias, mask = make_inputs((1, 2), 2, L, L, 16, bias_shape=(1, 1, 2, L, L), mask_shape=(1, 2, 1, 1, L))
     with torch.no_grad():
@@ -176,7 +175,7 @@ def test_module_knobs_a_plan_was_made_under_remake_it(knob, fresh_plans, monkeyp
     if knob == "interpreter_config":
         monkeypatch.setattr(tuning, "_INTERPRETER", tuning.Cfg(16, 16, 4, 1))
     else:
-        monkeypatch.setattr(launch, "TMA_MIN_SCORES", 0)
+        monkeypatch.setattr(launch.STATE, "tma_min_scores", 0)
     with torch.no_grad():
         triton_attention(q, k, v, bias, mask, 0.3, False)
     assert fresh_plans[key] is not before
@@ -188,7 +187,7 @@ def test_module_knobs_a_plan_was_made_under_remake_it(knob, fresh_plans, monkeyp
 
 @interpreter
 def test_past_the_limit_the_oldest_plan_goes(fresh_plans, monkeypatch):
-    monkeypatch.setattr(launch, "_PLANS_MAX", 2)
+    monkeypatch.setattr(launch.STATE, "plans_max", 2)
     q, k, v, bias, mask = make_inputs((1, 2), 2, L, L, 16, bias_shape=(1, 1, 2, L, L), mask_shape=(1, 2, 1, 1, L))
     keys = []
     with torch.no_grad():
@@ -264,8 +263,8 @@ def logged_launches(monkeypatch, fresh_plans):
             monkeypatch.setattr(kernel, "params", params, raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, tune=False))
-    for name in ("_COMPILED", "_EXACT", "_TRAILING", "_SPECIALIZE"):
-        monkeypatch.setattr(fastlaunch, name, {})
+    for name in ("compiled", "exact", "params"):
+        monkeypatch.setattr(launch.STATE, name, {})
     monkeypatch.setattr(fastlaunch, "_device", lambda: 0)  # no CUDA here
     monkeypatch.setattr(launch, "_tma_capable", lambda device: False)  # CPU tensors: pointer loads, as on older GPUs
     return log
@@ -422,10 +421,10 @@ def test_tile_multiple_runs_the_general_variant_until_its_own_compiled(logged_la
             continue
         monkeypatch.setattr(kernel, "params", [p.__class__(**dict(vars(p), do_not_specialize=p.name in LENGTH_ARGS))
                                                for p in kernel.params])
-    monkeypatch.setattr(fastlaunch, "_SPECIALIZE", {})
+    monkeypatch.setattr(launch.STATE, "params", {})
     pool = _HeldPool()
-    monkeypatch.setattr(fastlaunch, "_POOL", [pool])
-    monkeypatch.setattr(fastlaunch, "_BACKGROUND", {})
+    monkeypatch.setattr(tuning.TUNER, "pool", pool)
+    monkeypatch.setattr(tuning.TUNER, "jobs", {})
     asked = []
     real_launch = launch._launch
 
@@ -444,16 +443,16 @@ def test_tile_multiple_runs_the_general_variant_until_its_own_compiled(logged_la
 
     general = call(21)  # bucket 32, 16x16 tiles (tune off): masked tiles, the general variants
     assert general and all(not m and not n_ for _, m, n_ in general)
-    plans = len(launch._PLANS)
+    plans = len(launch.STATE.plans)
     assert call(32) == general  # a multiple of 16: the EVEN variants are asked for, the general ones run
     assert len(pool.jobs) == len({name for name, *_ in general})
-    assert len(launch._PLANS) == plans + 2  # forward + backward, kept with their pending compiles
-    assert all(p.pending for p in list(launch._PLANS.values())[-2:])
+    assert len(launch.STATE.plans) == plans + 2  # forward + backward, kept with their pending compiles
+    assert all(p.pending for p in list(launch.STATE.plans.values())[-2:])
     assert call(32) == set() and len(pool.jobs) == len(general)  # still compiling: replayed, nothing submitted
     pool.release(fail=fail)
     even = call(32)  # the compiles ended: recorded anew with the EVEN variants
-    assert even and all(m and n_ for _, m, n_ in even) and len(launch._PLANS) == plans + 2
-    assert not any(p.pending for p in launch._PLANS.values())
+    assert even and all(m and n_ for _, m, n_ in even) and len(launch.STATE.plans) == plans + 2
+    assert not any(p.pending for p in launch.STATE.plans.values())
     del asked[:]
     call(32)  # replayed from its plan
     assert asked == []

@@ -129,7 +129,7 @@ def test_settings_are_in_the_cache_keys_they_affect(monkeypatch):
     assert fastlaunch.signature((desc,)) != fastlaunch.signature((bias,))
 
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
-    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
     launched = []
 
     def fake_launch(cfg):

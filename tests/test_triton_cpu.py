@@ -687,7 +687,7 @@ def test_padded_bias_copy_equals_plain_pointer_loads(name, dtype, variant, monke
 
     monkeypatch.setattr(launch, "_launch", spy)
     monkeypatch.setattr(launch, "_rows_copy", nan_rows)
-    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(launch.STATE, "plans", {})
 
     def run():
         del has_bias[:]
@@ -776,25 +776,25 @@ def test_compile_ahead_times_and_keeps_nothing(monkeypatch):
     torch.testing.assert_close(inside, triton_attention(q, k, v, bias, mask, 0.3, False)[0], rtol=0, atol=0)
 
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
-    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
     monkeypatch.setattr(tuning, "measure", lambda *a, **kw: pytest.fail("timed under compile_ahead"))
-    monkeypatch.setattr(fastlaunch, "_AHEAD", [None, {}])
+    monkeypatch.setattr(tuning.TUNER, "ahead", (None, {}, 0))
     launched = []
     with kernel_settings(cache_dir=None, shipped_configs=False):
         cfg = tuning.pick("fwd", ("k",), 64, 256, 256, launched.append)
     cands = tuning.candidates("fwd", 64, 256, 256)
-    assert len(cands) > 1 and launched == cands and cfg == cands[0] and tuning._CACHE == {}
+    assert len(cands) > 1 and launched == cands and cfg == cands[0] and tuning.TUNER.picks == {}
     launched.clear()  # a shipped config: only it compiles, and it is not cached unchecked either
     monkeypatch.setattr(tuning, "shipped", lambda device: {tuning.DiskCache._name(("fwd", False, "k")): cands[1]})
     with kernel_settings(cache_dir=None):
         assert tuning.pick("fwd", ("k",), 64, 256, 256, launched.append) == cands[1]
-    assert launched == [cands[1]] and tuning._CACHE == {}
+    assert launched == [cands[1]] and tuning.TUNER.picks == {}
     with kernel_settings(cache_dir=None, tune=False):  # untuned: the first candidate
         assert tuning.pick("fwd", ("k",), 64, 256, 256, launched.append) == cands[0]
-    assert launched == [cands[1], cands[0]] and tuning._CACHE == {}
-    plans = dict(launch._PLANS)
+    assert launched == [cands[1], cands[0]] and tuning.TUNER.picks == {}
+    plans = dict(launch.STATE.plans)
     launch._keep(("a key",), launch.Recorder([]), (0,))
-    assert launch._PLANS == plans
+    assert launch.STATE.plans == plans
     monkeypatch.setattr(fastlaunch, "interpreting", lambda: False)  # (the interpreter alone makes bound() None)
     assert fastlaunch.bound(None, (1,), (), 4, 1, 0) is None
     assert attn_ops.compiling_ahead()
@@ -803,7 +803,7 @@ def test_compile_ahead_times_and_keeps_nothing(monkeypatch):
 def test_compile_ahead_warns_of_compiles_that_failed(monkeypatch):
     """A compile that fails inside ``compile_ahead`` is reported once at the block's end (count and first error);
     the block itself completes (the kernel compiles again at its first real launch)."""
-    from attn_ops.triton import fastlaunch
+    from attn_ops.triton import fastlaunch, tuning
 
     monkeypatch.setattr(fastlaunch, "background_compiles", lambda: True)  # (the interpreter turns the block off)
     monkeypatch.setattr(fastlaunch, "_device", lambda: -1)
@@ -817,26 +817,26 @@ def test_compile_ahead_warns_of_compiles_that_failed(monkeypatch):
     with pytest.warns(RuntimeWarning, match=r"compile_ahead: 1 of 1 compiles failed .*no such kernel"):
         with fastlaunch.compile_ahead(threads=1, processes=0):
             fastlaunch.launch(Broken(), (1,), [], 4, 3)
-    assert not fastlaunch.compiling_ahead()
+    assert not tuning.compiling_ahead()
 
 
 def test_compile_ahead_keeps_no_segment_tables_and_no_graph_capture(monkeypatch):
     """Under compile_ahead the segment tables (built by a kernel that then runs nothing) are not cached for the ids,
     and a CUDAGraphs-wrapped module runs its module instead of capturing (a capture would hold no kernel)."""
-    from attn_ops.triton import fastlaunch, op
+    from attn_ops.triton import op, tuning
     from attn_zoo.models import graphs
     from attn_zoo.models.graphs import CUDAGraphs
 
     ids = torch.tensor([[[0, 0, 1, 1, 1]]])
     op.clear_segment_tables()
-    monkeypatch.setattr(fastlaunch, "_AHEAD", [None, {}])
+    monkeypatch.setattr(tuning.TUNER, "ahead", (None, {}, 0))
     op.segment_tables(ids, ids)
-    assert op._TABLES == []
+    assert op.STATE.tables == []
     monkeypatch.setattr(graphs, "CAPTURE_DEVICES", ("cuda", "cpu"))  # (otherwise no CPU call is ever captured)
     wrapped, x = CUDAGraphs(torch.nn.Linear(3, 3)), torch.zeros(2, 3, requires_grad=True)
     assert not wrapped._can_capture((x,), {})
-    monkeypatch.setattr(fastlaunch, "_AHEAD", [])
+    monkeypatch.setattr(tuning.TUNER, "ahead", None)
     assert wrapped._can_capture((x,), {})
     op.segment_tables(ids, ids)
-    assert len(op._TABLES) == 1
+    assert len(op.STATE.tables) == 1
     op.clear_segment_tables()

@@ -83,7 +83,7 @@ def test_dbias_split_count_is_programs_per_sm(monkeypatch):
     from attn_ops.triton import launch_backward
 
     dev = torch.device("cuda", 0)
-    monkeypatch.setitem(launch_backward._SMS, 0, 132)
+    monkeypatch.setitem(launch_mod.STATE.devices, 0, (9, 132))
     assert launch_backward._dbias_splits(1, 144, 384, dev) == 1
     assert launch_backward._dbias_splits(0, 144, 384, dev) == 8  # 8 per SM: 1056 programs over 144 tiles
     assert launch_backward._dbias_splits(4, 144, 384, dev) == 4
@@ -92,7 +92,7 @@ def test_dbias_split_count_is_programs_per_sm(monkeypatch):
     assert launch_backward._dbias_splits(4, 4, 384, dev) == 64
     assert launch_backward._dbias_splits(4, 4, 6, dev) == 6
     assert launch_backward._dbias_splits(4, 4, 6, torch.device("cpu")) == 2  # the interpreter counts 2 SMs
-    monkeypatch.setitem(launch_backward._SMS, 0, 66)  # half the SMs: half the splits for the same aim
+    monkeypatch.setitem(launch_mod.STATE.devices, 0, (9, 66))  # half the SMs: half the splits for the same aim
     assert launch_backward._dbias_splits(0, 144, 384, dev) == 4
     assert launch_backward._dbias_splits(4, 100, 300, dev) == 3
 
@@ -122,7 +122,7 @@ def tuner(monkeypatch):
     """pick() as on a GPU: no interpreter shortcut, an empty cache, default settings without a disk cache or shipped
     tables (a GPU machine's own would answer real keys), a fake timer."""
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
-    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, compile_threads=1,
                                                                       compile_processes=0, shipped_configs=False))
     bench = FakeBench()
@@ -204,7 +204,7 @@ def test_single_candidate_is_not_timed(tuner):
 
 def test_interpreter_shortcut(monkeypatch):
     """Under TRITON_INTERPRET=1: the fixed small config (two rows for pair layouts), nothing launched or cached."""
-    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert tuning.interpreting()
 
@@ -226,7 +226,7 @@ def test_timed_launchers_are_repeatable(monkeypatch, opts):
     clock), must re-zero what they accumulate into (the fused dQ and the atomic dBias accumulators): the result
     after tuning still matches the reference."""
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
-    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None))
     timed = []
 
@@ -310,7 +310,7 @@ def test_bucketed_tuning_matches_exact_tuning(monkeypatch, same_pick):
         return float(cfg.block_m == (16 if same_pick or L != 24 else 32)) + 0.1 * cfg.rows
 
     state = _fake_timer(monkeypatch, ms)
-    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
     _run(20)
     timed_first = state["timed"]
     assert timed_first >= 6
@@ -318,7 +318,7 @@ def test_bucketed_tuning_matches_exact_tuning(monkeypatch, same_pick):
     assert state["timed"] == timed_first  # every kernel's pick came from L = 20's bucket
     picks_bucketed = dict(tuning.chosen())
 
-    monkeypatch.setattr(tuning, "_CACHE", {})
+    tuning.TUNER.reset()  # no picks, and the plans that hold the old ones are made again
     monkeypatch.setattr(launch_mod, "bucket", lambda n: n)  # exact-length keys
     _run(20)
     before = state["timed"]
@@ -333,7 +333,8 @@ def test_bucketed_tuning_matches_exact_tuning(monkeypatch, same_pick):
             assert torch.equal(a, b)
     else:
         monkeypatch.setattr(launch_mod, "bucket", tuning.bucket)
-        monkeypatch.setattr(tuning, "_CACHE", picks_bucketed)
+        tuning.TUNER.reset()
+        tuning.TUNER.picks.update(picks_bucketed)
         check_against_reference("triton", *inputs)  # the bucketed picks (cached) against float64
         assert state["timed"] == after_exact  # no new timing there
         for a, b in zip(bucketed, exact):
@@ -452,7 +453,7 @@ def test_pick_uses_the_disk_cache_across_processes(tuner, tmp_path, monkeypatch)
     """A timed pick lands on disk; a fresh process (empty memory caches) picks it up without timing; a stored
     config the candidate lists no longer offer is timed again; an untuned pick neither reads nor writes it."""
     monkeypatch.setattr(tuning, "identity", lambda device=None: IDENT)
-    monkeypatch.setattr(tuning, "_DISK", {})
+    monkeypatch.setattr(tuning.TUNER, "disks", {})
     settings.update(cache_dir=str(tmp_path))
     cands = candidates("fwd", **ARGS)
     tuner.ms = {c: 1.0 for c in cands}
@@ -462,8 +463,8 @@ def test_pick_uses_the_disk_cache_across_processes(tuner, tmp_path, monkeypatch)
     path = tuning.disk_cache(str(tmp_path)).path
     assert list(_json(path)["configs"]) == [repr(("fwd", False, "k"))]
 
-    monkeypatch.setattr(tuning, "_CACHE", {})
-    monkeypatch.setattr(tuning, "_DISK", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
+    monkeypatch.setattr(tuning.TUNER, "disks", {})
     tuner.timed.clear()
     assert pick("fwd", ("k",), launch=tuner.launch, **ARGS) == cands[2]
     assert tuner.timed == []
@@ -484,8 +485,8 @@ def test_pretune_fills_the_disk_cache_for_a_later_process(monkeypatch, tmp_path)
     import attn_ops
 
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
-    monkeypatch.setattr(tuning, "_CACHE", {})
-    monkeypatch.setattr(tuning, "_DISK", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
+    monkeypatch.setattr(tuning.TUNER, "disks", {})
     monkeypatch.setattr(tuning, "identity", lambda device=None: IDENT)
     monkeypatch.setattr(tuning, "candidates", _small_candidates)
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(tune=False, cache_dir=str(tmp_path)))
@@ -499,8 +500,8 @@ def test_pretune_fills_the_disk_cache_for_a_later_process(monkeypatch, tmp_path)
     stored = _json(tuning.disk_cache(str(tmp_path)).path)["configs"]
     assert {eval(k)[0] for k in stored} == {"fwd", "dkdv", "dq", "dbias"}
 
-    monkeypatch.setattr(tuning, "_CACHE", {})
-    monkeypatch.setattr(tuning, "_DISK", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
+    monkeypatch.setattr(tuning.TUNER, "disks", {})
     settings.update(tune=True)
     timed.clear()
     _run(24)
@@ -659,7 +660,7 @@ def shipped_dir(tuner, tmp_path, monkeypatch):
     """An empty shipped-table folder, seen by pick() as that of a 'Fake GPU' with Triton 3.6.x."""
     folder = str(tmp_path / "tuned")
     monkeypatch.setattr(tuning, "SHIPPED_DIR", folder)
-    monkeypatch.setattr(tuning, "_SHIPPED", {})
+    monkeypatch.setattr(tuning.TUNER, "shipped", {})
     monkeypatch.setattr(tuning, "_gpu_and_triton", lambda device=None: ("Fake GPU", "3.6.2"))
     settings.update(shipped_configs=True)
     return folder, tuner
@@ -672,7 +673,7 @@ def test_pick_takes_the_shipped_config_without_timing(shipped_dir, tmp_path, mon
     cands = candidates("fwd", **ARGS)
     _ship(folder, "a.json", configs={repr(("fwd", False, "k")): list(cands[3])})
     monkeypatch.setattr(tuning, "identity", lambda device=None: IDENT)
-    monkeypatch.setattr(tuning, "_DISK", {})
+    monkeypatch.setattr(tuning.TUNER, "disks", {})
     settings.update(cache_dir=str(tmp_path / "disk"))
     assert pick("fwd", ("k",), launch=timer.launch, **ARGS) == cands[3]
     assert timer.timed == [] and not os.path.exists(str(tmp_path / "disk"))
@@ -728,7 +729,7 @@ def test_ship_tuning_script_turns_a_cache_into_a_table_pick_uses(shipped_dir, tm
     shipped_dir, timer = shipped_dir
 
     monkeypatch.setattr(tuning, "identity", lambda device=None: dict(IDENT, gpu="Fake GPU", triton="3.6.0"))
-    monkeypatch.setattr(tuning, "_DISK", {})
+    monkeypatch.setattr(tuning.TUNER, "disks", {})
     settings.update(cache_dir=str(tmp_path / "disk"))
     cands = candidates("fwd", **ARGS)
     timer.ms = {c: 1.0 for c in cands}
@@ -738,8 +739,8 @@ def test_ship_tuning_script_turns_a_cache_into_a_table_pick_uses(shipped_dir, tm
     ship.main([str(tmp_path / "disk"), "--out", out, "--measured", "test"])
     assert _json(out)["identity"] == {"gpu": "Fake GPU", "triton": "3.6"}
 
-    monkeypatch.setattr(tuning, "_CACHE", {})
-    monkeypatch.setattr(tuning, "_SHIPPED", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
+    monkeypatch.setattr(tuning.TUNER, "shipped", {})
     settings.update(cache_dir=None)
     timer.timed.clear()
     assert pick("fwd", ("k",), launch=timer.launch, **ARGS) == cands[4] and timer.timed == []

@@ -36,41 +36,66 @@ from .. import settings as _settings
 from ..settings import interpreting
 from . import precompile
 from .precompile import _WARMUP_ONLY
+from .tuning import TUNER
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
-_COMPILED: Dict[Tuple, object] = {}
-_TRAILING: Dict[object, int] = {}  # kernel -> number of leading non-constexpr params (-1: not trailing)
-_SPECIALIZE: Dict[object, Tuple[int, ...]] = {}  # kernel -> per param: how Triton specialises its value
-# exact argument values -> compiled kernel: a hit skips the per-argument specialisation work (ints hash in C);
-# a miss falls back to the specialisation key above, so a new length still finds its compiled kernel
-_EXACT: Dict[Tuple, object] = {}
-_EXACT_MAX = 4096
+class LaunchState:
+    """The launch layer's caches, one instance (:data:`STATE`); ``reset()`` empties them. Lookups take no lock (a
+    single dict get or set is atomic under the GIL, and the fast path's host time counts); ``lock`` guards only
+    evictions, clearing and ``reset``."""
+
+    __slots__ = ("compiled", "exact", "exact_max", "params", "plans", "plans_max", "devices", "tma_min_scores",
+                 "tables", "lock")
+
+    def __init__(self):
+        self.compiled: Dict[Tuple, object] = {}  # signature key -> compiled kernel
+        # exact argument values -> compiled kernel: a hit skips the per-argument specialisation work (ints hash in
+        # C); a miss falls back to the signature key, so a new length still finds its compiled kernel
+        self.exact: Dict[Tuple, object] = {}
+        self.exact_max = 4096
+        # kernel -> (number of leading non-constexpr params, -1: not trailing; per param how Triton specialises it)
+        self.params: Dict[object, Tuple[int, Tuple[int, ...]]] = {}
+        self.plans: Dict[Tuple, object] = {}  # launch plans by call key (launch.py)
+        self.plans_max = 1024  # geometries kept; past it the oldest plan goes
+        self.devices: Dict[int, Tuple[int, int]] = {}  # CUDA device index -> (compute capability major, SM count)
+        # Below this many attention scores per launch (B*R*H*Lq*Lk; 2**29 is the triangle [1,512,4,512,*]) the bias
+        # is read by pointer loads, not TMA: Triton encodes a descriptor on the host at every launch, which costs
+        # such a step more host time than its kernels save (docs/bench/history.md, "Design measurements").
+        self.tma_min_scores = 2 ** 29
+        self.tables: list = []  # segment tables: (key, weak refs to the ids' base tensors, flat tables), newest first
+        self.lock = threading.Lock()
+
+    def reset(self) -> None:
+        """Forget every compiled kernel, plan, device fact and segment table; the TMA threshold back to its
+        default."""
+        with self.lock:
+            for cache in (self.compiled, self.exact, self.params, self.plans, self.devices, self.tables):
+                cache.clear()
+            self.tma_min_scores = 2 ** 29
 
 
-def _leading_params(kernel) -> int:
-    n = _TRAILING.get(kernel)
-    if n is None:
-        flags = [bool(getattr(p, "is_constexpr", False)) for p in getattr(kernel, "params", ())]
+STATE = LaunchState()
+
+
+def _params(kernel) -> Tuple[int, Tuple[int, ...]]:
+    """(the number of ``kernel``'s leading non-constexpr params, -1 where a constexpr lies between runtime params: the
+    plain path; per param how Triton specialises an int's value: 2 (== 1 and divisibility by 16), 1 (== 1 only:
+    ``do_not_specialize_on_alignment``) or 0 (``do_not_specialize``))."""
+    known = STATE.params.get(kernel)
+    if known is None:
+        params = getattr(kernel, "params", ())
+        flags = [bool(getattr(p, "is_constexpr", False)) for p in params]
         n = flags.index(True) if True in flags else len(flags)
         if not flags or any(not f for f in flags[n:]):
-            n = -1  # a constexpr between runtime params: the plain path
-        _TRAILING[kernel] = n
-    return n
-
-
-def _specialized(kernel) -> Tuple[int, ...]:
-    """Per param of ``kernel``, how Triton specialises an int's value: 2 (== 1 and divisibility by 16), 1 (== 1
-    only: ``do_not_specialize_on_alignment``) or 0 (``do_not_specialize``)."""
-    flags = _SPECIALIZE.get(kernel)
-    if flags is None:
-        flags = _SPECIALIZE[kernel] = tuple(
+            n = -1
+        known = STATE.params[kernel] = (n, tuple(
             0 if getattr(p, "do_not_specialize", False) else 1 if getattr(p, "do_not_specialize_on_alignment", False)
-            else 2 for p in getattr(kernel, "params", ()))
-    return flags
+            else 2 for p in params))
+    return known
 
 
 def _arg_key(a, specialize: int = 2):
@@ -94,7 +119,7 @@ def _arg_key(a, specialize: int = 2):
 def signature(args: Sequence, specialize: Sequence[int] = ()) -> Tuple:
     """What Triton specialises a launch on, from the runtime arguments: each tensor's dtype and whether its data
     pointer is 16-byte aligned; a tensor descriptor's dtype and block shape; an int's width (int32 / int64) and, as
-    ``specialize[i]`` says (:func:`_specialized`; default 2, True and False read as 2 and 0), whether it is 1 and
+    ``specialize[i]`` says (:func:`_params`; default 2, True and False read as 2 and 0), whether it is 1 and
     whether it divides by 16; other scalars with their type and value (the type keeps True, 1 and 1.0 apart, which
     compare equal in Python)."""
     n = len(specialize)
@@ -104,18 +129,6 @@ def signature(args: Sequence, specialize: Sequence[int] = ()) -> Tuple:
 def _device() -> int:
     """The device Triton launches on (its current CUDA device)."""
     return torch.cuda.current_device()
-
-
-# Set by compile_ahead() for the whole process (autograd runs a CUDA backward on threads of its own): [the thread
-# pool, {signature key: Future}, worker processes (0: compiles on the threads)]; empty when off. _AHEAD_LOCK:
-# submitting against the block's end.
-_AHEAD: list = []
-_AHEAD_LOCK = threading.Lock()
-
-
-def compiling_ahead() -> bool:
-    """Whether :func:`compile_ahead` is active: launches submit their kernel's compile and run nothing."""
-    return bool(_AHEAD)
 
 
 @contextlib.contextmanager
@@ -134,7 +147,7 @@ def compile_ahead(threads: Optional[int] = None, processes: Optional[int] = None
         return
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("compile_ahead() during a CUDA graph capture: the graph would hold no kernel launches")
-    if _AHEAD:
+    if TUNER.ahead is not None:
         raise RuntimeError("compile_ahead() is already active")
     s = _settings.get()
     processes = s.compile_processes if processes is None else processes
@@ -145,13 +158,13 @@ def compile_ahead(threads: Optional[int] = None, processes: Optional[int] = None
     # (with workers, each thread waits on one worker's compile and then loads its binary here)
     pool = ThreadPoolExecutor(processes or threads or s.compile_threads, thread_name_prefix="attn_zoo_ahead")
     jobs: Dict[Tuple, object] = {}
-    with _AHEAD_LOCK:
-        _AHEAD[:] = [pool, jobs, processes]
+    with TUNER.lock:
+        TUNER.ahead = (pool, jobs, processes)
     try:
         yield
     finally:
-        with _AHEAD_LOCK:
-            _AHEAD.clear()
+        with TUNER.lock:
+            TUNER.ahead = None
         wait(list(jobs.values()))
         pool.shutdown()
         if processes and not _settings.get().compile_processes:
@@ -194,7 +207,7 @@ def _compile_job(kernel, grid, args, num_warps: int, num_stages: int, constexprs
             except Exception:  # noqa: BLE001 - e.g. out of resources: the launch raises it again
                 pass
         if _direct_ok(kernel, args, constexprs, result):
-            _COMPILED[key] = result
+            STATE.compiled[key] = result
     return work
 
 
@@ -204,11 +217,11 @@ def _submit_ahead(kernel, grid, args: Sequence, num_warps: int, num_stages: int,
         raise RuntimeError("a kernel launch inside compile_ahead() during a CUDA graph capture: the graph would "
                            "hold no launch (capture outside the block)")
     key = _signature_key(kernel, args, num_warps, num_stages, constexprs)
-    with _AHEAD_LOCK:
-        if not _AHEAD:
+    with TUNER.lock:
+        if TUNER.ahead is None:
             return False
-        pool, jobs, processes = _AHEAD
-        if key not in _COMPILED and key not in jobs:
+        pool, jobs, processes = TUNER.ahead
+        if key not in STATE.compiled and key not in jobs:
             jobs[key] = pool.submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key,
                                                  processes, load=True))
     return True
@@ -221,18 +234,20 @@ def launch(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_st
     if _WARMUP_ONLY.get():
         kernel.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **constexprs)
         return
-    if _AHEAD and background_compiles() and _submit_ahead(kernel, grid, args, num_warps, num_stages, constexprs):
+    if TUNER.ahead is not None and background_compiles() and \
+            _submit_ahead(kernel, grid, args, num_warps, num_stages, constexprs):
         return
     if interpreting() or not _settings.get().fast_launch:
         kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
         return
+    state = STATE
     head = (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()))
     exact = (head, _exact_key(args))
-    compiled = _EXACT.get(exact)
+    compiled = state.exact.get(exact)
     key = None
     if compiled is None:
-        key = head + (signature(args, _specialized(kernel)),)
-        compiled = _COMPILED.get(key)
+        key = head + (signature(args, _params(kernel)[1]),)
+        compiled = state.compiled.get(key)
         if compiled is not None:
             _remember_exact(exact, compiled)
     grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
@@ -241,7 +256,7 @@ def launch(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_st
         return
     result = kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
     if _direct_ok(kernel, args, constexprs, result):
-        _COMPILED[key] = result
+        state.compiled[key] = result
         _remember_exact(exact, result)
 
 
@@ -250,14 +265,14 @@ def _direct_ok(kernel, args: Sequence, constexprs: dict, result) -> bool:
     order: the runtime args lead, the constexprs are exactly the trailing params, and it is a compiled kernel."""
     # (the type's: Triton 3.9's placeholder for a compile still pending elsewhere answers hasattr through
     # __getattr__ yet cannot be subscripted)
-    return _leading_params(kernel) == len(args) and len(args) + len(constexprs) == len(kernel.params) and all(
+    return _params(kernel)[0] == len(args) and len(args) + len(constexprs) == len(kernel.params) and all(
         p.name == name for p, name in zip(kernel.params[len(args):], constexprs)) and hasattr(type(result),
                                                                                              "__getitem__")
 
 
 def _signature_key(kernel, args: Sequence, num_warps: int, num_stages: int, constexprs: dict) -> Tuple:
     return (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()),
-            signature(args, _specialized(kernel)))
+            signature(args, _params(kernel)[1]))
 
 
 def background_compiles() -> bool:
@@ -268,13 +283,7 @@ def background_compiles() -> bool:
 
 def is_compiled(kernel, args: Sequence, num_warps: int, num_stages: int, **constexprs) -> bool:
     """Whether this launch would find its compiled kernel (it was launched, or compiled in the background)."""
-    return _signature_key(kernel, args, num_warps, num_stages, constexprs) in _COMPILED
-
-
-# Kernel variants compiling on a background thread: signature key -> Future (launch.Recorder, for a length that
-# asks for an EVEN_M / EVEN_N specialisation while the general variant is ready: the call runs that one meanwhile)
-_BACKGROUND: Dict[Tuple, object] = {}
-_POOL = []
+    return _signature_key(kernel, args, num_warps, num_stages, constexprs) in STATE.compiled
 
 
 def compile_in_background(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int,
@@ -283,13 +292,14 @@ def compile_in_background(kernel, grid: Tuple[int, ...], args: Sequence, num_war
     launches. Returns ``"ready"`` (compiled), ``"pending"`` or ``"failed"`` (the compile raised: a launch compiles it
     again in the caller and raises there). The thread holds ``args`` until its compile ends."""
     key = _signature_key(kernel, args, num_warps, num_stages, constexprs)
-    if key in _COMPILED:
+    if key in STATE.compiled:
         return "ready"
-    job = _BACKGROUND.get(key)
+    job = TUNER.jobs.get(key)
     if job is None:
-        if not _POOL:
-            _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="attn_zoo_compile"))
-        _BACKGROUND[key] = _POOL[0].submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key))
+        with TUNER.lock:
+            if TUNER.pool is None:
+                TUNER.pool = ThreadPoolExecutor(1, thread_name_prefix="attn_zoo_compile")
+        TUNER.jobs[key] = TUNER.pool.submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key))
         return "pending"
     if not job.done():
         return "pending"
@@ -298,7 +308,7 @@ def compile_in_background(kernel, grid: Tuple[int, ...], args: Sequence, num_war
 
 def background_job(kernel, args: Sequence, num_warps: int, num_stages: int, **constexprs):
     """The background compile of this launch's kernel (a ``concurrent.futures.Future``); None if none was asked."""
-    return _BACKGROUND.get(_signature_key(kernel, args, num_warps, num_stages, constexprs))
+    return TUNER.jobs.get(_signature_key(kernel, args, num_warps, num_stages, constexprs))
 
 
 def wait_background(timeout: Optional[float] = None) -> float:
@@ -306,7 +316,7 @@ def wait_background(timeout: Optional[float] = None) -> float:
     the seconds waited. Benchmarks call it before timing a steady state: until then a tile-multiple length runs
     its general stand-in variants."""
     t0 = time.perf_counter()
-    jobs = [j for j in list(_BACKGROUND.values()) if not j.done()]
+    jobs = [j for j in list(TUNER.jobs.values()) if not j.done()]
     if jobs:
         wait(jobs, timeout=timeout)
     return time.perf_counter() - t0
@@ -320,12 +330,12 @@ def bound(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_sta
     ``settings.fast_launch`` False, a kernel whose constexprs are not trailing): the caller keeps calling
     :func:`launch`. The leading arguments must have the dtypes and 16-byte alignment of those given here, and the
     current device must stay the same (the plan's key holds both)."""
-    if _WARMUP_ONLY.get() or _AHEAD or interpreting() or not _settings.get().fast_launch:
+    if _WARMUP_ONLY.get() or TUNER.ahead is not None or interpreting() or not _settings.get().fast_launch:
         return None
     head = (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()))
-    compiled = _EXACT.get((head, _exact_key(args)))
+    compiled = STATE.exact.get((head, _exact_key(args)))
     if compiled is None:
-        compiled = _COMPILED.get(head + (signature(args, _specialized(kernel)),))
+        compiled = STATE.compiled.get(head + (signature(args, _params(kernel)[1]),))
     if compiled is None:
         return None
     runner = compiled[(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)]
@@ -360,6 +370,8 @@ def _exact_key(args: Sequence) -> Tuple:
 
 
 def _remember_exact(exact: Tuple, compiled) -> None:
-    if len(_EXACT) >= _EXACT_MAX:  # many shapes seen: start over (the specialisation cache keeps everything)
-        _EXACT.clear()
-    _EXACT[exact] = compiled
+    cache = STATE.exact
+    if len(cache) >= STATE.exact_max:  # many shapes seen: start over (the specialisation cache keeps everything)
+        with STATE.lock:
+            cache.clear()
+    cache[exact] = compiled

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -20,16 +20,16 @@ try:  # host-side TMA descriptors (Triton >= 3.4)
 except ImportError:  # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
+from .fastlaunch import STATE
 from .fastlaunch import background_compiles as _background_compiles
 from .fastlaunch import bound as _bound
 from .fastlaunch import background_job as _background_job
 from .fastlaunch import compile_in_background as _compile_in_background
-from .fastlaunch import compiling_ahead as _compiling_ahead
 from .fastlaunch import is_compiled as _is_compiled
 from .fastlaunch import launch as _launch
 from .forward import attn_fwd_kernel
 from ..settings import interpreting
-from .tuning import bucket, pick
+from .tuning import TUNER, bucket, compiling_ahead as _compiling_ahead, pick
 
 Tensor = torch.Tensor
 
@@ -140,7 +140,22 @@ def _mask_strides(m8: Optional[Tensor]) -> Tuple[int, ...]:
 
 
 _TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_CAPABILITY = {}  # CUDA device index -> compute capability major
+
+
+def _device_facts(device: torch.device) -> Tuple[int, int]:
+    """(compute capability major, SM count) of a CUDA device, asked once per device (launches ask on every call:
+    the host's share of a small step counts)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    facts = STATE.devices.get(index)
+    if facts is None:
+        props = torch.cuda.get_device_properties(index)
+        facts = STATE.devices[index] = (props.major, props.multi_processor_count)
+    return facts
+
+
+def sm_count(device: torch.device) -> int:
+    """The CUDA device's SM count."""
+    return _device_facts(device)[1]
 
 
 def _tma_capable(device: torch.device) -> bool:
@@ -153,11 +168,7 @@ def _tma_capable(device: torch.device) -> bool:
         return True
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    major = _CAPABILITY.get(index)
-    if major is None:  # asked on every launch: the host's share of a small step counts
-        major = _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
-    return major >= 9
+    return _device_facts(device)[0] >= 9
 
 
 def _tma_tiles(bias: Optional[Tensor], Lq: int, Lk: int) -> bool:
@@ -191,17 +202,11 @@ def bias_tma(bias: Optional[Tensor], Lq: int, Lk: int) -> Optional[Tuple[int, in
     return slice_stride, last // slice_stride + 1, tuple(s // slice_stride for s in batch)
 
 
-# Below this many attention scores per launch (B*R*H*Lq*Lk; 2**29 is the triangle [1,512,4,512,*]) the bias is read
-# by pointer loads, not TMA: Triton encodes a descriptor on the host at every launch, which costs such a step more
-# host time than its kernels save (docs/bench/history.md, "Design measurements").
-TMA_MIN_SCORES = 2 ** 29
-
-
 def _host_bound(q: Tensor, Lq: int, Lk: int) -> bool:
     """Whether a step is small enough that the host's descriptor work outweighs TMA's gain (the CPU interpreter
     always takes TMA, so the CPU tests cover that path at their small shapes)."""
     B, R, H = q.shape[:3]
-    return B * R * H * Lq * Lk < TMA_MIN_SCORES and not interpreting()
+    return B * R * H * Lq * Lk < STATE.tma_min_scores and not interpreting()
 
 
 # Pointer-loaded bias tiles read whole rows of this many columns from a padded copy (HAS_BIAS 3): the widest key
@@ -216,7 +221,7 @@ def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
     copied once per pass where its layout would make every tile's loads slow, one copy against one read per row:
     - for TMA, where the descriptor cannot take it as it is (a heads-last pair bias, the blocks' projection layout,
       has a non-contiguous Lk; rows of an odd length are not 16-byte multiples): into 16-byte aligned rows;
-    - for pointer loads (steps under ``TMA_MIN_SCORES``, GPUs without TMA), where Lk is not a multiple of
+    - for pointer loads (steps under ``STATE.tma_min_scores``, GPUs without TMA), where Lk is not a multiple of
       ``PAD_COLS`` or the columns are not contiguous: into contiguous rows padded to a multiple of ``PAD_COLS``
       (HAS_BIAS 3), so that no tile needs a column mask and every row starts 16-byte aligned (BIAS_ALIGN); one
       whose rows already fill whole tiles is read as it is, with HAS_BIAS 3 too.
@@ -255,20 +260,16 @@ class Plan(NamedTuple):
     pending: Tuple = ()  # background compiles of the variants it stands in for (see Recorder._ready_variant)
 
 
-_PLANS: Dict[Tuple, Plan] = {}
-_PLANS_MAX = 1024  # geometries kept; past it the oldest plan goes
-
-
 def clear_plans() -> None:
     """Forget every launch plan (the next call of each geometry runs the launchers again)."""
-    _PLANS.clear()
+    STATE.plans.clear()
 
 
 def _guard() -> Tuple:
-    """What a plan was made under besides its key (which holds the settings, by value): the tuning cache (configs
-    picked from it), the interpreter's config and the TMA threshold (module values that tests and experiments
-    replace)."""
-    return (tuning._CACHE, tuning._INTERPRETER, TMA_MIN_SCORES)
+    """What a plan was made under besides its key (which holds the settings, by value): the tuner's generation
+    (configs picked before its reset), the interpreter's config and the TMA threshold (values that tests and
+    experiments replace)."""
+    return (TUNER.generation, tuning._INTERPRETER, STATE.tma_min_scores)
 
 
 def _geo(t: Optional[Tensor]):
@@ -283,14 +284,15 @@ _current_device = _current_device or (lambda: -1)
 
 def _replay(key: Tuple, env: list) -> Optional[Plan]:
     """Run the plan for ``key`` on ``env``; None when there is none (or it was made under other settings)."""
-    plan = _PLANS.get(key)
+    state = STATE
+    plan = state.plans.get(key)
     if plan is None:
         return None
     guard = plan.guard
-    if guard[0] is not tuning._CACHE or guard[1] is not tuning._INTERPRETER or guard[2] != TMA_MIN_SCORES:
+    if guard[0] != TUNER.generation or guard[1] is not tuning._INTERPRETER or guard[2] != state.tma_min_scores:
         return None
     if plan.pending and all(job.done() for job in plan.pending):  # its own variants are ready: record anew
-        _PLANS.pop(key, None)  # (another thread may have dropped it first)
+        state.plans.pop(key, None)  # (another thread may have dropped it first)
         return None
     for step in plan.steps:
         step(env)
@@ -300,9 +302,11 @@ def _replay(key: Tuple, env: list) -> Optional[Plan]:
 def _keep(key: Tuple, rec: "Recorder", outputs: Tuple[Optional[int], ...]) -> None:
     if _compiling_ahead():  # its launches ran nothing: no plan
         return
-    if key not in _PLANS and len(_PLANS) >= _PLANS_MAX:  # many geometries seen: drop the oldest plan
-        del _PLANS[next(iter(_PLANS))]
-    _PLANS[key] = Plan(tuple(rec.steps), outputs, rec.guard, tuple(rec.pending))
+    plans = STATE.plans
+    if key not in plans and len(plans) >= STATE.plans_max:  # many geometries seen: drop the oldest plan
+        with STATE.lock:  # (two threads evicting at once would pick the same one)
+            plans.pop(next(iter(plans), None), None)
+    plans[key] = Plan(tuple(rec.steps), outputs, rec.guard, tuple(rec.pending))
 
 
 def _getter(leading: Sequence) -> Callable[[list], tuple]:

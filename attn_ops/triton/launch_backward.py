@@ -4,7 +4,7 @@ plans and the forward; this module only imports from it).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -16,7 +16,7 @@ from .common import LOG2E
 from .dbias import attn_bwd_dbias_kernel, sum_splits_kernel
 from .launch import (Recorder, TensorDescriptor, _align, _bias_align, _bias_operand_slot, _bias_slot, _bstrides,
                      _cdiv, _current_device, _empty, _even, _geo, _host_bound, _keep, _key, _mask_kind,
-                     _mask_strides, _mask_u8, _pow2, _replay, _rows, _seg_strides, _tma_capable, _width)
+                     _mask_strides, _mask_u8, _pow2, _replay, _rows, _seg_strides, _tma_capable, _width, sm_count)
 
 Tensor = torch.Tensor
 
@@ -31,7 +31,7 @@ def _pairs_rows(bias: Optional[Tensor], R: int, causal: bool, atomic_dbias: bool
     return atomic_dbias and bias is not None and bias.shape[1] == 1 and R > 1 and not causal
 
 
-# deterministic=False below launch.TMA_MIN_SCORES: a broadcast bias's gradient by vector atomics in the dQ kernel (False: by
+# deterministic=False below launch.STATE.tma_min_scores: a broadcast bias's gradient by vector atomics in the dQ kernel (False: by
 # per-element atomics in the dK/dV kernel, as before 2026-11-26; for comparisons, with clear_plans() after a change)
 DBIAS_ATOMICS_IN_DQ = True
 
@@ -48,17 +48,6 @@ def _reduce_desc(acc: Tensor, rows: int, cols: int, block_rows: int, block_cols:
     block_cols]`` tiles (the kernels add whole tiles into it with one bulk reduction each)."""
     return TensorDescriptor(acc, [acc.numel() // (rows * cols), rows, cols], [rows * cols, cols, 1],
                             [1, block_rows, block_cols])
-
-
-_SMS: Dict[int, int] = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """The CUDA device's SM count, asked once per device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
 
 
 def _dbias_splits(splits: int, n_programs: int, total_steps: int, device: torch.device) -> int:

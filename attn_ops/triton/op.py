@@ -12,14 +12,14 @@ is bound by (docs/bench/history.md). Both paths run the same launches, so they g
 from __future__ import annotations
 
 import weakref
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from .fastlaunch import compiling_ahead as _compiling_ahead
-from .launch import attn_forward, empty_in_order
+from .launch import STATE, attn_forward, empty_in_order
 from .launch_backward import attn_backward
 from .segtable import segment_tables_flat, split_tables
+from .tuning import compiling_ahead as _compiling_ahead
 
 Tensor = torch.Tensor
 
@@ -102,24 +102,26 @@ def segment_tables(q_ids: Tensor, k_ids: Tensor) -> Tuple[Tensor, Tensor]:
     if _through_custom_op(q_ids):
         return split_tables(torch.ops.attn_zoo.triton_segment_tables(q_ids, k_ids, shared), Lq, Lk, shared)
     key = None if _compiling_ahead() else _tables_key(q_ids, k_ids, shared)  # (ahead: the tables are garbage)
+    tables = STATE.tables
     if key is not None:
-        for entry_key, refs, flat in _TABLES:
+        for entry_key, refs, flat in tables:
             if entry_key == key and refs[0]() is _root(q_ids) and refs[1]() is _root(k_ids):
                 return split_tables(flat, Lq, Lk, shared)
     flat = segment_tables_flat(q_ids, k_ids, shared)
     if key is not None:
-        _TABLES[:] = [e for e in _TABLES if e[1][0]() is not None and e[1][1]() is not None][:_TABLES_MAX - 1]
-        _TABLES.insert(0, (key, (weakref.ref(_root(q_ids)), weakref.ref(_root(k_ids))), flat))
+        with STATE.lock:
+            tables[:] = [e for e in tables if e[1][0]() is not None and e[1][1]() is not None][:_TABLES_MAX - 1]
+            tables.insert(0, (key, (weakref.ref(_root(q_ids)), weakref.ref(_root(k_ids))), flat))
     return split_tables(flat, Lq, Lk, shared)
 
 
-_TABLES: List = []  # (key, weak refs to the ids' base tensors, flat tables), newest first
-_TABLES_MAX = 4
+_TABLES_MAX = 4  # ids tensors whose tables are kept (``STATE.tables``)
 
 
 def clear_segment_tables() -> None:
     """Forget every cached segment table (after writing ids in a way PyTorch's version counter does not see)."""
-    _TABLES.clear()
+    with STATE.lock:
+        STATE.tables.clear()
 
 
 def _root(t: Tensor) -> Tensor:

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
@@ -28,7 +29,6 @@ from triton.runtime.errors import OutOfResources
 from .. import settings as _settings
 from ..settings import interpreting
 from . import precompile
-from .fastlaunch import compiling_ahead
 from .precompile import compile_only
 
 
@@ -41,7 +41,38 @@ class Cfg(NamedTuple):
     splits: int = 0  # dbias: programs per SM its split aims at (1: no split; 0: the launcher's default, 8)
 
 
-_CACHE: Dict[Tuple, Cfg] = {}
+class TuningState:
+    """The tuner's caches and the compile threads' bookkeeping, one instance (:data:`TUNER`); ``reset()`` empties the
+    caches and bumps ``generation``, which launch plans check (a plan holds configs picked before)."""
+
+    __slots__ = ("picks", "disks", "shipped", "pool", "jobs", "ahead", "generation", "lock")
+
+    def __init__(self):
+        self.picks: Dict[Tuple, Cfg] = {}  # full key (see pick) -> config
+        self.disks: Dict[Tuple, "DiskCache"] = {}  # (folder, device) -> its disk cache
+        self.shipped: Dict[Tuple, Dict[str, Cfg]] = {}  # (folder, gpu, triton release) -> shipped table
+        self.pool = None  # the background compiles' one thread (made at the first)
+        self.jobs: Dict[Tuple, object] = {}  # background compiles: signature key -> Future
+        # (pool, {signature key: Future}, worker processes) while compile_ahead() runs, for the whole process
+        # (autograd runs a CUDA backward on threads of its own, so not a context variable)
+        self.ahead = None
+        self.generation = 0
+        self.lock = threading.Lock()  # compile_ahead's start and end against submissions; the pool's making
+
+    def reset(self) -> None:
+        """Forget every pick, disk cache, shipped table and background job."""
+        with self.lock:
+            for cache in (self.picks, self.disks, self.shipped, self.jobs):
+                cache.clear()
+            self.generation += 1
+
+
+TUNER = TuningState()
+
+
+def compiling_ahead() -> bool:
+    """Whether ``compile_ahead`` is active: launches submit their kernel's compile and run nothing."""
+    return TUNER.ahead is not None
 
 # Candidates per kernel (BLOCK_M = query tile, BLOCK_N = key tile), for H100-class GPUs with triton 3.x.
 _CANDIDATES = {
@@ -116,7 +147,7 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
         return _INTERPRETER._replace(rows=2 if pair else 1)
     s = _settings.get()
     full_key = (kernel, pair) + key + (s.tune, s.shipped_configs, device)
-    cfg = _CACHE.get(full_key)
+    cfg = TUNER.picks.get(full_key)
     if cfg is not None:
         return cfg
     cands = candidates(kernel, head_dim, lq, lk, pair)
@@ -154,7 +185,7 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
             cfg = _time(kernel, key, cands, launch, s.tune_log)
             if disk is not None:
                 disk.put((kernel, pair) + key, cfg)
-    _CACHE[full_key] = cfg
+    TUNER.picks[full_key] = cfg
     return cfg
 
 
@@ -237,7 +268,7 @@ def _first_that_launches(cands: List[Cfg], launch: Callable[[Cfg], None]) -> Cfg
 def chosen() -> Dict[Tuple, Cfg]:
     """Configs picked so far (for benchmark reports): key ``(kernel, pair, *launcher key, tune, shipped_configs,
     device)``."""
-    return dict(_CACHE)
+    return dict(TUNER.picks)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -389,15 +420,12 @@ class _locked:
         return False
 
 
-_DISK: Dict[Tuple, DiskCache] = {}
-
 # ---------------------------------------------------------------------------------------------------------------
 # Shipped tables: {"identity": {"gpu": name, "triton": "major.minor"}, "measured": text, "configs": {key: cfg}}, the
 # disk cache's keys and configs without its source hash (a config stays valid when a kernel changes; one that the
 # candidate lists no longer offer is ignored).
 
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
-_SHIPPED: Dict[Tuple, Dict[str, Cfg]] = {}
 
 
 def triton_release(version: str) -> str:
@@ -412,7 +440,7 @@ def shipped(device=None) -> Dict[str, Cfg]:
     gpu, version = _gpu_and_triton(device)
     want = {"gpu": gpu, "triton": triton_release(version)}
     key = (folder, want["gpu"], want["triton"])
-    table = _SHIPPED.get(key)
+    table = TUNER.shipped.get(key)
     if table is None:
         table = {}
         names = sorted(n for n in os.listdir(folder) if n.endswith(".json")) if os.path.isdir(folder) else []
@@ -426,7 +454,7 @@ def shipped(device=None) -> Dict[str, Cfg]:
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 warnings.warn(f"attn_ops shipped tuning table {path}: unreadable ({type(exc).__name__}: {exc}); "
                               "skipped", RuntimeWarning, stacklevel=2)
-        _SHIPPED[key] = table
+        TUNER.shipped[key] = table
     return table
 
 
@@ -436,7 +464,7 @@ def disk_cache(folder: Optional[str], device=None) -> Optional[DiskCache]:
         return None
     index = torch.cuda.current_device() if device is None and torch.cuda.is_available() else device
     key = (os.fspath(folder), index)
-    cache = _DISK.get(key)
+    cache = TUNER.disks.get(key)
     if cache is None:
-        cache = _DISK[key] = DiskCache(folder, identity(index))
+        cache = TUNER.disks[key] = DiskCache(folder, identity(index))
     return cache
