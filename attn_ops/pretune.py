@@ -87,7 +87,7 @@ def compile_ahead(threads: Optional[int] = None, processes: Optional[int] = None
     module, then capture.
     """
     try:
-        from .triton.fastlaunch import compile_ahead as _ahead
+        from .triton.tuning import compile_ahead as _ahead
     except ImportError:  # no Triton: nothing to compile
         yield
         return

@@ -2,7 +2,7 @@
 runs the launchers afresh, with the new call's tensors; anything a plan depends on gives a new plan.
 
 Two halves: the real kernels under TRITON_INTERPRET=1 (the replay launches through the plain path there), and the
-GPU's direct path (``fastlaunch.bound``) with a stand-in for Triton's compiled kernels that logs every launch, so the
+GPU's direct path (``launch.bound``) with a stand-in for Triton's compiled kernels that logs every launch, so the
 arguments a replay hands the kernels are checked on the CPU too.
 """
 import gc
@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from attn_ops import settings  # noqa: E402
 from attn_ops.settings import kernel_settings  # noqa: E402
-from attn_ops.triton import fastlaunch, launch, launch_backward, triton_attention, tuning  # noqa: E402
+from attn_ops.triton import launch, launch_backward, triton_attention, tuning  # noqa: E402
 from helpers import ids_from_lengths, make_inputs  # noqa: E402
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -265,7 +265,7 @@ def logged_launches(monkeypatch, fresh_plans):
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, tune=False))
     for name in ("compiled", "exact", "params"):
         monkeypatch.setattr(launch.STATE, name, {})
-    monkeypatch.setattr(fastlaunch, "_device", lambda: 0)  # no CUDA here
+    monkeypatch.setattr(launch, "_device", lambda: 0)  # no CUDA here
     monkeypatch.setattr(launch, "_tma_capable", lambda device: False)  # CPU tensors: pointer loads, as on older GPUs
     return log
 
@@ -339,7 +339,7 @@ def test_every_stride_a_kernel_aligns_is_a_multiple_of_its_claim(layout, variant
     bias = torch.randn(1, 1, h, n, n + (layout == "bias_pitch_33"), generator=g)[..., :n].requires_grad_()
     mask = torch.rand(1, 3, 1, 1, n, generator=g) > 0.2
     seen = []
-    real = launch._launch
+    real = launch.launch_kernel
 
     def check(kernel, grid, args, num_warps, num_stages, **constexprs):
         name = kernel.fn.__name__
@@ -360,7 +360,7 @@ def test_every_stride_a_kernel_aligns_is_a_multiple_of_its_claim(layout, variant
             seen.append((name, align, constexprs.get("BIAS_ALIGN")))
         return real(kernel, grid, args, num_warps, num_stages, **constexprs)
 
-    monkeypatch.setattr(launch, "_launch", check)
+    monkeypatch.setattr(launch, "launch_kernel", check)
     opts = {"split": {}, "fused": {"bwd": "fused", "deterministic": False}, "atomic": {"deterministic": False}}[variant]
     leaves = (q, k, v, bias)
     grads = []
@@ -426,13 +426,13 @@ def test_tile_multiple_runs_the_general_variant_until_its_own_compiled(logged_la
     monkeypatch.setattr(tuning.TUNER, "pool", pool)
     monkeypatch.setattr(tuning.TUNER, "jobs", {})
     asked = []
-    real_launch = launch._launch
+    real_launch = launch.launch_kernel
 
     def spy(kernel, grid, args, num_warps, num_stages, **constexprs):
         asked.append((kernel.fn.__name__, constexprs.get("EVEN_M"), constexprs.get("EVEN_N")))
         return real_launch(kernel, grid, args, num_warps, num_stages, **constexprs)
 
-    monkeypatch.setattr(launch, "_launch", spy)
+    monkeypatch.setattr(launch, "launch_kernel", spy)
 
     def call(n):
         del asked[:]

@@ -169,7 +169,7 @@ def _spy_backward_flags(monkeypatch):
     from attn_ops.triton.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 
     seen = []
-    real = launch._launch
+    real = launch.launch_kernel
     names = {attn_bwd_dkdv_kernel: "dkdv", attn_bwd_dq_kernel: "dq"}
 
     def spy(kernel, grid, args, num_warps, num_stages, **constexprs):
@@ -177,7 +177,7 @@ def _spy_backward_flags(monkeypatch):
             seen.append((names[kernel], constexprs))
         real(kernel, grid, args, num_warps, num_stages, **constexprs)
 
-    monkeypatch.setattr(launch, "_launch", spy)
+    monkeypatch.setattr(launch, "launch_kernel", spy)
     return seen
 
 
@@ -674,7 +674,7 @@ def test_padded_bias_copy_equals_plain_pointer_loads(name, dtype, variant, monke
             "atomic": dict(bwd="split", deterministic=False)}[variant]
     grad = torch.randn(q.shape[:-1] + v.shape[-1:], generator=g).to(dtype)
     has_bias = []
-    real_launch = launch._launch
+    real_launch = launch.launch_kernel
 
     def spy(kernel, grid, args, num_warps, num_stages, **constexprs):
         if "HAS_BIAS" in constexprs:
@@ -685,7 +685,7 @@ def test_padded_bias_copy_equals_plain_pointer_loads(name, dtype, variant, monke
         rows = torch.full(shape[:4] + (pitch,), float("nan"), dtype=bias.dtype, device=bias.device)
         return rows[..., :shape[4]].copy_(bias)
 
-    monkeypatch.setattr(launch, "_launch", spy)
+    monkeypatch.setattr(launch, "launch_kernel", spy)
     monkeypatch.setattr(launch, "_rows_copy", nan_rows)
     monkeypatch.setattr(launch.STATE, "plans", {})
 
@@ -743,13 +743,13 @@ def test_tile_variants_off_runs_the_general_variant_with_the_same_results(monkey
 
     q, k, v, bias, mask = make_inputs((1, 3), 2, 32, 32, 16, bias_shape=(1, 1, 2, 32, 32), mask_shape=(1, 3, 1, 1, 32))
     g = torch.randn(q.shape[:-1] + v.shape[-1:], generator=torch.Generator().manual_seed(5))
-    real, flags = launch._launch, []
+    real, flags = launch.launch_kernel, []
 
     def spy(kernel, grid, args, num_warps, num_stages, **constexprs):
         flags.append((constexprs.get("EVEN_M"), constexprs.get("EVEN_N")))
         real(kernel, grid, args, num_warps, num_stages, **constexprs)
 
-    monkeypatch.setattr(launch, "_launch", spy)
+    monkeypatch.setattr(launch, "launch_kernel", spy)
     results = {}
     for on in (True, False):
         flags.clear()
@@ -768,7 +768,7 @@ def test_compile_ahead_times_and_keeps_nothing(monkeypatch):
     """Under ``compile_ahead`` (here its state set by hand: on the interpreter the block itself does nothing) a tuning
     miss launches every candidate once (their compiles), times none and caches nothing, and no launch plan is kept;
     on the interpreter the block is a no-op (calls inside compute as outside)."""
-    from attn_ops.triton import fastlaunch, launch, tuning
+    from attn_ops.triton import launch, tuning
 
     q, k, v, bias, mask = make_inputs((2,), 2, 20, 20, 16, bias_shape=(2, 2, 20, 20), mask_shape=None)
     with attn_ops.compile_ahead():
@@ -795,18 +795,18 @@ def test_compile_ahead_times_and_keeps_nothing(monkeypatch):
     plans = dict(launch.STATE.plans)
     launch._keep(("a key",), launch.Recorder([]), (0,))
     assert launch.STATE.plans == plans
-    monkeypatch.setattr(fastlaunch, "interpreting", lambda: False)  # (the interpreter alone makes bound() None)
-    assert fastlaunch.bound(None, (1,), (), 4, 1, 0) is None
+    monkeypatch.setattr(launch, "interpreting", lambda: False)  # (the interpreter alone makes bound() None)
+    assert launch.bound(None, (1,), (), 4, 1, 0) is None
     assert attn_ops.compiling_ahead()
 
 
 def test_compile_ahead_warns_of_compiles_that_failed(monkeypatch):
     """A compile that fails inside ``compile_ahead`` is reported once at the block's end (count and first error);
     the block itself completes (the kernel compiles again at its first real launch)."""
-    from attn_ops.triton import fastlaunch, tuning
+    from attn_ops.triton import launch, tuning
 
-    monkeypatch.setattr(fastlaunch, "background_compiles", lambda: True)  # (the interpreter turns the block off)
-    monkeypatch.setattr(fastlaunch, "_device", lambda: -1)
+    monkeypatch.setattr(tuning, "background_compiles", lambda: True)  # (the interpreter turns the block off)
+    monkeypatch.setattr(launch, "_device", lambda: -1)
 
     class Broken:
         params = ()
@@ -815,8 +815,8 @@ def test_compile_ahead_warns_of_compiles_that_failed(monkeypatch):
             raise RuntimeError("no such kernel")
 
     with pytest.warns(RuntimeWarning, match=r"compile_ahead: 1 of 1 compiles failed .*no such kernel"):
-        with fastlaunch.compile_ahead(threads=1, processes=0):
-            fastlaunch.launch(Broken(), (1,), [], 4, 3)
+        with tuning.compile_ahead(threads=1, processes=0):
+            launch.launch_kernel(Broken(), (1,), [], 4, 3)
     assert not tuning.compiling_ahead()
 
 

@@ -174,7 +174,7 @@ def test_split_backward_is_bitwise_deterministic_gpu(bias_shape):
 def test_direct_launch_equals_triton_launch_gpu(monkeypatch, splits):
     """Every kernel of a forward + backward runs through fastlaunch's direct call on the second call (the entries
     exist), and gives the same bits as Triton's own launch path (settings.fast_launch False)."""
-    from attn_ops.triton import fastlaunch, tuning, triton_attention
+    from attn_ops.triton import launch, tuning, triton_attention
     from attn_ops.triton.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
     from attn_ops.triton.dbias import attn_bwd_dbias_kernel, sum_splits_kernel
     from attn_ops.triton.forward import attn_fwd_kernel
@@ -191,11 +191,11 @@ def test_direct_launch_equals_triton_launch_gpu(monkeypatch, splits):
 
     with kernel_settings(fast_launch=False):
         plain = run()
-    monkeypatch.setattr(fastlaunch.STATE, "compiled", {})
-    monkeypatch.setattr(fastlaunch.STATE, "exact", {})  # earlier tests' exact-argument entries would bypass the signature cache
+    monkeypatch.setattr(launch.STATE, "compiled", {})
+    monkeypatch.setattr(launch.STATE, "exact", {})  # earlier tests' exact-argument entries would bypass the signature cache
     run()  # remembers the compiled kernels
     direct = run()
-    kernels = {key[0] for key in fastlaunch.STATE.compiled}
+    kernels = {key[0] for key in launch.STATE.compiled}
     expected = {attn_fwd_kernel, bwd_preprocess_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_dbias_kernel}
     assert kernels == expected | ({sum_splits_kernel} if splits != 1 else set())  # 0: 8 per SM, split here
     for a, b in zip(plain, direct):
@@ -403,7 +403,7 @@ def test_lengths_differing_mod_16_reuse_compiled_kernels_gpu(variant):
     length args and length-proportional strides are not specialised, so Triton compiles nothing new, and the direct
     launch cache gains no entry. (The atomic variant's TMA reduction of dbias needs Lk % 4 == 0: its lengths keep
     that.)"""
-    from attn_ops.triton import fastlaunch
+    from attn_ops.triton import launch
 
     opts = dict(bwd="split") if variant == "split" else dict(bwd="split", deterministic=False)
 
@@ -413,12 +413,12 @@ def test_lengths_differing_mod_16_reuse_compiled_kernels_gpu(variant):
         check_against_reference("triton", q, k, v, bias, mask, **opts)
 
     step(200)
-    compiled, direct = _compiled_counts(), len(fastlaunch.STATE.compiled)
+    compiled, direct = _compiled_counts(), len(launch.STATE.compiled)
     assert sum(compiled.values()) > 0
     for L in ((207, 193, 204) if variant == "split" else (196, 204)):
         step(L)
         assert _compiled_counts() == compiled, L
-        assert len(fastlaunch.STATE.compiled) == direct, L
+        assert len(launch.STATE.compiled) == direct, L
 
 
 def test_tile_multiple_runs_the_general_variant_while_its_own_compiles_gpu(monkeypatch):
@@ -426,23 +426,23 @@ def test_tile_multiple_runs_the_general_variant_while_its_own_compiles_gpu(monke
     after a ragged one of the same bucket (200): its EVEN_M / EVEN_N kernels compile on the background thread while the compiled general ones give the
     call's results (its plan kept with the pending compiles); once they are ready, the next call records its plan
     anew with them. Every call matches the reference."""
-    from attn_ops.triton import fastlaunch, launch, tuning
+    from attn_ops.triton import launch, tuning
 
     monkeypatch.setattr(launch.STATE, "plans", {})
     monkeypatch.setattr(tuning.TUNER, "jobs", {})
     # kernels that earlier tests of the process compiled (their EVEN variants among them) are forgotten: Triton's
     # own cache still has them, so the general ones are at hand again after the 200 step
-    monkeypatch.setattr(fastlaunch.STATE, "compiled", {})
-    monkeypatch.setattr(fastlaunch.STATE, "exact", {})
+    monkeypatch.setattr(launch.STATE, "compiled", {})
+    monkeypatch.setattr(launch.STATE, "exact", {})
     asked = []
-    real_launch = launch._launch
+    real_launch = launch.launch_kernel
 
     def spy(kernel, grid, args, num_warps, num_stages, **constexprs):
         if "EVEN_M" in constexprs:
             asked.append(bool(constexprs["EVEN_M"] or constexprs["EVEN_N"]))
         return real_launch(kernel, grid, args, num_warps, num_stages, **constexprs)
 
-    monkeypatch.setattr(launch, "_launch", spy)
+    monkeypatch.setattr(launch, "launch_kernel", spy)
     with kernel_settings(tune=False):
         def step(L):
             del asked[:]
@@ -579,7 +579,7 @@ def test_compile_ahead_then_real_calls_are_exact_gpu(tune, processes, monkeypatc
     and module loaded, these calls compile nothing, match the float64 reference, and give the bits of the same
     calls made again with no launch plan or direct-launch entry kept."""
     import attn_ops
-    from attn_ops.triton import fastlaunch, launch, triton_attention
+    from attn_ops.triton import launch, triton_attention
     from triton.runtime.jit import JITFunction
 
     from attn_ops.triton import precompile
@@ -611,14 +611,14 @@ def test_compile_ahead_then_real_calls_are_exact_gpu(tune, processes, monkeypatc
                 call(*c)
         assert (precompile.COUNTS["compiled"] > worker_compiles) == bool(processes)
         assert not attn_ops.compiling_ahead()  # (other tests may have compiled these variants already)
-        assert all(getattr(k, "module", True) is not None for k in fastlaunch.STATE.compiled.values())
+        assert all(getattr(k, "module", True) is not None for k in launch.STATE.compiled.values())
         compiles.clear()
         got = [call(*c) for c in cases]
         assert compiles == []
         for c in cases:
             check_against_reference("triton", *c)
         launch.clear_plans()
-        fastlaunch.STATE.exact.clear()
+        launch.STATE.exact.clear()
         again = [call(*c) for c in cases]
     for g, a in zip(got, again):
         for x, y in zip(g, a):

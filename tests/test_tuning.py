@@ -517,21 +517,21 @@ def _launch_keys(monkeypatch, R, Lq, Lk=20, transposed_mask=False):
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    from attn_ops.triton import fastlaunch, triton_attention
+    from attn_ops.triton import triton_attention
 
     keys = []
-    real = launch_mod._launch
+    real = launch_mod.launch_kernel
 
     def record(kernel, grid, args, num_warps, num_stages, **constexprs):
         dns = set(getattr(kernel, "kwargs", {}).get("do_not_specialize") or ())
         dnsoa = set(getattr(kernel, "kwargs", {}).get("do_not_specialize_on_alignment") or ())
         names = [p for p in kernel.arg_names if p not in constexprs]
         spec = tuple(native_specialize_impl(BaseBackend, a, False, n not in dns, n not in dnsoa)
-                     if isinstance(a, (int, float)) else fastlaunch._arg_key(a) for n, a in zip(names, args))
+                     if isinstance(a, (int, float)) else launch_mod._arg_key(a) for n, a in zip(names, args))
         keys.append((kernel.__name__, tuple(constexprs.items()), num_warps, num_stages, spec))
         return real(kernel, grid, args, num_warps, num_stages, **constexprs)
 
-    monkeypatch.setattr(launch_mod, "_launch", record)
+    monkeypatch.setattr(launch_mod, "launch_kernel", record)
     q, k, v, bias, mask = make_inputs((1, R), 2, Lq, Lk, 16, bias_shape=(1, 1, 2, Lq, Lk), mask_shape=(1, R, 1, 1, Lk),
                                       seed=R)
     if transposed_mask:
@@ -584,7 +584,6 @@ def test_transposed_mask_key_strides_compile_nothing_new(monkeypatch):
 def test_a_miss_compiles_every_candidate_at_once_before_timing(tuner, monkeypatch):
     """compile_threads > 1: each candidate goes through the launcher once in compile-only mode (inside Triton's
     asynchronous compile mode), a failing compile is left to the timing loop, and the timing launches for real."""
-    from attn_ops.triton import precompile
     from triton.runtime import _async_compile
 
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, compile_threads=4,
@@ -593,7 +592,7 @@ def test_a_miss_compiles_every_candidate_at_once_before_timing(tuner, monkeypatc
     real = tuner.launch
 
     def launch(cfg):
-        modes.append((cfg, precompile._WARMUP_ONLY.get(), _async_compile.active_mode.get() is not None))
+        modes.append((cfg, tuning._WARMUP_ONLY.get(), _async_compile.active_mode.get() is not None))
         return real(cfg)
 
     cands = candidates("fwd", **ARGS)
@@ -604,12 +603,10 @@ def test_a_miss_compiles_every_candidate_at_once_before_timing(tuner, monkeypatc
     assert modes[:n] == [(c, True, True) for c in cands]  # all compiles submitted first
     assert [m[0] for m in modes[n:]] == cands and not any(m[1] or m[2] for m in modes[n:])  # then timed for real
     assert tuner.timed == cands[1:]
-    assert precompile._WARMUP_ONLY.get() is False and _async_compile.active_mode.get() is None
+    assert tuning._WARMUP_ONLY.get() is False and _async_compile.active_mode.get() is None
 
 
 def test_compile_only_launch_warms_up_and_runs_nothing(monkeypatch):
-    from attn_ops.triton import fastlaunch, precompile
-
     calls = []
 
     class Kernel:
@@ -619,10 +616,10 @@ def test_compile_only_launch_warms_up_and_runs_nothing(monkeypatch):
         def __getitem__(self, grid):
             raise AssertionError("launched in compile-only mode")
 
-    with precompile.compile_only():
-        fastlaunch.launch(Kernel(), (3,), (1, 2), 4, 2, BLOCK=16)
+    with tuning.compile_only():
+        launch_mod.launch_kernel(Kernel(), (3,), (1, 2), 4, 2, BLOCK=16)
     assert calls == [("warmup", (1, 2), (3,), {"num_warps": 4, "num_stages": 2, "BLOCK": 16})]
-    assert precompile._WARMUP_ONLY.get() is False
+    assert tuning._WARMUP_ONLY.get() is False
 
 
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fastlaunch import launch as _launch
+from .launch import launch_kernel as _launch
 
 Tensor = torch.Tensor
 _BLOCK = 1024
