@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from attn_ops import settings  # noqa: E402
 from attn_ops.settings import kernel_settings  # noqa: E402
-from attn_ops.triton import launch, launch_backward, triton_attention, tuning  # noqa: E402
+from attn_ops.triton import launch, passes, tuning, triton_attention  # noqa: E402
 from helpers import ids_from_lengths, make_inputs  # noqa: E402
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -251,9 +251,9 @@ def logged_launches(monkeypatch, fresh_plans):
                     "plain"))
         return _LoggedCompiled(log, name)
 
-    kernels = (launch.attn_fwd_kernel, launch_backward.attn_bwd_dkdv_kernel, launch_backward.attn_bwd_dq_kernel,
-               launch_backward.bwd_preprocess_kernel, launch_backward.attn_bwd_dbias_kernel,
-               launch_backward.sum_splits_kernel)
+    kernels = (passes.attn_fwd_kernel, passes.attn_bwd_dkdv_kernel, passes.attn_bwd_dq_kernel,
+               passes.bwd_preprocess_kernel, passes.attn_bwd_dbias_kernel,
+               passes.sum_splits_kernel)
     for kernel in kernels:
         monkeypatch.setattr(type(kernel), "run", run)
         if not hasattr(kernel, "params"):  # the interpreter's kernels: their params as a JITFunction lists them
@@ -266,7 +266,7 @@ def logged_launches(monkeypatch, fresh_plans):
     for name in ("compiled", "exact", "params"):
         monkeypatch.setattr(launch.STATE, name, {})
     monkeypatch.setattr(launch, "_device", lambda: 0)  # no CUDA here
-    monkeypatch.setattr(launch, "_tma_capable", lambda device: False)  # CPU tensors: pointer loads, as on older GPUs
+    monkeypatch.setattr(passes, "_tma_capable", lambda device: False)  # CPU tensors: pointer loads, as on older GPUs
     return log
 
 
@@ -415,8 +415,8 @@ def test_tile_multiple_runs_the_general_variant_until_its_own_compiled(logged_la
     from attn_ops.triton.common import LENGTH_ARGS
 
     # the interpreter's stand-in params: lengths unspecialised, as the kernels declare (a GPU's JITFunctions do)
-    for kernel in (launch.attn_fwd_kernel, launch_backward.attn_bwd_dkdv_kernel, launch_backward.attn_bwd_dq_kernel,
-                   launch_backward.attn_bwd_dbias_kernel):
+    for kernel in (passes.attn_fwd_kernel, passes.attn_bwd_dkdv_kernel, passes.attn_bwd_dq_kernel,
+                   passes.attn_bwd_dbias_kernel):
         if not isinstance(kernel.params[0], types.SimpleNamespace):
             continue
         monkeypatch.setattr(kernel, "params", [p.__class__(**dict(vars(p), do_not_specialize=p.name in LENGTH_ARGS))

@@ -329,11 +329,11 @@ def test_tma_and_pointer_bias_loads_both_match_reference_gpu(variant, monkeypatc
     """A shared pair bias with 16-byte rows (bf16, L = 200: ragged against every tile) is read through a TMA
     descriptor by default and through pointers with settings.tma False; both paths match the reference, and each
     run took the path it was meant to."""
-    from attn_ops.triton import launch
+    from attn_ops.triton import launch, passes
 
     seen = []
-    real = launch.bias_tma
-    monkeypatch.setattr(launch, "bias_tma", lambda *a: seen.append(real(*a)) or seen[-1])
+    real = passes.bias_tma
+    monkeypatch.setattr(passes, "bias_tma", lambda *a: seen.append(real(*a)) or seen[-1])
     monkeypatch.setattr(launch.STATE, "tma_min_scores", 0)  # this small shape would otherwise skip TMA (host-bound rule)
     opts = dict(bwd="split") if variant == "split" else dict(bwd="split", deterministic=False)
     q, k, v, bias, mask = make_inputs((1, 6), 4, 200, 200, 32, dtype=torch.bfloat16, bias_shape=(1, 1, 4, 200, 200),
@@ -351,11 +351,11 @@ def test_tma_reduce_and_element_atomics_both_match_reference_gpu(variant, monkey
     """The atomic accumulators (dq of the fused backward, a shared bias's gradient with deterministic=False) take one
     bulk TMA reduction per tile on Hopper and per-element atomics elsewhere: both match the reference on a ragged
     pair-bias case (L = 200 against every tile), and each run took the path it was meant to."""
-    from attn_ops.triton import launch, launch_backward
+    from attn_ops.triton import launch, passes
 
     made = []
-    real = launch_backward._reduce_desc
-    monkeypatch.setattr(launch_backward, "_reduce_desc", lambda *a: made.append(a[1:3]) or real(*a))
+    real = passes._reduce_desc
+    monkeypatch.setattr(passes, "_reduce_desc", lambda *a: made.append(a[1:3]) or real(*a))
     monkeypatch.setattr(launch.STATE, "tma_min_scores", 0)  # this small case is host-bound: TMA would be skipped
     opts = dict(bwd="fused", deterministic=False) if variant == "fused" else dict(bwd="split", deterministic=False)
     q, k, v, bias, mask = make_inputs((1, 6), 4, 200, 200, 32, dtype=torch.bfloat16, bias_shape=(1, 1, 4, 200, 200),
@@ -364,7 +364,7 @@ def test_tma_reduce_and_element_atomics_both_match_reference_gpu(variant, monkey
     want = (200, 32) if variant == "fused" else (200, 200)  # (rows, cols) of the accumulator's slices
     assert want in made
     made.clear()
-    monkeypatch.setattr(launch_backward, "_tma_reduce", lambda device: False)
+    monkeypatch.setattr(passes, "_tma_reduce", lambda device: False)
     monkeypatch.setattr(launch.STATE, "plans", {})  # the plans made above hold the TMA path
     check_against_reference("triton", q, k, v, bias, mask, **opts)
     assert not made
@@ -467,14 +467,14 @@ def test_tile_multiple_runs_the_general_variant_while_its_own_compiles_gpu(monke
 def test_small_steps_read_the_bias_without_tma_gpu():
     """Below ``TMA_MIN_SCORES`` attention scores per launch the bias goes by pointer loads (the host's descriptor
     encoding costs more than TMA saves there); at and above it, through a descriptor on a Hopper GPU."""
-    from attn_ops.triton import launch
+    from attn_ops.triton import passes
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs a Hopper GPU")
     for n, want_tma in ((256, False), (512, True)):
         q = torch.empty(1, n, 4, n, 32, device="cuda", dtype=torch.bfloat16)
         bias = torch.empty(1, 1, 4, n, n, device="cuda", dtype=torch.bfloat16)
-        _, tma, _ = launch.bias_for_tiles(bias, q, n, n)
+        _, tma, _ = passes.bias_for_tiles(bias, q, n, n)
         assert (tma is not None) == want_tma, n
 
 

@@ -13,7 +13,7 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from attn_ops import settings  # noqa: E402
 from attn_ops.triton import launch as launch_mod  # noqa: E402
-from attn_ops.triton import tuning  # noqa: E402
+from attn_ops.triton import passes, tuning  # noqa: E402
 from attn_ops.triton.tuning import Cfg, candidates, pick  # noqa: E402
 from helpers import check_against_reference, make_inputs  # noqa: E402
 
@@ -47,7 +47,7 @@ def test_candidates_never_empty_and_fit_the_head_width(kernel):
 def test_fp32_doubles_the_width_and_prunes_more():
     """The launchers pass the head width in 16-bit units: fp32 D = 128 counts as 256, so its forward drops every
     3-stage / big-tile config that fp16 D = 128 keeps."""
-    from attn_ops.triton.launch import _width
+    from attn_ops.triton.passes import _width
 
     q16, q32 = torch.empty(1, 1, 1, 4, 128, dtype=torch.float16), torch.empty(1, 1, 1, 4, 128)
     assert _width(q16, 128, 128) == 128 and _width(q32, 128, 128) == 256
@@ -80,21 +80,19 @@ def test_dbias_split_count_is_programs_per_sm(monkeypatch):
     1 is no split, 0 the default (``tuning.DBIAS_PER_SM``); capped by the batch steps and at 64."""
     import torch
 
-    from attn_ops.triton import launch_backward
-
     dev = torch.device("cuda", 0)
     monkeypatch.setitem(launch_mod.STATE.devices, 0, (9, 132))
-    assert launch_backward._dbias_splits(1, 144, 384, dev) == 1
-    assert launch_backward._dbias_splits(0, 144, 384, dev) == 8  # 8 per SM: 1056 programs over 144 tiles
-    assert launch_backward._dbias_splits(4, 144, 384, dev) == 4
-    assert launch_backward._dbias_splits(4, 100, 300, dev) == 6  # N=300's fewer tiles get more splits, not the same 4
-    assert launch_backward._dbias_splits(0, 2000, 384, dev) == 1
-    assert launch_backward._dbias_splits(4, 4, 384, dev) == 64
-    assert launch_backward._dbias_splits(4, 4, 6, dev) == 6
-    assert launch_backward._dbias_splits(4, 4, 6, torch.device("cpu")) == 2  # the interpreter counts 2 SMs
+    assert passes._dbias_splits(1, 144, 384, dev) == 1
+    assert passes._dbias_splits(0, 144, 384, dev) == 8  # 8 per SM: 1056 programs over 144 tiles
+    assert passes._dbias_splits(4, 144, 384, dev) == 4
+    assert passes._dbias_splits(4, 100, 300, dev) == 6  # N=300's fewer tiles get more splits, not the same 4
+    assert passes._dbias_splits(0, 2000, 384, dev) == 1
+    assert passes._dbias_splits(4, 4, 384, dev) == 64
+    assert passes._dbias_splits(4, 4, 6, dev) == 6
+    assert passes._dbias_splits(4, 4, 6, torch.device("cpu")) == 2  # the interpreter counts 2 SMs
     monkeypatch.setitem(launch_mod.STATE.devices, 0, (9, 66))  # half the SMs: half the splits for the same aim
-    assert launch_backward._dbias_splits(0, 144, 384, dev) == 4
-    assert launch_backward._dbias_splits(4, 100, 300, dev) == 3
+    assert passes._dbias_splits(0, 144, 384, dev) == 4
+    assert passes._dbias_splits(4, 100, 300, dev) == 3
 
 
 class FakeBench:
@@ -319,7 +317,7 @@ def test_bucketed_tuning_matches_exact_tuning(monkeypatch, same_pick):
     picks_bucketed = dict(tuning.chosen())
 
     tuning.TUNER.reset()  # no picks, and the plans that hold the old ones are made again
-    monkeypatch.setattr(launch_mod, "bucket", lambda n: n)  # exact-length keys
+    monkeypatch.setattr(passes, "bucket", lambda n: n)  # exact-length keys
     _run(20)
     before = state["timed"]
     exact, _ = _run(24)
@@ -332,7 +330,7 @@ def test_bucketed_tuning_matches_exact_tuning(monkeypatch, same_pick):
         for a, b in zip(bucketed, exact):
             assert torch.equal(a, b)
     else:
-        monkeypatch.setattr(launch_mod, "bucket", tuning.bucket)
+        monkeypatch.setattr(passes, "bucket", tuning.bucket)
         tuning.TUNER.reset()
         tuning.TUNER.picks.update(picks_bucketed)
         check_against_reference("triton", *inputs)  # the bucketed picks (cached) against float64

@@ -16,9 +16,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .launch import STATE, attn_forward, empty_in_order
-from .launch_backward import attn_backward
-from .segtable import segment_tables_flat, split_tables
+from .launch import STATE, empty_in_order
+from .passes import attn_backward, attn_forward, segment_tables_flat, split_tables
 from .tuning import compiling_ahead as _compiling_ahead
 
 Tensor = torch.Tensor
@@ -77,7 +76,7 @@ def _(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbia
 @torch.library.custom_op("attn_zoo::triton_segment_tables", mutates_args=())
 def triton_segment_tables(q_ids: Tensor, k_ids: Tensor, shared: bool) -> Tensor:
     """The query and key segment tables in one int32 tensor ``[B', R', 3 * (Lq + Lk)]`` (``3 * Lq`` when
-    ``shared``), see ``segtable.segment_tables_flat``."""
+    ``shared``), see ``passes.segment_tables_flat``."""
     return segment_tables_flat(q_ids, k_ids, shared)
 
 
