@@ -22,7 +22,7 @@ import attn_ops  # noqa: E402
 from attn_ops.settings import kernel_settings  # noqa: E402
 from attn_ops.reference import attention_reference  # noqa: E402
 from attn_ops.triton import triton_attention  # noqa: E402
-from attn_ops.triton.attention import triton_lse_backward  # noqa: E402
+from attn_ops.triton import triton_lse_backward  # noqa: E402
 from helpers import (  # noqa: E402
     GARBAGE_IDS, GARBAGE_RUNS, check_against_reference, check_garbage_at_masked_keys,
     check_row_under_huge_additive_bias, empty_some_rows, make_inputs,

@@ -9,12 +9,11 @@ replayed per call; stride and device helpers) with ``tuning.py`` (cached block-s
 ``passes.py`` (what each kernel is given: bias layout, tuner keys, the forward, backward and segment-table
 records) -> ``op.py`` (``torch.library`` custom ops ``attn_zoo::triton_attn_fwd``/``_bwd`` with fake impls and
 autograd for ``torch.compile``; a plain ``autograd.Function`` over the same bodies for eager calls; the segment-table
-cache) -> ``attention.py`` (leading-dim canonicalisation).
+cache; the leading-dim canonicalisation in front of them).
 """
 import torch
 
-from .attention import BWD_VARIANTS, triton_attention, triton_lse_backward
-from .op import clear_segment_tables
+from .op import BWD_VARIANTS, clear_segment_tables, triton_attention, triton_lse_backward
 
 SUPPORTED_HEAD_DIMS = (8, 256)  # (min, max) for D and Dv; any value in between (blocks padded to >= 16, a power of 2)
 SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
