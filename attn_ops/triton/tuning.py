@@ -470,19 +470,11 @@ class DiskCache:
                               fh, indent=0)
                 os.replace(tmp, self.path)
             except BaseException:
-                with _suppress():
+                with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
             st = os.stat(self.path)
             self._stamp = (st.st_mtime_ns, st.st_size)
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return exc[0] is not None and issubclass(exc[0], OSError)
 
 
 class _locked:
