@@ -1,4 +1,4 @@
-"""attn_ops.triton.fastlaunch: when a launch reuses a remembered compiled kernel and when it must not.
+"""attn_ops.triton.launch, direct launches: when a launch reuses a remembered compiled kernel and when it must not.
 
 A stand-in kernel records how it was launched, so the caching rules run on the CPU without a GPU or the
 interpreter (which always takes the plain path). The real kernels take the direct path on the GPU, where

@@ -172,7 +172,7 @@ def test_split_backward_is_bitwise_deterministic_gpu(bias_shape):
 
 @pytest.mark.parametrize("splits", [0, 1])
 def test_direct_launch_equals_triton_launch_gpu(monkeypatch, splits):
-    """Every kernel of a forward + backward runs through fastlaunch's direct call on the second call (the entries
+    """Every kernel of a forward + backward runs through the direct call (launch.launch_kernel) on the second call (the entries
     exist), and gives the same bits as Triton's own launch path (settings.fast_launch False)."""
     from attn_ops.triton import launch, tuning, triton_attention
     from attn_ops.triton.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
