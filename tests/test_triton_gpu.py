@@ -172,7 +172,7 @@ def test_split_backward_is_bitwise_deterministic_gpu(bias_shape):
 
 @pytest.mark.parametrize("splits", [0, 1])
 def test_direct_launch_equals_triton_launch_gpu(monkeypatch, splits):
-    """Every kernel of a forward + backward runs through the direct call (launch.launch_kernel) on the second call (the entries
+    """Every kernel of a forward + backward runs through the direct call on the second call (the entries
     exist), and gives the same bits as Triton's own launch path (settings.fast_launch False)."""
     from attn_ops.triton import launch, tuning, triton_attention
     from attn_ops.triton.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
@@ -192,7 +192,7 @@ def test_direct_launch_equals_triton_launch_gpu(monkeypatch, splits):
     with kernel_settings(fast_launch=False):
         plain = run()
     monkeypatch.setattr(launch.STATE, "compiled", {})
-    monkeypatch.setattr(launch.STATE, "exact", {})  # earlier tests' exact-argument entries would bypass the signature cache
+    monkeypatch.setattr(launch.STATE, "exact", {})  # earlier tests' exact entries would bypass it
     run()  # remembers the compiled kernels
     direct = run()
     kernels = {key[0] for key in launch.STATE.compiled}
@@ -334,7 +334,7 @@ def test_tma_and_pointer_bias_loads_both_match_reference_gpu(variant, monkeypatc
     seen = []
     real = passes.bias_tma
     monkeypatch.setattr(passes, "bias_tma", lambda *a: seen.append(real(*a)) or seen[-1])
-    monkeypatch.setattr(launch.STATE, "tma_min_scores", 0)  # this small shape would otherwise skip TMA (host-bound rule)
+    monkeypatch.setattr(launch.STATE, "tma_min_scores", 0)  # this small shape would skip TMA (host-bound rule)
     opts = dict(bwd="split") if variant == "split" else dict(bwd="split", deterministic=False)
     q, k, v, bias, mask = make_inputs((1, 6), 4, 200, 200, 32, dtype=torch.bfloat16, bias_shape=(1, 1, 4, 200, 200),
                                       mask_shape=(1, 6, 1, 1, 200), device="cuda")
