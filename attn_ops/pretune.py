@@ -87,7 +87,7 @@ def compile_ahead(threads: Optional[int] = None, processes: Optional[int] = None
     module, then capture.
     """
     try:
-        from .triton.fastlaunch import compile_ahead as _ahead
+        from .triton.tuning import compile_ahead as _ahead
     except ImportError:  # no Triton: nothing to compile
         yield
         return
@@ -99,7 +99,7 @@ def compiling_ahead() -> bool:
     """Whether :func:`compile_ahead` is active (calls then launch nothing; e.g. a CUDA-graph wrapper must not
     capture them)."""
     try:
-        from .triton.fastlaunch import compiling_ahead as _active
+        from .triton.tuning import compiling_ahead as _active
     except ImportError:
         return False
     return _active()

@@ -26,8 +26,8 @@ Tensor = torch.Tensor
 try:
     import triton
 
-    from attn_ops.triton.fastlaunch import launch as _fast_launch  # direct launches of compiled kernels
-    from attn_ops.triton.launch_backward import sm_count as _cuda_sm_count
+    from attn_ops.triton.launch import launch_kernel as _fast_launch  # direct launches of compiled kernels
+    from attn_ops.triton.launch import sm_count as _cuda_sm_count
     from attn_ops.triton.norms import (_gate_cf_bwd_kernel, _gate_cf_kernel, _layer_norm_bwd_kernel,
                                        _layer_norm_kernel)
 except ImportError:  # pragma: no cover - triton is a dependency; the fallback keeps CPU-only installs working

@@ -56,7 +56,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import attn_ops  # noqa: E402
-from attn_ops.triton.fastlaunch import wait_background  # noqa: E402
+from attn_ops.triton.tuning import wait_background  # noqa: E402
 from attn_zoo.models.graphs import CUDAGraphs  # noqa: E402
 from attn_zoo.models.evoformer import EvoformerBlock  # noqa: E402
 from attn_zoo.models.pairformer import PairformerBlock  # noqa: E402

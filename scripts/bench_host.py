@@ -46,8 +46,8 @@ def main():
     if args.stub:
         _stub_triton()
         if not cuda:
-            from attn_ops.triton import fastlaunch
-            fastlaunch._device = lambda: 0
+            from attn_ops.triton import launch
+            launch._device = lambda: 0
     from attn_ops import settings
     from attn_ops.triton import triton_attention
 

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import attn_zoo  # noqa: E402
-from attn_ops.triton.fastlaunch import wait_background  # noqa: E402
+from attn_ops.triton.tuning import wait_background  # noqa: E402
 
 GIB = 2.0 ** 30
 FIELDS = ["case", "shape", "variant", "ms", "peak_gib", "diff_vs_unpatched", "note"]

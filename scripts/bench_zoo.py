@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import attn_zoo  # noqa: E402
 from attn_ops.registry import BACKENDS  # noqa: E402
-from attn_ops.triton.fastlaunch import wait_background  # noqa: E402
+from attn_ops.triton.tuning import wait_background  # noqa: E402
 from attn_zoo.models.esmc import ESMC_CONFIGS  # noqa: E402
 from bench_blocks import _randomize, attention_config  # noqa: E402
 from bench_patch import (cleanup, emitter, env_lines, is_oom, mlm_batch, mlm_step, parser, profile_step,  # noqa: E402

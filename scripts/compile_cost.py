@@ -49,7 +49,7 @@ def cross_compile(arch: int = 90, triton_cache: str = None) -> Iterator[List[dic
     from triton.runtime.jit import JITFunction
 
     from attn_ops import settings
-    from attn_ops.triton import fastlaunch, launch, precompile, tuning
+    from attn_ops.triton import launch, precompile, tuning
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_cost measures real compiles: unset TRITON_INTERPRET")
@@ -80,9 +80,9 @@ def cross_compile(arch: int = 90, triton_cache: str = None) -> Iterator[List[dic
 
     saved_cache, saved_driver = knobs.cache.dir, getattr(driver, "_active", None)
     cache_dir = triton_cache or tempfile.mkdtemp(prefix="attn_zoo_compile_cost_")
-    token = precompile._WARMUP_ONLY.set(True)
-    patches = [(tuning, "measure", lambda fn, **kw: (fn(), 1.0)[1]), (tuning, "_CACHE", {}),
-               (launch, "_bound", lambda *a, **k: None), (launch, "_PLANS", {}), (fastlaunch, "_device", lambda: 0),
+    token = tuning._WARMUP_ONLY.set(True)
+    patches = [(tuning, "measure", lambda fn, **kw: (fn(), 1.0)[1]), (tuning.TUNER, "picks", {}),
+               (launch, "bound", lambda *a, **k: None), (launch.STATE, "plans", {}), (launch, "_device", lambda: 0),
                (JITFunction, "_do_compile", counted)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     before = settings.get()
@@ -99,7 +99,7 @@ def cross_compile(arch: int = 90, triton_cache: str = None) -> Iterator[List[dic
             setattr(obj, name, value)
         driver._active = saved_driver  # (reset_active would build the default driver: none without a GPU)
         knobs.cache.dir = saved_cache
-        precompile._WARMUP_ONLY.reset(token)
+        tuning._WARMUP_ONLY.reset(token)
         if triton_cache is None:
             shutil.rmtree(cache_dir, ignore_errors=True)
 
@@ -144,14 +144,14 @@ def step(kind: str, n: int) -> None:
 def _ahead(threads: int, processes=None):
     """``compile_ahead`` inside :func:`cross_compile`: launches submit compiles instead of the stand-in's
     compile-only launches (to worker processes where ``settings.compile_processes`` says so)."""
-    from attn_ops.triton import fastlaunch, precompile
+    from attn_ops.triton import tuning
 
-    token = precompile._WARMUP_ONLY.set(False)
+    token = tuning._WARMUP_ONLY.set(False)
     try:
-        with fastlaunch.compile_ahead(threads, processes):
+        with tuning.compile_ahead(threads, processes):
             yield
     finally:
-        precompile._WARMUP_ONLY.reset(token)
+        tuning._WARMUP_ONLY.reset(token)
 
 
 def run(lengths: Sequence[int], kinds: Sequence[str] = KINDS, tune: bool = True, threads: int = 8,

@@ -1,7 +1,7 @@
 """Where the triton backend's time goes on one pair-bias shape: each launcher timed with parts switched off.
 
 Times (median of ``triton.testing.do_bench``, ms) the forward launcher and the backward launcher of
-``attn_ops.triton.launch`` on canonical ``[B, R, H, L, D]`` bf16 inputs, with and without the shared bias, the key
+``attn_ops.triton.passes`` on canonical ``[B, R, H, L, D]`` bf16 inputs, with and without the shared bias, the key
 mask and the bias gradient, then prints the per-kernel CUDA times of the full step. Differences between rows
 place the cost of reading the bias, applying the mask and reducing dBias without hardware counters.
 
@@ -24,8 +24,7 @@ def main():
     args = ap.parse_args()
     from triton.testing import do_bench
 
-    from attn_ops.triton.launch import attn_forward
-    from attn_ops.triton.launch_backward import attn_backward
+    from attn_ops.triton.passes import attn_backward, attn_forward
     from attn_ops.triton.tuning import chosen
 
     B, R, H, L, D = args.shape

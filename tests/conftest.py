@@ -61,9 +61,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_launch_plans(monkeypatch):
-    """Each test starts without the triton backend's launch plans (attn_ops/triton/launch.py): its first call of a
-    geometry records, whatever ran before it, so tests that spy on the launchers do not depend on test order."""
+def _fresh_launch_plans():
+    """Each test starts with the triton backend's state reset (launch plans, compiled kernels, tuning picks): its first
+    call of a geometry records, whatever ran before it, so tests that spy on the launchers do not depend on test
+    order."""
     launch = sys.modules.get("attn_ops.triton.launch")
     if launch is not None:
-        monkeypatch.setattr(launch, "_PLANS", {})
+        launch.STATE.reset()
+    tuning = sys.modules.get("attn_ops.triton.tuning")
+    if tuning is not None:
+        tuning.TUNER.reset()

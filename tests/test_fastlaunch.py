@@ -1,4 +1,4 @@
-"""attn_ops.triton.fastlaunch: when a launch reuses a remembered compiled kernel and when it must not.
+"""attn_ops.triton.launch, direct launches: when a launch reuses a remembered compiled kernel and when it must not.
 
 A stand-in kernel records how it was launched, so the caching rules run on the CPU without a GPU or the
 interpreter (which always takes the plain path). The real kernels take the direct path on the GPU, where
@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from attn_ops import settings  # noqa: E402
-from attn_ops.triton import fastlaunch, precompile  # noqa: E402
+from attn_ops.triton import launch, tuning  # noqa: E402
 
 
 class FakeCompiled:
@@ -44,11 +44,9 @@ class FakeKernel:
 def compiled_path(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None))
-    monkeypatch.setattr(fastlaunch, "_COMPILED", {})
-    monkeypatch.setattr(fastlaunch, "_EXACT", {})
-    monkeypatch.setattr(fastlaunch, "_TRAILING", {})
-    monkeypatch.setattr(fastlaunch, "_SPECIALIZE", {})
-    monkeypatch.setattr(fastlaunch, "_device", lambda: 0)  # no CUDA here
+    for name in ("compiled", "exact", "params"):
+        monkeypatch.setattr(launch.STATE, name, {})
+    monkeypatch.setattr(launch, "_device", lambda: 0)  # no CUDA here
 
 
 def _kernel():
@@ -57,8 +55,8 @@ def _kernel():
 
 def test_second_launch_with_same_signature_is_direct_with_all_params_in_order():
     k, x = _kernel(), torch.zeros(64)
-    fastlaunch.launch(k, (3, 2), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)
-    fastlaunch.launch(k, (3, 2), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)
+    launch.launch_kernel(k, (3, 2), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)
+    launch.launch_kernel(k, (3, 2), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)
     assert [e[0] for e in k.log] == ["plain", "direct"]
     assert k.log[0][3:] == (4, 2, {"BLOCK": 16, "EVEN": True})
     assert k.log[1][1] == (3, 2, 1)  # the grid padded to three dims
@@ -71,7 +69,7 @@ def test_anything_triton_specialises_on_goes_through_triton_again(change, monkey
     k = _kernel()
     base = torch.zeros(64)
     args, kw, warps, stages = (base, 64, 0.5), {"BLOCK": 16, "EVEN": True}, 4, 2
-    fastlaunch.launch(k, (1,), args, warps, stages, **kw)
+    launch.launch_kernel(k, (1,), args, warps, stages, **kw)
     if change == "scalar":
         args = (base, 65, 0.5)  # 65: not divisible by 16
     elif change == "scalar_type":
@@ -85,22 +83,22 @@ def test_anything_triton_specialises_on_goes_through_triton_again(change, monkey
     elif change == "warps":
         warps = 8
     elif change == "device":  # a compiled kernel's handle belongs to the device it was loaded on
-        monkeypatch.setattr(fastlaunch, "_device", lambda: 1)
+        monkeypatch.setattr(launch, "_device", lambda: 1)
     else:
         stages = 3
-    fastlaunch.launch(k, (1,), args, warps, stages, **kw)
-    fastlaunch.launch(k, (1,), args, warps, stages, **kw)
+    launch.launch_kernel(k, (1,), args, warps, stages, **kw)
+    launch.launch_kernel(k, (1,), args, warps, stages, **kw)
     assert [e[0] for e in k.log] == ["plain"] * 2 + ["direct"]
 
 
 def test_constexprs_not_trailing_or_misnamed_keep_the_plain_path():
     mixed = FakeKernel([("X", False), ("BLOCK", True), ("n", False)])
     for _ in range(2):
-        fastlaunch.launch(mixed, (1,), (torch.zeros(4), 4), 4, 1, BLOCK=16)
+        launch.launch_kernel(mixed, (1,), (torch.zeros(4), 4), 4, 1, BLOCK=16)
     assert [e[0] for e in mixed.log] == ["plain", "plain"]
     k, x = _kernel(), torch.zeros(4)
     for _ in range(2):  # constexprs given in another order than the kernel's: never called positionally
-        fastlaunch.launch(k, (1,), (x, 4, 1.0), 4, 1, EVEN=True, BLOCK=16)
+        launch.launch_kernel(k, (1,), (x, 4, 1.0), 4, 1, EVEN=True, BLOCK=16)
     assert [e[0] for e in k.log] == ["plain", "plain"]
 
 
@@ -108,10 +106,10 @@ def test_interpreter_and_settings_switch_take_the_plain_path(monkeypatch):
     k, x = _kernel(), torch.zeros(4)
     with settings.kernel_settings(fast_launch=False):
         for _ in range(2):
-            fastlaunch.launch(k, (1,), (x, 4, 1.0), 4, 1, BLOCK=16, EVEN=True)
+            launch.launch_kernel(k, (1,), (x, 4, 1.0), 4, 1, BLOCK=16, EVEN=True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for _ in range(2):
-        fastlaunch.launch(k, (1,), (x, 4, 1.0), 4, 1, BLOCK=16, EVEN=True)
+        launch.launch_kernel(k, (1,), (x, 4, 1.0), 4, 1, BLOCK=16, EVEN=True)
     assert [e[0] for e in k.log] == ["plain"] * 4
 
 
@@ -126,10 +124,10 @@ def test_tensor_descriptors_key_on_dtype_and_block_shape():
     def desc(t, block):
         return td.TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
-    key = fastlaunch.signature([desc(a, [1, 32, 16]), 3])
-    assert key == fastlaunch.signature([desc(b, [1, 32, 16]), 3])
-    assert key != fastlaunch.signature([desc(a, [1, 16, 16]), 3])
-    assert key != fastlaunch.signature([desc(a.half(), [1, 32, 16]), 3])
+    key = launch.signature([desc(a, [1, 32, 16]), 3])
+    assert key == launch.signature([desc(b, [1, 32, 16]), 3])
+    assert key != launch.signature([desc(a, [1, 16, 16]), 3])
+    assert key != launch.signature([desc(a.half(), [1, 32, 16]), 3])
     hash(key)
 
 
@@ -139,14 +137,14 @@ def test_integers_key_on_what_triton_specialises_not_their_value():
     k, x = FakeKernel([("X", False), ("n", False), ("L", False), ("BLOCK", True)], dns=("L",)), torch.zeros(4)
     runs = [(64, 200), (80, 201), (65, 207), (1, 16), (64, 1), (64, 2 ** 31)]
     for n, L in runs:
-        fastlaunch.launch(k, (1,), (x, n, L), 4, 1, BLOCK=16)
+        launch.launch_kernel(k, (1,), (x, n, L), 4, 1, BLOCK=16)
     assert [e[0] for e in k.log] == ["plain", "direct", "plain", "plain", "direct", "plain"]
     assert k.log[1][2][1:] == (80, 201, 16)  # the direct call gets this launch's values (and BLOCK)
-    assert fastlaunch._leading_params(k) == 3 and len(fastlaunch._COMPILED) == 4
-    assert fastlaunch.signature((x, 64, 200), (True, True, False)) == fastlaunch.signature((x, 80, 17),
+    assert launch._params(k)[0] == 3 and len(launch.STATE.compiled) == 4
+    assert launch.signature((x, 64, 200), (True, True, False)) == launch.signature((x, 80, 17),
                                                                                            (True, True, False))
-    assert fastlaunch.signature((True,)) != fastlaunch.signature((1,)) != fastlaunch.signature((1.0,))
-    assert fastlaunch.signature((0.5,)) == fastlaunch.signature((1.0,))  # fp32, never specialised on its value
+    assert launch.signature((True,)) != launch.signature((1,)) != launch.signature((1.0,))
+    assert launch.signature((0.5,)) == launch.signature((1.0,))  # fp32, never specialised on its value
 
 
 def test_integers_unspecialised_on_alignment_key_on_being_one_only():
@@ -154,25 +152,25 @@ def test_integers_unspecialised_on_alignment_key_on_being_one_only():
     own compiled kernel, 48, 50 and 496 share one."""
     k, x = FakeKernel([("X", False), ("s", False), ("BLOCK", True)], dnsoa=("s",)), torch.zeros(4)
     for s in (48, 50, 496, 1, 1):
-        fastlaunch.launch(k, (1,), (x, s), 4, 1, BLOCK=16)
+        launch.launch_kernel(k, (1,), (x, s), 4, 1, BLOCK=16)
     assert [e[0] for e in k.log] == ["plain", "direct", "direct", "plain", "direct"]
-    assert fastlaunch._specialized(k) == (2, 1, 2)
-    assert fastlaunch.signature((x, 48), (2, 1)) == fastlaunch.signature((x, 50), (2, 1))
-    assert fastlaunch.signature((x, 48), (2, 2)) != fastlaunch.signature((x, 50), (2, 2))
+    assert launch._params(k)[1] == (2, 1, 2)
+    assert launch.signature((x, 48), (2, 1)) == launch.signature((x, 50), (2, 1))
+    assert launch.signature((x, 48), (2, 2)) != launch.signature((x, 50), (2, 2))
 
 
 def test_bound_launches_the_remembered_kernel_with_new_leading_args():
     """``bound`` after a launch: a call with other tensors in the leading places goes straight to the compiled kernel
     with the fixed arguments and constexprs after them; None where the launch had to take Triton's plain path."""
     k, x, y = _kernel(), torch.zeros(64), torch.ones(64)
-    fastlaunch.launch(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)
-    run = fastlaunch.bound(k, (3,), (x, 64, 0.5), 4, 2, 1, BLOCK=16, EVEN=True)
+    launch.launch_kernel(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)
+    run = launch.bound(k, (3,), (x, 64, 0.5), 4, 2, 1, BLOCK=16, EVEN=True)
     run(y)
     assert k.log[-1][0] == "direct" and k.log[-1][1] == (3, 1, 1)
     assert k.log[-1][2][0] is y and k.log[-1][2][1:] == (64, 0.5, 16, True)
-    assert fastlaunch.bound(k, (3,), (x, 64, 0.5), 4, 2, 1, BLOCK=32, EVEN=True) is None  # never launched so
+    assert launch.bound(k, (3,), (x, 64, 0.5), 4, 2, 1, BLOCK=32, EVEN=True) is None  # never launched so
     settings.update(fast_launch=False)
-    assert fastlaunch.bound(k, (3,), (x, 64, 0.5), 4, 2, 1, BLOCK=16, EVEN=True) is None
+    assert launch.bound(k, (3,), (x, 64, 0.5), 4, 2, 1, BLOCK=16, EVEN=True) is None
 
 
 def test_compile_only_holds_in_its_own_thread_only():
@@ -184,12 +182,12 @@ def test_compile_only_holds_in_its_own_thread_only():
 
     def other():
         inside.wait(5)
-        fastlaunch.launch(k, (1,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)
+        launch.launch_kernel(k, (1,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)
         done.set()
 
     thread = threading.Thread(target=other)
     thread.start()
-    with precompile.compile_only():
+    with tuning.compile_only():
         inside.set()
         assert done.wait(5)
     thread.join()
@@ -201,37 +199,37 @@ def test_background_compile_reports_pending_ready_and_failed(monkeypatch):
     (is_compiled) and reports a compile error as "failed" (the caller then compiles in its own thread)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.setattr(fastlaunch, "_BACKGROUND", {})
-    monkeypatch.setattr(fastlaunch, "_POOL", [ThreadPoolExecutor(1)])
-    monkeypatch.setattr(fastlaunch, "_device", lambda: -1)
+    monkeypatch.setattr(tuning.TUNER, "jobs", {})
+    monkeypatch.setattr(tuning.TUNER, "pool", ThreadPoolExecutor(1))
+    monkeypatch.setattr(launch, "_device", lambda: -1)
     k, x = _kernel(), torch.zeros(64)
     go = threading.Event()
     k.warmup = lambda *args, grid, num_warps, num_stages, **c: (
         go.wait(30) and k.log.append(("warmup", grid, args, c)) or FakeCompiled(k.log))
-    assert fastlaunch.background_compiles()
-    assert not fastlaunch.is_compiled(k, (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)
-    assert fastlaunch.compile_in_background(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True) == "pending"
-    assert fastlaunch.wait_background(timeout=0.05) >= 0.04  # waited, then gave up while the compile is held
-    assert fastlaunch.compile_in_background(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True) == "pending"
+    assert tuning.background_compiles()
+    assert not launch.is_compiled(k, (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)
+    assert launch.compile_in_background(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True) == "pending"
+    assert tuning.wait_background(timeout=0.05) >= 0.04  # waited, then gave up while the compile is held
+    assert launch.compile_in_background(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True) == "pending"
     go.set()
-    fastlaunch.wait_background()  # what benchmarks call before timing a steady state: the job has ended after it
-    assert fastlaunch.compile_in_background(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True) == "ready"
-    assert fastlaunch.is_compiled(k, (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)
+    tuning.wait_background()  # what benchmarks call before timing a steady state: the job has ended after it
+    assert launch.compile_in_background(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True) == "ready"
+    assert launch.is_compiled(k, (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)
     assert [e[0] for e in k.log] == ["warmup"]
-    fastlaunch.launch(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)  # direct, on the background's kernel
+    launch.launch_kernel(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=True)  # direct, on the background's kernel
     assert [e[0] for e in k.log] == ["warmup", "direct"]
 
     def broken(*args, **kw):
         raise RuntimeError("ptxas")
 
     k.warmup = broken
-    monkeypatch.setattr(fastlaunch, "_POOL", [ThreadPoolExecutor(1)])
-    fastlaunch.compile_in_background(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=False)
-    fastlaunch._POOL[0].shutdown(wait=True)
-    assert fastlaunch.compile_in_background(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=False) == "failed"
-    assert not fastlaunch.is_compiled(k, (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=False)
+    monkeypatch.setattr(tuning.TUNER, "pool", ThreadPoolExecutor(1))
+    launch.compile_in_background(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=False)
+    tuning.TUNER.pool.shutdown(wait=True)
+    assert launch.compile_in_background(k, (3,), (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=False) == "failed"
+    assert not launch.is_compiled(k, (x, 64, 0.5), 4, 2, BLOCK=16, EVEN=False)
     with settings.kernel_settings(fast_launch=False):
-        assert not fastlaunch.background_compiles()
+        assert not tuning.background_compiles()
 
 
 def test_a_placeholder_answering_hasattr_is_not_remembered():
@@ -243,5 +241,5 @@ def test_a_placeholder_answering_hasattr_is_not_remembered():
 
     k, x = _kernel(), torch.zeros(4)
     assert hasattr(Placeholder(), "__getitem__")
-    assert not fastlaunch._direct_ok(k, (x, 64, 0.5), dict(BLOCK=16, EVEN=True), Placeholder())
-    assert fastlaunch._direct_ok(k, (x, 64, 0.5), dict(BLOCK=16, EVEN=True), FakeCompiled([]))
+    assert not launch._direct_ok(k, (x, 64, 0.5), dict(BLOCK=16, EVEN=True), Placeholder())
+    assert launch._direct_ok(k, (x, 64, 0.5), dict(BLOCK=16, EVEN=True), FakeCompiled([]))

@@ -118,3 +118,93 @@ def test_blocks_never_branch_on_backend_names(block):
                     if isinstance(c, ast.Constant) and c.value in BACKEND_NAMES:
                         hits.append(f"{path.name}:{node.lineno} compares with {c.value!r}")
     assert not hits
+
+
+TRITON_DIR = ROOT / "attn_ops" / "triton"
+MAX_FILE_LINES = 600
+
+
+def _triton_decorated(fn) -> bool:
+    """Whether ``fn`` carries ``@triton.jit`` (bare or called, any alias of the module that ends in ``jit``)."""
+    for d in fn.decorator_list:
+        target = d.func if isinstance(d, ast.Call) else d
+        if isinstance(target, ast.Attribute) and target.attr == "jit":
+            return True
+        if isinstance(target, ast.Name) and target.id == "jit":
+            return True
+    return False
+
+
+def code_lines(source: str):
+    """(kernel, host) code line counts of a module: a code line holds a token other than a comment and lies in no
+    docstring (module, class, function); kernel lines lie inside a ``@triton.jit`` function, decorator included."""
+    import io
+    import tokenize
+
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING,
+            tokenize.ENDMARKER}
+    code = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type not in skip:
+            code.update(range(tok.start[0], tok.end[0] + 1))
+    tree = ast.parse(source)
+    kernel = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
+                    isinstance(body[0].value.value, str):
+                code.difference_update(range(body[0].lineno, body[0].end_lineno + 1))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _triton_decorated(node):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            kernel.update(range(first, node.end_lineno + 1))
+    return len(code & kernel), len(code - kernel)
+
+
+def test_code_line_rule():
+    src = ('"""Doc."""\nimport triton\n\n\n@triton.jit\ndef k(X):\n    """Doc\n    more."""\n    # a note\n'
+           '    x = 1\n    return x\n\n\ndef host():\n    return 2  # reason\n')
+    assert code_lines(src) == (4, 3)  # decorator, def, two statements | import, def, return
+
+
+def test_triton_line_budget():
+    """No backend file over ``MAX_FILE_LINES`` raw lines; the host/kernel code ratio is printed (the budget to
+    reach is host <= 1.2 x kernel)."""
+    kernel = host = 0
+    rows, too_long = [], []
+    for path in sorted(TRITON_DIR.glob("*.py")):
+        text = path.read_text()
+        raw = len(text.splitlines())
+        k, h = code_lines(text)
+        kernel, host = kernel + k, host + h
+        rows.append(f"{path.name:20s} raw {raw:4d}  kernel {k:4d}  host {h:4d}")
+        if raw > MAX_FILE_LINES:
+            too_long.append(f"{path.name}: {raw}")
+    print("\n".join(rows))
+    print(f"attn_ops/triton: kernel {kernel}, host {host}, host/kernel {host / kernel:.2f}")
+    assert not too_long, f"files over {MAX_FILE_LINES} lines: {too_long}"
+
+
+def test_imports_without_triton():
+    """Where triton cannot be imported (CPU-only installs off Linux), the blocks import and fall back to
+    PyTorch: the kernel paths of models/kernels.py report themselves unavailable."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "import attn_zoo.models.primitives as P\n"
+        "from attn_zoo.models import kernels\n"
+        "assert kernels.triton is None\n"
+        "ln = P.LayerNorm(8)\n"
+        "x = torch.randn(2, 3, 8)\n"
+        "assert kernels.layer_norm(x, ln, x.dtype, force=True) is None\n"
+        "assert not kernels.use_gate_kernel(x, force=True)\n"
+        "ref = torch.nn.functional.layer_norm(x, (8,), ln.weight, ln.bias, ln.eps)\n"
+        "assert torch.allclose(ln(x), ref)\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

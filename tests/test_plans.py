@@ -2,7 +2,7 @@
 runs the launchers afresh, with the new call's tensors; anything a plan depends on gives a new plan.
 
 Two halves: the real kernels under TRITON_INTERPRET=1 (the replay launches through the plain path there), and the
-GPU's direct path (``fastlaunch.bound``) with a stand-in for Triton's compiled kernels that logs every launch, so the
+GPU's direct path (``launch.bound``) with a stand-in for Triton's compiled kernels that logs every launch, so the
 arguments a replay hands the kernels are checked on the CPU too.
 """
 import gc
@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from attn_ops import settings  # noqa: E402
 from attn_ops.settings import kernel_settings  # noqa: E402
-from attn_ops.triton import fastlaunch, launch, launch_backward, triton_attention  # noqa: E402
+from attn_ops.triton import launch, passes, tuning, triton_attention  # noqa: E402
 from helpers import ids_from_lengths, make_inputs  # noqa: E402
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -41,8 +41,8 @@ CASES = [
 
 @pytest.fixture
 def fresh_plans(monkeypatch):
-    monkeypatch.setattr(launch, "_PLANS", {})
-    return launch._PLANS
+    monkeypatch.setattr(launch.STATE, "plans", {})
+    return launch.STATE.plans
 
 
 def _inputs(case, seed):
@@ -129,7 +129,7 @@ def test_what_a_plan_depends_on_makes_a_new_one(fresh_plans):
             forward(q, k, v)
     assert fresh_plans.keys() == plans.keys() and all(fresh_plans[key] is plans[key] for key in plans)
     launch.clear_plans()
-    assert not launch._PLANS
+    assert not launch.STATE.plans
 
 
 @pytest.mark.slow
@@ -167,7 +167,6 @@ def test_what_a_backward_plan_depends_on_makes_a_new_one(fresh_plans):
 def test_module_knobs_a_plan_was_made_under_remake_it(knob, fresh_plans, monkeypatch):
     """The interpreter's config and the TMA threshold are read while recording: replacing either (as tests and
     experiments do) makes the next call record again instead of replaying the old choice."""
-    from attn_ops.triton import tuning
 
     q, k, v, bias, mask = make_inputs((1, 2), 2, L, L, 16, bias_shape=(1, 1, 2, L, L), mask_shape=(1, 2, 1, 1, L))
     with torch.no_grad():
@@ -176,7 +175,7 @@ def test_module_knobs_a_plan_was_made_under_remake_it(knob, fresh_plans, monkeyp
     if knob == "interpreter_config":
         monkeypatch.setattr(tuning, "_INTERPRETER", tuning.Cfg(16, 16, 4, 1))
     else:
-        monkeypatch.setattr(launch, "TMA_MIN_SCORES", 0)
+        monkeypatch.setattr(launch.STATE, "tma_min_scores", 0)
     with torch.no_grad():
         triton_attention(q, k, v, bias, mask, 0.3, False)
     assert fresh_plans[key] is not before
@@ -188,7 +187,7 @@ def test_module_knobs_a_plan_was_made_under_remake_it(knob, fresh_plans, monkeyp
 
 @interpreter
 def test_past_the_limit_the_oldest_plan_goes(fresh_plans, monkeypatch):
-    monkeypatch.setattr(launch, "_PLANS_MAX", 2)
+    monkeypatch.setattr(launch.STATE, "plans_max", 2)
     q, k, v, bias, mask = make_inputs((1, 2), 2, L, L, 16, bias_shape=(1, 1, 2, L, L), mask_shape=(1, 2, 1, 1, L))
     keys = []
     with torch.no_grad():
@@ -252,9 +251,9 @@ def logged_launches(monkeypatch, fresh_plans):
                     "plain"))
         return _LoggedCompiled(log, name)
 
-    kernels = (launch.attn_fwd_kernel, launch_backward.attn_bwd_dkdv_kernel, launch_backward.attn_bwd_dq_kernel,
-               launch_backward.bwd_preprocess_kernel, launch_backward.attn_bwd_dbias_kernel,
-               launch_backward.sum_splits_kernel)
+    kernels = (passes.attn_fwd_kernel, passes.attn_bwd_dkdv_kernel, passes.attn_bwd_dq_kernel,
+               passes.bwd_preprocess_kernel, passes.attn_bwd_dbias_kernel,
+               passes.sum_splits_kernel)
     for kernel in kernels:
         monkeypatch.setattr(type(kernel), "run", run)
         if not hasattr(kernel, "params"):  # the interpreter's kernels: their params as a JITFunction lists them
@@ -264,10 +263,10 @@ def logged_launches(monkeypatch, fresh_plans):
             monkeypatch.setattr(kernel, "params", params, raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, tune=False))
-    for name in ("_COMPILED", "_EXACT", "_TRAILING", "_SPECIALIZE"):
-        monkeypatch.setattr(fastlaunch, name, {})
-    monkeypatch.setattr(fastlaunch, "_device", lambda: 0)  # no CUDA here
-    monkeypatch.setattr(launch, "_tma_capable", lambda device: False)  # CPU tensors: pointer loads, as on older GPUs
+    for name in ("compiled", "exact", "params"):
+        monkeypatch.setattr(launch.STATE, name, {})
+    monkeypatch.setattr(launch, "_device", lambda: 0)  # no CUDA here
+    monkeypatch.setattr(passes, "_tma_capable", lambda device: False)  # CPU tensors: pointer loads, as on older GPUs
     return log
 
 
@@ -340,7 +339,7 @@ def test_every_stride_a_kernel_aligns_is_a_multiple_of_its_claim(layout, variant
     bias = torch.randn(1, 1, h, n, n + (layout == "bias_pitch_33"), generator=g)[..., :n].requires_grad_()
     mask = torch.rand(1, 3, 1, 1, n, generator=g) > 0.2
     seen = []
-    real = launch._launch
+    real = launch.launch_kernel
 
     def check(kernel, grid, args, num_warps, num_stages, **constexprs):
         name = kernel.fn.__name__
@@ -361,7 +360,7 @@ def test_every_stride_a_kernel_aligns_is_a_multiple_of_its_claim(layout, variant
             seen.append((name, align, constexprs.get("BIAS_ALIGN")))
         return real(kernel, grid, args, num_warps, num_stages, **constexprs)
 
-    monkeypatch.setattr(launch, "_launch", check)
+    monkeypatch.setattr(launch, "launch_kernel", check)
     opts = {"split": {}, "fused": {"bwd": "fused", "deterministic": False}, "atomic": {"deterministic": False}}[variant]
     leaves = (q, k, v, bias)
     grads = []
@@ -416,24 +415,24 @@ def test_tile_multiple_runs_the_general_variant_until_its_own_compiled(logged_la
     from attn_ops.triton.common import LENGTH_ARGS
 
     # the interpreter's stand-in params: lengths unspecialised, as the kernels declare (a GPU's JITFunctions do)
-    for kernel in (launch.attn_fwd_kernel, launch_backward.attn_bwd_dkdv_kernel, launch_backward.attn_bwd_dq_kernel,
-                   launch_backward.attn_bwd_dbias_kernel):
+    for kernel in (passes.attn_fwd_kernel, passes.attn_bwd_dkdv_kernel, passes.attn_bwd_dq_kernel,
+                   passes.attn_bwd_dbias_kernel):
         if not isinstance(kernel.params[0], types.SimpleNamespace):
             continue
         monkeypatch.setattr(kernel, "params", [p.__class__(**dict(vars(p), do_not_specialize=p.name in LENGTH_ARGS))
                                                for p in kernel.params])
-    monkeypatch.setattr(fastlaunch, "_SPECIALIZE", {})
+    monkeypatch.setattr(launch.STATE, "params", {})
     pool = _HeldPool()
-    monkeypatch.setattr(fastlaunch, "_POOL", [pool])
-    monkeypatch.setattr(fastlaunch, "_BACKGROUND", {})
+    monkeypatch.setattr(tuning.TUNER, "pool", pool)
+    monkeypatch.setattr(tuning.TUNER, "jobs", {})
     asked = []
-    real_launch = launch._launch
+    real_launch = launch.launch_kernel
 
     def spy(kernel, grid, args, num_warps, num_stages, **constexprs):
         asked.append((kernel.fn.__name__, constexprs.get("EVEN_M"), constexprs.get("EVEN_N")))
         return real_launch(kernel, grid, args, num_warps, num_stages, **constexprs)
 
-    monkeypatch.setattr(launch, "_launch", spy)
+    monkeypatch.setattr(launch, "launch_kernel", spy)
 
     def call(n):
         del asked[:]
@@ -444,16 +443,16 @@ def test_tile_multiple_runs_the_general_variant_until_its_own_compiled(logged_la
 
     general = call(21)  # bucket 32, 16x16 tiles (tune off): masked tiles, the general variants
     assert general and all(not m and not n_ for _, m, n_ in general)
-    plans = len(launch._PLANS)
+    plans = len(launch.STATE.plans)
     assert call(32) == general  # a multiple of 16: the EVEN variants are asked for, the general ones run
     assert len(pool.jobs) == len({name for name, *_ in general})
-    assert len(launch._PLANS) == plans + 2  # forward + backward, kept with their pending compiles
-    assert all(p.pending for p in list(launch._PLANS.values())[-2:])
+    assert len(launch.STATE.plans) == plans + 2  # forward + backward, kept with their pending compiles
+    assert all(p.pending for p in list(launch.STATE.plans.values())[-2:])
     assert call(32) == set() and len(pool.jobs) == len(general)  # still compiling: replayed, nothing submitted
     pool.release(fail=fail)
     even = call(32)  # the compiles ended: recorded anew with the EVEN variants
-    assert even and all(m and n_ for _, m, n_ in even) and len(launch._PLANS) == plans + 2
-    assert not any(p.pending for p in launch._PLANS.values())
+    assert even and all(m and n_ for _, m, n_ in even) and len(launch.STATE.plans) == plans + 2
+    assert not any(p.pending for p in launch.STATE.plans.values())
     del asked[:]
     call(32)  # replayed from its plan
     assert asked == []

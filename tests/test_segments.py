@@ -297,7 +297,7 @@ def test_triton_reuses_segment_tables_of_unchanged_ids(monkeypatch):
     built = []
     real = triton_op.segment_tables_flat
     monkeypatch.setattr(triton_op, "segment_tables_flat", lambda *a: built.append(1) or real(*a))
-    monkeypatch.setattr(triton_op, "_TABLES", [])
+    monkeypatch.setattr(triton_op.STATE, "tables", [])
     q, k, v = _qkv(lq=12, lk=12, b=2)
     ids = ids_from_lengths([5, 4, 3], 12)[None].repeat(2, 1)
     run = lambda i: attn_ops.attention(q, k, v, backend="triton", segment_ids=i)  # noqa: E731
@@ -321,12 +321,12 @@ def test_triton_reuses_segment_tables_of_unchanged_ids(monkeypatch):
     assert max_err(run(ids), attention_reference(q, k, v, segment_ids=(ids, ids))[0]) < 1e-5 and len(built) == 6
     k2 = ids_from_lengths([3, 9], 12)[None].repeat(2, 1)
     attn_ops.attention(q, k, v, backend="triton", segment_ids=(ids, k2))
-    assert len(triton_op._TABLES) == 2
+    assert len(triton_op.STATE.tables) == 2
     del k2  # its entry goes at the next insert
     other = ids.clone()
     run(other)
-    assert len(triton_op._TABLES) == 2 and all(e[1][0]() is not None and e[1][1]() is not None
-                                               for e in triton_op._TABLES)
+    assert len(triton_op.STATE.tables) == 2 and all(e[1][0]() is not None and e[1][1]() is not None
+                                               for e in triton_op.STATE.tables)
 
 
 def _qkv(lq=6, lk=6, b=2):

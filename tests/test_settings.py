@@ -115,21 +115,21 @@ def test_bad_settings_are_refused_by_name():
 def test_settings_are_in_the_cache_keys_they_affect(monkeypatch):
     """tma changes the launchers' tuning key (the kernels differ); tune gets picks of its own in the tuner's cache;
     the direct-launch cache sees TMA through the kernels' arguments (a descriptor vs a tensor, HAS_BIAS)."""
-    from attn_ops.triton import fastlaunch, launch, tuning
+    from attn_ops.triton import launch, passes, tuning
 
     q = torch.zeros(1, 2, 2, 40, 16)
     bias = torch.zeros(1, 1, 2, 40, 24)
-    key = launch._key(q, q[..., :24, :], bias, None, False)
+    key = passes._key(q, q[..., :24, :], bias, None, False)
     with kernel_settings(tma=False):
-        assert launch._key(q, q[..., :24, :], bias, None, False) != key
-        assert launch.bias_tma(bias, 40, 24) is None
-    assert launch._key(q, q[..., :24, :], bias, None, False) == key
+        assert passes._key(q, q[..., :24, :], bias, None, False) != key
+        assert passes.bias_tma(bias, 40, 24) is None
+    assert passes._key(q, q[..., :24, :], bias, None, False) == key
     td = pytest.importorskip("triton.tools.tensor_descriptor")
     desc = td.TensorDescriptor(bias.view(2, 40, 24), [2, 40, 24], [960, 24, 1], [1, 32, 16])
-    assert fastlaunch.signature((desc,)) != fastlaunch.signature((bias,))
+    assert launch.signature((desc,)) != launch.signature((bias,))
 
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
-    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
     launched = []
 
     def fake_launch(cfg):

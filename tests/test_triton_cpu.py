@@ -22,7 +22,7 @@ import attn_ops  # noqa: E402
 from attn_ops.settings import kernel_settings  # noqa: E402
 from attn_ops.reference import attention_reference  # noqa: E402
 from attn_ops.triton import triton_attention  # noqa: E402
-from attn_ops.triton.attention import triton_lse_backward  # noqa: E402
+from attn_ops.triton import triton_lse_backward  # noqa: E402
 from helpers import (  # noqa: E402
     GARBAGE_IDS, GARBAGE_RUNS, check_against_reference, check_garbage_at_masked_keys,
     check_row_under_huge_additive_bias, empty_some_rows, make_inputs,
@@ -169,7 +169,7 @@ def _spy_backward_flags(monkeypatch):
     from attn_ops.triton.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 
     seen = []
-    real = launch._launch
+    real = launch.launch_kernel
     names = {attn_bwd_dkdv_kernel: "dkdv", attn_bwd_dq_kernel: "dq"}
 
     def spy(kernel, grid, args, num_warps, num_stages, **constexprs):
@@ -177,7 +177,7 @@ def _spy_backward_flags(monkeypatch):
             seen.append((names[kernel], constexprs))
         real(kernel, grid, args, num_warps, num_stages, **constexprs)
 
-    monkeypatch.setattr(launch, "_launch", spy)
+    monkeypatch.setattr(launch, "launch_kernel", spy)
     return seen
 
 
@@ -425,18 +425,18 @@ def test_dbias_split_counts_match_reference(splits, monkeypatch):
     otherwise always takes the launcher's default): one program per tile writes the bias's dtype directly; 4 per
     (interpreter) SM gives 2 programs per tile here, adding fp32 partials in a fixed order; even tiles and a
     ragged shape."""
-    from attn_ops.triton import launch_backward, tuning
+    from attn_ops.triton import passes, tuning
 
     monkeypatch.setattr(tuning, "_INTERPRETER", tuning._INTERPRETER._replace(splits=splits))
     counts = []
-    real = launch_backward._even_splits
+    real = passes._even_splits
 
     def even_splits(n_steps, want):
         per, n = real(n_steps, want)
         counts.append(n)
         return per, n
 
-    monkeypatch.setattr(launch_backward, "_even_splits", even_splits)
+    monkeypatch.setattr(passes, "_even_splits", even_splits)
     for lq, seed in ((32, 1), (21, 2)):
         q, k, v, bias, mask = make_inputs((2, 3), 2, lq, lq, 16, bias_shape=(1, 1, 2, lq, lq),
                                           mask_shape=(2, 3, 1, 1, lq), seed=seed)
@@ -448,7 +448,7 @@ def test_bias_tma_layout_rules(monkeypatch):
     """Which biases the kernels read through a tensor descriptor (slice stride, slices, batch strides in slices)
     and which keep pointer loads: a dim broadcast inside the tile, rows that are not 16-byte multiples, a
     misaligned base, batch strides that are not whole slices, fp64, and the settings' tma switch."""
-    from attn_ops.triton.launch import bias_tma
+    from attn_ops.triton.passes import bias_tma
 
     shared = torch.zeros(1, 1, 4, 40, 24)
     assert bias_tma(shared, 40, 24) == (960, 4, (0, 0, 1))
@@ -487,7 +487,7 @@ def test_tma_bias_tiles_equal_pointer_loads(name, dtype, variant, monkeypatch):
     """The descriptor path gives the same bits as pointer loads (out, lse and every gradient), and each run took
     the path it was meant to; the pointer path itself is held to the reference by test_matches_reference, and
     one descriptor case is checked against the reference here too."""
-    from attn_ops.triton import launch
+    from attn_ops.triton import passes
 
     batch, bshape, mshape = TMA_CASES[name]
     q, k, v, bias, mask = make_inputs(batch, 2, 40, 24, 16, dtype=dtype, bias_shape=bshape, mask_shape=mshape,
@@ -496,8 +496,8 @@ def test_tma_bias_tiles_equal_pointer_loads(name, dtype, variant, monkeypatch):
             "atomic": dict(bwd="split", deterministic=False)}[variant]
     g = torch.randn(q.shape[:-1] + v.shape[-1:], generator=torch.Generator().manual_seed(5)).to(dtype)
     seen = []
-    real = launch.bias_tma
-    monkeypatch.setattr(launch, "bias_tma", lambda *a: seen.append(real(*a)) or seen[-1])
+    real = passes.bias_tma
+    monkeypatch.setattr(passes, "bias_tma", lambda *a: seen.append(real(*a)) or seen[-1])
 
     def run():
         seen.clear()
@@ -522,17 +522,17 @@ def test_shared_bias_is_copied_into_tma_rows(layout, monkeypatch):
     """A pair bias shared over rows whose own layout TMA cannot read (heads-last memory, the blocks' projection
     layout; rows of 21 fp32 = 84 bytes) is copied into 16-byte rows for the kernels: same bits as the pointer path,
     the gradient in the bias's own shape, and the reference holds."""
-    from attn_ops.triton import launch
+    from attn_ops.triton import passes
 
     lk = 24 if layout == "heads_last" else 21
     q, k, v, _, mask = make_inputs((1, 3), 2, 40, lk, 16, mask_shape=(1, 3, 1, 1, lk), seed=11)
     base = torch.randn(1, 1, 40, lk, 2, generator=torch.Generator().manual_seed(12))
     bias = (base.permute(0, 1, 4, 2, 3) if layout == "heads_last" else base[..., 0].reshape(1, 1, 1, 40, lk)
             .expand(1, 1, 2, 40, lk).contiguous()).requires_grad_()
-    assert launch.bias_tma(bias.detach(), 40, lk) is None
+    assert passes.bias_tma(bias.detach(), 40, lk) is None
     seen = []
-    real = launch.bias_for_tiles
-    monkeypatch.setattr(launch, "bias_for_tiles", lambda *a: seen.append(real(*a)) or seen[-1])
+    real = passes.bias_for_tiles
+    monkeypatch.setattr(passes, "bias_for_tiles", lambda *a: seen.append(real(*a)) or seen[-1])
 
     def run():
         seen.clear()
@@ -582,8 +582,7 @@ def test_kernels_read_only_inside_lq_lk_d(name, variant):
     output must have the bits of the same call on dense copies, so no load outside [Lq, Lk, D] is used, with or
     without the unmasked in-range paths (the op itself would make such views dense first). Reads that only feed
     rows >= Lq, which are never stored, stay invisible here; the tile flags' docstrings carry that reasoning."""
-    from attn_ops.triton.launch import attn_forward
-    from attn_ops.triton.launch_backward import attn_backward
+    from attn_ops.triton.passes import attn_backward, attn_forward
 
     B, R, H, Lq, Lk, D, Dv, bshape, mshape, causal = READS_IN_RANGE[name]
     g = torch.Generator().manual_seed(5)
@@ -619,7 +618,7 @@ def test_bias_alignment_of_pointer_loads(layout, variant, monkeypatch):
     the results. Rows of 33 elements, a base 4 bytes past an aligned one, heads-last memory: no claim; nor for
     tiles read through a tensor descriptor (TMA on), whose batch strides count slices. (The bias is full over the
     batch, so the kernels read it as it is: a shared one would be copied, test_padded_bias_copy_*.)"""
-    from attn_ops.triton import launch
+    from attn_ops.triton import passes
 
     n, h = 32, 2  # multiples of the interpreter's 32 x 16 tiles
     q, k, v, _, mask = make_inputs((1, 3), h, n, n, 16, mask_shape=(1, 3, 1, 1, n), seed=len(layout))
@@ -634,8 +633,8 @@ def test_bias_alignment_of_pointer_loads(layout, variant, monkeypatch):
         bias = torch.randn(1, 3, n, n, h, generator=g).movedim(-1, -3)
     bias.requires_grad_()
     claims = []
-    real = launch._bias_align
-    monkeypatch.setattr(launch, "_bias_align", lambda *a: claims.append(real(*a)) or claims[-1])
+    real = passes._bias_align
+    monkeypatch.setattr(passes, "_bias_align", lambda *a: claims.append(real(*a)) or claims[-1])
     opts = {"split": dict(bwd="split"), "fused": dict(bwd="fused", deterministic=False)}[variant]
     with kernel_settings(tma=layout == "contiguous_tma"):
         check_against_reference("triton", q, k, v, bias, mask, **opts)
@@ -660,7 +659,7 @@ def test_padded_bias_copy_equals_plain_pointer_loads(name, dtype, variant, monke
     tiles (HAS_BIAS 3: loads without column masks, BIAS_ALIGN at any length). With NaN in the padding the run
     gives the bits of the plain pointer path (HAS_BIAS 1, the bias as it is): the columns past Lk are read but
     never used. The reference holds too, and the gradient comes back in the bias's shape."""
-    from attn_ops.triton import launch
+    from attn_ops.triton import launch, passes
 
     batch, lq, lk, bshape, mshape, causal = PADDED_CASES[name]
     q, k, v, _, mask = make_inputs(batch, 2, lq, lk, 16, dtype=dtype, mask_shape=mshape, seed=len(name))
@@ -674,7 +673,7 @@ def test_padded_bias_copy_equals_plain_pointer_loads(name, dtype, variant, monke
             "atomic": dict(bwd="split", deterministic=False)}[variant]
     grad = torch.randn(q.shape[:-1] + v.shape[-1:], generator=g).to(dtype)
     has_bias = []
-    real_launch = launch._launch
+    real_launch = launch.launch_kernel
 
     def spy(kernel, grid, args, num_warps, num_stages, **constexprs):
         if "HAS_BIAS" in constexprs:
@@ -685,9 +684,9 @@ def test_padded_bias_copy_equals_plain_pointer_loads(name, dtype, variant, monke
         rows = torch.full(shape[:4] + (pitch,), float("nan"), dtype=bias.dtype, device=bias.device)
         return rows[..., :shape[4]].copy_(bias)
 
-    monkeypatch.setattr(launch, "_launch", spy)
-    monkeypatch.setattr(launch, "_rows_copy", nan_rows)
-    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(launch, "launch_kernel", spy)
+    monkeypatch.setattr(passes, "_rows_copy", nan_rows)
+    monkeypatch.setattr(launch.STATE, "plans", {})
 
     def run():
         del has_bias[:]
@@ -699,11 +698,11 @@ def test_padded_bias_copy_equals_plain_pointer_loads(name, dtype, variant, monke
     with kernel_settings(tma=False):
         padded = run()
         assert has_bias and set(has_bias) == {3}, has_bias
-        real_tiles = launch.bias_for_tiles
-        monkeypatch.setattr(launch, "bias_for_tiles", lambda bias, *a: (bias, None, False))
+        real_tiles = passes.bias_for_tiles
+        monkeypatch.setattr(passes, "bias_for_tiles", lambda bias, *a: (bias, None, False))
         plain = run()
         assert set(has_bias) == {1}
-        monkeypatch.setattr(launch, "bias_for_tiles", real_tiles)
+        monkeypatch.setattr(passes, "bias_for_tiles", real_tiles)
         assert padded[-1].shape == bias.shape
         for what, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), padded, plain):
             if variant == "atomic" and what == "dbias":
@@ -718,22 +717,22 @@ def test_which_shared_biases_are_copied_for_pointer_loads():
     """Pointer loads (TMA off): a bias shared over a batch dim is copied into rows padded to whole 128-column
     tiles unless its rows already fill them (then HAS_BIAS 3 as it is, the variant every length of a bucket
     uses); a bias full over the batch is read as it is (HAS_BIAS 1)."""
-    from attn_ops.triton import launch
+    from attn_ops.triton import passes
 
     q = torch.zeros(1, 3, 2, 40, 16)
     with kernel_settings(tma=False):
         whole = torch.zeros(1, 1, 2, 40, 128)
-        assert launch.bias_for_tiles(whole, q, 40, 128) == (whole, None, True)
-        read, tma, padded = launch.bias_for_tiles(torch.ones(1, 1, 2, 40, 130), q, 40, 130)
+        assert passes.bias_for_tiles(whole, q, 40, 128) == (whole, None, True)
+        read, tma, padded = passes.bias_for_tiles(torch.ones(1, 1, 2, 40, 130), q, 40, 130)
         assert padded and tma is None and read.shape == (1, 1, 2, 40, 130) and read.stride(3) == 256
         assert torch.equal(read, torch.ones(1, 1, 2, 40, 130))
         heads_last = torch.zeros(1, 1, 40, 128, 2).movedim(-1, -3)
-        read, _, padded = launch.bias_for_tiles(heads_last, q, 40, 128)
+        read, _, padded = passes.bias_for_tiles(heads_last, q, 40, 128)
         assert padded and read is not heads_last and read.stride(4) == 1
         full = torch.zeros(1, 3, 2, 40, 130)
-        assert launch.bias_for_tiles(full, q, 40, 130) == (full, None, False)
+        assert passes.bias_for_tiles(full, q, 40, 130) == (full, None, False)
         key_bias = torch.zeros(1, 1, 2, 1, 130)  # broadcast over Lq: read as it is
-        assert launch.bias_for_tiles(key_bias, q, 40, 130) == (key_bias, None, False)
+        assert passes.bias_for_tiles(key_bias, q, 40, 130) == (key_bias, None, False)
 
 
 def test_tile_variants_off_runs_the_general_variant_with_the_same_results(monkeypatch):
@@ -743,13 +742,13 @@ def test_tile_variants_off_runs_the_general_variant_with_the_same_results(monkey
 
     q, k, v, bias, mask = make_inputs((1, 3), 2, 32, 32, 16, bias_shape=(1, 1, 2, 32, 32), mask_shape=(1, 3, 1, 1, 32))
     g = torch.randn(q.shape[:-1] + v.shape[-1:], generator=torch.Generator().manual_seed(5))
-    real, flags = launch._launch, []
+    real, flags = launch.launch_kernel, []
 
     def spy(kernel, grid, args, num_warps, num_stages, **constexprs):
         flags.append((constexprs.get("EVEN_M"), constexprs.get("EVEN_N")))
         real(kernel, grid, args, num_warps, num_stages, **constexprs)
 
-    monkeypatch.setattr(launch, "_launch", spy)
+    monkeypatch.setattr(launch, "launch_kernel", spy)
     results = {}
     for on in (True, False):
         flags.clear()
@@ -768,7 +767,7 @@ def test_compile_ahead_times_and_keeps_nothing(monkeypatch):
     """Under ``compile_ahead`` (here its state set by hand: on the interpreter the block itself does nothing) a tuning
     miss launches every candidate once (their compiles), times none and caches nothing, and no launch plan is kept;
     on the interpreter the block is a no-op (calls inside compute as outside)."""
-    from attn_ops.triton import fastlaunch, launch, tuning
+    from attn_ops.triton import launch, tuning
 
     q, k, v, bias, mask = make_inputs((2,), 2, 20, 20, 16, bias_shape=(2, 2, 20, 20), mask_shape=None)
     with attn_ops.compile_ahead():
@@ -776,37 +775,37 @@ def test_compile_ahead_times_and_keeps_nothing(monkeypatch):
     torch.testing.assert_close(inside, triton_attention(q, k, v, bias, mask, 0.3, False)[0], rtol=0, atol=0)
 
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
-    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
     monkeypatch.setattr(tuning, "measure", lambda *a, **kw: pytest.fail("timed under compile_ahead"))
-    monkeypatch.setattr(fastlaunch, "_AHEAD", [None, {}])
+    monkeypatch.setattr(tuning.TUNER, "ahead", (None, {}, 0))
     launched = []
     with kernel_settings(cache_dir=None, shipped_configs=False):
         cfg = tuning.pick("fwd", ("k",), 64, 256, 256, launched.append)
     cands = tuning.candidates("fwd", 64, 256, 256)
-    assert len(cands) > 1 and launched == cands and cfg == cands[0] and tuning._CACHE == {}
+    assert len(cands) > 1 and launched == cands and cfg == cands[0] and tuning.TUNER.picks == {}
     launched.clear()  # a shipped config: only it compiles, and it is not cached unchecked either
     monkeypatch.setattr(tuning, "shipped", lambda device: {tuning.DiskCache._name(("fwd", False, "k")): cands[1]})
     with kernel_settings(cache_dir=None):
         assert tuning.pick("fwd", ("k",), 64, 256, 256, launched.append) == cands[1]
-    assert launched == [cands[1]] and tuning._CACHE == {}
+    assert launched == [cands[1]] and tuning.TUNER.picks == {}
     with kernel_settings(cache_dir=None, tune=False):  # untuned: the first candidate
         assert tuning.pick("fwd", ("k",), 64, 256, 256, launched.append) == cands[0]
-    assert launched == [cands[1], cands[0]] and tuning._CACHE == {}
-    plans = dict(launch._PLANS)
+    assert launched == [cands[1], cands[0]] and tuning.TUNER.picks == {}
+    plans = dict(launch.STATE.plans)
     launch._keep(("a key",), launch.Recorder([]), (0,))
-    assert launch._PLANS == plans
-    monkeypatch.setattr(fastlaunch, "interpreting", lambda: False)  # (the interpreter alone makes bound() None)
-    assert fastlaunch.bound(None, (1,), (), 4, 1, 0) is None
+    assert launch.STATE.plans == plans
+    monkeypatch.setattr(launch, "interpreting", lambda: False)  # (the interpreter alone makes bound() None)
+    assert launch.bound(None, (1,), (), 4, 1, 0) is None
     assert attn_ops.compiling_ahead()
 
 
 def test_compile_ahead_warns_of_compiles_that_failed(monkeypatch):
     """A compile that fails inside ``compile_ahead`` is reported once at the block's end (count and first error);
     the block itself completes (the kernel compiles again at its first real launch)."""
-    from attn_ops.triton import fastlaunch
+    from attn_ops.triton import launch, tuning
 
-    monkeypatch.setattr(fastlaunch, "background_compiles", lambda: True)  # (the interpreter turns the block off)
-    monkeypatch.setattr(fastlaunch, "_device", lambda: -1)
+    monkeypatch.setattr(tuning, "background_compiles", lambda: True)  # (the interpreter turns the block off)
+    monkeypatch.setattr(launch, "_device", lambda: -1)
 
     class Broken:
         params = ()
@@ -815,28 +814,28 @@ def test_compile_ahead_warns_of_compiles_that_failed(monkeypatch):
             raise RuntimeError("no such kernel")
 
     with pytest.warns(RuntimeWarning, match=r"compile_ahead: 1 of 1 compiles failed .*no such kernel"):
-        with fastlaunch.compile_ahead(threads=1, processes=0):
-            fastlaunch.launch(Broken(), (1,), [], 4, 3)
-    assert not fastlaunch.compiling_ahead()
+        with tuning.compile_ahead(threads=1, processes=0):
+            launch.launch_kernel(Broken(), (1,), [], 4, 3)
+    assert not tuning.compiling_ahead()
 
 
 def test_compile_ahead_keeps_no_segment_tables_and_no_graph_capture(monkeypatch):
     """Under compile_ahead the segment tables (built by a kernel that then runs nothing) are not cached for the ids,
     and a CUDAGraphs-wrapped module runs its module instead of capturing (a capture would hold no kernel)."""
-    from attn_ops.triton import fastlaunch, op
+    from attn_ops.triton import op, tuning
     from attn_zoo.models import graphs
     from attn_zoo.models.graphs import CUDAGraphs
 
     ids = torch.tensor([[[0, 0, 1, 1, 1]]])
     op.clear_segment_tables()
-    monkeypatch.setattr(fastlaunch, "_AHEAD", [None, {}])
+    monkeypatch.setattr(tuning.TUNER, "ahead", (None, {}, 0))
     op.segment_tables(ids, ids)
-    assert op._TABLES == []
+    assert op.STATE.tables == []
     monkeypatch.setattr(graphs, "CAPTURE_DEVICES", ("cuda", "cpu"))  # (otherwise no CPU call is ever captured)
     wrapped, x = CUDAGraphs(torch.nn.Linear(3, 3)), torch.zeros(2, 3, requires_grad=True)
     assert not wrapped._can_capture((x,), {})
-    monkeypatch.setattr(fastlaunch, "_AHEAD", [])
+    monkeypatch.setattr(tuning.TUNER, "ahead", None)
     assert wrapped._can_capture((x,), {})
     op.segment_tables(ids, ids)
-    assert len(op._TABLES) == 1
+    assert len(op.STATE.tables) == 1
     op.clear_segment_tables()

@@ -29,7 +29,7 @@ def _one_config_per_kernel(monkeypatch):
 
     if "ATTN_ZOO_NO_TUNE" not in os.environ:
         monkeypatch.setattr(settings, "_current", dataclasses.replace(settings.get(), tune=False))
-    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
 
 # (name, batch, H, Lq, Lk, D, Dv, bias_shape, mask_shape, causal)
 CASES = [
@@ -132,7 +132,7 @@ def two_rows_only(monkeypatch):
         return [c for c in original(kernel, head_dim, lq, lk, pair) if c.rows == 2 or not pair]
 
     monkeypatch.setattr(tuning, "candidates", two_rows)
-    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
     return tuning
 
 
@@ -144,7 +144,7 @@ def test_atomic_dbias_two_rows_per_program_gpu(rows, two_rows_only, monkeypatch)
     from attn_ops.triton import launch
 
     tuning = two_rows_only
-    monkeypatch.setattr(launch, "TMA_MIN_SCORES", 0)
+    monkeypatch.setattr(launch.STATE, "tma_min_scores", 0)
     q, k, v, bias, mask = make_inputs((1, rows), 4, 160, 160, 32, dtype=torch.bfloat16, bias_shape=(1, 1, 4, 160, 160),
                                       mask_shape=(1, rows, 1, 1, 160), seed=rows, device="cuda")
     check_against_reference("triton", q, k, v, bias, mask, bwd="split", deterministic=False)
@@ -172,15 +172,15 @@ def test_split_backward_is_bitwise_deterministic_gpu(bias_shape):
 
 @pytest.mark.parametrize("splits", [0, 1])
 def test_direct_launch_equals_triton_launch_gpu(monkeypatch, splits):
-    """Every kernel of a forward + backward runs through fastlaunch's direct call on the second call (the entries
+    """Every kernel of a forward + backward runs through the direct call on the second call (the entries
     exist), and gives the same bits as Triton's own launch path (settings.fast_launch False)."""
-    from attn_ops.triton import fastlaunch, tuning, triton_attention
+    from attn_ops.triton import launch, tuning, triton_attention
     from attn_ops.triton.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
     from attn_ops.triton.dbias import attn_bwd_dbias_kernel, sum_splits_kernel
     from attn_ops.triton.forward import attn_fwd_kernel
 
     monkeypatch.setattr(tuning, "_DBIAS_SPLITS", (splits,))
-    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
     q, k, v, bias, mask = make_inputs((1, 12), 4, 150, 150, 32, dtype=torch.bfloat16, bias_shape=(1, 1, 4, 150, 150),
                                       mask_shape=(1, 12, 1, 1, 150), device="cuda")
     g = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
@@ -191,11 +191,11 @@ def test_direct_launch_equals_triton_launch_gpu(monkeypatch, splits):
 
     with kernel_settings(fast_launch=False):
         plain = run()
-    monkeypatch.setattr(fastlaunch, "_COMPILED", {})
-    monkeypatch.setattr(fastlaunch, "_EXACT", {})  # earlier tests' exact-argument entries would bypass _COMPILED
+    monkeypatch.setattr(launch.STATE, "compiled", {})
+    monkeypatch.setattr(launch.STATE, "exact", {})  # earlier tests' exact entries would bypass it
     run()  # remembers the compiled kernels
     direct = run()
-    kernels = {key[0] for key in fastlaunch._COMPILED}
+    kernels = {key[0] for key in launch.STATE.compiled}
     expected = {attn_fwd_kernel, bwd_preprocess_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_dbias_kernel}
     assert kernels == expected | ({sum_splits_kernel} if splits != 1 else set())  # 0: 8 per SM, split here
     for a, b in zip(plain, direct):
@@ -318,7 +318,7 @@ def test_garbage_at_masked_keys_two_rows_per_program_gpu(two_rows_only, monkeypa
     bias tile; the dK/dV kernel adds the bias gradient where TMA reductions take it: forced here, Lk % 4 == 0)."""
     from attn_ops.triton import launch
 
-    monkeypatch.setattr(launch, "TMA_MIN_SCORES", 0)
+    monkeypatch.setattr(launch.STATE, "tma_min_scores", 0)
     check_garbage_at_masked_keys(True, dict(deterministic=False), dtype=torch.bfloat16, device="cuda", lq=130,
                                  lk=204, rows=8)
     assert any(key[0] == "dkdv" and key[1] and cfg.rows == 2 for key, cfg in two_rows_only.chosen().items())
@@ -329,12 +329,12 @@ def test_tma_and_pointer_bias_loads_both_match_reference_gpu(variant, monkeypatc
     """A shared pair bias with 16-byte rows (bf16, L = 200: ragged against every tile) is read through a TMA
     descriptor by default and through pointers with settings.tma False; both paths match the reference, and each
     run took the path it was meant to."""
-    from attn_ops.triton import launch
+    from attn_ops.triton import launch, passes
 
     seen = []
-    real = launch.bias_tma
-    monkeypatch.setattr(launch, "bias_tma", lambda *a: seen.append(real(*a)) or seen[-1])
-    monkeypatch.setattr(launch, "TMA_MIN_SCORES", 0)  # this small shape would otherwise skip TMA (host-bound rule)
+    real = passes.bias_tma
+    monkeypatch.setattr(passes, "bias_tma", lambda *a: seen.append(real(*a)) or seen[-1])
+    monkeypatch.setattr(launch.STATE, "tma_min_scores", 0)  # this small shape would skip TMA (host-bound rule)
     opts = dict(bwd="split") if variant == "split" else dict(bwd="split", deterministic=False)
     q, k, v, bias, mask = make_inputs((1, 6), 4, 200, 200, 32, dtype=torch.bfloat16, bias_shape=(1, 1, 4, 200, 200),
                                       mask_shape=(1, 6, 1, 1, 200), device="cuda")
@@ -351,12 +351,12 @@ def test_tma_reduce_and_element_atomics_both_match_reference_gpu(variant, monkey
     """The atomic accumulators (dq of the fused backward, a shared bias's gradient with deterministic=False) take one
     bulk TMA reduction per tile on Hopper and per-element atomics elsewhere: both match the reference on a ragged
     pair-bias case (L = 200 against every tile), and each run took the path it was meant to."""
-    from attn_ops.triton import launch, launch_backward
+    from attn_ops.triton import launch, passes
 
     made = []
-    real = launch_backward._reduce_desc
-    monkeypatch.setattr(launch_backward, "_reduce_desc", lambda *a: made.append(a[1:3]) or real(*a))
-    monkeypatch.setattr(launch, "TMA_MIN_SCORES", 0)  # this small case is host-bound: TMA would be skipped
+    real = passes._reduce_desc
+    monkeypatch.setattr(passes, "_reduce_desc", lambda *a: made.append(a[1:3]) or real(*a))
+    monkeypatch.setattr(launch.STATE, "tma_min_scores", 0)  # this small case is host-bound: TMA would be skipped
     opts = dict(bwd="fused", deterministic=False) if variant == "fused" else dict(bwd="split", deterministic=False)
     q, k, v, bias, mask = make_inputs((1, 6), 4, 200, 200, 32, dtype=torch.bfloat16, bias_shape=(1, 1, 4, 200, 200),
                                       mask_shape=(1, 6, 1, 1, 200), device="cuda")
@@ -364,8 +364,8 @@ def test_tma_reduce_and_element_atomics_both_match_reference_gpu(variant, monkey
     want = (200, 32) if variant == "fused" else (200, 200)  # (rows, cols) of the accumulator's slices
     assert want in made
     made.clear()
-    monkeypatch.setattr(launch_backward, "_tma_reduce", lambda device: False)
-    monkeypatch.setattr(launch, "_PLANS", {})  # the plans made above hold the TMA path
+    monkeypatch.setattr(passes, "_tma_reduce", lambda device: False)
+    monkeypatch.setattr(launch.STATE, "plans", {})  # the plans made above hold the TMA path
     check_against_reference("triton", q, k, v, bias, mask, **opts)
     assert not made
 
@@ -403,7 +403,7 @@ def test_lengths_differing_mod_16_reuse_compiled_kernels_gpu(variant):
     length args and length-proportional strides are not specialised, so Triton compiles nothing new, and the direct
     launch cache gains no entry. (The atomic variant's TMA reduction of dbias needs Lk % 4 == 0: its lengths keep
     that.)"""
-    from attn_ops.triton import fastlaunch
+    from attn_ops.triton import launch
 
     opts = dict(bwd="split") if variant == "split" else dict(bwd="split", deterministic=False)
 
@@ -413,12 +413,12 @@ def test_lengths_differing_mod_16_reuse_compiled_kernels_gpu(variant):
         check_against_reference("triton", q, k, v, bias, mask, **opts)
 
     step(200)
-    compiled, direct = _compiled_counts(), len(fastlaunch._COMPILED)
+    compiled, direct = _compiled_counts(), len(launch.STATE.compiled)
     assert sum(compiled.values()) > 0
     for L in ((207, 193, 204) if variant == "split" else (196, 204)):
         step(L)
         assert _compiled_counts() == compiled, L
-        assert len(fastlaunch._COMPILED) == direct, L
+        assert len(launch.STATE.compiled) == direct, L
 
 
 def test_tile_multiple_runs_the_general_variant_while_its_own_compiles_gpu(monkeypatch):
@@ -426,23 +426,23 @@ def test_tile_multiple_runs_the_general_variant_while_its_own_compiles_gpu(monke
     after a ragged one of the same bucket (200): its EVEN_M / EVEN_N kernels compile on the background thread while the compiled general ones give the
     call's results (its plan kept with the pending compiles); once they are ready, the next call records its plan
     anew with them. Every call matches the reference."""
-    from attn_ops.triton import fastlaunch, launch
+    from attn_ops.triton import launch, tuning
 
-    monkeypatch.setattr(launch, "_PLANS", {})
-    monkeypatch.setattr(fastlaunch, "_BACKGROUND", {})
+    monkeypatch.setattr(launch.STATE, "plans", {})
+    monkeypatch.setattr(tuning.TUNER, "jobs", {})
     # kernels that earlier tests of the process compiled (their EVEN variants among them) are forgotten: Triton's
     # own cache still has them, so the general ones are at hand again after the 200 step
-    monkeypatch.setattr(fastlaunch, "_COMPILED", {})
-    monkeypatch.setattr(fastlaunch, "_EXACT", {})
+    monkeypatch.setattr(launch.STATE, "compiled", {})
+    monkeypatch.setattr(launch.STATE, "exact", {})
     asked = []
-    real_launch = launch._launch
+    real_launch = launch.launch_kernel
 
     def spy(kernel, grid, args, num_warps, num_stages, **constexprs):
         if "EVEN_M" in constexprs:
             asked.append(bool(constexprs["EVEN_M"] or constexprs["EVEN_N"]))
         return real_launch(kernel, grid, args, num_warps, num_stages, **constexprs)
 
-    monkeypatch.setattr(launch, "_launch", spy)
+    monkeypatch.setattr(launch, "launch_kernel", spy)
     with kernel_settings(tune=False):
         def step(L):
             del asked[:]
@@ -453,28 +453,28 @@ def test_tile_multiple_runs_the_general_variant_while_its_own_compiles_gpu(monke
             return list(asked)
 
         assert not any(step(200))
-        plans = len(launch._PLANS)
+        plans = len(launch.STATE.plans)
         first = step(256)
-        assert len(launch._PLANS) == plans + 2  # stand-ins ran: the plans are kept with their pending compiles
-        jobs = list(fastlaunch._BACKGROUND.values())
+        assert len(launch.STATE.plans) == plans + 2  # stand-ins ran: the plans are kept with their pending compiles
+        jobs = list(tuning.TUNER.jobs.values())
         assert jobs and first.count(False) == len(jobs)  # each general stand-in left its EVEN variant compiling
         for job in jobs:
             job.result(timeout=300)
-        assert all(step(256)) and len(launch._PLANS) == plans + 2  # recorded anew with the EVEN variants
-        assert not any(p.pending for p in launch._PLANS.values())
+        assert all(step(256)) and len(launch.STATE.plans) == plans + 2  # recorded anew with the EVEN variants
+        assert not any(p.pending for p in launch.STATE.plans.values())
 
 
 def test_small_steps_read_the_bias_without_tma_gpu():
     """Below ``TMA_MIN_SCORES`` attention scores per launch the bias goes by pointer loads (the host's descriptor
     encoding costs more than TMA saves there); at and above it, through a descriptor on a Hopper GPU."""
-    from attn_ops.triton import launch
+    from attn_ops.triton import passes
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs a Hopper GPU")
     for n, want_tma in ((256, False), (512, True)):
         q = torch.empty(1, n, 4, n, 32, device="cuda", dtype=torch.bfloat16)
         bias = torch.empty(1, 1, 4, n, n, device="cuda", dtype=torch.bfloat16)
-        _, tma, _ = launch.bias_for_tiles(bias, q, n, n)
+        _, tma, _ = passes.bias_for_tiles(bias, q, n, n)
         assert (tma is not None) == want_tma, n
 
 
@@ -547,9 +547,9 @@ def test_replayed_launch_plans_match_fresh_calls_gpu(variant, tma, n, monkeypatc
     same values: the same bits for the deterministic split backward, equal within fp32 atomics' reordering else."""
     from attn_ops.triton import launch, triton_attention
 
-    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(launch.STATE, "plans", {})
     if tma:
-        monkeypatch.setattr(launch, "TMA_MIN_SCORES", 0)  # this small case is host-bound: TMA would be skipped
+        monkeypatch.setattr(launch.STATE, "tma_min_scores", 0)  # this small case is host-bound: TMA would be skipped
     opts = {"split": {}, "atomic": {"deterministic": False}, "fused": {"deterministic": False, "bwd": "fused"}}[variant]
 
     def grads(seed):
@@ -561,8 +561,8 @@ def test_replayed_launch_plans_match_fresh_calls_gpu(variant, tma, n, monkeypatc
 
     grads(1)  # records the forward's and the backward's plans
     replayed = grads(2)
-    assert len(launch._PLANS) == 2
-    launch._PLANS.clear()
+    assert len(launch.STATE.plans) == 2
+    launch.STATE.plans.clear()
     fresh = grads(2)
     for a, b in zip(replayed, fresh):
         if variant == "split":
@@ -579,7 +579,7 @@ def test_compile_ahead_then_real_calls_are_exact_gpu(tune, processes, monkeypatc
     and module loaded, these calls compile nothing, match the float64 reference, and give the bits of the same
     calls made again with no launch plan or direct-launch entry kept."""
     import attn_ops
-    from attn_ops.triton import fastlaunch, launch, triton_attention
+    from attn_ops.triton import launch, triton_attention
     from triton.runtime.jit import JITFunction
 
     from attn_ops.triton import precompile
@@ -610,15 +610,15 @@ def test_compile_ahead_then_real_calls_are_exact_gpu(tune, processes, monkeypatc
             for c in cases:
                 call(*c)
         assert (precompile.COUNTS["compiled"] > worker_compiles) == bool(processes)
-        assert not fastlaunch.compiling_ahead()  # (other tests may have compiled these variants already)
-        assert all(getattr(k, "module", True) is not None for k in fastlaunch._COMPILED.values())
+        assert not attn_ops.compiling_ahead()  # (other tests may have compiled these variants already)
+        assert all(getattr(k, "module", True) is not None for k in launch.STATE.compiled.values())
         compiles.clear()
         got = [call(*c) for c in cases]
         assert compiles == []
         for c in cases:
             check_against_reference("triton", *c)
         launch.clear_plans()
-        fastlaunch._EXACT.clear()
+        launch.STATE.exact.clear()
         again = [call(*c) for c in cases]
     for g, a in zip(got, again):
         for x, y in zip(g, a):

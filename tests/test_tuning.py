@@ -13,7 +13,7 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from attn_ops import settings  # noqa: E402
 from attn_ops.triton import launch as launch_mod  # noqa: E402
-from attn_ops.triton import tuning  # noqa: E402
+from attn_ops.triton import passes, tuning  # noqa: E402
 from attn_ops.triton.tuning import Cfg, candidates, pick  # noqa: E402
 from helpers import check_against_reference, make_inputs  # noqa: E402
 
@@ -47,7 +47,7 @@ def test_candidates_never_empty_and_fit_the_head_width(kernel):
 def test_fp32_doubles_the_width_and_prunes_more():
     """The launchers pass the head width in 16-bit units: fp32 D = 128 counts as 256, so its forward drops every
     3-stage / big-tile config that fp16 D = 128 keeps."""
-    from attn_ops.triton.launch import _width
+    from attn_ops.triton.passes import _width
 
     q16, q32 = torch.empty(1, 1, 1, 4, 128, dtype=torch.float16), torch.empty(1, 1, 1, 4, 128)
     assert _width(q16, 128, 128) == 128 and _width(q32, 128, 128) == 256
@@ -80,21 +80,19 @@ def test_dbias_split_count_is_programs_per_sm(monkeypatch):
     1 is no split, 0 the default (``tuning.DBIAS_PER_SM``); capped by the batch steps and at 64."""
     import torch
 
-    from attn_ops.triton import launch_backward
-
     dev = torch.device("cuda", 0)
-    monkeypatch.setitem(launch_backward._SMS, 0, 132)
-    assert launch_backward._dbias_splits(1, 144, 384, dev) == 1
-    assert launch_backward._dbias_splits(0, 144, 384, dev) == 8  # 8 per SM: 1056 programs over 144 tiles
-    assert launch_backward._dbias_splits(4, 144, 384, dev) == 4
-    assert launch_backward._dbias_splits(4, 100, 300, dev) == 6  # N=300's fewer tiles get more splits, not the same 4
-    assert launch_backward._dbias_splits(0, 2000, 384, dev) == 1
-    assert launch_backward._dbias_splits(4, 4, 384, dev) == 64
-    assert launch_backward._dbias_splits(4, 4, 6, dev) == 6
-    assert launch_backward._dbias_splits(4, 4, 6, torch.device("cpu")) == 2  # the interpreter counts 2 SMs
-    monkeypatch.setitem(launch_backward._SMS, 0, 66)  # half the SMs: half the splits for the same aim
-    assert launch_backward._dbias_splits(0, 144, 384, dev) == 4
-    assert launch_backward._dbias_splits(4, 100, 300, dev) == 3
+    monkeypatch.setitem(launch_mod.STATE.devices, 0, (9, 132))
+    assert passes._dbias_splits(1, 144, 384, dev) == 1
+    assert passes._dbias_splits(0, 144, 384, dev) == 8  # 8 per SM: 1056 programs over 144 tiles
+    assert passes._dbias_splits(4, 144, 384, dev) == 4
+    assert passes._dbias_splits(4, 100, 300, dev) == 6  # N=300's fewer tiles get more splits, not the same 4
+    assert passes._dbias_splits(0, 2000, 384, dev) == 1
+    assert passes._dbias_splits(4, 4, 384, dev) == 64
+    assert passes._dbias_splits(4, 4, 6, dev) == 6
+    assert passes._dbias_splits(4, 4, 6, torch.device("cpu")) == 2  # the interpreter counts 2 SMs
+    monkeypatch.setitem(launch_mod.STATE.devices, 0, (9, 66))  # half the SMs: half the splits for the same aim
+    assert passes._dbias_splits(0, 144, 384, dev) == 4
+    assert passes._dbias_splits(4, 100, 300, dev) == 3
 
 
 class FakeBench:
@@ -122,7 +120,7 @@ def tuner(monkeypatch):
     """pick() as on a GPU: no interpreter shortcut, an empty cache, default settings without a disk cache or shipped
     tables (a GPU machine's own would answer real keys), a fake timer."""
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
-    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, compile_threads=1,
                                                                       compile_processes=0, shipped_configs=False))
     bench = FakeBench()
@@ -204,7 +202,7 @@ def test_single_candidate_is_not_timed(tuner):
 
 def test_interpreter_shortcut(monkeypatch):
     """Under TRITON_INTERPRET=1: the fixed small config (two rows for pair layouts), nothing launched or cached."""
-    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert tuning.interpreting()
 
@@ -226,7 +224,7 @@ def test_timed_launchers_are_repeatable(monkeypatch, opts):
     clock), must re-zero what they accumulate into (the fused dQ and the atomic dBias accumulators): the result
     after tuning still matches the reference."""
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
-    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None))
     timed = []
 
@@ -310,7 +308,7 @@ def test_bucketed_tuning_matches_exact_tuning(monkeypatch, same_pick):
         return float(cfg.block_m == (16 if same_pick or L != 24 else 32)) + 0.1 * cfg.rows
 
     state = _fake_timer(monkeypatch, ms)
-    monkeypatch.setattr(tuning, "_CACHE", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
     _run(20)
     timed_first = state["timed"]
     assert timed_first >= 6
@@ -318,8 +316,8 @@ def test_bucketed_tuning_matches_exact_tuning(monkeypatch, same_pick):
     assert state["timed"] == timed_first  # every kernel's pick came from L = 20's bucket
     picks_bucketed = dict(tuning.chosen())
 
-    monkeypatch.setattr(tuning, "_CACHE", {})
-    monkeypatch.setattr(launch_mod, "bucket", lambda n: n)  # exact-length keys
+    tuning.TUNER.reset()  # no picks, and the plans that hold the old ones are made again
+    monkeypatch.setattr(passes, "bucket", lambda n: n)  # exact-length keys
     _run(20)
     before = state["timed"]
     exact, _ = _run(24)
@@ -332,8 +330,9 @@ def test_bucketed_tuning_matches_exact_tuning(monkeypatch, same_pick):
         for a, b in zip(bucketed, exact):
             assert torch.equal(a, b)
     else:
-        monkeypatch.setattr(launch_mod, "bucket", tuning.bucket)
-        monkeypatch.setattr(tuning, "_CACHE", picks_bucketed)
+        monkeypatch.setattr(passes, "bucket", tuning.bucket)
+        tuning.TUNER.reset()
+        tuning.TUNER.picks.update(picks_bucketed)
         check_against_reference("triton", *inputs)  # the bucketed picks (cached) against float64
         assert state["timed"] == after_exact  # no new timing there
         for a, b in zip(bucketed, exact):
@@ -452,7 +451,7 @@ def test_pick_uses_the_disk_cache_across_processes(tuner, tmp_path, monkeypatch)
     """A timed pick lands on disk; a fresh process (empty memory caches) picks it up without timing; a stored
     config the candidate lists no longer offer is timed again; an untuned pick neither reads nor writes it."""
     monkeypatch.setattr(tuning, "identity", lambda device=None: IDENT)
-    monkeypatch.setattr(tuning, "_DISK", {})
+    monkeypatch.setattr(tuning.TUNER, "disks", {})
     settings.update(cache_dir=str(tmp_path))
     cands = candidates("fwd", **ARGS)
     tuner.ms = {c: 1.0 for c in cands}
@@ -462,8 +461,8 @@ def test_pick_uses_the_disk_cache_across_processes(tuner, tmp_path, monkeypatch)
     path = tuning.disk_cache(str(tmp_path)).path
     assert list(_json(path)["configs"]) == [repr(("fwd", False, "k"))]
 
-    monkeypatch.setattr(tuning, "_CACHE", {})
-    monkeypatch.setattr(tuning, "_DISK", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
+    monkeypatch.setattr(tuning.TUNER, "disks", {})
     tuner.timed.clear()
     assert pick("fwd", ("k",), launch=tuner.launch, **ARGS) == cands[2]
     assert tuner.timed == []
@@ -484,8 +483,8 @@ def test_pretune_fills_the_disk_cache_for_a_later_process(monkeypatch, tmp_path)
     import attn_ops
 
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
-    monkeypatch.setattr(tuning, "_CACHE", {})
-    monkeypatch.setattr(tuning, "_DISK", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
+    monkeypatch.setattr(tuning.TUNER, "disks", {})
     monkeypatch.setattr(tuning, "identity", lambda device=None: IDENT)
     monkeypatch.setattr(tuning, "candidates", _small_candidates)
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(tune=False, cache_dir=str(tmp_path)))
@@ -499,8 +498,8 @@ def test_pretune_fills_the_disk_cache_for_a_later_process(monkeypatch, tmp_path)
     stored = _json(tuning.disk_cache(str(tmp_path)).path)["configs"]
     assert {eval(k)[0] for k in stored} == {"fwd", "dkdv", "dq", "dbias"}
 
-    monkeypatch.setattr(tuning, "_CACHE", {})
-    monkeypatch.setattr(tuning, "_DISK", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
+    monkeypatch.setattr(tuning.TUNER, "disks", {})
     settings.update(tune=True)
     timed.clear()
     _run(24)
@@ -516,21 +515,21 @@ def _launch_keys(monkeypatch, R, Lq, Lk=20, transposed_mask=False):
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    from attn_ops.triton import fastlaunch, triton_attention
+    from attn_ops.triton import triton_attention
 
     keys = []
-    real = launch_mod._launch
+    real = launch_mod.launch_kernel
 
     def record(kernel, grid, args, num_warps, num_stages, **constexprs):
         dns = set(getattr(kernel, "kwargs", {}).get("do_not_specialize") or ())
         dnsoa = set(getattr(kernel, "kwargs", {}).get("do_not_specialize_on_alignment") or ())
         names = [p for p in kernel.arg_names if p not in constexprs]
         spec = tuple(native_specialize_impl(BaseBackend, a, False, n not in dns, n not in dnsoa)
-                     if isinstance(a, (int, float)) else fastlaunch._arg_key(a) for n, a in zip(names, args))
+                     if isinstance(a, (int, float)) else launch_mod._arg_key(a) for n, a in zip(names, args))
         keys.append((kernel.__name__, tuple(constexprs.items()), num_warps, num_stages, spec))
         return real(kernel, grid, args, num_warps, num_stages, **constexprs)
 
-    monkeypatch.setattr(launch_mod, "_launch", record)
+    monkeypatch.setattr(launch_mod, "launch_kernel", record)
     q, k, v, bias, mask = make_inputs((1, R), 2, Lq, Lk, 16, bias_shape=(1, 1, 2, Lq, Lk), mask_shape=(1, R, 1, 1, Lk),
                                       seed=R)
     if transposed_mask:
@@ -583,7 +582,6 @@ def test_transposed_mask_key_strides_compile_nothing_new(monkeypatch):
 def test_a_miss_compiles_every_candidate_at_once_before_timing(tuner, monkeypatch):
     """compile_threads > 1: each candidate goes through the launcher once in compile-only mode (inside Triton's
     asynchronous compile mode), a failing compile is left to the timing loop, and the timing launches for real."""
-    from attn_ops.triton import precompile
     from triton.runtime import _async_compile
 
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, compile_threads=4,
@@ -592,7 +590,7 @@ def test_a_miss_compiles_every_candidate_at_once_before_timing(tuner, monkeypatc
     real = tuner.launch
 
     def launch(cfg):
-        modes.append((cfg, precompile._WARMUP_ONLY.get(), _async_compile.active_mode.get() is not None))
+        modes.append((cfg, tuning._WARMUP_ONLY.get(), _async_compile.active_mode.get() is not None))
         return real(cfg)
 
     cands = candidates("fwd", **ARGS)
@@ -603,12 +601,10 @@ def test_a_miss_compiles_every_candidate_at_once_before_timing(tuner, monkeypatc
     assert modes[:n] == [(c, True, True) for c in cands]  # all compiles submitted first
     assert [m[0] for m in modes[n:]] == cands and not any(m[1] or m[2] for m in modes[n:])  # then timed for real
     assert tuner.timed == cands[1:]
-    assert precompile._WARMUP_ONLY.get() is False and _async_compile.active_mode.get() is None
+    assert tuning._WARMUP_ONLY.get() is False and _async_compile.active_mode.get() is None
 
 
 def test_compile_only_launch_warms_up_and_runs_nothing(monkeypatch):
-    from attn_ops.triton import fastlaunch, precompile
-
     calls = []
 
     class Kernel:
@@ -618,10 +614,10 @@ def test_compile_only_launch_warms_up_and_runs_nothing(monkeypatch):
         def __getitem__(self, grid):
             raise AssertionError("launched in compile-only mode")
 
-    with precompile.compile_only():
-        fastlaunch.launch(Kernel(), (3,), (1, 2), 4, 2, BLOCK=16)
+    with tuning.compile_only():
+        launch_mod.launch_kernel(Kernel(), (3,), (1, 2), 4, 2, BLOCK=16)
     assert calls == [("warmup", (1, 2), (3,), {"num_warps": 4, "num_stages": 2, "BLOCK": 16})]
-    assert precompile._WARMUP_ONLY.get() is False
+    assert tuning._WARMUP_ONLY.get() is False
 
 
 
@@ -659,7 +655,7 @@ def shipped_dir(tuner, tmp_path, monkeypatch):
     """An empty shipped-table folder, seen by pick() as that of a 'Fake GPU' with Triton 3.6.x."""
     folder = str(tmp_path / "tuned")
     monkeypatch.setattr(tuning, "SHIPPED_DIR", folder)
-    monkeypatch.setattr(tuning, "_SHIPPED", {})
+    monkeypatch.setattr(tuning.TUNER, "shipped", {})
     monkeypatch.setattr(tuning, "_gpu_and_triton", lambda device=None: ("Fake GPU", "3.6.2"))
     settings.update(shipped_configs=True)
     return folder, tuner
@@ -672,7 +668,7 @@ def test_pick_takes_the_shipped_config_without_timing(shipped_dir, tmp_path, mon
     cands = candidates("fwd", **ARGS)
     _ship(folder, "a.json", configs={repr(("fwd", False, "k")): list(cands[3])})
     monkeypatch.setattr(tuning, "identity", lambda device=None: IDENT)
-    monkeypatch.setattr(tuning, "_DISK", {})
+    monkeypatch.setattr(tuning.TUNER, "disks", {})
     settings.update(cache_dir=str(tmp_path / "disk"))
     assert pick("fwd", ("k",), launch=timer.launch, **ARGS) == cands[3]
     assert timer.timed == [] and not os.path.exists(str(tmp_path / "disk"))
@@ -728,7 +724,7 @@ def test_ship_tuning_script_turns_a_cache_into_a_table_pick_uses(shipped_dir, tm
     shipped_dir, timer = shipped_dir
 
     monkeypatch.setattr(tuning, "identity", lambda device=None: dict(IDENT, gpu="Fake GPU", triton="3.6.0"))
-    monkeypatch.setattr(tuning, "_DISK", {})
+    monkeypatch.setattr(tuning.TUNER, "disks", {})
     settings.update(cache_dir=str(tmp_path / "disk"))
     cands = candidates("fwd", **ARGS)
     timer.ms = {c: 1.0 for c in cands}
@@ -738,8 +734,8 @@ def test_ship_tuning_script_turns_a_cache_into_a_table_pick_uses(shipped_dir, tm
     ship.main([str(tmp_path / "disk"), "--out", out, "--measured", "test"])
     assert _json(out)["identity"] == {"gpu": "Fake GPU", "triton": "3.6"}
 
-    monkeypatch.setattr(tuning, "_CACHE", {})
-    monkeypatch.setattr(tuning, "_SHIPPED", {})
+    monkeypatch.setattr(tuning.TUNER, "picks", {})
+    monkeypatch.setattr(tuning.TUNER, "shipped", {})
     settings.update(cache_dir=None)
     timer.timed.clear()
     assert pick("fwd", ("k",), launch=timer.launch, **ARGS) == cands[4] and timer.timed == []

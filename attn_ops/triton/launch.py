@@ -1,42 +1,325 @@
-"""Host launchers: grids, strides, block sizes and buffers for the kernels, on canonical 5-D tensors.
+"""Host launch layer: direct launches of Triton's compiled kernels, launch plans (``Recorder``, replayed per
+call) and the stride, grid and device helpers of the launch records (``passes.py``).
 
 Canonical layout (see ``op.py``): q ``[B, R, H, Lq, D]``, k ``[B, R, H, Lk, D]``, v ``[B, R, H, Lk, Dv]`` with a
 contiguous last dim; bias ``[B|1, R|1, H|1, Lq|1, Lk|1]`` (any float dtype) and mask (bool, same rule) in
 their own shapes: a size-1 dim is passed with stride 0, so nothing is expanded.
+
+Direct launches: ``kernel[grid](*args, **constexprs)`` binds and specializes every argument on each call (a native
+specialisation call per argument: a few times the cost of the launch itself for the ~45 arguments of these
+kernels), and a small shape's step is bound by such host time. :func:`launch_kernel` keeps the compiled kernel
+Triton returned for a launch signature and calls it directly the next time; :func:`bound` hands a launch plan that
+direct call with the fixed arguments already in place.
+
+The signature holds everything Triton specialises on: the constexprs, warps and stages, the value of every scalar
+argument and each tensor argument's dtype and 16-byte alignment; and the current device, since a compiled
+kernel's handle is loaded for the device it was launched on. Integer scalars count as Triton sees them: their
+type (int32/int64) and, unless the kernel marks them ``do_not_specialize``, whether they equal 1 and (unless marked
+``do_not_specialize_on_alignment``) whether they divide by 16, not their value (so a new sequence length reuses
+the entry). A new signature goes through Triton's own path again (which finds its cached binary) and is
+remembered too.
+
+The direct call passes the arguments in the kernel's parameter order, constexprs included, as Triton's own
+``JITFunction.run`` does in 3.x; kernels whose constexprs are not the trailing parameters, the CPU interpreter
+(``TRITON_INTERPRET=1``) and Triton versions whose launch does not return a compiled kernel take the plain path.
+``settings.fast_launch`` False (``attn_ops.settings.update(fast_launch=False)``) forces the plain path (for
+comparison).
 """
 from __future__ import annotations
 
+import inspect
 import math
 import operator
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from .. import settings as _settings
-from . import tuning
+from ..settings import interpreting
+from . import precompile, tuning
+from .tuning import _WARMUP_ONLY, TUNER, compiling_ahead, pick
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
-from .fastlaunch import background_compiles as _background_compiles
-from .fastlaunch import bound as _bound
-from .fastlaunch import background_job as _background_job
-from .fastlaunch import compile_in_background as _compile_in_background
-from .fastlaunch import compiling_ahead as _compiling_ahead
-from .fastlaunch import is_compiled as _is_compiled
-from .fastlaunch import launch as _launch
-from .forward import attn_fwd_kernel
-from ..settings import interpreting
-from .tuning import bucket, pick
-
 Tensor = torch.Tensor
 
 
-def _width(q, D, Dv) -> int:
-    """Head width in 16-bit units, for pruning tile candidates (fp32 tiles take twice the shared memory)."""
-    return max(D, Dv) * q.element_size() // 2
+class LaunchState:
+    """The launch layer's caches, one instance (:data:`STATE`); ``reset()`` empties them. Lookups take no lock (a
+    single dict get or set is atomic under the GIL, and the fast path's host time counts); ``lock`` guards only
+    evictions, clearing and ``reset``."""
+
+    __slots__ = ("compiled", "exact", "exact_max", "params", "plans", "plans_max", "devices", "tma_min_scores",
+                 "tables", "lock")
+
+    def __init__(self):
+        self.compiled: Dict[Tuple, object] = {}  # signature key -> compiled kernel
+        # exact argument values -> compiled kernel: a hit skips the per-argument specialisation work (ints hash in
+        # C); a miss falls back to the signature key, so a new length still finds its compiled kernel
+        self.exact: Dict[Tuple, object] = {}
+        self.exact_max = 4096
+        # kernel -> (number of leading non-constexpr params, -1: not trailing; per param how Triton specialises it)
+        self.params: Dict[object, Tuple[int, Tuple[int, ...]]] = {}
+        self.plans: Dict[Tuple, object] = {}  # call key -> launch plan (Plan)
+        self.plans_max = 1024  # geometries kept; past it the oldest plan goes
+        self.devices: Dict[int, Tuple[int, int]] = {}  # CUDA device index -> (compute capability major, SM count)
+        # Below this many attention scores per launch (B*R*H*Lq*Lk; 2**29 is the triangle [1,512,4,512,*]) the bias
+        # is read by pointer loads, not TMA: Triton encodes a descriptor on the host at every launch, which costs
+        # such a step more host time than its kernels save (docs/bench/history.md, "Design measurements").
+        self.tma_min_scores = 2 ** 29
+        self.tables: list = []  # segment tables: (key, weak refs to the ids' base tensors, flat tables), newest first
+        self.lock = threading.Lock()
+
+    def reset(self) -> None:
+        """Forget every compiled kernel, plan, device fact and segment table; the TMA threshold back to its
+        default."""
+        with self.lock:
+            for cache in (self.compiled, self.exact, self.params, self.plans, self.devices, self.tables):
+                cache.clear()
+            self.tma_min_scores = 2 ** 29
+
+
+STATE = LaunchState()
+
+
+def _params(kernel) -> Tuple[int, Tuple[int, ...]]:
+    """(the number of ``kernel``'s leading non-constexpr params, -1 where a constexpr lies between runtime params: the
+    plain path; per param how Triton specialises an int's value: 2 (== 1 and divisibility by 16), 1 (== 1 only:
+    ``do_not_specialize_on_alignment``) or 0 (``do_not_specialize``))."""
+    known = STATE.params.get(kernel)
+    if known is None:
+        params = getattr(kernel, "params", ())
+        flags = [bool(getattr(p, "is_constexpr", False)) for p in params]
+        n = flags.index(True) if True in flags else len(flags)
+        if not flags or any(not f for f in flags[n:]):
+            n = -1
+        known = STATE.params[kernel] = (n, tuple(
+            0 if getattr(p, "do_not_specialize", False) else 1 if getattr(p, "do_not_specialize_on_alignment", False)
+            else 2 for p in params))
+    return known
+
+
+def _arg_key(a, specialize: int = 2):
+    if type(a) is int:
+        # int32 / int64 always; the value only through Triton's specialisations (== 1, divisible by 16)
+        wide = not -0x80000000 <= a <= 0x7FFFFFFF
+        if specialize is True or specialize == 2:
+            return int, wide, a == 1, a % 16 == 0
+        return (int, wide, a == 1) if specialize else (int, wide)
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if TensorDescriptor is not None and isinstance(a, TensorDescriptor):
+        # specialised on the base's dtype and the block shape; shape and strides are runtime values of the
+        # descriptor that Triton's launcher encodes on every call
+        return TensorDescriptor, a.base.dtype, tuple(a.block_shape), a.padding
+    if type(a) is float:
+        return (float,)  # fp32, never specialised on its value
+    return type(a), a
+
+
+def signature(args: Sequence, specialize: Sequence[int] = ()) -> Tuple:
+    """What Triton specialises a launch on, from the runtime arguments: each tensor's dtype and whether its data
+    pointer is 16-byte aligned; a tensor descriptor's dtype and block shape; an int's width (int32 / int64) and, as
+    ``specialize[i]`` says (:func:`_params`; default 2, True and False read as 2 and 0), whether it is 1 and
+    whether it divides by 16; other scalars with their type and value (the type keeps True, 1 and 1.0 apart, which
+    compare equal in Python)."""
+    n = len(specialize)
+    return tuple(_arg_key(a, specialize[i] if i < n else 2) for i, a in enumerate(args))
+
+
+def _device() -> int:
+    """The device Triton launches on (its current CUDA device)."""
+    return torch.cuda.current_device()
+
+
+def _compile_job(kernel, grid, args, num_warps: int, num_stages: int, constexprs: dict, key: Tuple,
+                 processes: int = 0, load: bool = False) -> Callable:
+    """The work of compiling one launch's kernel off the caller's thread; remembered for direct launches.
+    ``processes`` > 0: compiled in one of that many worker processes first (``precompile.run_jobs``), so the compile
+    here only loads the binary from Triton's cache (a worker's failure leaves the compile to this thread). ``load``:
+    also build Triton's launcher and load the module (only where no launch of the kernel can run meanwhile: a
+    launch would race the loading; ``compile_ahead``, where launches only submit)."""
+    device = key[1]
+
+    def warmup():
+        return kernel.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **constexprs)
+
+    def work():
+        if device >= 0 and torch.cuda.is_available():
+            torch.cuda.set_device(device)  # the compile's target and cache are the caller's device's
+        if processes:
+            try:
+                specs = precompile.capture([None], lambda _: warmup())
+                if specs:
+                    precompile.run_jobs(specs, processes)
+            except Exception:  # noqa: BLE001 - the workers are an optimisation: compiled here below
+                pass
+        result = warmup()
+        if load and device >= 0 and torch.cuda.is_available() and hasattr(result, "_init_handles"):
+            # Triton's launcher for this signature (a C compile on a cold cache) and the module's load, here rather
+            # than in the first real launch
+            try:
+                result._init_handles()
+            except Exception:  # noqa: BLE001 - e.g. out of resources: the launch raises it again
+                pass
+        if _direct_ok(kernel, args, constexprs, result):
+            STATE.compiled[key] = result
+    return work
+
+
+def _submit_ahead(kernel, grid, args: Sequence, num_warps: int, num_stages: int, constexprs: dict) -> bool:
+    """Submit this launch's compile (once per signature) if compile_ahead is active; False if it is not (any more)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a kernel launch inside compile_ahead() during a CUDA graph capture: the graph would "
+                           "hold no launch (capture outside the block)")
+    key = _signature_key(kernel, args, num_warps, num_stages, constexprs)
+    with TUNER.lock:
+        if TUNER.ahead is None:
+            return False
+        pool, jobs, processes = TUNER.ahead
+        if key not in STATE.compiled and key not in jobs:
+            jobs[key] = pool.submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key,
+                                                 processes, load=True))
+    return True
+
+
+def launch_kernel(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int,
+                  **constexprs) -> None:
+    """``kernel[grid](*args, num_warps=.., num_stages=.., **constexprs)``, directly on a remembered compiled kernel
+    when this launch signature was seen before. ``args`` are the runtime params in order; ``constexprs`` must be
+    exactly the kernel's trailing constexpr params, in order."""
+    if _WARMUP_ONLY.get():
+        kernel.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **constexprs)
+        return
+    if TUNER.ahead is not None and tuning.background_compiles() and \
+            _submit_ahead(kernel, grid, args, num_warps, num_stages, constexprs):
+        return
+    if interpreting() or not _settings.get().fast_launch:
+        kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
+        return
+    state = STATE
+    head = (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()))
+    exact = (head, _exact_key(args))
+    compiled = state.exact.get(exact)
+    key = None
+    if compiled is None:
+        key = head + (signature(args, _params(kernel)[1]),)
+        compiled = state.compiled.get(key)
+        if compiled is not None:
+            _remember_exact(exact, compiled)
+    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    if compiled is not None:
+        compiled[grid3](*args, *constexprs.values())
+        return
+    result = kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
+    if _direct_ok(kernel, args, constexprs, result):
+        state.compiled[key] = result
+        _remember_exact(exact, result)
+
+
+def _direct_ok(kernel, args: Sequence, constexprs: dict, result) -> bool:
+    """Whether ``result`` (what Triton returned for this launch) can be called directly with the arguments in
+    order: the runtime args lead, the constexprs are exactly the trailing params, and it is a compiled kernel."""
+    # (the type's: Triton 3.9's placeholder for a compile still pending elsewhere answers hasattr through
+    # __getattr__ yet cannot be subscripted)
+    return _params(kernel)[0] == len(args) and len(args) + len(constexprs) == len(kernel.params) and all(
+        p.name == name for p, name in zip(kernel.params[len(args):], constexprs)) and hasattr(type(result),
+                                                                                             "__getitem__")
+
+
+def _signature_key(kernel, args: Sequence, num_warps: int, num_stages: int, constexprs: dict) -> Tuple:
+    return (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()),
+            signature(args, _params(kernel)[1]))
+
+
+def is_compiled(kernel, args: Sequence, num_warps: int, num_stages: int, **constexprs) -> bool:
+    """Whether this launch would find its compiled kernel (it was launched, or compiled in the background)."""
+    return _signature_key(kernel, args, num_warps, num_stages, constexprs) in STATE.compiled
+
+
+def compile_in_background(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int,
+                          **constexprs) -> str:
+    """Compile this launch's kernel on a background thread (once per signature) and remember it for direct
+    launches. Returns ``"ready"`` (compiled), ``"pending"`` or ``"failed"`` (the compile raised: a launch compiles it
+    again in the caller and raises there). The thread holds ``args`` until its compile ends."""
+    key = _signature_key(kernel, args, num_warps, num_stages, constexprs)
+    if key in STATE.compiled:
+        return "ready"
+    job = TUNER.jobs.get(key)
+    if job is None:
+        with TUNER.lock:
+            if TUNER.pool is None:
+                TUNER.pool = ThreadPoolExecutor(1, thread_name_prefix="attn_zoo_compile")
+        TUNER.jobs[key] = TUNER.pool.submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key))
+        return "pending"
+    if not job.done():
+        return "pending"
+    return "failed" if job.exception() is not None else "ready"
+
+
+def background_job(kernel, args: Sequence, num_warps: int, num_stages: int, **constexprs):
+    """The background compile of this launch's kernel (a ``concurrent.futures.Future``); None if none was asked."""
+    return TUNER.jobs.get(_signature_key(kernel, args, num_warps, num_stages, constexprs))
+
+
+def bound(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int, n_leading: int,
+          **constexprs) -> Optional[Callable[..., None]]:
+    """After a :func:`launch_kernel` with exactly these arguments: ``f(*leading)`` launching the same compiled kernel
+    on the same grid with ``leading`` in place of ``args[:n_leading]`` and the other arguments fixed as given here
+    (what a launch plan replays). None where that launch took Triton's plain path (the CPU interpreter,
+    ``settings.fast_launch`` False, a kernel whose constexprs are not trailing): the caller keeps calling
+    :func:`launch_kernel`. The leading arguments must have the dtypes and 16-byte alignment of those given here, and
+    the current device must stay the same (the plan's key holds both)."""
+    if _WARMUP_ONLY.get() or TUNER.ahead is not None or interpreting() or not _settings.get().fast_launch:
+        return None
+    head = (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()))
+    compiled = STATE.exact.get((head, _exact_key(args)))
+    if compiled is None:
+        compiled = STATE.compiled.get(head + (signature(args, _params(kernel)[1]),))
+    if compiled is None:
+        return None
+    runner = compiled[(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)]
+    rest = tuple(args[n_leading:]) + tuple(constexprs.values())
+    device = _device()
+    if _RAW_STREAM is None or "stream" not in inspect.signature(runner).parameters:
+        def run(*leading):
+            runner(*leading, *rest)
+    else:  # the current stream handed over: the runner would look up the device and its stream on every launch
+        def run(*leading):
+            runner(*leading, *rest, stream=_RAW_STREAM(device))
+    return run
+
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None) if torch.cuda.is_available() else None
+
+
+def _exact_key(args: Sequence) -> Tuple:
+    """The exact-argument key: ints and floats by value, a plain tensor by (dtype, 16-byte alignment), anything else
+    by :func:`_arg_key`. A kernel's param keeps one type from call to call, so equal values of different types
+    (True, 1, 1.0) never meet at one position."""
+    key = []
+    for a in args:
+        t = type(a)
+        if t is int or t is float:
+            key.append(a)
+        elif t is torch.Tensor:
+            key.append((a.dtype, not a.data_ptr() & 15))
+        else:
+            key.append(_arg_key(a))
+    return tuple(key)
+
+
+def _remember_exact(exact: Tuple, compiled) -> None:
+    cache = STATE.exact
+    if len(cache) >= STATE.exact_max:  # many shapes seen: start over (the specialisation cache keeps everything)
+        with STATE.lock:
+            cache.clear()
+    cache[exact] = compiled
 
 
 def _bstrides(t: Tensor) -> Tuple[int, ...]:
@@ -92,55 +375,20 @@ def _even(length: int, block: int) -> bool:
     return length % block == 0 and _settings.get().tile_variants
 
 
-def _bias_align(bias: Optional[Tensor], has_bias: int, in_range: bool) -> int:
-    """The kernels' BIAS_ALIGN: 16 bytes in elements where bias tiles are read by pointer loads that carry no column
-    masks (HAS_BIAS 1 with ``in_range``: EVEN_M and EVEN_N, every tile inside [Lq, Lk]; HAS_BIAS 3, rows read in
-    whole tiles, at any length) and the bias's base, batch strides and row stride are that aligned; else 1. Its row
-    stride is not specialised (a length), so without it each tile loads element by element. A contiguous bias of
-    such lengths, and every padded copy, is aligned: no compile variant is added."""
-    if not (has_bias == 3 or (has_bias == 1 and in_range)):
-        return 1
-    vec = 16 // bias.element_size()
-    if bias.data_ptr() % 16 or any(s % vec for s in _bstrides(bias)[:4]):
-        return 1
-    return vec
+def _device_facts(device: torch.device) -> Tuple[int, int]:
+    """(compute capability major, SM count) of a CUDA device, asked once per device (launches ask on every call:
+    the host's share of a small step counts)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    facts = STATE.devices.get(index)
+    if facts is None:
+        props = torch.cuda.get_device_properties(index)
+        facts = STATE.devices[index] = (props.major, props.multi_processor_count)
+    return facts
 
 
-def _mask_u8(mask: Optional[Tensor]) -> Optional[Tensor]:
-    return None if mask is None else mask.view(torch.uint8)
-
-
-def _mask_kind(mask: Optional[Tensor]) -> int:
-    """HAS_MASK for the kernels: 0 none, 1 a key mask (size 1 along Lq), 2 a mask varying along Lq."""
-    if mask is None:
-        return 0
-    return 1 if mask.shape[3] == 1 else 2
-
-
-def _key(q: Tensor, v: Tensor, bias, mask, causal: bool, *extra) -> Tuple:
-    """The tuner's key: length buckets (not lengths, :func:`tuning.bucket`), the batch count's power of two, the
-    head widths, dtypes, bias/mask kind and broadcast pattern, and the TMA switch (it changes the kernels)."""
-    B, R, H, Lq, D = q.shape
-    nbatch = (B * R * H).bit_length()
-    pattern = None if bias is None else tuple(n == 1 for n in bias.shape)
-    return (str(q.dtype), D, v.shape[-1], bucket(Lq), bucket(v.shape[3]), nbatch, pattern,
-            None if bias is None else str(bias.dtype), _mask_kind(mask), causal, _settings.get().tma) + extra
-
-
-def _seg_strides(q_seg: Optional[Tensor], k_seg: Optional[Tensor]) -> Tuple[int, int, int, int]:
-    """The (b, r) strides of the query and key segment tables (0 on broadcast dims; all 0 without ids)."""
-    if q_seg is None:
-        return 0, 0, 0, 0
-    st = lambda t: (0 if t.shape[0] == 1 else t.stride(0), 0 if t.shape[1] == 1 else t.stride(1))  # noqa: E731
-    return st(q_seg) + st(k_seg)
-
-
-def _mask_strides(m8: Optional[Tensor]) -> Tuple[int, ...]:
-    return (0, 0, 0, 0, 0) if m8 is None else _bstrides(m8)
-
-
-_TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_CAPABILITY = {}  # CUDA device index -> compute capability major
+def sm_count(device: torch.device) -> int:
+    """The CUDA device's SM count."""
+    return _device_facts(device)[1]
 
 
 def _tma_capable(device: torch.device) -> bool:
@@ -153,99 +401,16 @@ def _tma_capable(device: torch.device) -> bool:
         return True
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    major = _CAPABILITY.get(index)
-    if major is None:  # asked on every launch: the host's share of a small step counts
-        major = _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
-    return major >= 9
-
-
-def _tma_tiles(bias: Optional[Tensor], Lq: int, Lk: int) -> bool:
-    """Whether a bias could have its tiles read by TMA in some layout: a TMA dtype, full over Lq and Lk (a tile dim
-    broadcast with stride 0 cannot be described), on a capable device."""
-    return (bias is not None and bias.dtype in _TMA_DTYPES and tuple(bias.shape[3:]) == (Lq, Lk)
-            and min(Lq, Lk) >= 2 and _tma_capable(bias.device))
-
-
-def bias_tma(bias: Optional[Tensor], Lq: int, Lk: int) -> Optional[Tuple[int, int, Tuple[int, int, int]]]:
-    """How the forward, dK/dV and dQ kernels may read bias tiles through a tensor descriptor, or None.
-
-    A descriptor sees the bias as ``[slices, Lq, Lk]``: the batch dims (B, R, H; 0 stride where broadcast) must
-    step in whole multiples of one slice stride, and TMA needs a 16-byte aligned base, row and slice strides and a
-    contiguous last dim (:func:`_tma_tiles` for the rest). Returns (slice stride, number of slices, the batch
-    strides counted in slices). This takes the per-element address arithmetic of each bias tile off the inner
-    loops (docs/bench/history.md, "Design measurements").
-    """
-    if not _tma_tiles(bias, Lq, Lk) or bias.stride(4) != 1:
-        return None
-    esize = bias.element_size()
-    s_m = bias.stride(3)
-    if s_m < Lk or (s_m * esize) % 16 or bias.data_ptr() % 16:  # rows repeated by a 0 stride: pointer loads
-        return None
-    batch = _bstrides(bias)[:3]
-    steps = [s for s in batch if s]
-    slice_stride = min(steps) if steps else Lq * s_m
-    if (slice_stride * esize) % 16 or any(s % slice_stride for s in steps):
-        return None
-    last = sum((n - 1) * s for n, s in zip(bias.shape[:3], batch))
-    return slice_stride, last // slice_stride + 1, tuple(s // slice_stride for s in batch)
-
-
-# Below this many attention scores per launch (B*R*H*Lq*Lk; 2**29 is the triangle [1,512,4,512,*]) the bias is read
-# by pointer loads, not TMA: Triton encodes a descriptor on the host at every launch, which costs such a step more
-# host time than its kernels save (docs/bench/history.md, "Design measurements").
-TMA_MIN_SCORES = 2 ** 29
-
-
-def _host_bound(q: Tensor, Lq: int, Lk: int) -> bool:
-    """Whether a step is small enough that the host's descriptor work outweighs TMA's gain (the CPU interpreter
-    always takes TMA, so the CPU tests cover that path at their small shapes)."""
-    B, R, H = q.shape[:3]
-    return B * R * H * Lq * Lk < TMA_MIN_SCORES and not interpreting()
-
-
-# Pointer-loaded bias tiles read whole rows of this many columns from a padded copy (HAS_BIAS 3): the widest key
-# tile, so that every tile's columns lie inside the copy's rows.
-PAD_COLS = 128
-
-
-def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
-    """(the bias the kernels read, :func:`bias_tma` of it, whether its rows can be read in whole tiles: HAS_BIAS 3).
-
-    A bias that several programs re-read (it is broadcast over a batch dim of q: a pair bias shared over R) is
-    copied once per pass where its layout would make every tile's loads slow, one copy against one read per row:
-    - for TMA, where the descriptor cannot take it as it is (a heads-last pair bias, the blocks' projection layout,
-      has a non-contiguous Lk; rows of an odd length are not 16-byte multiples): into 16-byte aligned rows;
-    - for pointer loads (steps under ``TMA_MIN_SCORES``, GPUs without TMA), where Lk is not a multiple of
-      ``PAD_COLS`` or the columns are not contiguous: into contiguous rows padded to a multiple of ``PAD_COLS``
-      (HAS_BIAS 3), so that no tile needs a column mask and every row starts 16-byte aligned (BIAS_ALIGN); one
-      whose rows already fill whole tiles is read as it is, with HAS_BIAS 3 too.
-    Its gradient keeps the bias's shape and dtype either way.
-    """
-    if bias is None:
-        return bias, None, False
-    reused = tuple(bias.shape[:3]) != tuple(q.shape[:3]) and tuple(bias.shape[3:]) == (Lq, Lk) and min(Lq, Lk) >= 2
-    if not _host_bound(q, Lq, Lk):
-        tma = bias_tma(bias, Lq, Lk)
-        if tma is not None:
-            return bias, tma, False
-        if reused and _tma_tiles(bias, Lq, Lk):
-            rows = _rows_copy(bias, tuple(bias.shape), _cdiv(Lk * bias.element_size(), 16) * 16 // bias.element_size())
-            return rows, bias_tma(rows, Lq, Lk), False
-    if not reused:
-        return bias, None, False
-    if Lk % PAD_COLS == 0 and bias.stride(4) == 1:  # its rows fill whole tiles already: read as it is, the same
-        return bias, None, True  # kernel variant as every other length's copy (no compile per length)
-    return _rows_copy(bias, tuple(bias.shape), _cdiv(Lk, PAD_COLS) * PAD_COLS), None, True
+    return _device_facts(device)[0] >= 9
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Launch plans. A call's host work (strides, grids, tile choice, TMA and buffer decisions, Triton's argument
-# binding) depends only on its tensors' geometry: the first call with a geometry runs the launchers below through a
-# Recorder, which keeps each allocation and launch as a step over ``env`` (the call's tensors: inputs first, then
-# the buffers the steps allocate, in order); later calls with the same key replay those steps with their own
-# tensors, launching the compiled kernels directly (``fastlaunch.bound``): an eager call of a small shape is bound by
-# its host time, and replaying skips most of it (docs/bench/crop_h100.md).
+# binding) depends only on its tensors' geometry: the first call with a geometry runs its record (``passes.py``)
+# through a Recorder, which keeps each allocation and launch as a step over ``env`` (the call's tensors: inputs
+# first, then the buffers the steps allocate, in order); later calls with the same key replay those steps with
+# their own tensors, launching the compiled kernels directly (:func:`bound`): an eager call of a small shape is bound
+# by its host time, and replaying skips most of it (docs/bench/crop_h100.md).
 
 
 class Plan(NamedTuple):
@@ -255,20 +420,16 @@ class Plan(NamedTuple):
     pending: Tuple = ()  # background compiles of the variants it stands in for (see Recorder._ready_variant)
 
 
-_PLANS: Dict[Tuple, Plan] = {}
-_PLANS_MAX = 1024  # geometries kept; past it the oldest plan goes
-
-
 def clear_plans() -> None:
     """Forget every launch plan (the next call of each geometry runs the launchers again)."""
-    _PLANS.clear()
+    STATE.plans.clear()
 
 
 def _guard() -> Tuple:
-    """What a plan was made under besides its key (which holds the settings, by value): the tuning cache (configs
-    picked from it), the interpreter's config and the TMA threshold (module values that tests and experiments
-    replace)."""
-    return (tuning._CACHE, tuning._INTERPRETER, TMA_MIN_SCORES)
+    """What a plan was made under besides its key (which holds the settings, by value): the tuner's generation
+    (configs picked before its reset), the interpreter's config and the TMA threshold (values that tests and
+    experiments replace)."""
+    return (TUNER.generation, tuning._INTERPRETER, STATE.tma_min_scores)
 
 
 def _geo(t: Optional[Tensor]):
@@ -283,14 +444,15 @@ _current_device = _current_device or (lambda: -1)
 
 def _replay(key: Tuple, env: list) -> Optional[Plan]:
     """Run the plan for ``key`` on ``env``; None when there is none (or it was made under other settings)."""
-    plan = _PLANS.get(key)
+    state = STATE
+    plan = state.plans.get(key)
     if plan is None:
         return None
     guard = plan.guard
-    if guard[0] is not tuning._CACHE or guard[1] is not tuning._INTERPRETER or guard[2] != TMA_MIN_SCORES:
+    if guard[0] != TUNER.generation or guard[1] is not tuning._INTERPRETER or guard[2] != state.tma_min_scores:
         return None
     if plan.pending and all(job.done() for job in plan.pending):  # its own variants are ready: record anew
-        _PLANS.pop(key, None)  # (another thread may have dropped it first)
+        state.plans.pop(key, None)  # (another thread may have dropped it first)
         return None
     for step in plan.steps:
         step(env)
@@ -298,11 +460,13 @@ def _replay(key: Tuple, env: list) -> Optional[Plan]:
 
 
 def _keep(key: Tuple, rec: "Recorder", outputs: Tuple[Optional[int], ...]) -> None:
-    if _compiling_ahead():  # its launches ran nothing: no plan
+    if compiling_ahead():  # its launches ran nothing: no plan
         return
-    if key not in _PLANS and len(_PLANS) >= _PLANS_MAX:  # many geometries seen: drop the oldest plan
-        del _PLANS[next(iter(_PLANS))]
-    _PLANS[key] = Plan(tuple(rec.steps), outputs, rec.guard, tuple(rec.pending))
+    plans = STATE.plans
+    if key not in plans and len(plans) >= STATE.plans_max:  # many geometries seen: drop the oldest plan
+        with STATE.lock:  # (two threads evicting at once would pick the same one)
+            plans.pop(next(iter(plans), None), None)
+    plans[key] = Plan(tuple(rec.steps), outputs, rec.guard, tuple(rec.pending))
 
 
 def _getter(leading: Sequence) -> Callable[[list], tuple]:
@@ -339,14 +503,15 @@ class Recorder:
                **constexprs) -> None:
         get, rest = _getter(leading), tuple(rest)
         args = get(self.env) + rest
-        if self.recording and not _compiling_ahead():
+        if self.recording and not compiling_ahead():
             constexprs = self._ready_variant(kernel, grid, args, num_warps, num_stages, constexprs)
-        _launch(kernel, grid, args, num_warps, num_stages, **constexprs)
+        launch_kernel(kernel, grid, args, num_warps, num_stages, **constexprs)
         if not self.recording:
             return
-        run = _bound(kernel, grid, args, num_warps, num_stages, len(leading), **constexprs)
-        if run is None:  # the plain path (interpreter, fast_launch off): through _launch every time
-            self.steps.append(lambda env: _launch(kernel, grid, get(env) + rest, num_warps, num_stages, **constexprs))
+        run = bound(kernel, grid, args, num_warps, num_stages, len(leading), **constexprs)
+        if run is None:  # the plain path (interpreter, fast_launch off): through launch_kernel every time
+            self.steps.append(lambda env: launch_kernel(kernel, grid, get(env) + rest, num_warps, num_stages,
+                                                        **constexprs))
         else:
             self.steps.append(lambda env: run(*get(env)))
 
@@ -357,17 +522,17 @@ class Recorder:
         variant (masks everywhere, the same results) is compiled, it runs instead; the call's plan is kept with the
         pending compiles, replayed while they run and recorded anew once they have ended (:func:`_replay`), so the
         calls meanwhile cost no more host time than any replay and a later one takes the specialisation."""
-        if not (constexprs.get("EVEN_M") or constexprs.get("EVEN_N")) or not _background_compiles() or \
-                _is_compiled(kernel, args, num_warps, num_stages, **constexprs):
+        if not (constexprs.get("EVEN_M") or constexprs.get("EVEN_N")) or not tuning.background_compiles() or \
+                is_compiled(kernel, args, num_warps, num_stages, **constexprs):
             return constexprs
         general = dict(constexprs, EVEN_M=False, EVEN_N=False)
         if general.get("HAS_BIAS") == 1:
             general["BIAS_ALIGN"] = 1  # HAS_BIAS 1: vector bias loads only where no tile carries masks
-        if not _is_compiled(kernel, args, num_warps, num_stages, **general):
+        if not is_compiled(kernel, args, num_warps, num_stages, **general):
             return constexprs
-        if _compile_in_background(kernel, grid, args, num_warps, num_stages, **constexprs) != "pending":
+        if compile_in_background(kernel, grid, args, num_warps, num_stages, **constexprs) != "pending":
             return constexprs  # ready by now, or failed: compiled here (and its error raised) as ever
-        self.pending.append(_background_job(kernel, args, num_warps, num_stages, **constexprs))
+        self.pending.append(background_job(kernel, args, num_warps, num_stages, **constexprs))
         return general
 
     def tuned(self, name: str, key: Tuple, width: int, Lq: int, Lk: int, run: Callable, **kw):
@@ -402,92 +567,3 @@ def _order(like: Tensor) -> List[int]:
     return sorted(range(like.ndim), key=lambda d: (-like.stride(d), d))
 
 
-def _bias_slot(rec: Recorder, b: int, q: Tensor, Lq: int, Lk: int):
-    """(env slot of the bias the kernels read, :func:`bias_tma` of it, whether its rows can be read in whole
-    tiles): :func:`bias_for_tiles` as a step."""
-    bias = rec.env[b]
-    read, tma, whole_rows = bias_for_tiles(bias, q, Lq, Lk)
-    if read is bias:
-        return b, tma, whole_rows
-    shape, pitch = tuple(read.shape), read.stride(3)
-    first = [read]  # this call's copy, made above; replays make their own
-
-    def copy(env):
-        return first.pop() if first else _rows_copy(env[b], shape, pitch)
-
-    return rec.new(copy), tma, whole_rows
-
-
-def _rows_copy(bias: Tensor, shape, pitch: int) -> Tensor:
-    """``bias`` in rows of ``pitch`` elements (the columns past ``shape[4]`` left unwritten)."""
-    rows = torch.empty(shape[:4] + (pitch,), dtype=bias.dtype, device=bias.device)[..., :shape[4]]
-    return rows.copy_(bias)
-
-
-def _bias_operand_slot(b: Optional[int], bias: Optional[Tensor], tma, block_m: int, block_n: int, dummy: int,
-                       whole_rows: bool):
-    """(leading argument: env slot ``b`` of ``bias``, a per-call descriptor maker, or the ``dummy`` slot; its five
-    strides; HAS_BIAS) of a kernel reading [block_m, block_n] bias tiles: a tensor descriptor (HAS_BIAS 2, batch
-    strides in slices) where :func:`bias_tma` allowed it, else the tensor (1; 3 where ``whole_rows``: rows readable
-    in whole tiles, :func:`bias_for_tiles`) or nothing (0)."""
-    if b is None:
-        return dummy, (0, 0, 0, 0, 0), 0
-    if tma is None:  # (a tile wider than the padding reads the copy with column masks, as HAS_BIAS 1)
-        return b, _bstrides(bias), 3 if whole_rows and block_n <= PAD_COLS else 1
-    slice_stride, n_slices, batch = tma
-    dims, strides = [n_slices, bias.shape[3], bias.shape[4]], [slice_stride, bias.stride(3), 1]
-    block = [1, block_m, block_n]
-    return (lambda env: TensorDescriptor(env[b], dims, strides, block)), (*batch, bias.stride(3), 1), 2
-
-
-def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
-                 scale: float, causal: bool, q_seg: Optional[Tensor] = None, k_seg: Optional[Tensor] = None
-                 ) -> Tuple[Tensor, Tensor]:
-    """out ``[B, R, H, Lq, Dv]`` (q.dtype, dense in q's dim order) and lse ``[B, R, H, Lq]`` (fp32, natural log).
-
-    ``q_seg``/``k_seg``: None or the ``op.segment_tables`` of the query / key ids (both or neither)."""
-    m8 = _mask_u8(mask)
-    env = [q, k, v, bias, m8, q_seg, k_seg]
-    key = ("fwd", _geo(q), _geo(k), _geo(v), _geo(bias), _geo(m8), _geo(q_seg), _geo(k_seg), scale, causal,
-           _current_device() if q.is_cuda else -1, interpreting(), _settings.get())
-    plan = _replay(key, env)
-    if plan is None:
-        rec = Recorder(env)
-        outputs = _record_forward(rec, scale, causal)
-        _keep(key, rec, outputs)
-    else:
-        outputs = plan.outputs
-    return env[outputs[0]], env[outputs[1]]
-
-
-def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int]:
-    q, k, v, bias, m8, q_seg, k_seg = rec.env
-    B, R, H, Lq, D = q.shape
-    Lk, Dv = k.shape[3], v.shape[4]
-    o = rec.new(_empty((B, R, H, Lq, Dv), q.dtype, q.device, order=_order(q)))
-    lse = rec.new(_empty((B, R, H, Lq), torch.float32, q.device))
-    out = rec.env[o]
-    b, tma, whole_rows = (None, None, False) if bias is None else _bias_slot(rec, 3, q, Lq, Lk)
-    bias_t = None if b is None else rec.env[b]
-    sm = _mask_strides(m8)
-    seg = q_seg is not None
-    ss = _seg_strides(q_seg, k_seg)
-    rows = (*_rows(q), *_rows(k), *_rows(v))  # the same for every config
-    flags = dict(HAS_MASK=_mask_kind(m8), CAUSAL=causal, HAS_SEG=seg)
-    align = _align(q, k, v, out)
-
-    def run(c):
-        arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=0,
-                                               whole_rows=whole_rows)
-        rec.launch(attn_fwd_kernel, (_cdiv(Lq, c.block_m), B * R * H),
-                   (0, 1, 2, arg, 4 if m8 is not None else 0, o, lse, 5 if seg else lse, 6 if seg else lse),
-                   (*rows, *sb, *sm, *_rows(out), *ss, R, H, Lq, Lk, scale),
-                   c.num_warps, c.num_stages, HAS_BIAS=has_bias, **flags,
-                   EVEN_M=_even(Lq, c.block_m), EVEN_N=_even(Lk, c.block_n),
-                   BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), D=D, Dv=Dv,
-                   ALIGN=align,
-                   BIAS_ALIGN=_bias_align(bias_t, has_bias, _even(Lq, c.block_m) and _even(Lk, c.block_n)))
-
-    rec.tuned("fwd", _key(q, v, bias_t, m8, causal, seg, tma is None), _width(q, D, Dv), Lq, Lk, run,
-              device=q.device.index)
-    return o, lse

@@ -1,8 +1,9 @@
-"""``torch.library`` custom ops around the kernel launches (fake impls for torch.compile) and their autograd.
+"""The ``triton`` backend's entry points (:func:`triton_attention`, :func:`triton_lse_backward`: any leading batch
+dims brought to the kernels' canonical ``[B, R, H, L, D]``), the ``torch.library`` custom ops around the kernel
+launches (fake impls for torch.compile) and their autograd.
 
-``attn_zoo::triton_attn_fwd`` and ``attn_zoo::triton_attn_bwd`` take canonical 5-D tensors
-``[B, R, H, L, D]`` (see ``api.py`` for the reshaping); bias and mask keep their own shapes
-``[B|1, R|1, H|1, Lq|1, Lk|1]``.
+``attn_zoo::triton_attn_fwd`` and ``attn_zoo::triton_attn_bwd`` take canonical 5-D tensors ``[B, R, H, L, D]``;
+bias and mask keep their own shapes ``[B|1, R|1, H|1, Lq|1, Lk|1]``.
 
 :func:`attend` is the entry point: under ``torch.compile`` it calls the custom op (traceable, no graph break);
 in eager mode a plain ``autograd.Function`` around the same two bodies (``attn_forward``/``_backward_impl``),
@@ -16,10 +17,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .fastlaunch import compiling_ahead as _compiling_ahead
-from .launch import attn_forward, empty_in_order
-from .launch_backward import attn_backward
-from .segtable import segment_tables_flat, split_tables
+from .launch import STATE, empty_in_order
+from .passes import attn_backward, attn_forward, segment_tables_flat, split_tables
+from .tuning import compiling_ahead as _compiling_ahead
 
 Tensor = torch.Tensor
 
@@ -77,7 +77,7 @@ def _(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbia
 @torch.library.custom_op("attn_zoo::triton_segment_tables", mutates_args=())
 def triton_segment_tables(q_ids: Tensor, k_ids: Tensor, shared: bool) -> Tensor:
     """The query and key segment tables in one int32 tensor ``[B', R', 3 * (Lq + Lk)]`` (``3 * Lq`` when
-    ``shared``), see ``segtable.segment_tables_flat``."""
+    ``shared``), see ``passes.segment_tables_flat``."""
     return segment_tables_flat(q_ids, k_ids, shared)
 
 
@@ -102,24 +102,26 @@ def segment_tables(q_ids: Tensor, k_ids: Tensor) -> Tuple[Tensor, Tensor]:
     if _through_custom_op(q_ids):
         return split_tables(torch.ops.attn_zoo.triton_segment_tables(q_ids, k_ids, shared), Lq, Lk, shared)
     key = None if _compiling_ahead() else _tables_key(q_ids, k_ids, shared)  # (ahead: the tables are garbage)
+    tables = STATE.tables
     if key is not None:
-        for entry_key, refs, flat in _TABLES:
+        for entry_key, refs, flat in tables:
             if entry_key == key and refs[0]() is _root(q_ids) and refs[1]() is _root(k_ids):
                 return split_tables(flat, Lq, Lk, shared)
     flat = segment_tables_flat(q_ids, k_ids, shared)
     if key is not None:
-        _TABLES[:] = [e for e in _TABLES if e[1][0]() is not None and e[1][1]() is not None][:_TABLES_MAX - 1]
-        _TABLES.insert(0, (key, (weakref.ref(_root(q_ids)), weakref.ref(_root(k_ids))), flat))
+        with STATE.lock:
+            tables[:] = [e for e in tables if e[1][0]() is not None and e[1][1]() is not None][:_TABLES_MAX - 1]
+            tables.insert(0, (key, (weakref.ref(_root(q_ids)), weakref.ref(_root(k_ids))), flat))
     return split_tables(flat, Lq, Lk, shared)
 
 
-_TABLES: List = []  # (key, weak refs to the ids' base tensors, flat tables), newest first
-_TABLES_MAX = 4
+_TABLES_MAX = 4  # ids tensors whose tables are kept (``STATE.tables``)
 
 
 def clear_segment_tables() -> None:
     """Forget every cached segment table (after writing ids in a way PyTorch's version counter does not see)."""
-    _TABLES.clear()
+    with STATE.lock:
+        STATE.tables.clear()
 
 
 def _root(t: Tensor) -> Tensor:
@@ -216,3 +218,244 @@ def backward(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, ne
         return dq, dk, dv, (dbias if need_dbias and bias is not None else None)
     return _backward_impl(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbias, atomic_dbias,
                           q_seg, k_seg)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The backend's entry points: any leading batch dims brought to the canonical [B, R, H, L, D] and the op called.
+
+BWD_VARIANTS = ("auto", "split", "fused")
+
+
+def _dense(t: Tensor) -> Tensor:
+    """``t`` itself if its last dim is contiguous and it is non-overlapping and dense, else a dense copy.
+
+    Gradients are allocated with the input's strides, which is only safe for such layouts. The copy keeps
+    ``t``'s dim order (``empty_like`` keeps it): a head-split view of a fused projection ``[*, L, H*C]`` seen as
+    ``[*, H, L, C]`` becomes dense ``[*, L, H, C]`` memory by a coalesced gather, not a transposing copy, and the
+    gradients the op returns in that order flow back into the projection without a transpose either.
+    """
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        return t.contiguous()
+    if t.is_contiguous() or _non_overlapping_and_dense(t):
+        return t
+    copy = torch.empty_like(t)  # t's dim order (clone's rule), decided before any data is copied
+    # an overlapping input (e.g. unfold windows, another dim of stride 1) may get its last dim ordered outwards by
+    # that rule; the kernels need it contiguous
+    return copy.copy_(t) if copy.stride(-1) == 1 else t.contiguous()
+
+
+def _non_overlapping_and_dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill a block of memory exactly once, in some dim order.
+
+    Written as a search for the dim with the next expected stride rather than a sort of the strides: Dynamo cannot
+    sort symbolic strides, and with dynamic shapes (variable sequence lengths) this runs on symbolic ones.
+    """
+    dims = [d for d in range(t.ndim) if t.shape[d] != 1]
+    expected = 1
+    while dims:
+        nxt = next((d for d in dims if t.stride(d) == expected), None)
+        if nxt is None:
+            return False
+        dims.remove(nxt)
+        expected *= t.shape[nxt]
+    return True
+
+
+def _merge_plan(q: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], seg=None) -> List[List[int]]:
+    """Groups of adjacent leading dims (size-1 dims of q dropped) that share bias/mask/segment-id broadcast
+    patterns."""
+    groups: List[List[int]] = []
+    last = None
+    for d in range(q.ndim - 3):
+        if q.shape[d] == 1:
+            continue
+        pattern = (bias is not None and bias.shape[d] != 1, mask is not None and mask.shape[d] != 1,
+                   seg is not None and seg[0].shape[d] != 1, seg is not None and seg[1].shape[d] != 1)
+        if groups and pattern == last:
+            groups[-1].append(d)
+        else:
+            groups.append([d])
+        last = pattern
+    return groups
+
+
+def _merge(t: Optional[Tensor], groups: List[List[int]], tail: int) -> Optional[Tensor]:
+    """Reshape ``t``'s leading dims to one dim per group (product of sizes; 1 where t broadcasts)."""
+    if t is None:
+        return None
+    sizes = []
+    for g in groups:
+        n = 1
+        for d in g:
+            n *= t.shape[d]
+        sizes.append(n)
+    return t.reshape(tuple(sizes) + tuple(t.shape[-tail:]))
+
+
+def _check_bwd(bwd: str, deterministic: bool) -> Tuple[bool, bool]:
+    """Validate the ``bwd`` option: (fused, atomic_dbias). "auto" is split, which was faster on every shape
+    measured on an H100; ``deterministic=False`` also lets a broadcast bias's gradient be summed by atomics."""
+    if bwd not in BWD_VARIANTS:
+        raise ValueError(f"bwd must be one of {BWD_VARIANTS}, got {bwd!r}")
+    if bwd == "fused" and deterministic:
+        raise ValueError(
+            "bwd='fused' accumulates dq with atomics and is not bitwise deterministic; "
+            "pass deterministic=False to use it, or bwd='split'"
+        )
+    return bwd == "fused", not deterministic
+
+
+def _seg_tables(seg, pad=()):
+    """Segment ids ``(q_ids, k_ids)`` ``[B|1, R|1, L]`` (``pad`` unit dims prepended first) -> the kernels' tables,
+    one shared table when both sides are the same tensor."""
+    if seg is None:
+        return ()
+    q_ids = seg[0].reshape(pad + seg[0].shape)
+    return segment_tables(q_ids, q_ids if seg[1] is seg[0] else seg[1].reshape(pad + seg[1].shape))
+
+
+def _canonical_call(q, k, v, bias, mask, scale, causal, mode, tables=()) -> Tuple[Tensor, Tensor]:
+    """q, k, v with exactly two leading dims -> (out, lse) via the custom op; ``mode`` = (fused, atomic_dbias)."""
+    q, k, v = _dense(q), _dense(k), _dense(v)
+    return attend(q, k, v, bias, mask, float(scale), bool(causal), *mode, *tables)
+
+
+def _seg_index(seg, i):
+    if seg is None:
+        return None
+    return tuple(t[i if t.shape[0] > 1 else 0] for t in seg)
+
+
+def _attend(q, k, v, bias, mask, scale, causal, mode, seg=None) -> Tuple[Tensor, Tensor]:
+    n = q.ndim - 3
+    if n == 2:  # canonical already (bias and mask have q's ndim): no views to make
+        return _canonical_call(q, k, v, bias, mask, scale, causal, mode, _seg_tables(seg))
+    lead = q.shape[:n]
+    if n < 2:
+        pad = (1,) * (2 - n)
+        # [B, R, H, L, D] with unit dims prepended (views)
+        q5, k5, v5 = (t.reshape(pad + t.shape) for t in (q, k, v))
+        b5 = None if bias is None else bias.reshape(pad + bias.shape)
+        m5 = None if mask is None else mask.reshape(pad + mask.shape)
+        out, lse = _canonical_call(q5, k5, v5, b5, m5, scale, causal, mode, _seg_tables(seg, pad))
+        return out.reshape(lead + out.shape[2:]), lse.reshape(lead + lse.shape[2:])
+    groups = _merge_plan(q, bias, mask, seg)
+    if len(groups) <= 2:
+        # [G1, G2, H, L, D]: each group of leading dims merged into one
+        qm, km, vm = (_merge(t, groups, 3) for t in (q, k, v))
+        bm, mm = _merge(bias, groups, 3), _merge(mask, groups, 3)
+        sm = None if seg is None else (_merge(seg[0], groups, 1), _merge(seg[1], groups, 1))
+        if seg is not None and seg[1] is seg[0]:
+            sm = (sm[0], sm[0])
+        out, lse = _attend(qm, km, vm, bm, mm, scale, causal, mode, sm)
+        return out.reshape(lead + out.shape[-3:]), lse.reshape(lead + lse.shape[-2:])
+    # More than two broadcast patterns: loop over dim 0 (autograd sums a shared bias's gradient).
+    outs, lses = [], []
+    for i in range(q.shape[0]):
+        bi = None if bias is None else bias[i if bias.shape[0] > 1 else 0]
+        mi = None if mask is None else mask[i if mask.shape[0] > 1 else 0]
+        o, s = _attend(q[i], k[i], v[i], bi, mi, scale, causal, mode, _seg_index(seg, i))
+        outs.append(o)
+        lses.append(s)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def _canonical_ids(segment_ids, q: Tensor):
+    """``(q_ids, k_ids)`` with ``q.ndim - 2`` dims (left-padded; the API does this already), or None."""
+    if segment_ids is None:
+        return None
+    pad = lambda t: t.reshape((1,) * (q.ndim - 2 - t.ndim) + tuple(t.shape))  # noqa: E731
+    qi, ki = segment_ids
+    return (pad(qi), pad(qi)) if ki is qi else (pad(qi), pad(ki))
+
+
+def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
+                     scale: float, causal: bool, deterministic: bool = True, bwd: str = "auto", segment_ids=None
+                     ) -> Tuple[Tensor, Tensor]:
+    """Fused attention with a broadcastable trainable bias and a differentiable lse (Triton kernels).
+
+    Args (already validated by ``attn_ops.attention``):
+        q ``[*batch, H, Lq, D]``, k ``[*batch, H, Lk, D]``, v ``[*batch, H, Lk, Dv]``: fp16/bf16/fp32, one device,
+            8 <= D, Dv <= 256, any value (the kernels pad to blocks of a power of two >= 16, tl.dot's minimum).
+            fp32 inputs use full fp32 products (no TF32).
+        bias: None or float (any float dtype) broadcastable to ``[*batch, H, Lq, Lk]``: every dim 1 (broadcast, read
+            with stride 0) or full; fewer dims than q are left-padded with 1s;
+            its gradient comes back in its own shape and dtype, summed over broadcast dims.
+        mask: None or bool with the same rule; True = attend. Under a key mask (size 1 along Lq) whatever the
+            bias or k hold at a masked key (NaN or inf padding included) reaches neither the output, lse nor any
+            gradient: their logits are set to -inf by a select and their K rows, where a gradient multiplies them,
+            are read as zeros. A mask that varies along Lq is applied by a select, which keeps garbage out of the
+            output, lse, dk, dv and dbias, but dq still computes 0 * k at masked keys (NaN for a non-finite k), as
+            the reference's masked_fill does.
+            A NaN in v at a masked key propagates (0 * NaN), as in PyTorch.
+        scale: logit scale. causal: query i sees key j iff ``j <= i + (Lk - Lq)``.
+        deterministic: True (default) gives bitwise-identical gradients on repeated calls (no atomics); the
+            tile configs are tuned once per length bucket (and cached on disk), so for the same bits across
+            processes set ``attn_ops.settings.update(tune=False)`` (the first candidate config everywhere). False
+            sums the gradient of a bias broadcast over batch dims with fp32 atomics in the backward's passes (one
+            pass fewer: the dQ kernel's vector atomics, or TMA bulk reductions in dK/dV on large steps) and allows
+            ``bwd="fused"``.
+        bwd: ``"split"`` (dK/dV and dQ kernels), ``"fused"`` (one pass, dQ by fp32 atomics; needs
+            ``deterministic=False``) or ``"auto"`` (split: faster on every shape measured on an H100).
+        segment_ids: None or ``(q_ids, k_ids)``, int ``[*batch, Lq]`` / ``[*batch, Lk]`` (size 1 on broadcast batch
+            dims; contiguous segments, negative = padding: see ``attn_ops.attention``). Every kernel visits only the
+            tiles whose id ranges meet and masks unequal ids inside a tile.
+
+    Returns:
+        out ``[*batch, H, Lq, Dv]`` in q's dtype; lse ``[*batch, H, Lq]`` float32, the natural log of the softmax
+        denominator of ``q k^T * scale + bias`` over attended keys. A row with no key gives out 0, lse -inf and
+        zero, finite gradients.
+    """
+    mode = _check_bwd(bwd, deterministic)
+    if bias is not None and bias.ndim < q.ndim:  # the API pads already; direct callers may not
+        bias = bias.reshape((1,) * (q.ndim - bias.ndim) + tuple(bias.shape))
+    if mask is not None and mask.ndim < q.ndim:
+        mask = mask.reshape((1,) * (q.ndim - mask.ndim) + tuple(mask.shape))
+    return _attend(q, k, v, bias, mask, scale, causal, mode, _canonical_ids(segment_ids, q))
+
+
+def triton_lse_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
+                        scale: float, causal: bool, out: Tensor, lse: Tensor, d_out: Optional[Tensor],
+                        d_lse: Optional[Tensor], need_dbias: bool, bwd: str = "auto", deterministic: bool = True,
+                        segment_ids=None):
+    """Gradients (dq, dk, dv, dbias or None) of attention given its saved (out, lse), without a forward.
+
+    Same shapes as :func:`triton_attention`; ``out`` ``[*batch, H, Lq, Dv]`` and ``lse`` ``[*batch, H, Lq]`` may be
+    the merged results over a larger key set (ring attention): the result is then this key block's share.
+    ``d_out``/``d_lse`` None mean zero. dbias has the bias's own shape and dtype. ``segment_ids``: as in
+    :func:`triton_attention`.
+    """
+    fused, atomic = _check_bwd(bwd, deterministic)
+    seg = _canonical_ids(segment_ids, q)
+    d_out = torch.zeros_like(out, dtype=v.dtype) if d_out is None else d_out.to(v.dtype)  # dots need v's dtype
+    n = q.ndim - 3
+    if n > 2:  # loop over dim 0: simple and exact; the merge plan of _attend is a later optimisation
+        parts = []
+        for i in range(q.shape[0]):
+            bi = None if bias is None else bias[i if bias.shape[0] > 1 else 0]
+            mi = None if mask is None else mask[i if mask.shape[0] > 1 else 0]
+            parts.append(triton_lse_backward(q[i], k[i], v[i], bi, mi, scale, causal, out[i], lse[i], d_out[i],
+                                             None if d_lse is None else d_lse[i], need_dbias, bwd, deterministic,
+                                             _seg_index(seg, i)))
+        dq, dk, dv = (torch.stack([p[j] for p in parts]) for j in range(3))
+        db = None
+        if need_dbias:
+            dbs = [p[3] for p in parts]
+            db = torch.stack(dbs) if bias.shape[0] > 1 else sum(dbs[1:], dbs[0]).unsqueeze(0)
+        return dq, dk, dv, db
+    pad = (1,) * (2 - n)
+
+    def five(t):  # [B, R, H, ...] views with unit dims prepended
+        return None if t is None else t.reshape(pad + t.shape)
+
+    q5, k5, v5 = (_dense(five(t)) for t in (q, k, v))
+    out5 = five(out)
+    if out5.stride(-1) != 1:
+        out5 = out5.contiguous()
+    lse4 = five(lse).float().contiguous()
+    dlse4 = None if d_lse is None else five(d_lse).float().contiguous()
+    dq, dk, dv, db = backward(
+        five(d_out), dlse4, q5, k5, v5, out5, lse4, five(bias), five(mask), float(scale), bool(causal), fused,
+        bool(need_dbias and bias is not None), atomic, *_seg_tables(seg, pad))
+    db = db.reshape(bias.shape) if db is not None else None
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), db

@@ -30,6 +30,9 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
+from . import tuning
+from .tuning import compile_only
+
 # set while candidates are captured (in the tuning thread only): the hook appends (module, name, spec) and skips
 _CAPTURE: contextvars.ContextVar = contextvars.ContextVar("attn_zoo_precompile_capture", default=None)
 _HOOK_LOCK = threading.Lock()
@@ -87,7 +90,7 @@ def cached(hook_kw: dict) -> bool:
         return False
 
 
-def _supported() -> bool:
+def supported() -> bool:
     """Whether this Triton has ``knobs.runtime.jit_cache_hook`` and ``JITFunction.preload``."""
     try:
         from triton import knobs
@@ -121,22 +124,6 @@ def _hook_installed() -> Iterator[None]:
                 _PREVIOUS_HOOK = None
 
 
-# Set by compile_only() in the thread (context) that compiles a tuning key's candidates; other threads launching
-# at the same time are not affected.
-_WARMUP_ONLY: contextvars.ContextVar = contextvars.ContextVar("attn_zoo_warmup_only", default=False)
-
-
-@contextlib.contextmanager
-def compile_only() -> Iterator[None]:
-    """Inside the block :func:`launch` compiles (``kernel.warmup``) and launches nothing, in this thread only: under
-    Triton's asynchronous compile mode the tuner submits every candidate's compile at once this way."""
-    token = _WARMUP_ONLY.set(True)
-    try:
-        yield
-    finally:
-        _WARMUP_ONLY.reset(token)
-
-
 def capture(cands: Sequence, launch: Callable) -> List[Tuple[str, str, str]]:
     """(module, kernel name, specialization data) of every compile that ``launch(c)`` for the candidates would do
     here, in order, without compiling (compile-only launches; kernels already compiled in this process capture
@@ -159,7 +146,7 @@ def compile_candidates(cands: Sequence, launch: Callable, processes: int) -> boo
     """Compile what the candidates' launches need in ``processes`` workers; returns when all are done. False where
     this Triton cannot or every job failed (the caller compiles in threads instead; it does so too if this raises,
     e.g. where no subprocess may start)."""
-    if processes < 1 or not _supported():
+    if processes < 1 or not supported():
         return False
     jobs = capture(cands, launch)
     return not jobs or run_jobs(jobs, processes) < len(jobs)
@@ -335,3 +322,6 @@ def serve(reply_fd: int) -> None:
             reply = f"{type(exc).__name__}: {exc}"
         out.write(json.dumps(reply) + "\n")
         out.flush()
+
+
+tuning.TUNER.workers = sys.modules[__name__]  # the tuner's worker-process compiler (it cannot import this module)

@@ -1,4 +1,4 @@
-"""The kernels' segment tables, built by one Triton launch.
+"""The kernel that builds the segment tables in one launch (its launcher: ``passes.segment_tables_flat``).
 
 For query ids ``[B|1, R|1, Lq]`` and key ids ``[B|1, R|1, Lk]`` (contiguous segments, negative = padding), each
 side's table is int32 ``[B', R', 3, L]`` (B', R' the broadcast batch dims): row 0 the ids (negatives as -1), rows 1
@@ -14,16 +14,9 @@ dozen launches and more GPU time than the packed attention's own kernels (docs/b
 """
 from __future__ import annotations
 
-from typing import Tuple
-
-import torch
 import triton
 import triton.language as tl
 
-from .fastlaunch import launch as _launch
-
-Tensor = torch.Tensor
-_BLOCK = 1024
 
 
 @triton.jit
@@ -124,32 +117,3 @@ def segment_table_kernel(
         tl.debug_barrier()
         _spans(QT, Lq, S + 2 * Lq, S + 2 * Lq + Lk, Lk, K_STEPS, BLOCK)
         _spans(KT, Lk, S, S + Lq, Lq, Q_STEPS, BLOCK)
-
-
-def segment_tables_flat(q_ids: Tensor, k_ids: Tensor, shared: bool) -> Tensor:
-    """int32 ``[B', R', 3 * (Lq + Lk)]`` (``[B', R', 3 * Lq]`` when ``shared``: ``k_ids`` is ``q_ids``) holding the
-    query table then the key table of ``op.segment_tables``."""
-    batch = torch.broadcast_shapes(q_ids.shape[:-1], k_ids.shape[:-1])
-    Lq, Lk = q_ids.shape[-1], k_ids.shape[-1]
-
-    def rows(ids):
-        ids = ids if ids.stride(-1) == 1 else ids.contiguous()
-        return ids.expand(batch + ids.shape[-1:])
-
-    qi, ki = rows(q_ids), rows(k_ids)
-    B, R = batch
-    width = 3 * Lq if shared else 3 * (Lq + Lk)
-    out = torch.empty((B, R, width), dtype=torch.int32, device=q_ids.device)
-    scratch = torch.empty((B * R, 2 * Lq if shared else 2 * (Lq + Lk)), dtype=torch.int32, device=q_ids.device)
-    _launch(segment_table_kernel, (B * R,),
-            (qi, ki, out, scratch, qi.stride(0), qi.stride(1), ki.stride(0), ki.stride(1), R, Lq, Lk,
-             int(Lq).bit_length(), int(Lk).bit_length()), 4, 1, SHARED=shared, BLOCK=_BLOCK)
-    return out
-
-
-def split_tables(flat: Tensor, Lq: int, Lk: int, shared: bool) -> Tuple[Tensor, Tensor]:
-    """The (query, key) table views ``[B', R', 3, L]`` of :func:`segment_tables_flat`'s result."""
-    qt = flat[..., :3 * Lq].unflatten(-1, (3, Lq))
-    if shared:
-        return qt, qt
-    return qt, flat[..., 3 * Lq:].unflatten(-1, (3, Lk))

@@ -13,13 +13,17 @@ the same in every process. Under ``TRITON_INTERPRET=1`` (CPU tests) there is no 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import json
 import os
 import tempfile
+import threading
+import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -27,9 +31,6 @@ from triton.runtime.errors import OutOfResources
 
 from .. import settings as _settings
 from ..settings import interpreting
-from . import precompile
-from .fastlaunch import compiling_ahead
-from .precompile import compile_only
 
 
 class Cfg(NamedTuple):
@@ -41,7 +42,122 @@ class Cfg(NamedTuple):
     splits: int = 0  # dbias: programs per SM its split aims at (1: no split; 0: the launcher's default, 8)
 
 
-_CACHE: Dict[Tuple, Cfg] = {}
+class TuningState:
+    """The tuner's caches and the compile threads' bookkeeping, one instance (:data:`TUNER`); ``reset()`` empties the
+    caches and bumps ``generation``, which launch plans check (a plan holds configs picked before)."""
+
+    __slots__ = ("picks", "disks", "shipped", "pool", "jobs", "ahead", "generation", "lock", "workers")
+
+    def __init__(self):
+        self.picks: Dict[Tuple, Cfg] = {}  # full key (see pick) -> config
+        self.disks: Dict[Tuple, "DiskCache"] = {}  # (folder, device) -> its disk cache
+        self.shipped: Dict[Tuple, Dict[str, Cfg]] = {}  # (folder, gpu, triton release) -> shipped table
+        self.pool = None  # the background compiles' one thread (made at the first)
+        self.jobs: Dict[Tuple, object] = {}  # background compiles: signature key -> Future
+        # (pool, {signature key: Future}, worker processes) while compile_ahead() runs, for the whole process
+        # (autograd runs a CUDA backward on threads of its own, so not a context variable)
+        self.ahead = None
+        self.generation = 0
+        self.lock = threading.Lock()  # compile_ahead's start and end against submissions; the pool's making
+        # the worker-process compiler (precompile.py registers itself: it imports this module for compile_only, so
+        # this module cannot import it); None: compiles stay in threads
+        self.workers = None
+
+    def reset(self) -> None:
+        """Forget every pick, disk cache, shipped table and background job."""
+        with self.lock:
+            for cache in (self.picks, self.disks, self.shipped, self.jobs):
+                cache.clear()
+            self.generation += 1
+
+
+TUNER = TuningState()
+
+
+def compiling_ahead() -> bool:
+    """Whether :func:`compile_ahead` is active: launches submit their kernel's compile and run nothing."""
+    return TUNER.ahead is not None
+
+
+def background_compiles() -> bool:
+    """Whether compiles can run off the launching thread: on the direct path only (the CPU interpreter and
+    ``settings.fast_launch`` False always launch through Triton, which compiles where it must)."""
+    return not interpreting() and _settings.get().fast_launch
+
+
+@contextlib.contextmanager
+def compile_ahead(threads: Optional[int] = None, processes: Optional[int] = None) -> Iterator[None]:
+    """Inside the block every kernel launch (``launch.launch_kernel``, in any thread) runs nothing: a kernel not
+    compiled yet is compiled on one of ``threads`` threads (default ``settings.compile_threads``), all at once, or,
+    with ``processes`` > 0 (default ``settings.compile_processes``), in that many worker processes
+    (``precompile.py``: not bound by the GIL; this process then loads each binary from Triton's cache). The block
+    ends when every compile has. Outputs of the calls inside are garbage: run throwaway steps there (one
+    per input shape a run will meet) so the run itself compiles nothing. A tuning miss inside submits every
+    candidate's compile and times nothing (the real call times them). A no-op on the CPU interpreter and with
+    ``settings.fast_launch`` off (Triton compiles where it launches). Not during a CUDA graph capture (the graph
+    would lack the kernels): RuntimeError."""
+    if not background_compiles():
+        yield
+        return
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("compile_ahead() during a CUDA graph capture: the graph would hold no kernel launches")
+    if TUNER.ahead is not None:
+        raise RuntimeError("compile_ahead() is already active")
+    s = _settings.get()
+    processes = s.compile_processes if processes is None else processes
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 0:
+        raise ValueError(f"compile_ahead: processes must be an int >= 0, got {processes!r}")
+    workers = TUNER.workers
+    if processes and (workers is None or not workers.supported()):
+        processes = 0  # this Triton cannot hand compiles to workers: threads
+    # (with workers, each thread waits on one worker's compile and then loads its binary here)
+    pool = ThreadPoolExecutor(processes or threads or s.compile_threads, thread_name_prefix="attn_zoo_ahead")
+    jobs: Dict[Tuple, object] = {}
+    with TUNER.lock:
+        TUNER.ahead = (pool, jobs, processes)
+    try:
+        yield
+    finally:
+        with TUNER.lock:
+            TUNER.ahead = None
+        wait(list(jobs.values()))
+        pool.shutdown()
+        if processes and not _settings.get().compile_processes:
+            workers.shutdown()  # the workers were for this block only (tuning misses compile in threads)
+        failed = [e for e in (f.exception() for f in jobs.values()) if e is not None]
+        if failed:
+            warnings.warn(f"compile_ahead: {len(failed)} of {len(jobs)} compiles failed (each compiles again at its "
+                          f"first real launch, which raises if it fails there too): {failed[0]!r}", RuntimeWarning,
+                          stacklevel=3)
+
+
+
+
+def wait_background(timeout: Optional[float] = None) -> float:
+    """Wait until every background compile submitted so far has ended (or ``timeout`` seconds passed); returns
+    the seconds waited. Benchmarks call it before timing a steady state: until then a tile-multiple length runs
+    its general stand-in variants."""
+    t0 = time.perf_counter()
+    jobs = [j for j in list(TUNER.jobs.values()) if not j.done()]
+    if jobs:
+        wait(jobs, timeout=timeout)
+    return time.perf_counter() - t0
+
+
+# Set by compile_only() in the thread (context) that compiles a tuning key's candidates; other threads launching
+# at the same time are not affected.
+_WARMUP_ONLY: contextvars.ContextVar = contextvars.ContextVar("attn_zoo_warmup_only", default=False)
+
+
+@contextlib.contextmanager
+def compile_only() -> Iterator[None]:
+    """Inside the block ``launch.launch_kernel`` compiles (``kernel.warmup``) and launches nothing, in this thread
+    only: under Triton's asynchronous compile mode the tuner submits every candidate's compile at once this way."""
+    token = _WARMUP_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _WARMUP_ONLY.reset(token)
 
 # Candidates per kernel (BLOCK_M = query tile, BLOCK_N = key tile), for H100-class GPUs with triton 3.x.
 _CANDIDATES = {
@@ -116,7 +232,7 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
         return _INTERPRETER._replace(rows=2 if pair else 1)
     s = _settings.get()
     full_key = (kernel, pair) + key + (s.tune, s.shipped_configs, device)
-    cfg = _CACHE.get(full_key)
+    cfg = TUNER.picks.get(full_key)
     if cfg is not None:
         return cfg
     cands = candidates(kernel, head_dim, lq, lk, pair)
@@ -146,7 +262,8 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
             cfg = _first_that_launches(cands, launch)
         else:
             try:
-                handled = precompile.compile_candidates(cands, launch, s.compile_processes)
+                handled = TUNER.workers is not None and \
+                    TUNER.workers.compile_candidates(cands, launch, s.compile_processes)
             except Exception:  # noqa: BLE001 - the workers are an optimisation: compile here instead
                 handled = False
             if not handled:
@@ -154,7 +271,7 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
             cfg = _time(kernel, key, cands, launch, s.tune_log)
             if disk is not None:
                 disk.put((kernel, pair) + key, cfg)
-    _CACHE[full_key] = cfg
+    TUNER.picks[full_key] = cfg
     return cfg
 
 
@@ -237,7 +354,7 @@ def _first_that_launches(cands: List[Cfg], launch: Callable[[Cfg], None]) -> Cfg
 def chosen() -> Dict[Tuple, Cfg]:
     """Configs picked so far (for benchmark reports): key ``(kernel, pair, *launcher key, tune, shipped_configs,
     device)``."""
-    return dict(_CACHE)
+    return dict(TUNER.picks)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -353,19 +470,11 @@ class DiskCache:
                               fh, indent=0)
                 os.replace(tmp, self.path)
             except BaseException:
-                with _suppress():
+                with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
             st = os.stat(self.path)
             self._stamp = (st.st_mtime_ns, st.st_size)
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return exc[0] is not None and issubclass(exc[0], OSError)
 
 
 class _locked:
@@ -389,15 +498,12 @@ class _locked:
         return False
 
 
-_DISK: Dict[Tuple, DiskCache] = {}
-
 # ---------------------------------------------------------------------------------------------------------------
 # Shipped tables: {"identity": {"gpu": name, "triton": "major.minor"}, "measured": text, "configs": {key: cfg}}, the
 # disk cache's keys and configs without its source hash (a config stays valid when a kernel changes; one that the
 # candidate lists no longer offer is ignored).
 
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
-_SHIPPED: Dict[Tuple, Dict[str, Cfg]] = {}
 
 
 def triton_release(version: str) -> str:
@@ -412,7 +518,7 @@ def shipped(device=None) -> Dict[str, Cfg]:
     gpu, version = _gpu_and_triton(device)
     want = {"gpu": gpu, "triton": triton_release(version)}
     key = (folder, want["gpu"], want["triton"])
-    table = _SHIPPED.get(key)
+    table = TUNER.shipped.get(key)
     if table is None:
         table = {}
         names = sorted(n for n in os.listdir(folder) if n.endswith(".json")) if os.path.isdir(folder) else []
@@ -426,7 +532,7 @@ def shipped(device=None) -> Dict[str, Cfg]:
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 warnings.warn(f"attn_ops shipped tuning table {path}: unreadable ({type(exc).__name__}: {exc}); "
                               "skipped", RuntimeWarning, stacklevel=2)
-        _SHIPPED[key] = table
+        TUNER.shipped[key] = table
     return table
 
 
@@ -436,7 +542,7 @@ def disk_cache(folder: Optional[str], device=None) -> Optional[DiskCache]:
         return None
     index = torch.cuda.current_device() if device is None and torch.cuda.is_available() else device
     key = (os.fspath(folder), index)
-    cache = _DISK.get(key)
+    cache = TUNER.disks.get(key)
     if cache is None:
-        cache = _DISK[key] = DiskCache(folder, identity(index))
+        cache = TUNER.disks[key] = DiskCache(folder, identity(index))
     return cache

@@ -1,10 +1,11 @@
-"""Host launcher of the backward: the delta preprocess, the dK/dV and dQ kernels (split or fused) and the dBias
-reduction of a broadcast bias, recorded as a launch plan like the forward (``launch.py``: the geometry helpers, the
-plans and the forward; this module only imports from it).
+"""What each kernel is given: the bias layout (TMA descriptors, padded rows), the tuner keys, and the launch
+records of the forward, the backward (the delta preprocess, the dK/dV and dQ kernels, split or fused, and the
+dBias reduction of a broadcast bias) and the segment tables, recorded as launch plans on ``launch.py``'s
+``Recorder``.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -14,11 +15,233 @@ from . import tuning
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
 from .common import LOG2E
 from .dbias import attn_bwd_dbias_kernel, sum_splits_kernel
-from .launch import (Recorder, TensorDescriptor, _align, _bias_align, _bias_operand_slot, _bias_slot, _bstrides,
-                     _cdiv, _current_device, _empty, _even, _geo, _host_bound, _keep, _key, _mask_kind,
-                     _mask_strides, _mask_u8, _pow2, _replay, _rows, _seg_strides, _tma_capable, _width)
+from .forward import attn_fwd_kernel
+from .launch import (STATE, Recorder, TensorDescriptor, _align, _bstrides, _cdiv, _current_device, _empty, _even,
+                     _geo, _keep, _order, _pow2, _replay, _rows, _tma_capable, launch_kernel, sm_count)
+from .segtable import segment_table_kernel
+from .tuning import bucket
 
 Tensor = torch.Tensor
+_SEG_BLOCK = 1024  # positions per step of the segment-table kernel's scans
+
+
+def _width(q, D, Dv) -> int:
+    """Head width in 16-bit units, for pruning tile candidates (fp32 tiles take twice the shared memory)."""
+    return max(D, Dv) * q.element_size() // 2
+
+
+def _bias_align(bias: Optional[Tensor], has_bias: int, in_range: bool) -> int:
+    """The kernels' BIAS_ALIGN: 16 bytes in elements where bias tiles are read by pointer loads that carry no column
+    masks (HAS_BIAS 1 with ``in_range``: EVEN_M and EVEN_N, every tile inside [Lq, Lk]; HAS_BIAS 3, rows read in
+    whole tiles, at any length) and the bias's base, batch strides and row stride are that aligned; else 1. Its row
+    stride is not specialised (a length), so without it each tile loads element by element. A contiguous bias of
+    such lengths, and every padded copy, is aligned: no compile variant is added."""
+    if not (has_bias == 3 or (has_bias == 1 and in_range)):
+        return 1
+    vec = 16 // bias.element_size()
+    if bias.data_ptr() % 16 or any(s % vec for s in _bstrides(bias)[:4]):
+        return 1
+    return vec
+
+
+def _mask_u8(mask: Optional[Tensor]) -> Optional[Tensor]:
+    return None if mask is None else mask.view(torch.uint8)
+
+
+def _mask_kind(mask: Optional[Tensor]) -> int:
+    """HAS_MASK for the kernels: 0 none, 1 a key mask (size 1 along Lq), 2 a mask varying along Lq."""
+    if mask is None:
+        return 0
+    return 1 if mask.shape[3] == 1 else 2
+
+
+def _key(q: Tensor, v: Tensor, bias, mask, causal: bool, *extra) -> Tuple:
+    """The tuner's key: length buckets (not lengths, :func:`tuning.bucket`), the batch count's power of two, the
+    head widths, dtypes, bias/mask kind and broadcast pattern, and the TMA switch (it changes the kernels)."""
+    B, R, H, Lq, D = q.shape
+    nbatch = (B * R * H).bit_length()
+    pattern = None if bias is None else tuple(n == 1 for n in bias.shape)
+    return (str(q.dtype), D, v.shape[-1], bucket(Lq), bucket(v.shape[3]), nbatch, pattern,
+            None if bias is None else str(bias.dtype), _mask_kind(mask), causal, _settings.get().tma) + extra
+
+
+def _seg_strides(q_seg: Optional[Tensor], k_seg: Optional[Tensor]) -> Tuple[int, int, int, int]:
+    """The (b, r) strides of the query and key segment tables (0 on broadcast dims; all 0 without ids)."""
+    if q_seg is None:
+        return 0, 0, 0, 0
+    st = lambda t: (0 if t.shape[0] == 1 else t.stride(0), 0 if t.shape[1] == 1 else t.stride(1))  # noqa: E731
+    return st(q_seg) + st(k_seg)
+
+
+def _mask_strides(m8: Optional[Tensor]) -> Tuple[int, ...]:
+    return (0, 0, 0, 0, 0) if m8 is None else _bstrides(m8)
+
+
+_TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _tma_tiles(bias: Optional[Tensor], Lq: int, Lk: int) -> bool:
+    """Whether a bias could have its tiles read by TMA in some layout: a TMA dtype, full over Lq and Lk (a tile dim
+    broadcast with stride 0 cannot be described), on a capable device."""
+    return (bias is not None and bias.dtype in _TMA_DTYPES and tuple(bias.shape[3:]) == (Lq, Lk)
+            and min(Lq, Lk) >= 2 and _tma_capable(bias.device))
+
+
+def bias_tma(bias: Optional[Tensor], Lq: int, Lk: int) -> Optional[Tuple[int, int, Tuple[int, int, int]]]:
+    """How the forward, dK/dV and dQ kernels may read bias tiles through a tensor descriptor, or None.
+
+    A descriptor sees the bias as ``[slices, Lq, Lk]``: the batch dims (B, R, H; 0 stride where broadcast) must
+    step in whole multiples of one slice stride, and TMA needs a 16-byte aligned base, row and slice strides and a
+    contiguous last dim (:func:`_tma_tiles` for the rest). Returns (slice stride, number of slices, the batch
+    strides counted in slices). This takes the per-element address arithmetic of each bias tile off the inner
+    loops (docs/bench/history.md, "Design measurements").
+    """
+    if not _tma_tiles(bias, Lq, Lk) or bias.stride(4) != 1:
+        return None
+    esize = bias.element_size()
+    s_m = bias.stride(3)
+    if s_m < Lk or (s_m * esize) % 16 or bias.data_ptr() % 16:  # rows repeated by a 0 stride: pointer loads
+        return None
+    batch = _bstrides(bias)[:3]
+    steps = [s for s in batch if s]
+    slice_stride = min(steps) if steps else Lq * s_m
+    if (slice_stride * esize) % 16 or any(s % slice_stride for s in steps):
+        return None
+    last = sum((n - 1) * s for n, s in zip(bias.shape[:3], batch))
+    return slice_stride, last // slice_stride + 1, tuple(s // slice_stride for s in batch)
+
+
+def _host_bound(q: Tensor, Lq: int, Lk: int) -> bool:
+    """Whether a step is small enough that the host's descriptor work outweighs TMA's gain (the CPU interpreter
+    always takes TMA, so the CPU tests cover that path at their small shapes)."""
+    B, R, H = q.shape[:3]
+    return B * R * H * Lq * Lk < STATE.tma_min_scores and not interpreting()
+
+
+# Pointer-loaded bias tiles read whole rows of this many columns from a padded copy (HAS_BIAS 3): the widest key
+# tile, so that every tile's columns lie inside the copy's rows.
+PAD_COLS = 128
+
+
+def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
+    """(the bias the kernels read, :func:`bias_tma` of it, whether its rows can be read in whole tiles: HAS_BIAS 3).
+
+    A bias that several programs re-read (it is broadcast over a batch dim of q: a pair bias shared over R) is
+    copied once per pass where its layout would make every tile's loads slow, one copy against one read per row:
+    - for TMA, where the descriptor cannot take it as it is (a heads-last pair bias, the blocks' projection layout,
+      has a non-contiguous Lk; rows of an odd length are not 16-byte multiples): into 16-byte aligned rows;
+    - for pointer loads (steps under ``STATE.tma_min_scores``, GPUs without TMA), where Lk is not a multiple of
+      ``PAD_COLS`` or the columns are not contiguous: into contiguous rows padded to a multiple of ``PAD_COLS``
+      (HAS_BIAS 3), so that no tile needs a column mask and every row starts 16-byte aligned (BIAS_ALIGN); one
+      whose rows already fill whole tiles is read as it is, with HAS_BIAS 3 too.
+    Its gradient keeps the bias's shape and dtype either way.
+    """
+    if bias is None:
+        return bias, None, False
+    reused = tuple(bias.shape[:3]) != tuple(q.shape[:3]) and tuple(bias.shape[3:]) == (Lq, Lk) and min(Lq, Lk) >= 2
+    if not _host_bound(q, Lq, Lk):
+        tma = bias_tma(bias, Lq, Lk)
+        if tma is not None:
+            return bias, tma, False
+        if reused and _tma_tiles(bias, Lq, Lk):
+            rows = _rows_copy(bias, tuple(bias.shape), _cdiv(Lk * bias.element_size(), 16) * 16 // bias.element_size())
+            return rows, bias_tma(rows, Lq, Lk), False
+    if not reused:
+        return bias, None, False
+    if Lk % PAD_COLS == 0 and bias.stride(4) == 1:  # its rows fill whole tiles already: read as it is, the same
+        return bias, None, True  # kernel variant as every other length's copy (no compile per length)
+    return _rows_copy(bias, tuple(bias.shape), _cdiv(Lk, PAD_COLS) * PAD_COLS), None, True
+
+
+def _bias_slot(rec: Recorder, b: int, q: Tensor, Lq: int, Lk: int):
+    """(env slot of the bias the kernels read, :func:`bias_tma` of it, whether its rows can be read in whole
+    tiles): :func:`bias_for_tiles` as a step."""
+    bias = rec.env[b]
+    read, tma, whole_rows = bias_for_tiles(bias, q, Lq, Lk)
+    if read is bias:
+        return b, tma, whole_rows
+    shape, pitch = tuple(read.shape), read.stride(3)
+    first = [read]  # this call's copy, made above; replays make their own
+
+    def copy(env):
+        return first.pop() if first else _rows_copy(env[b], shape, pitch)
+
+    return rec.new(copy), tma, whole_rows
+
+
+def _rows_copy(bias: Tensor, shape, pitch: int) -> Tensor:
+    """``bias`` in rows of ``pitch`` elements (the columns past ``shape[4]`` left unwritten)."""
+    rows = torch.empty(shape[:4] + (pitch,), dtype=bias.dtype, device=bias.device)[..., :shape[4]]
+    return rows.copy_(bias)
+
+
+def _bias_operand_slot(b: Optional[int], bias: Optional[Tensor], tma, block_m: int, block_n: int, dummy: int,
+                       whole_rows: bool):
+    """(leading argument: env slot ``b`` of ``bias``, a per-call descriptor maker, or the ``dummy`` slot; its five
+    strides; HAS_BIAS) of a kernel reading [block_m, block_n] bias tiles: a tensor descriptor (HAS_BIAS 2, batch
+    strides in slices) where :func:`bias_tma` allowed it, else the tensor (1; 3 where ``whole_rows``: rows readable
+    in whole tiles, :func:`bias_for_tiles`) or nothing (0)."""
+    if b is None:
+        return dummy, (0, 0, 0, 0, 0), 0
+    if tma is None:  # (a tile wider than the padding reads the copy with column masks, as HAS_BIAS 1)
+        return b, _bstrides(bias), 3 if whole_rows and block_n <= PAD_COLS else 1
+    slice_stride, n_slices, batch = tma
+    dims, strides = [n_slices, bias.shape[3], bias.shape[4]], [slice_stride, bias.stride(3), 1]
+    block = [1, block_m, block_n]
+    return (lambda env: TensorDescriptor(env[b], dims, strides, block)), (*batch, bias.stride(3), 1), 2
+
+
+def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
+                 scale: float, causal: bool, q_seg: Optional[Tensor] = None, k_seg: Optional[Tensor] = None
+                 ) -> Tuple[Tensor, Tensor]:
+    """out ``[B, R, H, Lq, Dv]`` (q.dtype, dense in q's dim order) and lse ``[B, R, H, Lq]`` (fp32, natural log).
+
+    ``q_seg``/``k_seg``: None or the ``op.segment_tables`` of the query / key ids (both or neither)."""
+    m8 = _mask_u8(mask)
+    env = [q, k, v, bias, m8, q_seg, k_seg]
+    key = ("fwd", _geo(q), _geo(k), _geo(v), _geo(bias), _geo(m8), _geo(q_seg), _geo(k_seg), scale, causal,
+           _current_device() if q.is_cuda else -1, interpreting(), _settings.get())
+    plan = _replay(key, env)
+    if plan is None:
+        rec = Recorder(env)
+        outputs = _record_forward(rec, scale, causal)
+        _keep(key, rec, outputs)
+    else:
+        outputs = plan.outputs
+    return env[outputs[0]], env[outputs[1]]
+
+
+def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int]:
+    q, k, v, bias, m8, q_seg, k_seg = rec.env
+    B, R, H, Lq, D = q.shape
+    Lk, Dv = k.shape[3], v.shape[4]
+    o = rec.new(_empty((B, R, H, Lq, Dv), q.dtype, q.device, order=_order(q)))
+    lse = rec.new(_empty((B, R, H, Lq), torch.float32, q.device))
+    out = rec.env[o]
+    b, tma, whole_rows = (None, None, False) if bias is None else _bias_slot(rec, 3, q, Lq, Lk)
+    bias_t = None if b is None else rec.env[b]
+    sm = _mask_strides(m8)
+    seg = q_seg is not None
+    ss = _seg_strides(q_seg, k_seg)
+    rows = (*_rows(q), *_rows(k), *_rows(v))  # the same for every config
+    flags = dict(HAS_MASK=_mask_kind(m8), CAUSAL=causal, HAS_SEG=seg)
+    align = _align(q, k, v, out)
+
+    def run(c):
+        arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=0,
+                                               whole_rows=whole_rows)
+        rec.launch(attn_fwd_kernel, (_cdiv(Lq, c.block_m), B * R * H),
+                   (0, 1, 2, arg, 4 if m8 is not None else 0, o, lse, 5 if seg else lse, 6 if seg else lse),
+                   (*rows, *sb, *sm, *_rows(out), *ss, R, H, Lq, Lk, scale),
+                   c.num_warps, c.num_stages, HAS_BIAS=has_bias, **flags,
+                   EVEN_M=_even(Lq, c.block_m), EVEN_N=_even(Lk, c.block_n),
+                   BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), D=D, Dv=Dv,
+                   ALIGN=align,
+                   BIAS_ALIGN=_bias_align(bias_t, has_bias, _even(Lq, c.block_m) and _even(Lk, c.block_n)))
+
+    rec.tuned("fwd", _key(q, v, bias_t, m8, causal, seg, tma is None), _width(q, D, Dv), Lq, Lk, run,
+              device=q.device.index)
+    return o, lse
 
 
 def _pairs_rows(bias: Optional[Tensor], R: int, causal: bool, atomic_dbias: bool) -> bool:
@@ -31,8 +254,9 @@ def _pairs_rows(bias: Optional[Tensor], R: int, causal: bool, atomic_dbias: bool
     return atomic_dbias and bias is not None and bias.shape[1] == 1 and R > 1 and not causal
 
 
-# deterministic=False below launch.TMA_MIN_SCORES: a broadcast bias's gradient by vector atomics in the dQ kernel (False: by
-# per-element atomics in the dK/dV kernel, as before 2026-11-26; for comparisons, with clear_plans() after a change)
+# deterministic=False below STATE.tma_min_scores: a broadcast bias's gradient by vector atomics in the dQ kernel
+# (False: by per-element atomics in the dK/dV kernel, the older path, kept for comparisons; clear_plans() after a
+# change)
 DBIAS_ATOMICS_IN_DQ = True
 
 
@@ -48,17 +272,6 @@ def _reduce_desc(acc: Tensor, rows: int, cols: int, block_rows: int, block_cols:
     block_cols]`` tiles (the kernels add whole tiles into it with one bulk reduction each)."""
     return TensorDescriptor(acc, [acc.numel() // (rows * cols), rows, cols], [rows * cols, cols, 1],
                             [1, block_rows, block_cols])
-
-
-_SMS: Dict[int, int] = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """The CUDA device's SM count, asked once per device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
 
 
 def _dbias_splits(splits: int, n_programs: int, total_steps: int, device: torch.device) -> int:
@@ -288,3 +501,32 @@ def _record_dbias_reduce(rec: Recorder, b: int, mask_slot: int, sm, seg_slots, s
     # the bias's broadcast pattern is in the key; R's power of two sets how many batch steps each tile sums
     return rec.tuned("dbias", key + ((B // BB * R // BR * H // BH).bit_length(),), _width(q, D, Dv), Lq, Lk, run,
                      device=dev.index)
+
+
+def segment_tables_flat(q_ids: Tensor, k_ids: Tensor, shared: bool) -> Tensor:
+    """int32 ``[B', R', 3 * (Lq + Lk)]`` (``[B', R', 3 * Lq]`` when ``shared``: ``k_ids`` is ``q_ids``) holding the
+    query table then the key table of ``op.segment_tables``."""
+    batch = torch.broadcast_shapes(q_ids.shape[:-1], k_ids.shape[:-1])
+    Lq, Lk = q_ids.shape[-1], k_ids.shape[-1]
+
+    def rows(ids):
+        ids = ids if ids.stride(-1) == 1 else ids.contiguous()
+        return ids.expand(batch + ids.shape[-1:])
+
+    qi, ki = rows(q_ids), rows(k_ids)
+    B, R = batch
+    width = 3 * Lq if shared else 3 * (Lq + Lk)
+    out = torch.empty((B, R, width), dtype=torch.int32, device=q_ids.device)
+    scratch = torch.empty((B * R, 2 * Lq if shared else 2 * (Lq + Lk)), dtype=torch.int32, device=q_ids.device)
+    launch_kernel(segment_table_kernel, (B * R,),
+            (qi, ki, out, scratch, qi.stride(0), qi.stride(1), ki.stride(0), ki.stride(1), R, Lq, Lk,
+             int(Lq).bit_length(), int(Lk).bit_length()), 4, 1, SHARED=shared, BLOCK=_SEG_BLOCK)
+    return out
+
+
+def split_tables(flat: Tensor, Lq: int, Lk: int, shared: bool) -> Tuple[Tensor, Tensor]:
+    """The (query, key) table views ``[B', R', 3, L]`` of :func:`segment_tables_flat`'s result."""
+    qt = flat[..., :3 * Lq].unflatten(-1, (3, Lq))
+    if shared:
+        return qt, qt
+    return qt, flat[..., 3 * Lq:].unflatten(-1, (3, Lk))
