@@ -95,8 +95,8 @@ def main():
                     run = runner(variant, qkv, mask)
                     run()
                     if variant.startswith("triton"):
-                        from attn_ops.triton import fastlaunch
-                        fastlaunch.wait_background()
+                        from attn_ops.triton import tuning
+                        tuning.wait_background()
                     cells.append(f"{triton.testing.do_bench(run, warmup=25, rep=200):.3f}")
                     if variant == "triton":
                         host = f"{host_ms(run):.3f}"
