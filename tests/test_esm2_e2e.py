@@ -91,6 +91,7 @@ def test_load_pretrained_reads_a_hugging_face_folder_into_the_esm2_of_a_network(
     assert same_weights(net["esm"], src) and torch.equal(net["head"].weight, head)
 
 
+@pytest.mark.slow
 def test_load_pretrained_reads_an_esmc_folder_and_state_dict(tmp_path):
     src = pretrained_esm2(cls=ESMC, sizes=TINY_ESMC)
     net = ESMC(**TINY_ESMC)

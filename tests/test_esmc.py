@@ -188,6 +188,7 @@ def test_registered_for_checkpoints():
     assert isinstance(net, ESMC) and net.ffn_width == 64
 
 
+@pytest.mark.slow
 def test_embed_command_takes_esmc(tmp_path):
     from attn_zoo.embed import main
 

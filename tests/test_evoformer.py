@@ -190,6 +190,7 @@ def test_backends_agree_with_torch(kind, backend):
     )
 
 
+@pytest.mark.slow
 def test_checkpointed_stack_equals_plain_with_dropout(monkeypatch):
     """Checkpointing recomputes the blocks in the backward with the same dropout masks. The checkpointed run
     really checkpoints: one torch.utils.checkpoint call per block (checkpoint_every=1), each block run again in

@@ -89,7 +89,8 @@ def test_boltz2_variant_inplace_equals_plain():
 
 
 @pytest.mark.parametrize("stack_cls", [EvoformerStack, ExtraMSAStack])
-@pytest.mark.parametrize("chunk,msa_chunk", [(1, 1), (3, 2), (4, 5), (7, 7), (2, 64)])
+@pytest.mark.parametrize("chunk,msa_chunk", [(1, 1), pytest.param(3, 2, marks=pytest.mark.slow),
+                                             pytest.param(4, 5, marks=pytest.mark.slow), (7, 7), (2, 64)])
 def test_msa_stacks_inplace_equal_plain(stack_cls, chunk, msa_chunk):
     m, z, msa, pair = _msa_inputs(S=5, N=7, seed=3)
     stack = randomize_(stack_cls(**EW, num_blocks=2, attention="torch"), seed=4).double().eval()
@@ -312,6 +313,7 @@ def test_large_budget_plans_fewer_chunks():
     assert mid.chunk_size > plan_inference(d, 4096, None).chunk_size
 
 
+@pytest.mark.slow
 def test_offload_equals_device_path():
     """offload keeps z on the host between blocks; on a CPU-only machine the data path is the same copy."""
     s, z, res, pair = _pair_inputs(N=7, seed=13)

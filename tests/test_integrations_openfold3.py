@@ -56,7 +56,7 @@ def test_openfold3_is_looked_for():
         assert f"openfold3.core.model.layers.{cls}" in names
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.slow) if b == "torch" else b for b in BACKENDS])
 def test_pairformer_stack_patched_equals_unpatched_with_grads(backend):
     m = of3_stack()
     s, z, mask, pair_mask = padded_inputs(N=7)

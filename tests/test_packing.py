@@ -181,6 +181,7 @@ def test_packing_flag_in_the_data_module(tmp_path):
     assert len(batches) < 12  # more crops per batch than the padded loader's 2
 
 
+@pytest.mark.slow
 def test_bench_packing_smoke(tmp_path):
     import sys
     from pathlib import Path
@@ -198,6 +199,7 @@ def test_bench_packing_smoke(tmp_path):
     assert (tmp_path / "packing.md").is_file()
 
 
+@pytest.mark.slow
 def test_esm2_training_on_the_same_proteins_packed_or_padded_gives_the_same_losses():
     """Ten AdamW steps of a tiny ESM-2 on the same proteins per step: packed rows and padded rows give the same
     loss at every step (float64), so any gap between packed and padded runs comes from what the batches hold."""

@@ -81,6 +81,7 @@ def test_backends_agree_with_torch(backend):
     )
 
 
+@pytest.mark.slow
 def test_checkpointed_stack_equals_plain_with_dropout(monkeypatch):
     """Checkpointing every 2 of 3 blocks gives the plain run's values and gradients (same dropout masks in the
     recompute), and really checkpoints: two torch.utils.checkpoint segments, blocks [0, 1] and [2], every block

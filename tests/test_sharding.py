@@ -172,6 +172,7 @@ def _check_errors():
         ShardedPairformerStack(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.slow
 def test_sharded_pairformer_two_ranks():
     spawn_gloo(_check, 2)
 

@@ -162,5 +162,6 @@ def _cp_checks(rank, world):
     _cp_case(rank, world, causal=False, layout="contiguous")
 
 
+@pytest.mark.slow
 def test_context_parallel_lm_matches_single_process():
     spawn_gloo(_cp_checks, 2)
