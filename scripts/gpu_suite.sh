@@ -6,7 +6,8 @@
 #   bash scripts/gpu_suite.sh compile                     # B: compile_module over six lengths, 3 models x 2 modes (510)
 #   bash scripts/gpu_suite.sh env patch esm2-ft zoo       # C: attn_zoo.patch (140), ESM-2 650M fine-tune (180),
 #                                                         #    zoo models vs originals (210)
-# Other stages: baseline (the triton backend's host time, crop set, Pairformer step and first-step compiles, ~460),
+# Other stages: baseline (the triton backend's host time, crop set, Pairformer step, ~300), determinism (SDPA
+# kernels' backward repeated, 90), patch-hf (the Hugging Face case of patch alone, 110),
 # compile-par (every model x mode of compile at once, one process each, tuning off: the question is
 # whether Inductor runs through the lengths; step times then share the GPU), esm2-peer (ESM-2 650M training step
 # at the fine-tune's batch, 8 x 1024, beside fair-esm's own, 150).
@@ -127,13 +128,17 @@ torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() e
         --out "$work/crop"
       step blocks 100 python3 scripts/bench_blocks.py --cases pair384 --backends triton torch --breakdown pair384 \
         --out "$work/blocks"
-      step compile-threads 80 python3 scripts/compile_cost.py --varlen 40 --threads 8
-      step compile-processes 80 python3 scripts/compile_cost.py --varlen 40 --threads 8 --processes 8
-      for f in host host-stub compile-threads compile-processes; do
+      for f in host host-stub; do
         { echo "### $f"; echo '```'; tail -12 "$logs/$f.log"; echo '```'; } > "$work/$f.txt"
       done
       collect "Triton backend baseline" "$work/host.txt" "$work/host-stub.txt" "$work/crop/crop.md" \
-        "$work/blocks/blocks.md" "$work/compile-threads.txt" "$work/compile-processes.txt" ;;
+        "$work/blocks/blocks.md" ;;
+    determinism)
+      step determinism 90 python3 scripts/check_sdpa_determinism.py --repeats 20 --out "$work/det"
+      collect "SDPA backward reproducibility" "$work/det/sdpa_determinism.md" ;;
+    patch-hf)
+      step patch-hf 110 python3 scripts/bench_patch.py --cases hf-esm2 --out "$work/patch-hf"
+      collect "attn_zoo.patch on Hugging Face ESM-2" "$work/patch-hf/patch.md" ;;
     *) echo "unknown stage $stage" >&2 ;;
   esac
 done
