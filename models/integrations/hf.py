@@ -135,12 +135,13 @@ def _key_mask_builder(sdpa_mask):
     """transformers' boolean mask builder, returning ``[B, 1, 1, Lk]`` where its ``[B, 1, Lq, Lk]`` mask is one
     row repeated (key padding in a bidirectional model, e.g. ESM): the kernels then read one row per batch instead
     of Lq x Lk bytes and skip padded key tiles. The comparison costs one host sync per forward (the builder runs
-    once per forward, not per layer); under torch.compile the full mask is kept (a data-dependent branch)."""
+    once per forward, not per layer); under torch.compile or CUDA graph capture the full mask is kept."""
 
     def build(*args, **kwargs):
         mask = sdpa_mask(*args, **kwargs)
         if (isinstance(mask, Tensor) and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[2] > 1
-                and not torch.compiler.is_compiling()):
+                and not torch.compiler.is_compiling()
+                and not (mask.is_cuda and torch.cuda.is_current_stream_capturing())):  # no sync inside a capture
             row = mask[:, :, :1]
             if torch.equal(mask, row.expand_as(mask)):
                 return row
