@@ -119,8 +119,7 @@ torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() e
     zoo)
       step zoo 210 python3 scripts/bench_zoo.py --out "$work/zoo" ${ZOO_SMOKE:+--smoke}
       collect "Zoo models vs originals" "$work/zoo/zoo.md" ;;
-    baseline)  # the triton backend's host time, crop-set kernels, Pairformer step, first-step compiles (threads vs
-      # worker processes): taken before and after a change to the backend's host code
+    baseline)  # the triton backend's host time, crop-set kernels, Pairformer step, first-step compiles: taken before and after a change to the backend's host code
       step host 40 python3 scripts/bench_host.py
       step host-stub 30 python3 scripts/bench_host.py --stub
       step crop 130 python3 scripts/bench_attention.py --set crop --backends triton flex --time-limit 100 \
@@ -128,12 +127,11 @@ torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() e
       step blocks 100 python3 scripts/bench_blocks.py --cases pair384 --backends triton torch --breakdown pair384 \
         --out "$work/blocks"
       step compile-threads 80 python3 scripts/compile_cost.py --varlen 40 --threads 8
-      step compile-processes 80 python3 scripts/compile_cost.py --varlen 40 --threads 8 --processes 8
-      for f in host host-stub compile-threads compile-processes; do
+      for f in host host-stub compile-threads; do
         { echo "### $f"; echo '```'; tail -12 "$logs/$f.log"; echo '```'; } > "$work/$f.txt"
       done
       collect "Triton backend baseline" "$work/host.txt" "$work/host-stub.txt" "$work/crop/crop.md" \
-        "$work/blocks/blocks.md" "$work/compile-threads.txt" "$work/compile-processes.txt" ;;
+        "$work/blocks/blocks.md" "$work/compile-threads.txt" ;;
     *) echo "unknown stage $stage" >&2 ;;
   esac
 done

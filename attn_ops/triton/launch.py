@@ -38,7 +38,7 @@ import torch
 
 from .. import settings as _settings
 from ..settings import interpreting
-from . import precompile, tuning
+from . import tuning
 from .tuning import _WARMUP_ONLY, TUNER, compiling_ahead, pick
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
@@ -138,28 +138,16 @@ def _device() -> int:
 
 
 def _compile_job(kernel, grid, args, num_warps: int, num_stages: int, constexprs: dict, key: Tuple,
-                 processes: int = 0, load: bool = False) -> Callable:
-    """The work of compiling one launch's kernel off the caller's thread; remembered for direct launches.
-    ``processes`` > 0: compiled in one of that many worker processes first (``precompile.run_jobs``), so the compile
-    here only loads the binary from Triton's cache (a worker's failure leaves the compile to this thread). ``load``:
+                 load: bool = False) -> Callable:
+    """The work of compiling one launch's kernel off the caller's thread; remembered for direct launches. ``load``:
     also build Triton's launcher and load the module (only where no launch of the kernel can run meanwhile: a
     launch would race the loading; ``compile_ahead``, where launches only submit)."""
     device = key[1]
 
-    def warmup():
-        return kernel.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **constexprs)
-
     def work():
         if device >= 0 and torch.cuda.is_available():
             torch.cuda.set_device(device)  # the compile's target and cache are the caller's device's
-        if processes:
-            try:
-                specs = precompile.capture([None], lambda _: warmup())
-                if specs:
-                    precompile.run_jobs(specs, processes)
-            except Exception:  # noqa: BLE001 - the workers are an optimisation: compiled here below
-                pass
-        result = warmup()
+        result = kernel.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **constexprs)
         if load and device >= 0 and torch.cuda.is_available() and hasattr(result, "_init_handles"):
             # Triton's launcher for this signature (a C compile on a cold cache) and the module's load, here rather
             # than in the first real launch
@@ -181,10 +169,10 @@ def _submit_ahead(kernel, grid, args: Sequence, num_warps: int, num_stages: int,
     with TUNER.lock:
         if TUNER.ahead is None:
             return False
-        pool, jobs, processes = TUNER.ahead
+        pool, jobs = TUNER.ahead
         if key not in STATE.compiled and key not in jobs:
             jobs[key] = pool.submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key,
-                                                 processes, load=True))
+                                                 load=True))
     return True
 
 
