@@ -430,21 +430,27 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None) if torch.cuda.is_av
 _current_device = _current_device or (lambda: -1)
 
 
-def _replay(key: Tuple, env: list) -> Optional[Plan]:
-    """Run the plan for ``key`` on ``env``; None when there is none (or it was made under other settings)."""
+def run_plan(key: Tuple, env: list, record: Callable, *args) -> Tuple[Optional[int], ...]:
+    """The env slots of a call's results: the plan for ``key`` replayed on ``env``, else ``record(Recorder(env),
+    *args)`` run and kept as that plan (one made under other settings, or whose pending variants are ready, is
+    recorded anew)."""
     state = STATE
     plan = state.plans.get(key)
-    if plan is None:
-        return None
-    guard = plan.guard
-    if guard[0] != TUNER.generation or guard[1] is not tuning._INTERPRETER or guard[2] != state.tma_min_scores:
-        return None
-    if plan.pending and all(job.done() for job in plan.pending):  # its own variants are ready: record anew
-        state.plans.pop(key, None)  # (another thread may have dropped it first)
-        return None
-    for step in plan.steps:
-        step(env)
-    return plan
+    if plan is not None:
+        guard = plan.guard
+        if guard[0] != TUNER.generation or guard[1] is not tuning._INTERPRETER or guard[2] != state.tma_min_scores:
+            plan = None
+        elif plan.pending and all(job.done() for job in plan.pending):  # its own variants are ready: record anew
+            state.plans.pop(key, None)  # (another thread may have dropped it first)
+            plan = None
+        else:
+            for step in plan.steps:
+                step(env)
+            return plan.outputs
+    rec = Recorder(env)
+    outputs = record(rec, *args)
+    _keep(key, rec, outputs)
+    return outputs
 
 
 def _keep(key: Tuple, rec: "Recorder", outputs: Tuple[Optional[int], ...]) -> None:
@@ -508,7 +514,7 @@ class Recorder:
         multiple of a tile asks for an EVEN_M / EVEN_N specialisation (no load masks) of the config its length
         bucket chose; the first such length would stall on that compile (seconds, per kernel). Where the general
         variant (masks everywhere, the same results) is compiled, it runs instead; the call's plan is kept with the
-        pending compiles, replayed while they run and recorded anew once they have ended (:func:`_replay`), so the
+        pending compiles, replayed while they run and recorded anew once they have ended (:func:`run_plan`), so the
         calls meanwhile cost no more host time than any replay and a later one takes the specialisation."""
         if not (constexprs.get("EVEN_M") or constexprs.get("EVEN_N")) or not tuning.background_compiles() or \
                 is_compiled(kernel, args, num_warps, num_stages, **constexprs):

@@ -232,11 +232,7 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
             first = shipped(device).get(DiskCache._name((kernel, pair) + key)) if s.tune and s.shipped_configs \
                 else None
             first = first if first in cands else None
-            for c in [first] if first is not None else (cands if s.tune else cands[:1]):
-                try:
-                    launch(c)
-                except Exception:  # noqa: BLE001 - reported by the real call
-                    pass
+            _launch_each([first] if first is not None else (cands if s.tune else cands[:1]), launch)
             return first or cands[0]
     if cfg is None and s.tune and s.shipped_configs:
         cfg = shipped(device).get(DiskCache._name((kernel, pair) + key))
@@ -266,11 +262,16 @@ def _compile_all(cands: List[Cfg], launch: Callable[[Cfg], None], threads: int) 
         return
     with ThreadPoolExecutor(min(threads, len(cands))) as pool:
         with AsyncCompileMode(pool, ignore_errors=True), compile_only():
-            for c in cands:
-                try:
-                    launch(c)
-                except Exception:  # noqa: BLE001 - reported when the candidate is timed
-                    pass
+            _launch_each(cands, launch)
+
+
+def _launch_each(cands: List[Cfg], launch: Callable[[Cfg], None]) -> None:
+    """``launch(c)`` for every candidate, errors ignored (the real call, or the timing, reports them)."""
+    for c in cands:
+        try:
+            launch(c)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _time(kernel: str, key: Tuple, cands: List[Cfg], launch: Callable[[Cfg], None], log: bool) -> Cfg:
@@ -389,21 +390,16 @@ class DiskCache:
     def _read(self) -> Dict[str, Cfg]:
         """The file's configs ({} when absent, corrupt or foreign: one warning each)."""
         try:
-            with open(self.path, "r", encoding="utf-8") as fh:
-                data = json.load(fh)
+            ident, configs = _read_table(self.path)
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError) as exc:
-            self._warn("corrupt", f"unreadable ({type(exc).__name__}: {exc}); ignored, rebuilt on the next write")
+        except _TABLE_ERRORS as exc:
+            self._warn("corrupt", f"unreadable or malformed ({type(exc).__name__}: {exc}); ignored, rebuilt")
             return {}
-        try:
-            if data.get("identity") != self.ident:
-                self._warn("foreign", f"written for {data.get('identity')}, not {self.ident}; ignored, rebuilt")
-                return {}
-            return {k: Cfg(*v) for k, v in data["configs"].items()}
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:
-            self._warn("corrupt", f"malformed ({type(exc).__name__}: {exc}); ignored, rebuilt on the next write")
+        if ident != self.ident:
+            self._warn("foreign", f"written for {ident}, not {self.ident}; ignored, rebuilt")
             return {}
+        return configs
 
     def refresh(self) -> None:
         """Re-read the file if it changed since the last read (another process may have tuned more)."""
@@ -456,6 +452,16 @@ class DiskCache:
             self._stamp = (st.st_mtime_ns, st.st_size)
 
 
+_TABLE_ERRORS = (OSError, ValueError, KeyError, TypeError, AttributeError)
+
+
+def _read_table(path: str) -> Tuple[object, Dict[str, Cfg]]:
+    """(identity, configs) of a tuning JSON file (disk cache or shipped table); raises one of ``_TABLE_ERRORS``."""
+    with open(path, "r", encoding="utf-8") as fh:
+        data = json.load(fh)
+    return data["identity"], {k: Cfg(*v) for k, v in data["configs"].items()}
+
+
 class _locked:
     """An exclusive ``flock`` on ``path`` (created if needed) for a read-merge-write; no lock where fcntl is missing."""
 
@@ -504,11 +510,10 @@ def shipped(device=None) -> Dict[str, Cfg]:
         for name in names:
             path = os.path.join(folder, name)
             try:
-                with open(path, "r", encoding="utf-8") as fh:
-                    data = json.load(fh)
-                if data["identity"] == want:
-                    table.update({k: Cfg(*v) for k, v in data["configs"].items()})
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                ident, configs = _read_table(path)
+                if ident == want:
+                    table.update(configs)
+            except _TABLE_ERRORS as exc:
                 warnings.warn(f"attn_ops shipped tuning table {path}: unreadable ({type(exc).__name__}: {exc}); "
                               "skipped", RuntimeWarning, stacklevel=2)
         TUNER.shipped[key] = table
