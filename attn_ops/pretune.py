@@ -68,7 +68,7 @@ def pretune(shapes: Iterable[Sequence[int]], *, dtype: torch.dtype = torch.bfloa
 
 
 @contextlib.contextmanager
-def compile_ahead(threads: Optional[int] = None, processes: Optional[int] = None) -> Iterator[None]:
+def compile_ahead(threads: Optional[int] = None) -> Iterator[None]:
     """Compile the triton backend's kernels for throwaway calls, all at once, instead of one after another as a run
     meets them::
 
@@ -77,10 +77,8 @@ def compile_ahead(threads: Optional[int] = None, processes: Optional[int] = None
                 step(make_batch(n))               # outputs are garbage here: nothing is launched
 
     Inside the block (process-wide, so a backward on autograd's threads counts too) a launch whose kernel is not
-    compiled submits its compile to ``threads`` threads (default ``settings.compile_threads``) and runs nothing;
-    with ``processes`` > 0 (default ``settings.compile_processes``) the compiles run in that many worker processes,
-    which the GIL does not hold back (the workers stop at the block's end unless ``settings.compile_processes`` keeps
-    them for tuning misses). The block ends when every compile has. No launch plan is kept and no tuning is timed
+    compiled submits its compile to ``threads`` threads (default ``settings.compile_threads``) and runs nothing.
+    The block ends when every compile has. No launch plan is kept and no tuning is timed
     (a tuning miss compiles its candidates; the first real call times them). Everything else in the step runs
     (cuBLAS meets its GEMM shapes), on garbage values. On the CPU interpreter, without Triton or with
     ``settings.fast_launch`` off it does nothing. Not during a CUDA graph capture (RuntimeError): run the plain
@@ -91,7 +89,7 @@ def compile_ahead(threads: Optional[int] = None, processes: Optional[int] = None
     except ImportError:  # no Triton: nothing to compile
         yield
         return
-    with _ahead(threads, processes):
+    with _ahead(threads):
         yield
 
 

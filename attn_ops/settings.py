@@ -20,10 +20,9 @@ torchrun, a benchmark) needs before any code of its own runs:
 The other fields are set in code only: ``shipped_configs`` (False: time every new key, ignoring the configs shipped
 for this GPU model in ``triton/tuned/``), ``tune_log`` (print each timed candidate), ``fast_launch`` (False:
 Triton's own launch path on every call), ``tile_variants`` (False: no kernel variants for lengths that are a
-multiple of a tile, fewer compiles where many such lengths come) and ``compile_processes`` (worker processes
-compiling a tuning key's candidates instead of the threads; default 0; slower than the threads on the H100 host
-measured, see ``triton/precompile.py`` and docs/bench/varlen_h100.md). Their former variables (``REMOVED_ENV``)
-are not read; one that is set gets a warning naming the setting to use instead.
+multiple of a tile, fewer compiles where many such lengths come). Their former variables (``REMOVED_ENV``)
+are not read; one that is set gets a warning naming the setting to use instead. ``compile_processes`` is gone
+(compiles run on ``compile_threads`` threads): passing it raises a TypeError that says so.
 
 Every field that changes which kernel or tile config runs is part of the cache keys it affects: ``tune`` of the
 tuner's (untuned picks are cached apart), ``tma`` of the launchers' tuning key and, through the kernels' arguments
@@ -51,8 +50,7 @@ class KernelSettings:
     tune_log: print each timed candidate. fast_launch: call Triton's compiled kernels directly once a launch
     signature was seen. tma: TMA tensor descriptors on Hopper GPUs. cache_dir: the on-disk tuning cache's folder
     (None: no disk cache). compile_threads: on a tuning miss, the candidates compile on this many threads at once
-    before they are timed (Triton's asynchronous compile mode; 1: one by one as they are timed). compile_processes:
-    worker processes that compile a tuning miss's candidates instead (``triton/precompile.py``; 0: the threads).
+    before they are timed (Triton's asynchronous compile mode; 1: one by one as they are timed).
     tile_variants: a length that is a multiple of a kernel's tile runs a variant compiled for it (EVEN_M / EVEN_N:
     no load masks); False: every length runs the general variant, so fewer kernels compile.
     """
@@ -64,7 +62,6 @@ class KernelSettings:
     tma: bool = True
     cache_dir: Optional[str] = None
     compile_threads: int = 8
-    compile_processes: int = 0
     tile_variants: bool = True
 
     def __post_init__(self):
@@ -74,9 +71,6 @@ class KernelSettings:
         if isinstance(self.compile_threads, bool) or not isinstance(self.compile_threads, int) or \
                 self.compile_threads < 1:
             raise TypeError(f"KernelSettings.compile_threads must be an int >= 1, got {self.compile_threads!r}")
-        if isinstance(self.compile_processes, bool) or not isinstance(self.compile_processes, int) or \
-                self.compile_processes < 0:
-            raise TypeError(f"KernelSettings.compile_processes must be an int >= 0, got {self.compile_processes!r}")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise TypeError(f"KernelSettings.cache_dir must be a path or None, got {self.cache_dir!r}")
 
@@ -103,15 +97,19 @@ ENV = {
     "ATTN_ZOO_COMPILE_THREADS": "compile_threads",
     "ATTN_ZOO_NO_TMA": "tma=False",
 }
-# Variables no longer read, and the setting that replaces each one.
+# Variables no longer read, and the setting that replaces each one (or, without "=", what happens instead).
 REMOVED_ENV = {
     "ATTN_ZOO_NO_SHIPPED": "shipped_configs=False",
     "ATTN_ZOO_TUNE_LOG": "tune_log=True",
     "ATTN_ZOO_PLAIN_LAUNCH": "fast_launch=False",
     "ATTN_ZOO_NO_TILE_VARIANTS": "tile_variants=False",
-    "ATTN_ZOO_COMPILE_PROCESSES": "compile_processes=N",
+    "ATTN_ZOO_COMPILE_PROCESSES": "worker-process compiles were removed: compiles run on compile_threads threads",
 }
 _warned = set()  # removed variables already warned about in this process
+# Fields no longer there, and why: update() and kernel_settings() refuse them with this text.
+REMOVED_FIELDS = {
+    "compile_processes": "worker-process compiles were removed; compiles run on threads (compile_threads)",
+}
 
 
 def from_env(environ: Optional[Mapping[str, str]] = None) -> KernelSettings:
@@ -121,11 +119,10 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> KernelSettings:
     for name, setting in REMOVED_ENV.items():
         if name in env and name not in _warned:
             _warned.add(name)
-            if setting.endswith("=N") and env[name].strip().isdigit():
-                setting = setting[:-1] + str(int(env[name]))
+            instead = f"set it in code instead: attn_ops.settings.update({setting}) or " \
+                f"`with attn_ops.kernel_settings({setting}):`" if "=" in setting else setting
             warnings.warn(f"{name}={env[name]!r} is set but no longer read (environment variables: "
-                          f"{', '.join(ENV)}); set it in code instead: attn_ops.settings.update({setting}) or "
-                          f"`with attn_ops.kernel_settings({setting}):`", UserWarning, stacklevel=2)
+                          f"{', '.join(ENV)}); {instead}", UserWarning, stacklevel=2)
     cache_dir = env.get("ATTN_ZOO_CACHE_DIR")
     if cache_dir is None:
         cache_dir = _default_cache_dir()
@@ -162,6 +159,9 @@ def update(**changes) -> KernelSettings:
     """Replace some fields for the rest of the process; returns the new settings. Unknown names: TypeError."""
     global _current
     fields = {f.name for f in dataclasses.fields(KernelSettings)}
+    gone = [f"{name}: {why}" for name, why in REMOVED_FIELDS.items() if name in changes]
+    if gone:
+        raise TypeError(f"removed kernel setting(s): {'; '.join(gone)}")
     unknown = sorted(set(changes) - fields)
     if unknown:
         raise TypeError(f"unknown kernel setting(s) {unknown}; known: {sorted(fields)}")

@@ -361,8 +361,7 @@ def varlen_label(backend: str, multiple: int = 1, warmup: bool = False) -> str:
 
 
 def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z: int = 128, repeats: int = 3,
-               log=print, empty_cache: bool = False, multiple: int = 1, warmup=None, ahead: bool = True,
-               ahead_processes=None):
+               log=print, empty_cache: bool = False, multiple: int = 1, warmup=None, ahead: bool = True):
     """Rows (VARLEN_FIELDS) of one backend stepping through ``lengths``: per length ``repeats`` fwd+bwd steps
     (bf16 autocast, train mode), wall time with a sync after each; first = the first step, steady = the fastest of
     the others. Lengths not started within ``budget_s`` get a "skipped: time limit" row. ``empty_cache``: hand the
@@ -371,7 +370,7 @@ def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z:
     multiple of it; ``warmup`` (lo, hi): first one step at each padded length of [lo, hi] (the range the lengths
     come from), reported as a row with step -1 whose ``overhead_s`` is its time; triton backends first run those
     steps under ``attn_ops.compile_ahead()`` (the plain block, not its CUDA graphs), so their kernels compile at
-    once (``ahead`` False: not; ``ahead_processes``: its worker processes, default ``settings.compile_processes``).
+    once (``ahead`` False: not).
     Python's full (generation 2) garbage collections during a length's first step are named in its row's note."""
     if repeats < 2:
         raise ValueError(f"varlen repeats must be >= 2 (a first and a steady step), got {repeats}")
@@ -387,7 +386,7 @@ def varlen_run(backend: str, lengths, dev, budget_s: float, c_s: int = 384, c_z:
         each = []
         ahead = ahead and backend.startswith("triton")
         if ahead:
-            with attn_ops.compile_ahead(processes=ahead_processes):
+            with attn_ops.compile_ahead():
                 for w in widths:
                     inputs, fwd = make(w, getattr(mod, "module", mod))  # (CUDAGraphs: the block it wraps)
                     _varlen_step(mod, inputs, fwd, dev)
@@ -529,7 +528,7 @@ _WORKER_TAG = "VARLEN_ROWS_JSON "
 
 
 def _varlen_worker(backend: str, lengths, budget: float, empty_cache: bool = False, multiple: int = 1,
-                   warmup: bool = False, ahead: bool = True, ahead_processes=None) -> None:
+                   warmup: bool = False, ahead: bool = True) -> None:
     """One backend's varlen run in this (fresh) process; rows printed as one tagged JSON line."""
     dev = torch.device("cuda")
     # CUDA context, cuBLAS handles and the glue kernels' first use are charged to no backend: one torch-backend step
@@ -538,7 +537,7 @@ def _varlen_worker(backend: str, lengths, budget: float, empty_cache: bool = Fal
     except Exception:
         traceback.print_exc(limit=2)
     rows = varlen_run(backend, lengths, dev, budget, empty_cache=empty_cache, multiple=multiple,
-                      warmup=VARLEN_RANGE if warmup else None, ahead=ahead, ahead_processes=ahead_processes)
+                      warmup=VARLEN_RANGE if warmup else None, ahead=ahead)
     print(_WORKER_TAG + json.dumps(rows), flush=True)
 
 
@@ -550,8 +549,7 @@ def _varlen_in_subprocess(backend: str, args, lengths, budget: float):
            str(args.varlen_count), "--varlen-seed", str(args.varlen_seed), "--time-limit", str(budget),
            "--varlen-multiple", str(args.varlen_multiple)] + (
         ["--varlen-empty-cache"] if args.varlen_empty_cache else []) + (
-        ["--varlen-warmup"] if args.varlen_warmup else []) + (["--varlen-no-ahead"] if args.varlen_no_ahead else []) + (
-        [] if args.varlen_ahead_processes is None else ["--varlen-ahead-processes", str(args.varlen_ahead_processes)])
+        ["--varlen-warmup"] if args.varlen_warmup else []) + (["--varlen-no-ahead"] if args.varlen_no_ahead else [])
     return _worker_result(cmd, _WORKER_TAG, budget + 300)
 
 
@@ -723,9 +721,6 @@ def parse_args(argv=None):
                    help="one step at each padded length of the range before the timed steps (counted as compile)")
     p.add_argument("--varlen-no-ahead", action="store_true",
                    help="--varlen-warmup without attn_ops.compile_ahead (kernels compile one by one as met)")
-    p.add_argument("--varlen-ahead-processes", type=int, default=None, metavar="N",
-                   help="worker processes compiling --varlen-warmup's kernels ahead (default: "
-                        "settings.compile_processes; 0: threads)")
     p.add_argument("--varlen-worker", default=None, choices=list(VARLEN_CHOICES), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.time_limit is None:
@@ -734,10 +729,6 @@ def parse_args(argv=None):
         p.error(f"--varlen-multiple must be >= 1, got {args.varlen_multiple}")
     if args.varlen_no_ahead and not args.varlen_warmup:
         p.error("--varlen-no-ahead changes --varlen-warmup: give both")
-    if args.varlen_ahead_processes is not None and (args.varlen_ahead_processes < 0 or args.varlen_no_ahead
-                                                    or not args.varlen_warmup):
-        p.error(f"--varlen-ahead-processes must be >= 0 and goes with --varlen-warmup, not --varlen-no-ahead; got "
-                f"{args.varlen_ahead_processes}")
     try:
         varlen_lengths(args.varlen_count, args.varlen_seed)
     except ValueError as exc:
@@ -752,7 +743,7 @@ def main(argv=None):
     if args.varlen_worker:
         _varlen_worker(args.varlen_worker, varlen_lengths(args.varlen_count, args.varlen_seed), args.time_limit,
                        empty_cache=args.varlen_empty_cache, multiple=args.varlen_multiple, warmup=args.varlen_warmup,
-                       ahead=not args.varlen_no_ahead, ahead_processes=args.varlen_ahead_processes)
+                       ahead=not args.varlen_no_ahead)
         return
     if args.row_worker:
         row = _run_item(*args.row_worker, torch.device("cuda"), args, time.time())

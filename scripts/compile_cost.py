@@ -28,7 +28,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from typing import Iterator, List, Sequence, Tuple
@@ -36,6 +35,22 @@ from typing import Iterator, List, Sequence, Tuple
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 KINDS = ("triangle", "triangle_end", "single")
+
+
+class CompileOnlyDriver:
+    """A stand-in for Triton's active driver that compiles for ``target`` (a ``GPUTarget``) and has no GPU."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
 
 
 @contextlib.contextmanager
@@ -49,7 +64,7 @@ def cross_compile(arch: int = 90, triton_cache: str = None) -> Iterator[List[dic
     from triton.runtime.jit import JITFunction
 
     from attn_ops import settings
-    from attn_ops.triton import launch, precompile, tuning
+    from attn_ops.triton import launch, tuning
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_cost measures real compiles: unset TRITON_INTERPRET")
@@ -60,8 +75,6 @@ def cross_compile(arch: int = 90, triton_cache: str = None) -> Iterator[List[dic
 
     def counted(self, *args, **kwargs):
         out = real_compile(self, *args, **kwargs)
-        if out is None:  # skipped here (a jit_cache_hook: captured for a worker process)
-            return out
         key = (self.fn.__name__, repr(kwargs.get("key", args[0] if args else None)))
         if key in seen:  # the same variant again (Triton's asynchronous mode hands back its pending compile)
             return out
@@ -88,7 +101,7 @@ def cross_compile(arch: int = 90, triton_cache: str = None) -> Iterator[List[dic
     before = settings.get()
     try:
         knobs.cache.dir = cache_dir
-        driver.set_active(precompile.CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
+        driver.set_active(CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
         for obj, name, value in patches:
             setattr(obj, name, value)
         settings.update(cache_dir=None)  # the on-disk tuning cache would skip candidates: keep this run's own
@@ -141,72 +154,42 @@ def step(kind: str, n: int) -> None:
 
 
 @contextlib.contextmanager
-def _ahead(threads: int, processes=None):
+def _ahead(threads: int):
     """``compile_ahead`` inside :func:`cross_compile`: launches submit compiles instead of the stand-in's
-    compile-only launches (to worker processes where ``settings.compile_processes`` says so)."""
+    compile-only launches."""
     from attn_ops.triton import tuning
 
     token = tuning._WARMUP_ONLY.set(False)
     try:
-        with tuning.compile_ahead(threads, processes):
+        with tuning.compile_ahead(threads):
             yield
     finally:
         tuning._WARMUP_ONLY.reset(token)
 
 
 def run(lengths: Sequence[int], kinds: Sequence[str] = KINDS, tune: bool = True, threads: int = 8,
-        processes: int = 0, arch: int = 90, triton_cache: str = None, ahead: bool = False,
-        ahead_processes=None) -> Tuple[List[dict], dict]:
+        arch: int = 90, triton_cache: str = None, ahead: bool = False) -> Tuple[List[dict], dict]:
     """(per length: dict(n, wall_s, compiles, by_kernel (Counter), records); totals: dict(binaries in Triton's cache
-    at the end, worker_jobs, worker_binaries: what the jobs added to this process's Triton cache before anything
-    here loaded them)), with the tuner's settings as given. Compiles done in worker processes (``processes``) count
-    where this process loads their binaries. ``ahead``: the lengths' steps run first under
-    ``attn_ops.compile_ahead()`` (rows with ``which`` "ahead"), then as usual ("after"; else "plain");
-    ``ahead_processes``: its worker processes (default: ``processes``). ``totals["workers_left"]``: worker processes
-    still running at the end."""
+    at the end)), with the tuner's settings as given. ``ahead``: the lengths' steps run first under
+    ``attn_ops.compile_ahead()`` (rows with ``which`` "ahead"), then as usual ("after"; else "plain")."""
     from triton import knobs
 
     from attn_ops import settings
-    from attn_ops.triton import precompile
-
-    totals = dict(worker_jobs=0, worker_binaries=0)
-    written = set()  # binaries that appeared while worker jobs ran (a set: compile_ahead's jobs overlap in time)
-    lock = threading.Lock()
-
-    def binaries():  # folders holding a compiled kernel's group file (a cache lookup may leave an empty folder)
-        return {entry.name for entry in os.scandir(knobs.cache.dir)
-                if entry.is_dir() and any(f.startswith("__grp__") for f in os.listdir(entry.path))}
-
-    real_jobs = precompile.run_jobs
-
-    def counted_jobs(jobs, n):
-        before = binaries()
-        failed = real_jobs(jobs, n)
-        with lock:
-            totals["worker_jobs"] += len(jobs)
-            written.update(binaries() - before)
-            totals["worker_binaries"] = len(written)
-        return failed
 
     rows = []
-    precompile.run_jobs = counted_jobs
-    try:
-        with settings.kernel_settings(tune=tune, compile_threads=threads, compile_processes=processes), \
-                cross_compile(arch, triton_cache) as log:
-            passes = ["ahead", "after"] if ahead else ["plain"]
-            for which in passes:
-                for n in lengths:
-                    start, t0 = len(log), time.perf_counter()
-                    with _ahead(threads, ahead_processes) if which == "ahead" else contextlib.nullcontext():
-                        for kind in kinds:
-                            step(kind, n)
-                    records = log[start:]
-                    rows.append(dict(n=n, wall_s=time.perf_counter() - t0, compiles=len(records), which=which,
-                                     by_kernel=Counter(r["kernel"] for r in records), records=records))
-            totals["binaries"] = len(binaries())
-            totals["workers_left"] = sum(1 for p in precompile._PROCS if p.poll() is None)
-    finally:
-        precompile.run_jobs = real_jobs
+    with settings.kernel_settings(tune=tune, compile_threads=threads), cross_compile(arch, triton_cache) as log:
+        for which in ["ahead", "after"] if ahead else ["plain"]:
+            for n in lengths:
+                start, t0 = len(log), time.perf_counter()
+                with _ahead(threads) if which == "ahead" else contextlib.nullcontext():
+                    for kind in kinds:
+                        step(kind, n)
+                records = log[start:]
+                rows.append(dict(n=n, wall_s=time.perf_counter() - t0, compiles=len(records), which=which,
+                                 by_kernel=Counter(r["kernel"] for r in records), records=records))
+        # folders holding a compiled kernel's group file (a cache lookup may leave an empty folder)
+        totals = dict(binaries=sum(1 for entry in os.scandir(knobs.cache.dir) if entry.is_dir() and
+                                   any(f.startswith("__grp__") for f in os.listdir(entry.path))))
     return rows, totals
 
 
@@ -238,17 +221,11 @@ def main(argv=None):
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"attention calls per length, from {KINDS}")
     ap.add_argument("--no-tune", action="store_true", help="settings.tune False: the first candidate, no timing")
     ap.add_argument("--threads", type=int, default=8, help="settings.compile_threads")
-    ap.add_argument("--processes", type=int, default=0,
-                    help="settings.compile_processes (worker processes compiling a tuning miss; 0: the threads)")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability to compile for (90: H100/H200)")
     ap.add_argument("--triton-cache", help="Triton's cache folder (default: a new empty one, i.e. a cold start)")
     ap.add_argument("--ahead", action="store_true",
                     help="run the lengths under attn_ops.compile_ahead() first, then as usual (two tables)")
-    ap.add_argument("--ahead-processes", type=int, default=None,
-                    help="with --ahead: compile_ahead's worker processes (default: --processes); 0: threads")
     args = ap.parse_args(argv)
-    if args.ahead_processes is not None and (args.ahead_processes < 0 or not args.ahead):
-        ap.error(f"--ahead-processes must be >= 0 and goes with --ahead, got {args.ahead_processes}")
     if args.varlen is not None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_blocks import varlen_lengths
@@ -263,23 +240,18 @@ def main(argv=None):
     bad = [k for k in kinds if k not in KINDS]
     if bad:
         ap.error(f"--kinds: unknown {bad}; known: {list(KINDS)}")
-    rows, totals = run(lengths, kinds, tune=not args.no_tune, threads=args.threads, processes=args.processes,
-                       arch=args.arch, triton_cache=args.triton_cache, ahead=args.ahead,
-                       ahead_processes=args.ahead_processes)
+    rows, totals = run(lengths, kinds, tune=not args.no_tune, threads=args.threads, arch=args.arch,
+                       triton_cache=args.triton_cache, ahead=args.ahead)
     import triton
 
     print(f"compiles for sm_{args.arch} (triton {triton.__version__}, {os.cpu_count()} CPUs, "
-          f"tune={not args.no_tune}, compile_threads={args.threads}, compile_processes={args.processes}, "
+          f"tune={not args.no_tune}, compile_threads={args.threads}, "
           f"kinds={','.join(kinds)})")
     for which in dict.fromkeys(r["which"] for r in rows):
         if which != "plain":
             print(f"{which} compile_ahead():")
         print(table([r for r in rows if r["which"] == which]))
-    from attn_ops.triton import precompile
-
-    print(f"binaries in Triton's cache: {totals['binaries']}; worker jobs: {totals['worker_jobs']}, binaries they "
-          f"wrote: {totals['worker_binaries']}, failed there: {precompile.COUNTS['failed']}; workers left: "
-          f"{totals['workers_left']}")
+    print(f"binaries in Triton's cache: {totals['binaries']}")
 
 
 if __name__ == "__main__":

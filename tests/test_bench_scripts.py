@@ -313,9 +313,7 @@ def test_varlen_length_multiple_and_warmup_on_cpu(tmp_path):
     args = bench_blocks.parse_args(["--varlen", "--varlen-multiple", "32", "--varlen-warmup"])
     assert args.varlen_multiple == 32 and args.varlen_warmup
     for bad in (["--varlen", "--varlen-multiple", "0"], ["--varlen", "--varlen-no-ahead"],
-                ["--varlen", "--varlen-ahead-processes", "4"],
-                ["--varlen", "--varlen-warmup", "--varlen-no-ahead", "--varlen-ahead-processes", "4"],
-                ["--varlen", "--varlen-warmup", "--varlen-ahead-processes", "-1"]):
+                ["--varlen", "--varlen-warmup", "--varlen-ahead-processes", "4"]):
         with pytest.raises(SystemExit):
             bench_blocks.parse_args(bad)
 
@@ -378,10 +376,7 @@ def test_varlen_backends_run_in_fresh_processes(monkeypatch):
     assert "--varlen-no-ahead" not in seen[1]
     args = bench_blocks.parse_args(["--varlen", "--varlen-warmup", "--varlen-no-ahead"])
     bench_blocks._varlen_in_subprocess("triton", args, [200], 7.0)
-    assert "--varlen-no-ahead" in seen[2] and "--varlen-ahead-processes" not in seen[2]
-    args = bench_blocks.parse_args(["--varlen", "--varlen-warmup", "--varlen-ahead-processes", "6"])
-    bench_blocks._varlen_in_subprocess("triton", args, [200], 7.0)
-    assert seen[3][seen[3].index("--varlen-ahead-processes") + 1] == "6"
+    assert "--varlen-no-ahead" in seen[2]
 
 
 @pytest.mark.slow

@@ -167,9 +167,12 @@ def test_code_line_rule():
     assert code_lines(src) == (4, 3)  # decorator, def, two statements | import, def, return
 
 
+MAX_HOST_RATIO = 1.34  # lower it as host code shrinks
+
+
 def test_triton_line_budget():
-    """No backend file over ``MAX_FILE_LINES`` raw lines; the host/kernel code ratio is printed (the budget to
-    reach is host <= 1.2 x kernel)."""
+    """No backend file over ``MAX_FILE_LINES`` raw lines; the host/kernel code ratio is printed and held at its
+    current value, ``MAX_HOST_RATIO`` (the goal is host <= 1.2 x kernel)."""
     kernel = host = 0
     rows, too_long = [], []
     for path in sorted(TRITON_DIR.glob("*.py")):
@@ -183,6 +186,7 @@ def test_triton_line_budget():
     print("\n".join(rows))
     print(f"attn_ops/triton: kernel {kernel}, host {host}, host/kernel {host / kernel:.2f}")
     assert not too_long, f"files over {MAX_FILE_LINES} lines: {too_long}"
+    assert host <= MAX_HOST_RATIO * kernel, f"host/kernel {host / kernel:.2f} > {MAX_HOST_RATIO}"
 
 
 def test_imports_without_triton():

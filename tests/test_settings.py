@@ -36,7 +36,6 @@ def test_environment_gives_the_initial_values():
     ("ATTN_ZOO_PLAIN_LAUNCH", "1", "fast_launch", "fast_launch=False"),
     ("ATTN_ZOO_NO_SHIPPED", "1", "shipped_configs", "shipped_configs=False"),
     ("ATTN_ZOO_NO_TILE_VARIANTS", "1", "tile_variants", "tile_variants=False"),
-    ("ATTN_ZOO_COMPILE_PROCESSES", "6", "compile_processes", "compile_processes=6"),
 ])
 def test_removed_variables_warn_once_and_name_the_setting(monkeypatch, name, value, field, expected):
     """A variable that is no longer read changes nothing, and is not ignored silently: the first read warns, naming
@@ -61,12 +60,26 @@ def test_bad_compile_threads_names_the_variable(raw):
         KernelSettings(compile_threads=0)
 
 
-def test_bad_compile_processes_is_refused():
-    with pytest.raises(TypeError, match="compile_processes must be an int >= 0"):
-        KernelSettings(compile_processes=-1)
-    with pytest.raises(TypeError, match="compile_processes must be an int >= 0"):
-        settings.update(compile_processes=-1)
-    assert settings.update(compile_processes=6).compile_processes == 6
+def test_removed_compile_processes_is_refused_naming_threads():
+    """Worker-process compiles are gone: the field is refused by name, saying that threads do the work; its former
+    variable warns that it is not read, without suggesting a setting."""
+    for call in (lambda: settings.update(compile_processes=2),
+                 lambda: settings.kernel_settings(compile_processes=2).__enter__()):
+        with pytest.raises(TypeError, match=r"compile_processes: worker-process compiles were removed.*"
+                                            r"compile_threads"):
+            call()
+    with pytest.raises(TypeError, match="compile_processes"):
+        KernelSettings(compile_processes=2)
+    assert not hasattr(settings.get(), "compile_processes")
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(settings, "_warned", set())
+    try:
+        with pytest.warns(UserWarning, match=r"ATTN_ZOO_COMPILE_PROCESSES='6' is set but no longer read.*"
+                                             r"compiles run on compile_threads threads") as seen:
+            settings.from_env({"ATTN_ZOO_COMPILE_PROCESSES": "6", "ATTN_ZOO_CACHE_DIR": ""})
+    finally:
+        monkeypatch.undo()
+    assert not any("settings.update" in str(w.message) for w in seen)
 
 
 def test_environment_is_read_once_at_import():
@@ -136,7 +149,7 @@ def test_settings_are_in_the_cache_keys_they_affect(monkeypatch):
         launched.append(cfg)
 
     monkeypatch.setattr(tuning, "measure", lambda fn, **kw: fn() or 1.0)
-    monkeypatch.setattr(settings, "_current", KernelSettings(cache_dir=None, compile_threads=1, compile_processes=0))
+    monkeypatch.setattr(settings, "_current", KernelSettings(cache_dir=None, compile_threads=1))
     with kernel_settings(tune=False):
         untuned = tuning.pick("fwd", ("k",), 64, 256, 256, fake_launch)
     tuned = tuning.pick("fwd", ("k",), 64, 256, 256, fake_launch)

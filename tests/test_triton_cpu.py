@@ -814,7 +814,7 @@ def test_compile_ahead_warns_of_compiles_that_failed(monkeypatch):
             raise RuntimeError("no such kernel")
 
     with pytest.warns(RuntimeWarning, match=r"compile_ahead: 1 of 1 compiles failed .*no such kernel"):
-        with tuning.compile_ahead(threads=1, processes=0):
+        with tuning.compile_ahead(threads=1):
             launch.launch_kernel(Broken(), (1,), [], 4, 3)
     assert not tuning.compiling_ahead()
 

@@ -122,7 +122,7 @@ def tuner(monkeypatch):
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
     monkeypatch.setattr(tuning.TUNER, "picks", {})
     monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, compile_threads=1,
-                                                                      compile_processes=0, shipped_configs=False))
+                                                                      shipped_configs=False))
     bench = FakeBench()
     monkeypatch.setattr(tuning, "measure", bench.do_bench)
     return bench
@@ -584,8 +584,7 @@ def test_a_miss_compiles_every_candidate_at_once_before_timing(tuner, monkeypatc
     asynchronous compile mode), a failing compile is left to the timing loop, and the timing launches for real."""
     from triton.runtime import _async_compile
 
-    monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, compile_threads=4,
-                                                                      compile_processes=0))
+    monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, compile_threads=4))
     modes = []
     real = tuner.launch
 
@@ -619,25 +618,6 @@ def test_compile_only_launch_warms_up_and_runs_nothing(monkeypatch):
     assert calls == [("warmup", (1, 2), (3,), {"num_warps": 4, "num_stages": 2, "BLOCK": 16})]
     assert tuning._WARMUP_ONLY.get() is False
 
-
-
-@pytest.mark.parametrize("workers_can", [True, False])
-def test_a_miss_compiles_in_worker_processes_else_in_threads(tuner, monkeypatch, workers_can):
-    """compile_processes > 0: the candidates go to precompile.compile_candidates (the worker processes) before the
-    timing; where it cannot (an older Triton) the threads compile them as before; timing follows either way."""
-    from attn_ops.triton import precompile
-
-    calls = []
-    monkeypatch.setattr(settings, "_current", settings.KernelSettings(cache_dir=None, compile_threads=4,
-                                                                      compile_processes=3))
-    monkeypatch.setattr(precompile, "compile_candidates",
-                        lambda cands, launch, n: calls.append(("workers", list(cands), n)) or workers_can)
-    monkeypatch.setattr(tuning, "_compile_all", lambda cands, launch, n: calls.append(("threads", list(cands), n)))
-    cands = candidates("fwd", **ARGS)
-    tuner.ms = {c: 1.0 + i for i, c in enumerate(cands)}
-    assert pick("fwd", ("procs",), launch=tuner.launch, **ARGS) == cands[0]
-    expected = [("workers", cands, 3)] + ([] if workers_can else [("threads", cands, 4)])
-    assert calls == expected and tuner.timed == cands
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import torch
 
 from .. import settings as _settings
 from ..settings import interpreting
-from . import precompile, tuning
+from . import tuning
 from .tuning import _WARMUP_ONLY, TUNER, compiling_ahead, pick
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
@@ -138,28 +138,16 @@ def _device() -> int:
 
 
 def _compile_job(kernel, grid, args, num_warps: int, num_stages: int, constexprs: dict, key: Tuple,
-                 processes: int = 0, load: bool = False) -> Callable:
-    """The work of compiling one launch's kernel off the caller's thread; remembered for direct launches.
-    ``processes`` > 0: compiled in one of that many worker processes first (``precompile.run_jobs``), so the compile
-    here only loads the binary from Triton's cache (a worker's failure leaves the compile to this thread). ``load``:
+                 load: bool = False) -> Callable:
+    """The work of compiling one launch's kernel off the caller's thread; remembered for direct launches. ``load``:
     also build Triton's launcher and load the module (only where no launch of the kernel can run meanwhile: a
     launch would race the loading; ``compile_ahead``, where launches only submit)."""
     device = key[1]
 
-    def warmup():
-        return kernel.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **constexprs)
-
     def work():
         if device >= 0 and torch.cuda.is_available():
             torch.cuda.set_device(device)  # the compile's target and cache are the caller's device's
-        if processes:
-            try:
-                specs = precompile.capture([None], lambda _: warmup())
-                if specs:
-                    precompile.run_jobs(specs, processes)
-            except Exception:  # noqa: BLE001 - the workers are an optimisation: compiled here below
-                pass
-        result = warmup()
+        result = kernel.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **constexprs)
         if load and device >= 0 and torch.cuda.is_available() and hasattr(result, "_init_handles"):
             # Triton's launcher for this signature (a C compile on a cold cache) and the module's load, here rather
             # than in the first real launch
@@ -181,10 +169,10 @@ def _submit_ahead(kernel, grid, args: Sequence, num_warps: int, num_stages: int,
     with TUNER.lock:
         if TUNER.ahead is None:
             return False
-        pool, jobs, processes = TUNER.ahead
+        pool, jobs = TUNER.ahead
         if key not in STATE.compiled and key not in jobs:
             jobs[key] = pool.submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key,
-                                                 processes, load=True))
+                                                 load=True))
     return True
 
 
@@ -442,21 +430,27 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None) if torch.cuda.is_av
 _current_device = _current_device or (lambda: -1)
 
 
-def _replay(key: Tuple, env: list) -> Optional[Plan]:
-    """Run the plan for ``key`` on ``env``; None when there is none (or it was made under other settings)."""
+def run_plan(key: Tuple, env: list, record: Callable, *args) -> Tuple[Optional[int], ...]:
+    """The env slots of a call's results: the plan for ``key`` replayed on ``env``, else ``record(Recorder(env),
+    *args)`` run and kept as that plan (one made under other settings, or whose pending variants are ready, is
+    recorded anew)."""
     state = STATE
     plan = state.plans.get(key)
-    if plan is None:
-        return None
-    guard = plan.guard
-    if guard[0] != TUNER.generation or guard[1] is not tuning._INTERPRETER or guard[2] != state.tma_min_scores:
-        return None
-    if plan.pending and all(job.done() for job in plan.pending):  # its own variants are ready: record anew
-        state.plans.pop(key, None)  # (another thread may have dropped it first)
-        return None
-    for step in plan.steps:
-        step(env)
-    return plan
+    if plan is not None:
+        guard = plan.guard
+        if guard[0] != TUNER.generation or guard[1] is not tuning._INTERPRETER or guard[2] != state.tma_min_scores:
+            plan = None
+        elif plan.pending and all(job.done() for job in plan.pending):  # its own variants are ready: record anew
+            state.plans.pop(key, None)  # (another thread may have dropped it first)
+            plan = None
+        else:
+            for step in plan.steps:
+                step(env)
+            return plan.outputs
+    rec = Recorder(env)
+    outputs = record(rec, *args)
+    _keep(key, rec, outputs)
+    return outputs
 
 
 def _keep(key: Tuple, rec: "Recorder", outputs: Tuple[Optional[int], ...]) -> None:
@@ -520,7 +514,7 @@ class Recorder:
         multiple of a tile asks for an EVEN_M / EVEN_N specialisation (no load masks) of the config its length
         bucket chose; the first such length would stall on that compile (seconds, per kernel). Where the general
         variant (masks everywhere, the same results) is compiled, it runs instead; the call's plan is kept with the
-        pending compiles, replayed while they run and recorded anew once they have ended (:func:`_replay`), so the
+        pending compiles, replayed while they run and recorded anew once they have ended (:func:`run_plan`), so the
         calls meanwhile cost no more host time than any replay and a later one takes the specialisation."""
         if not (constexprs.get("EVEN_M") or constexprs.get("EVEN_N")) or not tuning.background_compiles() or \
                 is_compiled(kernel, args, num_warps, num_stages, **constexprs):

@@ -17,7 +17,7 @@ from .common import LOG2E
 from .dbias import attn_bwd_dbias_kernel, sum_splits_kernel
 from .forward import attn_fwd_kernel
 from .launch import (STATE, Recorder, TensorDescriptor, _align, _bstrides, _cdiv, _current_device, _empty, _even,
-                     _geo, _keep, _order, _pow2, _replay, _rows, _tma_capable, launch_kernel, sm_count)
+                     _geo, _order, _pow2, run_plan, _rows, _tma_capable, launch_kernel, sm_count)
 from .segtable import segment_table_kernel
 from .tuning import bucket
 
@@ -28,6 +28,17 @@ _SEG_BLOCK = 1024  # positions per step of the segment-table kernel's scans
 def _width(q, D, Dv) -> int:
     """Head width in 16-bit units, for pruning tile candidates (fp32 tiles take twice the shared memory)."""
     return max(D, Dv) * q.element_size() // 2
+
+
+def _tile_args(c, Lq: int, Lk: int, D: int, Dv: int, align: int, bias=None, **middle) -> dict:
+    """The constexpr tail of a launch with ``c``'s tiles, in the kernels' parameter order: EVEN_M, EVEN_N,
+    ``middle``, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, D, Dv, ALIGN and, given ``bias`` (tensor, HAS_BIAS), BIAS_ALIGN."""
+    even_m, even_n = _even(Lq, c.block_m), _even(Lk, c.block_n)
+    tail = dict(EVEN_M=even_m, EVEN_N=even_n, **middle, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D),
+                BLOCK_DV=_pow2(Dv), D=D, Dv=Dv, ALIGN=align)
+    if bias is not None:
+        tail["BIAS_ALIGN"] = _bias_align(*bias, even_m and even_n)
+    return tail
 
 
 def _bias_align(bias: Optional[Tensor], has_bias: int, in_range: bool) -> int:
@@ -201,14 +212,8 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
     env = [q, k, v, bias, m8, q_seg, k_seg]
     key = ("fwd", _geo(q), _geo(k), _geo(v), _geo(bias), _geo(m8), _geo(q_seg), _geo(k_seg), scale, causal,
            _current_device() if q.is_cuda else -1, interpreting(), _settings.get())
-    plan = _replay(key, env)
-    if plan is None:
-        rec = Recorder(env)
-        outputs = _record_forward(rec, scale, causal)
-        _keep(key, rec, outputs)
-    else:
-        outputs = plan.outputs
-    return env[outputs[0]], env[outputs[1]]
+    o, lse = run_plan(key, env, _record_forward, scale, causal)
+    return env[o], env[lse]
 
 
 def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int]:
@@ -234,10 +239,7 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
                    (0, 1, 2, arg, 4 if m8 is not None else 0, o, lse, 5 if seg else lse, 6 if seg else lse),
                    (*rows, *sb, *sm, *_rows(out), *ss, R, H, Lq, Lk, scale),
                    c.num_warps, c.num_stages, HAS_BIAS=has_bias, **flags,
-                   EVEN_M=_even(Lq, c.block_m), EVEN_N=_even(Lk, c.block_n),
-                   BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv), D=D, Dv=Dv,
-                   ALIGN=align,
-                   BIAS_ALIGN=_bias_align(bias_t, has_bias, _even(Lq, c.block_m) and _even(Lk, c.block_n)))
+                   **_tile_args(c, Lq, Lk, D, Dv, align, (bias_t, has_bias)))
 
     rec.tuned("fwd", _key(q, v, bias_t, m8, causal, seg, tma is None), _width(q, D, Dv), Lq, Lk, run,
               device=q.device.index)
@@ -313,14 +315,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     key = ("bwd", _geo(do), _geo(dlse), _geo(q), _geo(k), _geo(v), _geo(out), _geo(lse), _geo(bias), _geo(m8),
            _geo(q_seg), _geo(k_seg), scale, causal, fused, need_dbias, atomic_dbias,
            _current_device() if q.is_cuda else -1, interpreting(), _settings.get())
-    plan = _replay(key, env)
-    if plan is None:
-        rec = Recorder(env)
-        outputs = _record_backward(rec, scale, causal, fused, need_dbias, atomic_dbias)
-        _keep(key, rec, outputs)
-    else:
-        outputs = plan.outputs
-    dq, dk, dv, db = outputs
+    dq, dk, dv, db = run_plan(key, env, _record_backward, scale, causal, fused, need_dbias, atomic_dbias)
     return env[dq], env[dk], env[dv], (None if db is None else env[db])
 
 
@@ -392,8 +387,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
         order) of a launch with c's tiles (only a bias descriptor's block shape depends on them)."""
         arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=_Q,
                                                whole_rows=whole_rows)
-        bias_align = _bias_align(bias_t, has_bias, _even(Lq, c.block_m) and _even(Lk, c.block_n))
-        return arg, (*rows, *sb, *sm, *do_rows), dict(HAS_BIAS=has_bias, **flags), bias_align
+        return arg, (*rows, *sb, *sm, *do_rows), dict(HAS_BIAS=has_bias, **flags), (bias_t, has_bias)
 
     # 2. dK, dV (+ dQ by atomics when fused, + dBias when it is unbroadcast or accumulated by atomics)
     def run_dkdv(c):
@@ -401,7 +395,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
             rec.do(lambda env: env[dq_acc].zero_())
         if atomic and not dq_atomic:
             rec.do(lambda env: env[acc].zero_())
-        arg, strides, kflags, bias_align = operands(c)
+        arg, strides, kflags, bias_arg = operands(c)
         bm, bn = c.block_m, c.block_n
         dq_arg = (lambda env: _reduce_desc(env[dq_acc], Lq, D, bm, BD)) if tma_dq else (
             _Q if dq_acc is None else dq_acc)
@@ -412,8 +406,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
                    (*strides, *gs, *tail), c.num_warps, c.num_stages, **kflags,
                    FUSED_DQ=(2 if tma_dq else 1) if fused else 0, DIRECT_DBIAS=direct_dbias and fused,
                    ATOMIC_DBIAS=(2 if tma_dbias else 1) if atomic and not dq_atomic else 0,
-                   EVEN_M=_even(Lq, bm), EVEN_N=_even(Lk, bn), ROWS=c.rows,
-                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BD, BLOCK_DV=BDV, D=D, Dv=Dv, ALIGN=align, BIAS_ALIGN=bias_align)
+                   **_tile_args(c, Lq, Lk, D, Dv, align, bias_arg, ROWS=c.rows))
 
     rec.tuned("dkdv", key, _width(q, D, Dv), Lq, Lk, run_dkdv,
               pair=_pairs_rows(bias, R, causal, atomic and not fused and not dq_atomic) and not seg, device=dev.index)
@@ -433,14 +426,11 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
         def run_dq(c):
             if dq_atomic:
                 rec.do(lambda env: env[acc].zero_())
-            arg, strides, kflags, bias_align = operands(c)
+            arg, strides, kflags, bias_arg = operands(c)
             rec.launch(attn_bwd_dq_kernel, (_cdiv(Lq, c.block_m), B * R * H),
                        (_Q, _K, _V, arg, mask_slot, _DO, _LSE, delta, dq, _Q if dbias is None else dbias, *seg_slots),
                        (*strides, *gs, *tail), c.num_warps, c.num_stages, **kflags,
-                       DIRECT_DBIAS=2 if dq_atomic else direct_dbias,
-                       EVEN_M=_even(Lq, c.block_m), EVEN_N=_even(Lk, c.block_n),
-                       BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=BD, BLOCK_DV=BDV, D=D, Dv=Dv, ALIGN=align,
-                       BIAS_ALIGN=bias_align)
+                       DIRECT_DBIAS=2 if dq_atomic else direct_dbias, **_tile_args(c, Lq, Lk, D, Dv, align, bias_arg))
 
         rec.tuned("dq", key, _width(q, D, Dv), Lq, Lk, run_dq, device=dev.index)
         if dq_atomic:  # (a copy: a dense tensor, not the padded rows)
@@ -487,9 +477,7 @@ def _record_dbias_reduce(rec: Recorder, b: int, mask_slot: int, sm, seg_slots, s
                    (*strides, *ss, R, H, BR, BH, lr_n, lh_n, total, Lq, Lk, scale * LOG2E, per),
                    c.num_warps, c.num_stages,
                    HAS_MASK=_mask_kind(rec.env[_MASK]), CAUSAL=causal, HAS_SEG=seg_slots[0] == _QS, LOOP_M=loop_m,
-                   LOOP_N=loop_n, LOOP_B=B // BB > 1, EVEN_M=_even(Lq, c.block_m), EVEN_N=_even(Lk, c.block_n),
-                   BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=_pow2(D),
-                   BLOCK_DV=_pow2(Dv), D=D, Dv=Dv, ALIGN=_align(q, k, v, do))
+                   LOOP_N=loop_n, LOOP_B=B // BB > 1, **_tile_args(c, Lq, Lk, D, Dv, _align(q, k, v, do)))
         # The sum over the splits is part of the launch, so the tuner times a split count with its cost: one
         # small kernel adds each element's partials in split order (no atomics: the bits repeat) and writes the
         # result in the bias's dtype.

@@ -7,7 +7,7 @@ by GPU name, Triton version and a hash of the kernel sources, so a second proces
 is looked up in the shipped tables (:func:`shipped`: configs timed on that GPU model with that Triton release,
 ``scripts/ship_tuning.py``), so that even a first process on such a GPU compiles one config per kernel instead of
 timing every candidate (``settings.shipped_configs`` False: always time). Only then are candidates timed; a miss's
-candidates compile in worker processes (``precompile.py``; ``settings.compile_processes``) or threads. With
+candidates compile at once on ``settings.compile_threads`` threads. With
 ``settings.tune`` False nothing is timed: the first candidate that launches (the lists are ordered best-first),
 the same in every process. Under ``TRITON_INTERPRET=1`` (CPU tests) there is no timing: one small config is used.
 """
@@ -46,7 +46,7 @@ class TuningState:
     """The tuner's caches and the compile threads' bookkeeping, one instance (:data:`TUNER`); ``reset()`` empties the
     caches and bumps ``generation``, which launch plans check (a plan holds configs picked before)."""
 
-    __slots__ = ("picks", "disks", "shipped", "pool", "jobs", "ahead", "generation", "lock", "workers")
+    __slots__ = ("picks", "disks", "shipped", "pool", "jobs", "ahead", "generation", "lock")
 
     def __init__(self):
         self.picks: Dict[Tuple, Cfg] = {}  # full key (see pick) -> config
@@ -54,14 +54,11 @@ class TuningState:
         self.shipped: Dict[Tuple, Dict[str, Cfg]] = {}  # (folder, gpu, triton release) -> shipped table
         self.pool = None  # the background compiles' one thread (made at the first)
         self.jobs: Dict[Tuple, object] = {}  # background compiles: signature key -> Future
-        # (pool, {signature key: Future}, worker processes) while compile_ahead() runs, for the whole process
+        # (pool, {signature key: Future}) while compile_ahead() runs, for the whole process
         # (autograd runs a CUDA backward on threads of its own, so not a context variable)
         self.ahead = None
         self.generation = 0
         self.lock = threading.Lock()  # compile_ahead's start and end against submissions; the pool's making
-        # the worker-process compiler (precompile.py registers itself: it imports this module for compile_only, so
-        # this module cannot import it); None: compiles stay in threads
-        self.workers = None
 
     def reset(self) -> None:
         """Forget every pick, disk cache, shipped table and background job."""
@@ -86,12 +83,10 @@ def background_compiles() -> bool:
 
 
 @contextlib.contextmanager
-def compile_ahead(threads: Optional[int] = None, processes: Optional[int] = None) -> Iterator[None]:
+def compile_ahead(threads: Optional[int] = None) -> Iterator[None]:
     """Inside the block every kernel launch (``launch.launch_kernel``, in any thread) runs nothing: a kernel not
-    compiled yet is compiled on one of ``threads`` threads (default ``settings.compile_threads``), all at once, or,
-    with ``processes`` > 0 (default ``settings.compile_processes``), in that many worker processes
-    (``precompile.py``: not bound by the GIL; this process then loads each binary from Triton's cache). The block
-    ends when every compile has. Outputs of the calls inside are garbage: run throwaway steps there (one
+    compiled yet is compiled on one of ``threads`` threads (default ``settings.compile_threads``), all at once. The
+    block ends when every compile has. Outputs of the calls inside are garbage: run throwaway steps there (one
     per input shape a run will meet) so the run itself compiles nothing. A tuning miss inside submits every
     candidate's compile and times nothing (the real call times them). A no-op on the CPU interpreter and with
     ``settings.fast_launch`` off (Triton compiles where it launches). Not during a CUDA graph capture (the graph
@@ -103,18 +98,10 @@ def compile_ahead(threads: Optional[int] = None, processes: Optional[int] = None
         raise RuntimeError("compile_ahead() during a CUDA graph capture: the graph would hold no kernel launches")
     if TUNER.ahead is not None:
         raise RuntimeError("compile_ahead() is already active")
-    s = _settings.get()
-    processes = s.compile_processes if processes is None else processes
-    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 0:
-        raise ValueError(f"compile_ahead: processes must be an int >= 0, got {processes!r}")
-    workers = TUNER.workers
-    if processes and (workers is None or not workers.supported()):
-        processes = 0  # this Triton cannot hand compiles to workers: threads
-    # (with workers, each thread waits on one worker's compile and then loads its binary here)
-    pool = ThreadPoolExecutor(processes or threads or s.compile_threads, thread_name_prefix="attn_zoo_ahead")
+    pool = ThreadPoolExecutor(threads or _settings.get().compile_threads, thread_name_prefix="attn_zoo_ahead")
     jobs: Dict[Tuple, object] = {}
     with TUNER.lock:
-        TUNER.ahead = (pool, jobs, processes)
+        TUNER.ahead = (pool, jobs)
     try:
         yield
     finally:
@@ -122,8 +109,6 @@ def compile_ahead(threads: Optional[int] = None, processes: Optional[int] = None
             TUNER.ahead = None
         wait(list(jobs.values()))
         pool.shutdown()
-        if processes and not _settings.get().compile_processes:
-            workers.shutdown()  # the workers were for this block only (tuning misses compile in threads)
         failed = [e for e in (f.exception() for f in jobs.values()) if e is not None]
         if failed:
             warnings.warn(f"compile_ahead: {len(failed)} of {len(jobs)} compiles failed (each compiles again at its "
@@ -247,11 +232,7 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
             first = shipped(device).get(DiskCache._name((kernel, pair) + key)) if s.tune and s.shipped_configs \
                 else None
             first = first if first in cands else None
-            for c in [first] if first is not None else (cands if s.tune else cands[:1]):
-                try:
-                    launch(c)
-                except Exception:  # noqa: BLE001 - reported by the real call
-                    pass
+            _launch_each([first] if first is not None else (cands if s.tune else cands[:1]), launch)
             return first or cands[0]
     if cfg is None and s.tune and s.shipped_configs:
         cfg = shipped(device).get(DiskCache._name((kernel, pair) + key))
@@ -261,13 +242,7 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
         if len(cands) == 1 or not s.tune:
             cfg = _first_that_launches(cands, launch)
         else:
-            try:
-                handled = TUNER.workers is not None and \
-                    TUNER.workers.compile_candidates(cands, launch, s.compile_processes)
-            except Exception:  # noqa: BLE001 - the workers are an optimisation: compile here instead
-                handled = False
-            if not handled:
-                _compile_all(cands, launch, s.compile_threads)
+            _compile_all(cands, launch, s.compile_threads)
             cfg = _time(kernel, key, cands, launch, s.tune_log)
             if disk is not None:
                 disk.put((kernel, pair) + key, cfg)
@@ -287,11 +262,16 @@ def _compile_all(cands: List[Cfg], launch: Callable[[Cfg], None], threads: int) 
         return
     with ThreadPoolExecutor(min(threads, len(cands))) as pool:
         with AsyncCompileMode(pool, ignore_errors=True), compile_only():
-            for c in cands:
-                try:
-                    launch(c)
-                except Exception:  # noqa: BLE001 - reported when the candidate is timed
-                    pass
+            _launch_each(cands, launch)
+
+
+def _launch_each(cands: List[Cfg], launch: Callable[[Cfg], None]) -> None:
+    """``launch(c)`` for every candidate, errors ignored (the real call, or the timing, reports them)."""
+    for c in cands:
+        try:
+            launch(c)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _time(kernel: str, key: Tuple, cands: List[Cfg], launch: Callable[[Cfg], None], log: bool) -> Cfg:
@@ -410,21 +390,16 @@ class DiskCache:
     def _read(self) -> Dict[str, Cfg]:
         """The file's configs ({} when absent, corrupt or foreign: one warning each)."""
         try:
-            with open(self.path, "r", encoding="utf-8") as fh:
-                data = json.load(fh)
+            ident, configs = _read_table(self.path)
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError) as exc:
-            self._warn("corrupt", f"unreadable ({type(exc).__name__}: {exc}); ignored, rebuilt on the next write")
+        except _TABLE_ERRORS as exc:
+            self._warn("corrupt", f"unreadable or malformed ({type(exc).__name__}: {exc}); ignored, rebuilt")
             return {}
-        try:
-            if data.get("identity") != self.ident:
-                self._warn("foreign", f"written for {data.get('identity')}, not {self.ident}; ignored, rebuilt")
-                return {}
-            return {k: Cfg(*v) for k, v in data["configs"].items()}
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:
-            self._warn("corrupt", f"malformed ({type(exc).__name__}: {exc}); ignored, rebuilt on the next write")
+        if ident != self.ident:
+            self._warn("foreign", f"written for {ident}, not {self.ident}; ignored, rebuilt")
             return {}
+        return configs
 
     def refresh(self) -> None:
         """Re-read the file if it changed since the last read (another process may have tuned more)."""
@@ -477,6 +452,16 @@ class DiskCache:
             self._stamp = (st.st_mtime_ns, st.st_size)
 
 
+_TABLE_ERRORS = (OSError, ValueError, KeyError, TypeError, AttributeError)
+
+
+def _read_table(path: str) -> Tuple[object, Dict[str, Cfg]]:
+    """(identity, configs) of a tuning JSON file (disk cache or shipped table); raises one of ``_TABLE_ERRORS``."""
+    with open(path, "r", encoding="utf-8") as fh:
+        data = json.load(fh)
+    return data["identity"], {k: Cfg(*v) for k, v in data["configs"].items()}
+
+
 class _locked:
     """An exclusive ``flock`` on ``path`` (created if needed) for a read-merge-write; no lock where fcntl is missing."""
 
@@ -525,11 +510,10 @@ def shipped(device=None) -> Dict[str, Cfg]:
         for name in names:
             path = os.path.join(folder, name)
             try:
-                with open(path, "r", encoding="utf-8") as fh:
-                    data = json.load(fh)
-                if data["identity"] == want:
-                    table.update({k: Cfg(*v) for k, v in data["configs"].items()})
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                ident, configs = _read_table(path)
+                if ident == want:
+                    table.update(configs)
+            except _TABLE_ERRORS as exc:
                 warnings.warn(f"attn_ops shipped tuning table {path}: unreadable ({type(exc).__name__}: {exc}); "
                               "skipped", RuntimeWarning, stacklevel=2)
         TUNER.shipped[key] = table
