@@ -73,7 +73,7 @@ torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() e
       grep -E "^(torch|transformers|hydra|commit)" "$logs/env.log" | tee "$work/env.txt" >> "$out/stages.txt"
       collect env "$work/env.txt" ;;
     tests)
-      step tests 450 env OUT="$work/gpu_tests" bash scripts/gpu_tests.sh 4 $((420 * pct / 100)) tests/
+      step tests 450 env OUT="$work/gpu_tests" bash scripts/gpu_tests.sh "${GPU_SHARDS:-4}" $((420 * pct / 100)) tests/
       collect "GPU tests (4 shards)" "$logs/tests.log" ;;
     compile)
       for model in pairformer evoformer esm2; do
