@@ -315,6 +315,21 @@ def test_head_split_views_keep_their_dim_order():
         assert g.transpose(-2, -3).is_contiguous(), f"d{name} strides {g.stride()}"
 
 
+def test_dense_layout_check_agrees_with_torch():
+    """The op's check of "fills its memory exactly once, in some dim order" against torch's own, over permuted,
+    sliced, expanded, size-1 and overlapping layouts."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as torch_check
+
+    from attn_ops.triton.op import _non_overlapping_and_dense
+
+    base = torch.randn(2, 3, 4, 5)
+    cases = [base, base.permute(0, 2, 1, 3), base.transpose(1, 2), base[:, :2], base[..., ::2], base[:, :1],
+             base[:1].expand(3, 3, 4, 5), torch.randn(1, 3, 1, 5).transpose(0, 2), torch.randn(6).unfold(0, 3, 1),
+             torch.randn(4, 1, 5)[:, :, 1:], base.permute(3, 1, 0, 2)[:, :, :, 1:]]
+    for t in cases:
+        assert _non_overlapping_and_dense(t) == torch_check(t), (tuple(t.shape), t.stride())
+
+
 def test_overlapping_windows_as_inputs():
     """q, k, v as overlapping sliding windows (``unfold``: the last dim and the length dim both have stride 1): the
     dense copy must still have a contiguous last dim."""
