@@ -101,3 +101,14 @@ def compiling_ahead() -> bool:
     except ImportError:
         return False
     return _active()
+
+
+def wait_compiles(timeout: Optional[float] = None) -> float:
+    """Wait for the triton backend's background compiles (a tile-multiple length's specialised variants, which
+    its calls run the general variant while they compile) to end, at most ``timeout`` s; returns the seconds
+    waited. Before timing a steady state."""
+    try:
+        from .triton.tuning import wait_background
+    except ImportError:
+        return 0.0
+    return wait_background(timeout)

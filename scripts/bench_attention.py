@@ -343,9 +343,9 @@ def measure_crop(make):
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
     del out
-    from attn_ops.triton.tuning import wait_background
+    from attn_ops import wait_compiles
 
-    settle_s = wait_background()  # a tile-multiple length's EVEN variants compile meanwhile: time the settled state
+    settle_s = wait_compiles()  # a tile-multiple length's EVEN variants compile meanwhile: time the settled state
 
     def step():
         run().backward(g)

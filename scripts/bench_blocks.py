@@ -56,7 +56,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import attn_ops  # noqa: E402
-from attn_ops.triton.tuning import wait_background  # noqa: E402
+from attn_ops import wait_compiles  # noqa: E402
 from attn_zoo.models.graphs import CUDAGraphs  # noqa: E402
 from attn_zoo.models.evoformer import EvoformerBlock  # noqa: E402
 from attn_zoo.models.pairformer import PairformerBlock  # noqa: E402
@@ -189,7 +189,7 @@ def measure(mod, inputs, fwd, iters: int, warmup: int, graph_pool: bool = False)
     for _ in range(max(warmup, 1)):
         step()
     torch.cuda.synchronize()
-    if wait_background() > 1e-3:  # EVEN variants of a tile-multiple length were compiling: one more step keeps them
+    if wait_compiles() > 1e-3:  # EVEN variants of a tile-multiple length were compiling: one more step keeps them
         step()
         torch.cuda.synchronize()
     upstream = sum(g.numel() * g.element_size() for g in grads_out)  # the upstream gradients are inputs too

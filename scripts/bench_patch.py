@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import attn_zoo  # noqa: E402
-from attn_ops.triton.tuning import wait_background  # noqa: E402
+from attn_ops import wait_compiles  # noqa: E402
 
 GIB = 2.0 ** 30
 FIELDS = ["case", "shape", "variant", "ms", "peak_gib", "diff_vs_unpatched", "note"]
@@ -76,7 +76,7 @@ class Timer:
         first = fn()
         for _ in range(self.warmup - 1):
             fn()
-        if cuda and wait_background() > 1e-3:
+        if cuda and wait_compiles() > 1e-3:
             fn()  # the variants compiled in the background since the first call: one step with them before timing
         if cuda:
             torch.cuda.synchronize()

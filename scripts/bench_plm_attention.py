@@ -77,6 +77,8 @@ def main():
     args = ap.parse_args()
     import triton
 
+    import attn_ops
+
     os.makedirs(args.out, exist_ok=True)
     lines = [f"# Protein-LM attention, fwd+bwd ms ({torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
              f"triton {triton.__version__}, {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC)", "",
@@ -95,8 +97,7 @@ def main():
                     run = runner(variant, qkv, mask)
                     run()
                     if variant.startswith("triton"):
-                        from attn_ops.triton import tuning
-                        tuning.wait_background()
+                        attn_ops.wait_compiles()
                     cells.append(f"{triton.testing.do_bench(run, warmup=25, rep=200):.3f}")
                     if variant == "triton":
                         host = f"{host_ms(run):.3f}"

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import attn_zoo  # noqa: E402
 from attn_ops.registry import BACKENDS  # noqa: E402
-from attn_ops.triton.tuning import wait_background  # noqa: E402
+from attn_ops import wait_compiles  # noqa: E402
 from attn_zoo.models.esmc import ESMC_CONFIGS  # noqa: E402
 from bench_blocks import _randomize, attention_config  # noqa: E402
 from bench_patch import (cleanup, emitter, env_lines, is_oom, mlm_batch, mlm_step, parser, profile_step,  # noqa: E402
@@ -84,7 +84,7 @@ def first_timed(fn, device):
         if device.type == "cuda":
             torch.cuda.synchronize()
         state["s"] = time.perf_counter() - t0
-        wait_background()
+        wait_compiles()
         return out
 
     wrapped.state = state
