@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import attn_zoo  # noqa: E402
 from attn_ops.registry import BACKENDS  # noqa: E402
 from attn_ops import wait_compiles  # noqa: E402
+from attn_zoo.models.compiling import compile_module  # noqa: E402
 from attn_zoo.models.esmc import ESMC_CONFIGS  # noqa: E402
 from bench_blocks import _randomize, attention_config  # noqa: E402
 from bench_patch import (cleanup, emitter, env_lines, is_oom, mlm_batch, mlm_step, parser, profile_step,  # noqa: E402
@@ -130,7 +131,7 @@ def esmc_batch(B, L, lengths, device):
     return tokens.masked_fill(target, ALPHABET.mask_idx), tokens, target, real
 
 
-def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN):
+def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN, compiled=False):
     import transformers
 
     from attn_zoo.models.zoo import from_esmc  # (zoo re-exports it; importing zoo_esmc first is circular)
@@ -174,6 +175,13 @@ def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN):
         ref = run_row(emit, timer, device, row, fn, ref, real)
         if cfg.get("profile"):
             profile_step(cfg["profile"], f"esmc {shape} {row['variant']}", fn, device)
+        if compiled and attn == "sdpa":  # the same model under torch.compile (Inductor), its first step compiling
+            hf_compiled = torch.compile(hf)
+            fn = lambda: mlm_step(lambda _: hf_compiled(input_ids=inp, attention_mask=am).logits, hf, tokens,  # noqa: E731
+                                  target, device)
+            run_row(emit, timer, device, dict(case="esmc", shape=shape, variant="HF sdpa, torch.compile"), fn, ref,
+                    real)
+            torch._dynamo.reset()
     attn_zoo.unpatch(hf)
     hf.to("cpu")
     cleanup(device)
@@ -183,6 +191,12 @@ def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN):
     run_row(emit, timer, device, row, fn, ref, real)
     if cfg.get("profile"):
         profile_step(cfg["profile"], f"esmc {shape} {row['variant']}", fn, device)
+    for mode in (("default", "reduce-overhead") if compiled else ()):
+        ours_compiled = compile_module(ours, mode=None if mode == "default" else mode)
+        fn = lambda: mlm_step(lambda t: ours_compiled(inp)["logits"], ours, tokens, target, device)  # noqa: E731
+        run_row(emit, timer, device, dict(case="esmc", shape=shape, variant=f"ours from_esmc ({backend}), "
+                                          f"compile_module {mode}"), fn, ref, real)
+        torch._dynamo.reset()
     del hf, ours
     cleanup(device)
 
@@ -268,6 +282,9 @@ def main(argv=None):
     p.add_argument("--hf-attn", nargs="+", default=list(HF_ATTN), choices=list(HF_ATTN),
                    help="the Hugging Face ESM C's attention (the first is the reference of diff_vs_ref)")
     p.add_argument("--profile", action="store_true", help="also profile each ESM C step (zoo_profile.txt)")
+    p.add_argument("--compile", action="store_true",
+                   help="ESM C also compiled: Hugging Face's under torch.compile, ours under compile_module (default "
+                        "and reduce-overhead)")
     args, device, timer = start(p, argv)
     cfg = dict(SMOKE if args.smoke else FULL)
     if args.profile:
@@ -281,7 +298,7 @@ def main(argv=None):
 
     for name in args.cases:
         if name == "esmc":
-            bench_esmc(cfg, device, timer, backend, emit, args.hf_attn)
+            bench_esmc(cfg, device, timer, backend, emit, args.hf_attn, args.compile)
         else:
             bench_evoformer(cfg, device, timer, args.backends, emit)
     return rows

@@ -7,7 +7,8 @@
 #   bash scripts/gpu_suite.sh env patch esm2-ft zoo       # C: attn_zoo.patch (140), ESM-2 650M fine-tune (180),
 #                                                         #    zoo models vs originals (210)
 # Other stages: baseline (the triton backend's host time, crop set, Pairformer step, ~300), determinism (SDPA
-# kernels' backward repeated, 90), patch-hf (the Hugging Face case of patch alone, 110),
+# kernels' backward repeated, 90), patch-hf (the Hugging Face case of patch alone, 110), zoo-compiled (ESM C
+# also under torch.compile / compile_module, 420),
 # compile-par (every model x mode of compile at once, one process each, tuning off: the question is
 # whether Inductor runs through the lengths; step times then share the GPU), esm2-peer (ESM-2 650M training step
 # at the fine-tune's batch, 8 x 1024, beside fair-esm's own, 150).
@@ -139,6 +140,9 @@ torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() e
     patch-hf)
       step patch-hf 110 python3 scripts/bench_patch.py --cases hf-esm2 --out "$work/patch-hf"
       collect "attn_zoo.patch on Hugging Face ESM-2" "$work/patch-hf/patch.md" ;;
+    zoo-compiled)  # ESM C eager and compiled, ours and Hugging Face's (each compile is a first step of ~1 min)
+      step zoo-compiled 420 python3 scripts/bench_zoo.py --cases esmc --compile --out "$work/zoo-compiled"
+      collect "ESM C eager and compiled" "$work/zoo-compiled/zoo.md" ;;
     *) echo "unknown stage $stage" >&2 ;;
   esac
 done
