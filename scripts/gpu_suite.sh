@@ -8,7 +8,7 @@
 #                                                         #    zoo models vs originals (210)
 # Other stages: baseline (the triton backend's host time, crop set, Pairformer step, ~300), determinism (SDPA
 # kernels' backward repeated, 90), patch-hf (the Hugging Face case of patch alone, 110), zoo-compiled (ESM C
-# also under torch.compile / compile_module, 420),
+# also under torch.compile / compile_module, 420), ab-host (a host-path change before and after, .whl/before, ~400),
 # compile-par (every model x mode of compile at once, one process each, tuning off: the question is
 # whether Inductor runs through the lengths; step times then share the GPU), esm2-peer (ESM-2 650M training step
 # at the fine-tune's batch, 8 x 1024, beside fair-esm's own, 150).
@@ -143,6 +143,28 @@ torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() e
     zoo-compiled)  # ESM C eager and compiled, ours and Hugging Face's (each compile is a first step of ~1 min)
       step zoo-compiled 420 python3 scripts/bench_zoo.py --cases esmc --compile --out "$work/zoo-compiled"
       collect "ESM C eager and compiled" "$work/zoo-compiled/zoo.md" ;;
+    ab-host)  # a host-path change before and after, in alternating processes on one machine: bench_host (stubbed
+      # and real kernels) and the crop set's host-bound shapes. The before tree: git archive REV attn_ops scripts |
+      # tar -x -C .whl/before (each tree's scripts import their own attn_ops)
+      if [ ! -d .whl/before ]; then echo "ab-host: no .whl/before" | tee -a "$out/stages.txt"; continue; fi
+      for i in 1 2 3; do
+        for side in before after; do
+          root=.; [ $side = before ] && root=.whl/before
+          step "host-stub-$side-$i" 30 python3 $root/scripts/bench_host.py --stub
+          step "host-$side-$i" 40 python3 $root/scripts/bench_host.py
+        done
+      done
+      for side in before after; do
+        root=.; [ $side = before ] && root=.whl/before
+        step "crop-$side" 90 python3 $root/scripts/bench_attention.py --set crop --backends triton flex \
+          --shapes "N=128 " "N=200 " "N=256 " "N=300 D=16" --time-limit 70 --out "$work/crop-$side"
+      done
+      { echo "| run | host, stubbed kernels | host, real kernels |"; echo "|---|---|---|"
+        for i in 1 2 3; do for side in before after; do
+          echo "| $side $i | $(grep -o 'host [0-9.]* us' "$logs/host-stub-$side-$i.log") |" \
+               "$(grep -o 'host [0-9.]* us' "$logs/host-$side-$i.log") |"
+        done; done; } > "$work/ab.md"
+      collect "Host path before / after" "$work/ab.md" "$work/crop-before/crop.md" "$work/crop-after/crop.md" ;;
     *) echo "unknown stage $stage" >&2 ;;
   esac
 done
