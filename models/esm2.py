@@ -461,7 +461,9 @@ class ESM2(nn.Module):
         if 0 in repr_layers:
             reps[0] = x
         key_mask = None
-        if segment_ids is None and padding_mask.any():
+        # eager: no mask without padding (SDPA's flash kernel takes none); compiled: always one, so that no
+        # data-dependent branch breaks the graph
+        if segment_ids is None and (torch.compiler.is_compiling() or padding_mask.any()):
             key_mask = (~padding_mask)[:, None, None, :]  # [B, 1, 1, L]
         checkpoint = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         attn_weights = []

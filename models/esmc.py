@@ -250,7 +250,7 @@ class ESMC(nn.Module):
         pad = tokens.eq(self.padding_idx)
         if sequence_id is not None:
             sequence_id = torch.where(pad, torch.full_like(sequence_id, -1), sequence_id)
-        elif pad.any():
+        elif torch.compiler.is_compiling() or pad.any():  # compiled: no data-dependent branch (see ESM2.forward)
             mask = (~pad)[:, None, None, :]  # [B, 1, 1, L]
         rotary = _rotary_tables(tokens.shape[1], self.width // self.heads, self.rope_theta, x.device)
         reps: Dict[int, Tensor] = {0: x} if 0 in repr_layers else {}

@@ -53,3 +53,27 @@ def test_triangle_update_compiles_through_lengths_on_cpu():
     for n in (9, 13):
         z = torch.randn(1, n, n, 8)
         torch.testing.assert_close(c(z), m(z), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["esm2", "esmc", "transformer"])
+def test_language_models_trace_as_one_graph_with_padding(model):
+    """ESM-2, ESM C and the transformer LM, in training with a padded batch: Dynamo sees one graph, no break (a
+    data-dependent branch such as "is anything padded?" would split the step and sync the host)."""
+    from attn_zoo.models.esm2 import ESM2
+    from attn_zoo.models.esmc import ESMC
+    from attn_zoo.models.transformer import TransformerLM
+
+    torch.manual_seed(0)
+    tok = torch.randint(4, 24, (2, 12))
+    tok[1, 8:] = 1  # padding (index 1 in both ESM alphabets)
+    if model == "esm2":
+        m, run = ESM2(num_layers=2, embed_dim=32, attention_heads=4, attention="torch"), lambda: m(tok)["logits"]
+    elif model == "esmc":
+        m, run = ESMC(num_layers=2, width=32, heads=4, attention="torch"), lambda: m(tok)["logits"]
+    else:
+        m = TransformerLM(33, 32, 2, 4, causal=False, attention="torch")
+        run = lambda: m(tok, pad_mask=tok != 1)  # noqa: E731
+    m.train()
+    explained = torch._dynamo.explain(lambda: run().float().sum())()
+    assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
+    assert explained.graph_count == 1
