@@ -414,9 +414,10 @@ class ESM2(nn.Module):
             raise ValueError(f"tokens must be an int64/int32 tensor [B, L], got "
                              f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
         # the range check reads the tokens on the host (a device sync); compiled graphs skip it (no graph break)
-        if tokens.numel() and not torch.compiler.is_compiling() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.alphabet_size):
-            raise ValueError(f"tokens must lie in [0, {self.alphabet_size}), got "
-                             f"[{int(tokens.min())}, {int(tokens.max())}]")
+        if tokens.numel() and not torch.compiler.is_compiling():
+            lo, hi = torch.stack(torch.aminmax(tokens)).tolist()  # one host read, not one per bound
+            if lo < 0 or hi >= self.alphabet_size:
+                raise ValueError(f"tokens must lie in [0, {self.alphabet_size}), got [{lo}, {hi}]")
         layers = set(repr_layers)
         bad = sorted(i for i in layers if not (isinstance(i, int) and 0 <= i <= self.num_layers))
         if bad:

@@ -227,9 +227,10 @@ class ESMC(nn.Module):
         if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"tokens must be an int64/int32 tensor [B, L], got "
                              f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
-        if tokens.numel() and not torch.compiler.is_compiling() and (
-                int(tokens.min()) < 0 or int(tokens.max()) >= VOCAB_ROWS):
-            raise ValueError(f"tokens must lie in [0, {VOCAB_ROWS}), got [{int(tokens.min())}, {int(tokens.max())}]")
+        if tokens.numel() and not torch.compiler.is_compiling():
+            lo, hi = torch.stack(torch.aminmax(tokens)).tolist()  # one host read, not one per bound
+            if lo < 0 or hi >= VOCAB_ROWS:
+                raise ValueError(f"tokens must lie in [0, {VOCAB_ROWS}), got [{lo}, {hi}]")
         if sequence_id is not None and (sequence_id.shape != tokens.shape or sequence_id.dtype.is_floating_point
                                         or sequence_id.dtype == torch.bool):
             raise ValueError(f"sequence_id must be an integer tensor {tuple(tokens.shape)} like tokens, got "

@@ -199,6 +199,8 @@ def test_bad_tokens_and_repr_layers(peer, tokens):
         ours(tokens[0])
     with pytest.raises(ValueError, match=r"\[0, 33\)"):
         ours(tokens + 40)
+    with pytest.raises(ValueError, match=r"\[0, 33\), got \[-100, "):
+        ours(tokens - 100)
     with pytest.raises(ValueError, match=r"repr_layers .* \[3\]"):
         ours(tokens, repr_layers=[3])
 
