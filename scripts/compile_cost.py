@@ -17,7 +17,7 @@ of ``[*, L, H, C]`` memory): triangle attention q ``[1, N, 4, N, 32]`` with a pa
 key mask (the starting node; the ending node's mask is the transposed pair mask, whose key stride is N:
 ``triangle_end``), and the single track's attention with pair bias q
 ``[1, 16, N, 24]``, bias ``[1, 16, N, N]``; forward + backward with gradients into q, k, v and bias. Bias tiles take
-pointer loads here (TMA descriptors need a real device): on an H100, steps of at least ``launch.TMA_MIN_SCORES``
+pointer loads here (TMA descriptors need a real device): on an H100, steps of at least ``launch.STATE.tma_min_scores``
 scores compile the descriptor variant instead.
 """
 from __future__ import annotations

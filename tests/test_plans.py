@@ -163,10 +163,11 @@ def test_what_a_backward_plan_depends_on_makes_a_new_one(fresh_plans):
 
 
 @interpreter
-@pytest.mark.parametrize("knob", ["interpreter_config", "tma_threshold"])
+@pytest.mark.parametrize("knob", ["interpreter_config", "tma_threshold", "tuner_reset", "tuner_picks"])
 def test_module_knobs_a_plan_was_made_under_remake_it(knob, fresh_plans, monkeypatch):
-    """The interpreter's config and the TMA threshold are read while recording: replacing either (as tests and
-    experiments do) makes the next call record again instead of replaying the old choice."""
+    """The interpreter's config, the TMA threshold and the tuner's picks are read while recording: replacing any
+    (as tests and experiments do: a new picks dict, or ``TUNER.reset()``) makes the next call record again instead
+    of replaying the old choice."""
 
     q, k, v, bias, mask = make_inputs((1, 2), 2, L, L, 16, bias_shape=(1, 1, 2, L, L), mask_shape=(1, 2, 1, 1, L))
     with torch.no_grad():
@@ -174,8 +175,12 @@ def test_module_knobs_a_plan_was_made_under_remake_it(knob, fresh_plans, monkeyp
     (key, before), = fresh_plans.items()
     if knob == "interpreter_config":
         monkeypatch.setattr(tuning, "_INTERPRETER", tuning.Cfg(16, 16, 4, 1))
-    else:
+    elif knob == "tma_threshold":
         monkeypatch.setattr(launch.STATE, "tma_min_scores", 0)
+    elif knob == "tuner_reset":
+        tuning.TUNER.reset()
+    else:
+        monkeypatch.setattr(tuning.TUNER, "picks", {})
     with torch.no_grad():
         triton_attention(q, k, v, bias, mask, 0.3, False)
     assert fresh_plans[key] is not before

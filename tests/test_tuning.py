@@ -743,3 +743,23 @@ def test_shipped_tables_in_the_package_are_well_formed():
             c = Cfg(*cfg)
             assert len(cfg) == len(Cfg._fields) and c.block_m >= 16 and c.block_n >= 16, key
             assert c.splits == 0 or (parsed[0] == "dbias" and c.splits in tuning._DBIAS_SPLITS), key
+
+
+def test_source_hash_follows_kernels_and_candidates_not_the_rest(monkeypatch, tmp_path):
+    """What a cached pick means: a changed kernel file or candidate list changes the hash (stale picks are
+    dropped); a change elsewhere in tuning.py (compile threads, the cache code) keeps users' caches."""
+    base = tuning.source_hash()
+    assert "tuning.py" not in tuning._KERNEL_FILES
+    monkeypatch.setitem(tuning._CANDIDATES, "fwd", tuning._CANDIDATES["fwd"][:1])
+    assert tuning.source_hash() != base
+    monkeypatch.undo()
+    assert tuning.source_hash() == base
+    monkeypatch.setattr(tuning, "DBIAS_PER_SM", tuning.DBIAS_PER_SM + 1)
+    assert tuning.source_hash() != base
+    monkeypatch.undo()
+    here = os.path.dirname(tuning.__file__)
+    for name in tuning._KERNEL_FILES:  # a copy of the kernel sources with one file changed
+        text = open(os.path.join(here, name)).read()
+        (tmp_path / name).write_text(text + ("\n# changed\n" if name == "forward.py" else ""))
+    monkeypatch.setattr(tuning, "__file__", str(tmp_path / "tuning.py"))
+    assert tuning.source_hash() != base

@@ -415,9 +415,9 @@ def clear_plans() -> None:
 
 def _guard() -> Tuple:
     """What a plan was made under besides its key (which holds the settings, by value): the tuner's generation
-    (configs picked before its reset), the interpreter's config and the TMA threshold (values that tests and
-    experiments replace)."""
-    return (TUNER.generation, tuning._INTERPRETER, STATE.tma_min_scores)
+    and picks dict (configs picked before a reset, or before the dict was replaced), the interpreter's config and
+    the TMA threshold (values that tests and experiments replace)."""
+    return (TUNER.generation, tuning._INTERPRETER, STATE.tma_min_scores, TUNER.picks)
 
 
 def _geo(t: Optional[Tensor]):
@@ -438,7 +438,8 @@ def run_plan(key: Tuple, env: list, record: Callable, *args) -> Tuple[Optional[i
     plan = state.plans.get(key)
     if plan is not None:
         guard = plan.guard
-        if guard[0] != TUNER.generation or guard[1] is not tuning._INTERPRETER or guard[2] != state.tma_min_scores:
+        if guard[0] != TUNER.generation or guard[1] is not tuning._INTERPRETER or guard[2] != state.tma_min_scores \
+                or guard[3] is not TUNER.picks:
             plan = None
         elif plan.pending and all(job.done() for job in plan.pending):  # its own variants are ready: record anew
             state.plans.pop(key, None)  # (another thread may have dropped it first)
@@ -459,7 +460,10 @@ def _keep(key: Tuple, rec: "Recorder", outputs: Tuple[Optional[int], ...]) -> No
     plans = STATE.plans
     if key not in plans and len(plans) >= STATE.plans_max:  # many geometries seen: drop the oldest plan
         with STATE.lock:  # (two threads evicting at once would pick the same one)
-            plans.pop(next(iter(plans), None), None)
+            try:
+                plans.pop(next(iter(plans), None), None)
+            except RuntimeError:  # another thread inserted between iter and next: evict at a later call
+                pass
     plans[key] = Plan(tuple(rec.steps), outputs, rec.guard, tuple(rec.pending))
 
 

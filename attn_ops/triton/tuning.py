@@ -159,7 +159,7 @@ _CANDIDATES = {
 # an untimed pick then runs the fp32-partials path where tiles are few. The timed launch includes the sum over the
 # splits (timing the kernel alone picked too many splits on the H100 triangle; docs/bench).
 _DBIAS_SPLITS = (0, 1, 4)
-# The default aim (``Cfg.splits`` 0), programs per SM (here, not in the launcher: in the source hash, so a change
+# The default aim (``Cfg.splits`` 0), programs per SM (here, not in the launcher: in source_hash, so a change
 # invalidates disk caches whose picks meant another default): the fastest count at most crop shapes on the H100
 # and the H200 (docs/bench/history.md).
 DBIAS_PER_SM = 8
@@ -341,16 +341,19 @@ def chosen() -> Dict[Tuple, Cfg]:
 # On-disk cache
 
 
-_KERNEL_FILES = ("common.py", "forward.py", "backward.py", "dbias.py", "tuning.py")
+_KERNEL_FILES = ("common.py", "forward.py", "backward.py", "dbias.py")
 
 
 def source_hash() -> str:
-    """A hash of the kernel sources and this file's candidate lists: a changed kernel invalidates the cache."""
+    """A hash of what a cached pick means: the kernel sources and the tuner's candidates, split counts and dbias
+    default. A change to any invalidates disk caches; a change to the rest of this file (compile threads, the cache
+    itself) does not."""
     h = hashlib.sha256()
     here = os.path.dirname(os.path.abspath(__file__))
     for name in _KERNEL_FILES:
         with open(os.path.join(here, name), "rb") as fh:
             h.update(name.encode() + b"\0" + fh.read())
+    h.update(repr((sorted(_CANDIDATES.items()), _DBIAS_SPLITS, DBIAS_PER_SM)).encode())
     return h.hexdigest()[:16]
 
 
@@ -390,7 +393,7 @@ class DiskCache:
     def _read(self) -> Dict[str, Cfg]:
         """The file's configs ({} when absent, corrupt or foreign: one warning each)."""
         try:
-            ident, configs = _read_table(self.path)
+            ident, configs = _read_table(self.path, self.ident)
         except FileNotFoundError:
             return {}
         except _TABLE_ERRORS as exc:
@@ -455,11 +458,18 @@ class DiskCache:
 _TABLE_ERRORS = (OSError, ValueError, KeyError, TypeError, AttributeError)
 
 
-def _read_table(path: str) -> Tuple[object, Dict[str, Cfg]]:
-    """(identity, configs) of a tuning JSON file (disk cache or shipped table); raises one of ``_TABLE_ERRORS``."""
+def _read_table(path: str, want) -> Tuple[object, Dict[str, Cfg]]:
+    """(identity, configs) of a tuning JSON file (disk cache or shipped table), the configs parsed only when the
+    identity is ``want`` (another GPU's or release's entries may have another form: not this reader's to judge);
+    raises one of ``_TABLE_ERRORS``."""
     with open(path, "r", encoding="utf-8") as fh:
         data = json.load(fh)
-    return data["identity"], {k: Cfg(*v) for k, v in data["configs"].items()}
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    ident = data.get("identity")
+    if ident != want:
+        return ident, {}
+    return ident, {k: Cfg(*v) for k, v in data["configs"].items()}
 
 
 class _locked:
@@ -510,9 +520,7 @@ def shipped(device=None) -> Dict[str, Cfg]:
         for name in names:
             path = os.path.join(folder, name)
             try:
-                ident, configs = _read_table(path)
-                if ident == want:
-                    table.update(configs)
+                table.update(_read_table(path, want)[1])
             except _TABLE_ERRORS as exc:
                 warnings.warn(f"attn_ops shipped tuning table {path}: unreadable ({type(exc).__name__}: {exc}); "
                               "skipped", RuntimeWarning, stacklevel=2)
