@@ -15,6 +15,7 @@ from torch import nn
 
 import attn_zoo
 from attn_zoo.models.integrations import is_patched, looked_for
+from attn_zoo.models.integrations.common import PatchedForward
 from helpers import randomize_
 from test_primitives import rel_err
 
@@ -131,11 +132,33 @@ def test_fair_esm_patch_is_used_and_unpatch_restores_bitwise():
         got = m(tok)["logits"]
     assert calls and not torch.equal(got, ref) and rel_err(got, ref) < TOL  # a different computation, same result
     assert m.layers[0].self_attn.forward is fwd
+    assert all(isinstance(layer.__dict__.get("forward"), PatchedForward) for layer in m.layers)  # the fused GELU
     attn_zoo.unpatch(m)
     assert not is_patched(m) and "forward" not in m.layers[0].self_attn.__dict__
+    assert not any("forward" in layer.__dict__ for layer in m.layers)
     with torch.no_grad():
         assert torch.equal(m(tok)["logits"], ref)
     attn_zoo.unpatch(m)  # a no-op once unpatched
+
+
+def test_fair_esm_layer_gelu_fused_only_for_the_known_forward():
+    modules = pytest.importorskip("esm.modules", reason="fair-esm is a test dependency")
+    m = fair_esm_model()
+    x = torch.randn(5, 2, 32)
+    layer = m.layers[0]
+    with torch.no_grad():
+        ref = layer(x)[0]
+        attn_zoo.patch(layer, backend="torch")
+        got = layer(x)[0]
+    assert rel_err(got, ref) < TOL
+
+    class Custom(modules.TransformerLayer):  # the user's own layer: its forward is theirs, not fair-esm's
+        def forward(self, x, **kw):
+            return super().forward(x, **kw)
+
+    custom = Custom(32, 64, 4, add_bias_kv=False, use_esm1b_layer_norm=True, use_rotary_embeddings=True)
+    attn_zoo.patch(custom)
+    assert "forward" not in custom.__dict__ and "forward" in custom.self_attn.__dict__
 
 
 def test_fair_esm_head_weights_and_contacts_served_exactly():
@@ -198,12 +221,14 @@ def test_hf_esm_patched_equals_sdpa_with_grads(backend):
     before = snapshot(m)
     attn_zoo.patch(m, backend=backend)
     assert m.config._attn_implementation == ("attn_zoo" if backend == "auto" else f"attn_zoo_{backend}")
+    assert all(isinstance(layer.intermediate.__dict__.get("forward"), PatchedForward) for layer in m.esm.encoder.layer)
     assert_state_untouched(m, before)
     got, got_g = hf_run(m, ids, am)
     assert rel_err(got, ref) < TOL
     assert_close_grads(m, got_g, ref_g, unused="esm.contact_head.")
     attn_zoo.unpatch(m)
     assert m.config._attn_implementation == "sdpa" and not is_patched(m)
+    assert not any("forward" in layer.intermediate.__dict__ for layer in m.esm.encoder.layer)
     with torch.no_grad():
         assert torch.equal(m(input_ids=ids, attention_mask=am).logits, ref)
 

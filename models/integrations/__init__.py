@@ -6,8 +6,8 @@ module layouts (one module per project: ``hf``, ``fair_esm``, ``boltz``, ``openf
     attn_zoo.unpatch(model)    # back to the model's own forward
 
 Patching replaces the ``forward`` of each recognised attention module on that instance only (a Hugging Face model
-gets its ``attn_implementation`` set instead): classes, parameters, buffers and ``state_dict`` keys stay as they
-were, and nothing is copied. Patching twice is patching once (the latest options hold); a model in which no known
+gets its ``attn_implementation`` set instead), and of the ESM-2 layers whose GELU it fuses: classes, parameters,
+buffers and ``state_dict`` keys stay as they were, and nothing is copied. Patching twice is patching once (the latest options hold); a model in which no known
 module is found is refused with the list of what was looked for.
 """
 from __future__ import annotations
@@ -40,7 +40,8 @@ def patch(model: nn.Module, *, backend: str = "auto", deterministic: bool = True
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     options = Options(backend, deterministic)
     hf_models = hf.find(model)
-    targets = [t for integ in _MODULE_PATCHERS for t in integ.patch_targets(integ.find(model))]
+    targets = hf.patch_targets(hf_models)
+    targets += [t for integ in _MODULE_PATCHERS for t in integ.patch_targets(integ.find(model))]
     if not hf_models and not targets:
         raise TypeError(f"attn_zoo.patch: no attention module of a known layout in {type(model).__name__}. "
                         f"Looked for: {'; '.join(looked_for())}.")

@@ -7,9 +7,16 @@ forward (the exact path), unchanged: ``need_head_weights`` (the per-head maps be
 incremental decoding state, ``static_kv``, ``before_softmax``, ``bias_k``/``bias_v``, ``add_zero_attn``, attention
 dropout while training, and a non-float ``attn_mask``. The head-averaged weights that ``need_weights=True`` alone
 asks for (ESM layers ask for them and discard them) are not computed: the patched forward returns None for them.
+Self-attention's q, k and v projections run as one matmul (``fused_linear``: the same weights, one read of x).
+
+Each ``esm.modules.TransformerLayer`` is patched too: its feed-forward's GELU, written in fair-esm as
+``x * 0.5 * (1 + erf(x / sqrt(2)))`` (four kernels and four saved tensors on the widest activation), runs as
+``F.gelu``, the same erf function in one kernel. A layer whose forward does not have the signature patched here (a
+fair-esm version that changed it) keeps its own.
 """
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import List, Optional, Tuple
 
@@ -18,9 +25,12 @@ from torch import Tensor, nn
 
 import attn_ops
 
+from ..primitives import fused_linear
 from .common import Options, original_forward
 
 LOOKS_FOR = ("esm.multihead_attention.MultiheadAttention (fair-esm)",)
+# the forward of fair-esm's TransformerLayer that layer_forward reproduces
+_LAYER_PARAMS = ("self", "x", "self_attn_mask", "self_attn_padding_mask", "need_head_weights")
 
 
 def _classes() -> tuple:
@@ -28,9 +38,22 @@ def _classes() -> tuple:
     return (mod.MultiheadAttention,) if mod is not None else ()
 
 
+def _layer_class() -> Optional[type]:
+    mod = sys.modules.get("esm.modules")
+    cls = getattr(mod, "TransformerLayer", None)
+    if cls is None or tuple(inspect.signature(cls.forward).parameters) != _LAYER_PARAMS:
+        return None
+    return cls
+
+
 def find(model: nn.Module) -> List[nn.Module]:
+    """The attention modules, then the layers whose GELU is fused (patched only where attention is)."""
     classes = _classes()
-    return [m for m in model.modules() if classes and isinstance(m, classes)]
+    attn = [m for m in model.modules() if classes and isinstance(m, classes)]
+    layer = _layer_class()
+    layers = [m for m in model.modules() if layer is not None and isinstance(m, layer)  # (not a subclass's forward)
+              and type(m).forward is layer.forward] if attn else []
+    return attn + layers
 
 
 def _exact_path_reason(mod: nn.Module, key, value, incremental_state, static_kv, attn_mask, before_softmax,
@@ -66,9 +89,11 @@ def forward(mod: nn.Module, options: Options, query: Tensor, key: Optional[Tenso
     if embed_dim != mod.embed_dim:
         raise ValueError(f"query: expected embed_dim {mod.embed_dim} as its last dim, got shape {tuple(query.shape)}")
     H, D = mod.num_heads, mod.head_dim
-    q = mod.q_proj(query) * mod.scaling  # fair-esm scales q before the rotary embedding
-    k = mod.k_proj(query if mod.self_attention else key)
-    v = mod.v_proj(query if mod.self_attention else value)
+    if mod.self_attention:
+        q, k, v = fused_linear(query, [mod.q_proj, mod.k_proj, mod.v_proj])
+    else:
+        q, k, v = mod.q_proj(query), mod.k_proj(key), mod.v_proj(value)
+    q = q * mod.scaling  # fair-esm scales q before the rotary embedding
     q = q.view(tgt_len, bsz * H, D).transpose(0, 1)  # [B*H, T, D], fair-esm's layout for its rotary embedding
     k = k.view(-1, bsz * H, D).transpose(0, 1)
     v = v.view(-1, bsz * H, D).transpose(0, 1)
@@ -88,5 +113,19 @@ def forward(mod: nn.Module, options: Options, query: Tensor, key: Optional[Tenso
     return mod.out_proj(o), None
 
 
+def layer_forward(mod: nn.Module, options: Options, x: Tensor, self_attn_mask: Optional[Tensor] = None,
+                  self_attn_padding_mask: Optional[Tensor] = None, need_head_weights: bool = False):
+    """fair-esm's ``TransformerLayer.forward`` (pre-LayerNorm attention, then the feed-forward) with ``F.gelu``;
+    its own forward where the maps are asked for, so that contacts come out of fair-esm's computation bit for bit."""
+    if need_head_weights:
+        return original_forward(mod)(x, self_attn_mask, self_attn_padding_mask, need_head_weights)
+    y = mod.self_attn_layer_norm(x)
+    h, attn = mod.self_attn(query=y, key=y, value=y, key_padding_mask=self_attn_padding_mask, need_weights=True,
+                            need_head_weights=need_head_weights, attn_mask=self_attn_mask)
+    x = x + h
+    return x + mod.fc2(nn.functional.gelu(mod.fc1(mod.final_layer_norm(x)))), attn
+
+
 def patch_targets(modules: List[nn.Module]) -> List[Tuple[nn.Module, object]]:
-    return [(m, forward) for m in modules]
+    classes = _classes()
+    return [(m, forward if isinstance(m, classes) else layer_forward) for m in modules]

@@ -4,7 +4,9 @@
 ``AttentionMaskInterface`` (the boolean ``[B, 1, Lq, Lk]`` masks transformers' SDPA path builds, True = attend);
 ``EsmForMaskedLM.from_pretrained(path, attn_implementation="attn_zoo")`` and ``model.set_attn_implementation`` then
 run this op in every layer of any model written against the registry. ``patch(model)`` does the same for a model
-already built and ``unpatch`` sets back the implementation it had. Only the config's implementation name changes.
+already built and ``unpatch`` sets back the implementation it had: the config's implementation name changes, and in
+ESM-2 models (``EsmIntermediate``) the feed-forward's GELU, written there as ``x * 0.5 * (1 + erf(x / sqrt(2)))``
+(four kernels and four saved tensors on the widest activation), runs as ``F.gelu``, the same erf function in one.
 
 The function serves: a padding mask (boolean, or an additive float mask, taken as a bias), causal attention
 without a mask, grouped key/value heads, and packed rows: ``cu_seq_lens_q``/``cu_seq_lens_k`` keyword arguments
@@ -14,6 +16,7 @@ returned), attention dropout while training, ``softcap``, ``sliding_window``, at
 """
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from typing import List, Optional, Tuple
@@ -187,6 +190,25 @@ def find(model: nn.Module) -> List[nn.Module]:
             found.append(m)
             inner.update(id(sub) for sub in m.modules())
     return found
+
+
+def _intermediate_class() -> Optional[type]:
+    """transformers' ESM ``EsmIntermediate`` (dense then the erf GELU), if imported and of the known signature."""
+    cls = getattr(sys.modules.get("transformers.models.esm.modeling_esm"), "EsmIntermediate", None)
+    if cls is None or tuple(inspect.signature(cls.forward).parameters) != ("self", "hidden_states"):
+        return None
+    return cls
+
+
+def intermediate_forward(mod: nn.Module, options: Options, hidden_states: Tensor) -> Tensor:
+    return nn.functional.gelu(mod.dense(hidden_states))
+
+
+def patch_targets(models: List[nn.Module]) -> List[Tuple[nn.Module, object]]:
+    """The modules of ``models`` (found by :func:`find`) whose forward is replaced beside the attention."""
+    cls = _intermediate_class()
+    return [(m, intermediate_forward) for model in models for m in model.modules()
+            if cls is not None and isinstance(m, cls) and type(m).forward is cls.forward]
 
 
 _PREVIOUS = "_attn_zoo_previous_attn_implementation"
