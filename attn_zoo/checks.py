@@ -300,8 +300,36 @@ def check_attention(attention: Mapping | None, trainer: Mapping, training: bool 
         )
 
 
+# options that no longer exist, with why: an old config or override naming one fails, never silently ignored
+REMOVED = {
+    "trust_file": "was removed: checkpoints (resume, ckpt_path, model.pretrained) are always read as data "
+                  "(torch.load(weights_only=True)) and nothing in a file chooses code to run. Re-save a checkpoint "
+                  "that pickles other Python objects as plain tensors, or load it from your own code with "
+                  "allow_globals=[YourClass] (zoo.load_checkpoint, zoo.load_pretrained, ...)",
+}
+
+
+def _removed(key: str) -> None:
+    name = key.split(".")[-1]
+    if name in REMOVED and key in (name, f"model.{name}"):
+        raise ConfigError(f"{key} {REMOVED[name]}")
+
+
+def check_overrides(args) -> None:
+    """The command line's overrides (``trust_file=true``, ``+trust_file=true``) naming a removed option: a
+    ConfigError saying so, before Hydra composes (it would only say the key is unknown)."""
+    for arg in args:
+        if "=" in arg and not arg.startswith("-"):
+            _removed(arg.split("=", 1)[0].lstrip("+~"))
+
+
 def check_config(cfg: DictConfig) -> None:
     """Every check above, on the composed config, before any work."""
+    for key in REMOVED:  # an old config file (or a + override) still setting one
+        if key in cfg:
+            _removed(key)
+        if isinstance(cfg.get("model"), DictConfig) and key in cfg.model:
+            _removed(f"model.{key}")
     trainer = _plain(cfg.get("trainer")) or {}
     check_trainer(trainer)
     if cfg.get("data") is not None:

@@ -27,8 +27,9 @@ cuts it. Contacts need every layer's attention maps (about 6 x layers x heads x 
 batch row): batches that would not fit in the device's free memory are refused before any work, naming the
 ``--truncate`` that would fit.
 
-The model file is read as data (``torch.load(weights_only=True)``, registered network classes only);
-``--trust-file`` unpickles anything in it, which can run code: only for files you trust.
+The model file is read as data (``torch.load(weights_only=True)``, registered network classes only): a file
+that pickles other Python objects is refused (re-save it as plain tensors, or load it from your own code with
+``zoo.load_language_model(path, allow_globals=[YourClass])`` and call :func:`embed`).
 """
 from __future__ import annotations
 
@@ -407,8 +408,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--truncate", type=int, default=None, help="cut sequences to this many residues (default: no cut)")
     p.add_argument("--overwrite", action="store_true",
                    help="recompute every protein, also into a folder written with other settings")
-    p.add_argument("--trust-file", action="store_true",
-                   help="unpickle anything in --model (it can run code): only for files you trust")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -424,7 +423,7 @@ def run(argv: Optional[Sequence[str]] = None) -> EmbedSummary:
         raise SystemExit(f"--length-multiple must be >= 1, got {args.length_multiple}")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     proteins = read_proteins(args.fasta, args.truncate)  # every FASTA error before the model loads
-    model = load_language_model(args.model, attention=args.attention, trust_file=args.trust_file)
+    model = load_language_model(args.model, attention=args.attention)
     summary = embed(model, proteins, args.out, repr_layers=args.repr_layers, include=args.include,
                     toks_per_batch=args.toks_per_batch, device=device, dtype=DTYPES[args.dtype],
                     overwrite=args.overwrite, progress=not args.no_progress, length_multiple=args.length_multiple,

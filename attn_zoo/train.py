@@ -222,14 +222,14 @@ def _expected_max_epochs(trainer_cfg) -> int:
     return max_epochs
 
 
-def run_state(path: str | Path, trust_file: bool = False) -> dict:
+def run_state(path: str | Path) -> dict:
     """The run record ``LastCheckpoint`` stores in a checkpoint (``finished``, ``max_steps``,
     ``max_epochs``) plus its ``global_step``; {} for checkpoints without one. The file is read as data
-    (``zoo.read_checkpoint``: a pickle that names code is refused before anything runs) unless ``trust_file``."""
+    (``zoo.read_checkpoint``: a pickle that names code is refused before anything runs)."""
     from .models.tasks.callbacks import RUN_STATE_KEY
     from .models.zoo import read_checkpoint
 
-    ckpt = read_checkpoint(path, map_location="cpu", trust_file=trust_file, mmap=True)
+    ckpt = read_checkpoint(path, map_location="cpu", mmap=True)
     if not isinstance(ckpt, dict):
         raise ValueError(f"checkpoint {str(path)!r} holds a {type(ckpt).__name__}, not a Lightning checkpoint dict")
     return {**ckpt.get(RUN_STATE_KEY, {}), "global_step": ckpt.get("global_step"), "epoch": ckpt.get("epoch")}
@@ -243,7 +243,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         if not path.is_file():
             raise ValueError(f"ckpt_path {str(path)!r} does not exist")
         try:
-            run_state(path, trust_file=bool(cfg.get("trust_file")))  # a file naming code is refused here, clearly
+            run_state(path)  # a file naming code is refused here, clearly
         except ValueError as err:
             others = [p.name for p in sorted(path.parent.glob("step*.ckpt"), key=_step_number, reverse=True)
                       if p != path]
@@ -277,8 +277,8 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
             passed.append(f"{path.name} does not exist")
             continue
         try:
-            state = run_state(path, trust_file=bool(cfg.get("trust_file")))
-        except UnsafeCheckpointError:  # code in a checkpoint is no damage to pass over: stop and say how to trust it
+            state = run_state(path)
+        except UnsafeCheckpointError:  # code in a checkpoint is no damage to pass over: stop and say what it names
             raise
         except Exception as err:  # truncated or corrupt (zip reader, unpickler), unreadable
             why = (str(err).strip().splitlines() or [""])[0][:160]
@@ -302,7 +302,7 @@ def finished_already(cfg: DictConfig, ckpt: str | None) -> dict | None:
     limits as this config (resuming it would do nothing), else None."""
     if not ckpt:
         return None
-    state = run_state(ckpt, trust_file=bool(cfg.get("trust_file")))
+    state = run_state(ckpt)
     if not state.get("finished"):
         return None
     t = cfg.trainer
@@ -577,7 +577,7 @@ def _continue_metrics(cfg: DictConfig, loggers, ckpt_path: str | None) -> None:
     training = cfg.get("train", True)
     if training and not ckpt_path:
         return
-    step = run_state(ckpt_path, trust_file=bool(cfg.get("trust_file")))["global_step"] if training else None
+    step = run_state(ckpt_path)["global_step"] if training else None
     for logger in loggers:
         if hasattr(logger, "continue_from"):
             logger.continue_from(step)
@@ -621,9 +621,7 @@ def _train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
     if hasattr(datamodule, "prepare_report"):  # read and split the data now: a data error stops the run here
         datamodule.prepare_report(Path(cfg.paths.output_dir))
-    # trust_file=true also lets model.pretrained unpickle code (tasks without the option never see it)
-    trust = {"trust_file": True} if cfg.get("trust_file") and cfg.model.get("pretrained") else {}
-    model: L.LightningModule = hydra.utils.instantiate(cfg.model, **trust)
+    model: L.LightningModule = hydra.utils.instantiate(cfg.model)
     if cfg.model.get("net") is not None and hasattr(model, "record_net_config"):  # zoo.load_checkpoint rebuilds from it
         model.record_net_config(OmegaConf.to_container(cfg.model.net, resolve=True))
     from .models.tasks.callbacks import GracefulInterrupt
@@ -653,7 +651,7 @@ def _train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     ckpts: dict[str, Any] = {}
     if cfg.get("train", True):
         _interruptible(cfg, trainer, callbacks, "fit", trainer.fit, model=model, datamodule=datamodule,
-                       ckpt_path=ckpt_path, weights_only=not cfg.get("trust_file"))
+                       ckpt_path=ckpt_path, weights_only=True)
         ckpts = checkpoint_paths(callbacks)
         csv_file = _csv_file(loggers)
         if csv_file is not None and trainer.is_global_zero:
@@ -676,11 +674,11 @@ def _train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
                 # validation metrics of the same weights the test set sees, not the last epoch's
                 val = _interruptible(cfg, trainer, callbacks, "validation", trainer.validate, model=model,
                                      datamodule=datamodule, ckpt_path=ckpt, verbose=False,
-                                     weights_only=not cfg.get("trust_file"))
+                                     weights_only=True)
                 metrics.update({k: float(v) for k, v in (val[0] if val else {}).items()})
                 stages["val"] = where
             _interruptible(cfg, trainer, callbacks, "test", trainer.test, model=model, datamodule=datamodule,
-                           ckpt_path=ckpt, weights_only=not cfg.get("trust_file"))
+                           ckpt_path=ckpt, weights_only=True)
             metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
             stages["test"] = where
 
@@ -690,10 +688,19 @@ def _train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     return metrics, objects
 
 
-@hydra.main(version_base="1.3", config_path="pkg://attn_zoo.configs", config_name="train")
-def main(cfg: DictConfig) -> float | None:
-    import sys
+def main() -> float | None:
+    """The ``attn-zoo-train`` entry point: Hydra composes the config from the command line (``sys.argv``)."""
+    from .checks import ConfigError, check_overrides
 
+    try:
+        check_overrides(sys.argv[1:])  # a removed option: say so, not Hydra's "not in struct"
+    except ConfigError as err:
+        raise SystemExit(f"[train] error: {err}") from None
+    return _main()
+
+
+@hydra.main(version_base="1.3", config_path="pkg://attn_zoo.configs", config_name="train")
+def _main(cfg: DictConfig) -> float | None:
     from .checks import ConfigError
     from .models.data.sample import DataError
 

@@ -19,8 +19,9 @@ raises :class:`ZooCheckpointError` naming what is wrong and nothing half-loaded 
     load_pretrained(path, into=net)                     # fine-tuning: any of the above, loaded into `net`
 
 Files are data: every loader reads with ``torch.load(weights_only=True)`` (:func:`read_checkpoint`, allowing
-only :data:`SAFE_GLOBALS`), and a checkpoint's config may build only the classes in :data:`NETWORKS` and
-:data:`TASKS`. Each loader's ``trust_file=True`` lifts both (the file may then run code): only for files you trust.
+only :data:`SAFE_GLOBALS` and the ``allow_globals`` your code passes), and a checkpoint's config may build only the
+classes in :data:`NETWORKS` and :data:`TASKS` (``register_network`` / ``register_task`` add yours, from code).
+Nothing read from a file chooses which function runs.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -37,7 +38,7 @@ from torch import nn
 from .esm2 import ALPHABET, ESM2, ESM2_CONFIGS, RobertaLMHead
 from .zoo_files import (SAFE_GLOBALS, UnsafeCheckpointError, ZooCheckpointError, _check_state,  # noqa: F401
                         _first_keys, _flat_tensors, _hf_read_folder, _hf_state, _mismatch_report, _shape, _summarise,
-                        _TRUST_HINT, read_checkpoint)
+                        read_checkpoint)
 from .zoo_tables import convert, export, transition_rows, tri_att_rows
 
 Tensor = torch.Tensor
@@ -123,7 +124,7 @@ def _fair_cfg_heads(ckpt: Mapping[str, Any]) -> Tuple[Optional[int], Optional[bo
 
 
 def from_fair_esm(state_dict_or_path: Any, attention: Any = None, *, num_heads: Optional[int] = None,
-                  trust_file: bool = False) -> ESM2:
+                  allow_globals: Sequence[Any] = ()) -> ESM2:
     """A fair-esm ESM-2 -> :class:`~attn_zoo.models.esm2.ESM2` (eval mode, the checkpoint's dtype).
 
     Args:
@@ -132,8 +133,9 @@ def from_fair_esm(state_dict_or_path: Any, attention: Any = None, *, num_heads: 
         attention: the attention config of the new model (``"triton"``, ``{"backend": "chunked"}``, ...).
         num_heads: needed only when neither the checkpoint's config nor its contact regression tells the
             number of heads and the size is not a published one.
-        trust_file: unpickle anything in the file (see :func:`read_checkpoint`: it can run code). Without it the
-            file is read as data; fair-esm's ``argparse.Namespace`` config is allowed.
+        allow_globals: classes your file pickles, named by your code; the file still cannot name anything
+            else (see :func:`read_checkpoint`). The file is read as data; fair-esm's ``argparse.Namespace``
+            config is allowed.
 
     The size comes from the weights. A fair-esm checkpoint without its contact regression loads (as in fair-esm);
     such a model raises on ``return_contacts``. Raises ZooCheckpointError for anything that is not a complete
@@ -143,7 +145,7 @@ def from_fair_esm(state_dict_or_path: Any, attention: Any = None, *, num_heads: 
     obj = state_dict_or_path
     if isinstance(obj, (str, os.PathLike)):
         source = f"fair-esm checkpoint {os.fspath(obj)!r}"
-        obj = read_checkpoint(os.fspath(obj), trust_file=trust_file)
+        obj = read_checkpoint(os.fspath(obj), allow_globals=allow_globals)
     return _fair_esm(obj, source, attention, num_heads)
 
 
@@ -244,7 +246,7 @@ def _hf_check_config(cfg: Mapping[str, Any], source: str) -> None:
 
 
 def from_hf_esm(state_dict_or_folder: Any, config: Any = None, attention: Any = None, *,
-                trust_file: bool = False) -> ESM2:
+                allow_globals: Sequence[Any] = ()) -> ESM2:
     """Hugging Face ``EsmForMaskedLM`` / ``EsmModel`` weights of an ESM-2 -> :class:`~attn_zoo.models.esm2.ESM2`.
 
     Args:
@@ -254,14 +256,15 @@ def from_hf_esm(state_dict_or_folder: Any, config: Any = None, attention: Any = 
         config: an ``EsmConfig`` or its dict; overrides the folder's ``config.json``. Without one, the size comes
             from the weights and ESM-2's defaults apply (token dropout on, LayerNorm eps 1e-5).
         attention: the attention config of the new model.
-        trust_file: unpickle anything in a ``pytorch_model.bin`` / ``.bin`` file (see :func:`read_checkpoint`: it
-            can run code). Safetensors and ``config.json`` are data either way.
+        allow_globals: for a ``pytorch_model.bin`` / ``.bin`` file: classes your file pickles, named by your
+            code; the file still cannot name anything else (see :func:`read_checkpoint`). Safetensors and
+            ``config.json`` are data either way.
 
     ``EsmModel`` has no LM head: the returned model's LM head is randomly initialised (``lm_head.loaded`` is
     False), its ``representations`` are the checkpoint's. The pooler of ``EsmModel`` (unused by HF's ESM
     forward) is dropped. Raises ZooCheckpointError for anything that is not a complete ESM-2 of one size.
     """
-    obj, file_cfg, source = _hf_state(state_dict_or_folder, "Hugging Face ESM", trust_file)
+    obj, file_cfg, source = _hf_state(state_dict_or_folder, "Hugging Face ESM", allow_globals)
     cfg = _hf_config(config) or file_cfg or {}
     _hf_check_config(cfg, source)
 
@@ -474,7 +477,7 @@ def from_boltz(
     checkpoint_every: int = 0,
     chunk_size: Optional[int] = None,
     map_location: Any = "cpu",
-    trust_file: bool = False,
+    allow_globals: Sequence[Any] = (),
 ) -> nn.Module:
     """Boltz-2's trunk Pairformer -> ``PairformerStack(variant="boltz2")`` with the same outputs.
 
@@ -487,8 +490,9 @@ def from_boltz(
             records one, else Boltz's default 0.25 (only active in training).
         checkpoint_every, chunk_size: passed to ``PairformerStack``.
         map_location: passed to ``torch.load`` when a path is given.
-        trust_file: unpickle anything in the file (see :func:`read_checkpoint`: it can run code). Without it
-            Boltz's checkpoints load as data (their hyperparameters are plain values).
+        allow_globals: classes your file pickles, named by your code; the file still cannot name anything
+            else (see :func:`read_checkpoint`). Boltz's checkpoints load as data without it (their
+            hyperparameters are plain values).
 
     Sizes (blocks, c_s, c_z, heads, head widths, transition factor, post-LayerNorm) are read off the weights.
     The stack's forward ``(s, z, single_mask, pair_mask)`` is Boltz's ``(s, z, mask, pair_mask)`` with bool
@@ -499,7 +503,7 @@ def from_boltz(
 
     if isinstance(state_dict_or_path, (str, os.PathLike)):
         source = repr(str(state_dict_or_path))
-        obj = read_checkpoint(state_dict_or_path, map_location=map_location, trust_file=trust_file)
+        obj = read_checkpoint(state_dict_or_path, map_location=map_location, allow_globals=allow_globals)
     else:
         source, obj = "the state dict", state_dict_or_path
     sd, args = _boltz_pairformer_dict(obj, source)
@@ -572,8 +576,8 @@ class ClassRegistry:
         if entry is None:
             raise ZooCheckpointError(
                 f"{self.what} {name!r} is not a registered class: a checkpoint may only name one of "
-                f"{_summarise(self.names(), 12)}; register your own class with zoo.{self.register_with}(cls), "
-                f"or {_TRUST_HINT}"
+                f"{_summarise(self.names(), 12)}; a class of your own rebuilds once your code calls "
+                f"zoo.{self.register_with}(YourClass) (a file never adds to the list)"
             )
         if isinstance(entry, str):
             import importlib
@@ -631,26 +635,12 @@ def register_task(cls: type, name: Optional[str] = None) -> type:
     return TASKS.register(cls, name)
 
 
-def _import_anything(path: str) -> Callable:
-    """Any importable callable: only with trust_file=True (the file then chooses the code that runs)."""
-    import importlib
-
-    module, _, name = path.rpartition(".")
-    try:
-        obj = importlib.import_module(module)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ZooCheckpointError(f"_target_ {path!r} cannot be imported: {e}") from e
-    return obj
-
-
-def build_network(config: Mapping[str, Any], *, trust_file: bool = False) -> nn.Module:
+def build_network(config: Mapping[str, Any]) -> nn.Module:
     """Build a module from a Hydra-style config (``{"_target_": "attn_zoo.models....", **kwargs}``, nested
     ``_target_`` dicts built first) without Hydra: what a task records as ``net_config``. Other ``_``-keys
     (``_partial_``, ``_recursive_``) are refused. Every ``_target_`` must be a class in :data:`NETWORKS`
-    (``register_network`` adds yours); ``trust_file=True`` lets it name any importable callable, which then
-    runs: only for configs from a source you trust."""
+    (``register_network(YourClass)`` in your code adds yours); any other target raises ZooCheckpointError
+    naming it, before anything is called."""
 
     def build(node: Any, where: str) -> Any:
         if isinstance(node, Mapping):
@@ -661,7 +651,7 @@ def build_network(config: Mapping[str, Any], *, trust_file: bool = False) -> nn.
                 raise ZooCheckpointError(f"net config {where} uses {extra}: only plain _target_ calls are rebuilt")
             target = str(node["_target_"])
             try:
-                fn = _import_anything(target) if trust_file else NETWORKS.resolve(target)
+                fn = NETWORKS.resolve(target)
             except ZooCheckpointError as e:
                 raise ZooCheckpointError(f"net config {where}: {e}") from None
             kwargs = {k: build(v, f"{where}.{k}") for k, v in node.items() if k != "_target_"}
@@ -715,12 +705,15 @@ def _is_ours(obj: Any) -> bool:
                  or "attn_zoo_task" in obj))
 
 
-# hyperparameters never passed from a file to a task: which file to read and whether to trust it are the caller's
-_NOT_FROM_FILE = ("net", "net_config", "optimizer", "scheduler", "pretrained", "trust_file", "pretrained_weights_only")
+# hyperparameters never passed from a file to a task: which file to read and what it may unpickle are the caller's
+# (trust_file and pretrained_weights_only: options of older versions, dropped if a file still holds them)
+_NOT_FROM_FILE = ("net", "net_config", "optimizer", "scheduler", "pretrained", "allow_globals", "trust_file",
+                  "pretrained_weights_only")
 
 
 def load_checkpoint(
-    path: PathLike, map_location: Any = "cpu", *, attention: Any = None, task: bool = False, trust_file: bool = False,
+    path: PathLike, map_location: Any = "cpu", *, attention: Any = None, task: bool = False,
+    allow_globals: Sequence[Any] = (),
 ) -> nn.Module:
     """Rebuild a network (or with ``task=True`` its LightningModule) from a checkpoint trained here.
 
@@ -733,14 +726,14 @@ def load_checkpoint(
     task class the checkpoint names (one of :data:`TASKS`), without an optimizer (inference, evaluation;
     ``train.py ckpt_path=`` resumes training).
 
-    ``trust_file=True`` unpickles anything in the file and lets its config name any importable callable: the file
-    then chooses code that runs. Only for files you made or whose source you trust.
+    ``allow_globals``: classes your file pickles, named by your code; the file still cannot name anything else
+    (see :func:`read_checkpoint`). The config's classes are still only those registered.
     """
-    obj = read_checkpoint(path, map_location=map_location, trust_file=trust_file)
-    return _from_checkpoint(obj, repr(str(path)), attention=attention, task=task, trust_file=trust_file)
+    obj = read_checkpoint(path, map_location=map_location, allow_globals=allow_globals)
+    return _from_checkpoint(obj, repr(str(path)), attention=attention, task=task)
 
 
-def _from_checkpoint(obj: Any, source: str, *, attention: Any, task: bool, trust_file: bool) -> nn.Module:
+def _from_checkpoint(obj: Any, source: str, *, attention: Any, task: bool) -> nn.Module:
     """``load_checkpoint`` of an already read file."""
     if not _is_ours(obj):
         hint = ""
@@ -763,7 +756,7 @@ def _from_checkpoint(obj: Any, source: str, *, attention: Any, task: bool, trust
         a = AttentionConfig.coerce(attention)
         net_config = _with_attention(net_config, {"backend": a.backend, **a.options})
     try:
-        net = build_network(net_config, trust_file=trust_file)
+        net = build_network(net_config)
     except ZooCheckpointError as e:
         raise ZooCheckpointError(f"{source}: {e}") from None
     _check_and_load(net, _net_state(obj["state_dict"], source), f"{source} does not match the net it records")
@@ -774,7 +767,7 @@ def _from_checkpoint(obj: Any, source: str, *, attention: Any, task: bool, trust
     if not cls_path:
         raise ZooCheckpointError(f"{source} does not name its task class ('attn_zoo_task'): load the net instead")
     try:
-        cls = _import_anything(str(cls_path)) if trust_file else TASKS.resolve(str(cls_path))
+        cls = TASKS.resolve(str(cls_path))
     except ZooCheckpointError as e:
         raise ZooCheckpointError(f"{source}: {e}") from None
     kwargs = {k: v for k, v in hparams.items() if k not in _NOT_FROM_FILE}
@@ -863,7 +856,7 @@ def _restore_contact_flags(net: nn.Module, obj: Mapping[str, Any]) -> None:
 
 
 def load_pretrained(
-    path: PathLike, into: nn.Module, *, map_location: Any = "cpu", trust_file: bool = False
+    path: PathLike, into: nn.Module, *, map_location: Any = "cpu", allow_globals: Sequence[Any] = ()
 ) -> nn.Module:
     """Load pretrained weights into an existing network ``into`` (fine-tuning), dispatching on what ``path`` is:
 
@@ -877,16 +870,16 @@ def load_pretrained(
     - a bare state_dict of ``into`` itself (``torch.save(net.state_dict())``).
 
     Every key and shape is checked before anything is copied: on a ZooCheckpointError ``into`` is unchanged.
-    Returns ``into``. The file is read as data; ``trust_file=True`` unpickles anything in it, which can run code
-    (see :func:`read_checkpoint`): only for files you trust.
+    Returns ``into``. The file is read as data; ``allow_globals``: classes your file pickles, named by your
+    code; the file still cannot name anything else (see :func:`read_checkpoint`).
     """
     p = Path(path).expanduser()
     source = repr(str(p))
     if p.is_dir():
         # ESM C when its config.json says so, else ESM-2
-        converted = load_language_model(str(p), trust_file=trust_file)
+        converted = load_language_model(str(p), allow_globals=allow_globals)
         return _lm_into(into, converted, source, "Hugging Face")
-    obj = read_checkpoint(p, map_location=map_location, trust_file=trust_file)
+    obj = read_checkpoint(p, map_location=map_location, allow_globals=allow_globals)
     if _is_ours(obj):
         _check_and_load(into, _net_state(obj["state_dict"], source), f"{source} does not fit {type(into).__name__}")
         _restore_contact_flags(into, obj)
@@ -924,20 +917,22 @@ def load_pretrained(
     )
 
 
-def load_esm2(path: PathLike, attention: Any = None, *, map_location: Any = "cpu", trust_file: bool = False) -> ESM2:
+def load_esm2(path: PathLike, attention: Any = None, *, map_location: Any = "cpu",
+              allow_globals: Sequence[Any] = ()) -> ESM2:
     """An ESM-2 from any file the zoo reads, for inference (``scripts/embed.py``): a fair-esm ``.pt``, a
     Hugging Face folder, a checkpoint trained here (its network must hold exactly one ESM-2) or a bare ESM-2
     state_dict (fair-esm's or this project's names). ``attention`` sets the model's attention config.
-    ZooCheckpointError for anything else. The file is read as data; ``trust_file=True`` unpickles anything in it
-    and lets a checkpoint's config name any callable, which can run code: only for files you trust."""
+    ZooCheckpointError for anything else. The file is read as data (registered network classes only);
+    ``allow_globals``: classes your file pickles, named by your code; the file still cannot name anything else
+    (see :func:`read_checkpoint`)."""
     p = Path(path).expanduser()
     if p.is_dir():
-        return from_hf_esm(str(p), attention=attention, trust_file=trust_file)
+        return from_hf_esm(str(p), attention=attention, allow_globals=allow_globals)
     if not p.is_file():
         raise ZooCheckpointError(f"{str(p)!r}: no such file or folder")
-    obj = read_checkpoint(p, map_location=map_location, trust_file=trust_file)
+    obj = read_checkpoint(p, map_location=map_location, allow_globals=allow_globals)
     if _is_ours(obj):
-        net = _from_checkpoint(obj, repr(str(p)), attention=attention, task=False, trust_file=trust_file)
+        net = _from_checkpoint(obj, repr(str(p)), attention=attention, task=False)
         from .esmc import ESMC
 
         found = [m for m in net.modules() if isinstance(m, (ESM2, ESMC))]  # embed reads either
@@ -953,10 +948,12 @@ def load_esm2(path: PathLike, attention: Any = None, *, map_location: Any = "cpu
                              f"checkpoint trained here, an ESM-2 state_dict): {keys}")
 
 
-def load_language_model(path: Any, attention: Any = None, *, trust_file: bool = False) -> torch.nn.Module:
+def load_language_model(path: Any, attention: Any = None, *, allow_globals: Sequence[Any] = ()) -> torch.nn.Module:
     """An ESM-2 or an ESM C from a file or folder, for inference (``attn-zoo-embed``): ESM C when the folder's
     ``config.json`` says ``model_type: esmc`` or the weights have ESM C's 64-row embedding (a Hugging Face or
-    ``esm``-package state dict), else :func:`~attn_zoo.models.zoo.load_esm2`."""
+    ``esm``-package state dict), else :func:`~attn_zoo.models.zoo.load_esm2`. The file is read as data;
+    ``allow_globals``: classes your file pickles, named by your code; the file still cannot name anything else
+    (see :func:`read_checkpoint`)."""
     p = os.path.expanduser(os.fspath(path))
     if os.path.isdir(p):
         cfg_path = os.path.join(p, "config.json")
@@ -968,11 +965,11 @@ def load_language_model(path: Any, attention: Any = None, *, trust_file: bool = 
             except ValueError as e:
                 raise ZooCheckpointError(f"cannot parse {cfg_path!r}: {e}") from e
         if model_type == "esmc":
-            return from_esmc(p, attention=attention, trust_file=trust_file)
-        return load_esm2(p, attention=attention, trust_file=trust_file)
+            return from_esmc(p, attention=attention, allow_globals=allow_globals)
+        return load_esm2(p, attention=attention, allow_globals=allow_globals)
     if os.path.isfile(p):
         try:  # memory-mapped: an ESM-2 file is read again, in full, by load_esm2
-            obj = read_checkpoint(p, trust_file=trust_file, mmap=True)
+            obj = read_checkpoint(p, allow_globals=allow_globals, mmap=True)
         except ZooCheckpointError:
             obj = None  # a legacy (non-zip) file or an unreadable one: load_esm2 reads it or says why
         if _looks_like_esmc(obj):
@@ -981,7 +978,7 @@ def load_language_model(path: Any, attention: Any = None, *, trust_file: bool = 
                 return from_esmc(obj, attention=attention)
             except ZooCheckpointError as e:
                 raise ZooCheckpointError(f"{source}: {e}") from None
-    return load_esm2(p, attention=attention, trust_file=trust_file)
+    return load_esm2(p, attention=attention, allow_globals=allow_globals)
 
 
 # ESM C (Hugging Face port and the esm package's layout): models/zoo_esmc.py

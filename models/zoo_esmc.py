@@ -12,7 +12,7 @@ Sizes come from the weights; the number of heads from the config, else the publi
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -149,7 +149,7 @@ def _check_config(cfg: Mapping[str, Any], source: str) -> None:
 
 
 def from_esmc(state_dict_or_folder: Any, config: Any = None, attention: Any = None, *,
-              num_heads: Optional[int] = None, trust_file: bool = False) -> ESMC:
+              num_heads: Optional[int] = None, allow_globals: Sequence[Any] = ()) -> ESMC:
     """ESM C weights -> :class:`~attn_zoo.models.esmc.ESMC` (eval mode, the checkpoint's dtype).
 
     Args:
@@ -161,9 +161,10 @@ def from_esmc(state_dict_or_folder: Any, config: Any = None, attention: Any = No
         config: an ``EsmcConfig`` or its dict; overrides a folder's ``config.json``.
         attention: the attention config of the new model.
         num_heads: needed only when neither a config nor a published width tells it.
-        trust_file: unpickle anything in a ``.pt``/``.bin`` file (it can run code); safetensors are data either way.
+        allow_globals: for a ``.pt``/``.bin`` file: classes your file pickles, named by your code; the file
+            still cannot name anything else (see ``zoo.read_checkpoint``). Safetensors are data either way.
     """
-    obj, file_cfg, source = _hf_state(state_dict_or_folder, "ESM C", trust_file)
+    obj, file_cfg, source = _hf_state(state_dict_or_folder, "ESM C", allow_globals)
     bad = [str(k) for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, Tensor)]
     if bad:
         raise ZooCheckpointError(f"{source}: not a flat state dict: non-tensor entries {bad[:8]}")

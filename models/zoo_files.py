@@ -6,8 +6,9 @@ import argparse
 import json
 import os
 import pickle
+import re
 from pathlib import Path
-from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -22,7 +23,12 @@ class ZooCheckpointError(ValueError):
 
 class UnsafeCheckpointError(ZooCheckpointError):
     """A checkpoint refused because reading it would unpickle Python objects (run code): not a damaged file, so a
-    caller that falls back to another checkpoint over damage stops here and shows the whole message."""
+    caller that falls back to another checkpoint over damage stops here and shows the whole message. ``globals``:
+    the dotted names of what the file would have unpickled."""
+
+    def __init__(self, message: str, globals: Sequence[str] = ()):
+        super().__init__(message)
+        self.globals = list(globals)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -32,25 +38,48 @@ class UnsafeCheckpointError(ZooCheckpointError):
 # fair-esm pickles its config as an argparse.Namespace. Checkpoints trained here hold plain values only.
 SAFE_GLOBALS: Tuple[type, ...] = (argparse.Namespace,)
 
-_TRUST_HINT = ("if you trust the file and whoever made it, pass trust_file=True (command line: trust_file=true for "
-               "train.py, --trust-file for attn-zoo-embed): loading it runs the code it names")
+# Modules whose functions run code rather than hold data: a file naming one is never a checkpoint to allow.
+_CODE_MODULES = ("builtins", "os", "posix", "nt", "subprocess", "io", "_io", "sys", "shutil", "importlib", "runpy",
+                 "pickle", "_pickle", "marshal", "types", "codecs", "ctypes", "socket", "webbrowser", "pty",
+                 "functools", "operator", "code", "pdb")
 
 
-def read_checkpoint(path: PathLike, map_location: Any = "cpu", *, trust_file: bool = False,
+def _allowed(allow_globals: Any) -> List[Any]:
+    """``allow_globals`` as a list of classes / functions, or a TypeError naming the bad entry: a name (a string)
+    is no object of your code, and a file must never get to choose by name what is allowed."""
+    if isinstance(allow_globals, (str, bytes)) or not isinstance(allow_globals, Iterable):
+        raise TypeError(f"allow_globals must be a list of classes or functions (the objects, imported by your code), "
+                        f"got {type(allow_globals).__name__} {allow_globals!r}")
+    out = list(allow_globals)
+    for g in out:
+        if not (callable(g) and isinstance(getattr(g, "__module__", None), str)
+                and isinstance(getattr(g, "__qualname__", None), str)):
+            raise TypeError(f"allow_globals entries must be classes or functions (the objects, imported by your "
+                            f"code), got {type(g).__name__} {g!r}")
+    return out
+
+
+def _global_name(g: Any) -> str:
+    return f"{g.__module__}.{g.__qualname__}"
+
+
+def read_checkpoint(path: PathLike, map_location: Any = "cpu", *, allow_globals: Sequence[Any] = (),
                     mmap: bool = False) -> Any:
     """The project's one ``torch.load``: ``weights_only=True`` with :data:`SAFE_GLOBALS` allowed, so a file is
     read as data and never runs code. Failures become ``ZooCheckpointError`` naming the file.
 
-    ``trust_file=True`` unpickles anything (``weights_only=False``): a pickle can run arbitrary code while it
-    loads, so pass it only for a file you made yourself or whose source you trust.
+    allow_globals: classes your file pickles, named by your code (``[mymodule.MyConfig]``, the objects, not
+        strings); the file still cannot name anything else. They are allowed for this call only
+        (``torch.serialization.safe_globals``) and the file is still read with ``weights_only=True``.
+
+    A file that names any other class or function raises :class:`UnsafeCheckpointError` listing them.
     """
+    extra = _allowed(allow_globals)
     path = Path(path).expanduser()
     if not path.is_file():
         raise ZooCheckpointError(f"checkpoint {str(path)!r} does not exist or is not a file")
     try:
-        if trust_file:
-            return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
-        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+        with torch.serialization.safe_globals([*SAFE_GLOBALS, *extra]):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, garbage bytes, pickled code refused by weights_only
         text = str(e)
@@ -59,21 +88,39 @@ def read_checkpoint(path: PathLike, map_location: Any = "cpu", *, trust_file: bo
             raise ZooCheckpointError(
                 f"cannot read checkpoint {str(path)!r} ({path.stat().st_size} bytes): truncated, corrupt or not a "
                 f"torch checkpoint: neither a torch.save zip archive nor a pickle, it starts {_head(path)!r}") from None
-        if not trust_file and isinstance(e, pickle.UnpicklingError) and "weights_only" in text.lower():
-            try:  # name what the file would have run (zip checkpoints list their globals without running them)
-                names = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path)
-                         if g not in {f"{c.__module__}.{c.__qualname__}" for c in SAFE_GLOBALS}]
-            except Exception:
-                names = []
-            what = f" ({_summarise(names, 4)})" if names else ""
-            raise UnsafeCheckpointError(
-                f"refused to unpickle Python objects{what} in {str(path)!r}: a checkpoint should hold tensors and "
-                f"plain values, and unpickling objects can run code; {_TRUST_HINT}"
-            ) from None
+        if isinstance(e, pickle.UnpicklingError) and "weights_only" in text.lower():
+            names = _unsafe_names(path, text, extra)
+            raise UnsafeCheckpointError(_refusal(path, names), names) from None
         raise ZooCheckpointError(
             f"cannot read checkpoint {str(path)!r} ({path.stat().st_size} bytes): truncated, corrupt or not a "
             f"torch checkpoint: {type(e).__name__}: {msg}"
         ) from e
+
+
+def _unsafe_names(path: Path, text: str, extra: Sequence[Any]) -> List[str]:
+    """The globals the file names beyond those allowed: every one of a zip checkpoint (listed without running
+    anything), else the one torch's refusal names."""
+    allowed = {_global_name(g) for g in (*SAFE_GLOBALS, *extra)}
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # a legacy (non-zip) pickle: torch's message names the first
+        names = re.findall(r"GLOBAL ([\w.]+)", text)[:1]
+    return sorted(n for n in set(names) if n not in allowed)
+
+
+def _refusal(path: Path, names: Sequence[str]) -> str:
+    """What the file names, and the two ways on: allow your own classes from code, or re-save plain tensors."""
+    code = [n for n in names if n.split(".")[0] in _CODE_MODULES]
+    data = [n for n in names if n not in code] or ([] if code else ["yourmodule.YourClass"])
+    what = f" ({_summarise(names, 4)})" if names else ""
+    never = (f" {_summarise(code, 4)} {'run' if len(code) > 1 else 'runs'} code, not data: never allow "
+             f"{'them' if len(code) > 1 else 'it'};" if code else "")
+    allow = (f" if the file pickles classes of your own code, allow them from your code: "
+             f"allow_globals=[{', '.join(data[:4])}] (every loader takes it; the file still cannot name anything "
+             f"else); or" if data else "")
+    return (f"refused to unpickle Python objects{what} in {str(path)!r}: a checkpoint should hold tensors and plain "
+            f"values, and unpickling objects can run code;{never}{allow} re-save the checkpoint as plain tensors "
+            f"and values (torch.save(model.state_dict(), path))")
 
 
 def _head(path: Path, n: int = 16) -> bytes:
@@ -148,7 +195,8 @@ def _check_state(expected: Mapping[str, Tensor], got: Mapping[str, Any], source:
         raise ZooCheckpointError(f"{source}: " + "; ".join(problems))
 
 
-def _hf_state(obj: Any, what: str, trust_file: bool) -> Tuple[Mapping[str, Any], Optional[Dict[str, Any]], str]:
+def _hf_state(obj: Any, what: str,
+              allow_globals: Sequence[Any] = ()) -> Tuple[Mapping[str, Any], Optional[Dict[str, Any]], str]:
     """(state_dict, the folder's config.json or None, a name for messages) of a Hugging Face folder, a file or a
     state_dict given as it is."""
     source, file_cfg = f"{what} state_dict", None
@@ -156,15 +204,16 @@ def _hf_state(obj: Any, what: str, trust_file: bool) -> Tuple[Mapping[str, Any],
         path = os.fspath(obj)
         source = f"{what} checkpoint {path!r}"
         if os.path.isdir(path):
-            obj, file_cfg = _hf_read_folder(path, trust_file)
+            obj, file_cfg = _hf_read_folder(path, allow_globals)
         else:
-            obj = read_checkpoint(path, trust_file=trust_file)
+            obj = read_checkpoint(path, allow_globals=allow_globals)
     if not isinstance(obj, Mapping):
         raise ZooCheckpointError(f"{source}: expected a state_dict, got {type(obj).__name__}")
     return obj, file_cfg, source
 
 
-def _hf_read_folder(folder: str, trust_file: bool = False) -> Tuple[Dict[str, Tensor], Optional[Dict[str, Any]]]:
+def _hf_read_folder(folder: str,
+                    allow_globals: Sequence[Any] = ()) -> Tuple[Dict[str, Tensor], Optional[Dict[str, Any]]]:
     """Weights (``model.safetensors``, sharded safetensors or ``pytorch_model.bin``) and ``config.json``."""
     config = None
     cfg_path = os.path.join(folder, "config.json")
@@ -194,5 +243,5 @@ def _hf_read_folder(folder: str, trust_file: bool = False) -> Tuple[Dict[str, Te
         return sd, config
     bin_path = os.path.join(folder, "pytorch_model.bin")
     if os.path.isfile(bin_path):
-        return read_checkpoint(bin_path, trust_file=trust_file), config
+        return read_checkpoint(bin_path, allow_globals=allow_globals), config
     raise ZooCheckpointError(f"{folder!r} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin")

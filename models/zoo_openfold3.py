@@ -13,7 +13,7 @@ Only the published layout is read: separate ``linear_a_*`` / ``linear_b_*`` tria
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 from torch import nn
@@ -63,7 +63,7 @@ def openfold3_sizes(sd: Dict[str, Any], source: str) -> Dict[str, int]:
 
 def from_openfold3(state_dict_or_module: Any, attention: Any = None, *, prefix: Optional[str] = None,
                    pair_dropout: float = 0.25, checkpoint_every: int = 0, chunk_size: Optional[int] = None,
-                   map_location: Any = "cpu", trust_file: bool = False) -> nn.Module:
+                   map_location: Any = "cpu", allow_globals: Sequence[Any] = ()) -> nn.Module:
     """OpenFold3's trunk Pairformer -> ``PairformerStack(variant="openfold3")`` with the same outputs (eval mode).
 
     Args:
@@ -75,7 +75,9 @@ def from_openfold3(state_dict_or_module: Any, attention: Any = None, *, prefix: 
         prefix: the key prefix of the stack to load (``"pairformer_stack."``), when the file holds others.
         pair_dropout: OpenFold3's pair dropout (0.25 in its config; active in training only).
         checkpoint_every, chunk_size: passed to ``PairformerStack``.
-        map_location, trust_file: as ``zoo.read_checkpoint`` (without ``trust_file`` the file is read as data).
+        map_location: passed to ``torch.load`` when a path is given (the file is read as data).
+        allow_globals: classes your file pickles, named by your code; the file still cannot name anything
+            else (see ``zoo.read_checkpoint``).
 
     Sizes are read off the weights. The stack's forward ``(s, z, single_mask, pair_mask)`` takes OpenFold3's
     inputs with bool masks. Raises ``ZooCheckpointError`` naming every missing, unexpected, misshapen or non-float
@@ -84,7 +86,7 @@ def from_openfold3(state_dict_or_module: Any, attention: Any = None, *, prefix: 
     return load_stack(state_dict_or_module, what=WHAT, marker=_MARKER, table=TABLE, sizes=openfold3_sizes,
                       variant="openfold3", attention=attention, prefix=prefix, pair_dropout=pair_dropout,
                       checkpoint_every=checkpoint_every, chunk_size=chunk_size, map_location=map_location,
-                      trust_file=trust_file)
+                      allow_globals=allow_globals)
 
 
 def to_openfold3(stack: nn.Module) -> Dict[str, Tensor]:

@@ -12,7 +12,7 @@ result on the unpadded input. Its single transition is 4 wide; the pair transiti
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 from torch import nn
@@ -54,7 +54,7 @@ def protenix_sizes(sd: Dict[str, Any], source: str) -> Dict[str, int]:
 
 def from_protenix(state_dict_or_module: Any, attention: Any = None, *, prefix: Optional[str] = None,
                   pair_dropout: float = 0.25, checkpoint_every: int = 0, chunk_size: Optional[int] = None,
-                  map_location: Any = "cpu", trust_file: bool = False) -> nn.Module:
+                  map_location: Any = "cpu", allow_globals: Sequence[Any] = ()) -> nn.Module:
     """Protenix's trunk Pairformer -> ``PairformerStack(variant="protenix")`` with the same outputs (eval mode).
 
     Args:
@@ -67,7 +67,9 @@ def from_protenix(state_dict_or_module: Any, attention: Any = None, *, prefix: O
         prefix: the key prefix of the stack to load, when the file holds others.
         pair_dropout: Protenix's dropout (0.25 in its config; active in training only).
         checkpoint_every, chunk_size: passed to ``PairformerStack``.
-        map_location, trust_file: as ``zoo.read_checkpoint`` (without ``trust_file`` the file is read as data).
+        map_location: passed to ``torch.load`` when a path is given (the file is read as data).
+        allow_globals: classes your file pickles, named by your code; the file still cannot name anything
+            else (see ``zoo.read_checkpoint``).
 
     Sizes are read off the weights. Raises ``ZooCheckpointError`` naming every missing, unexpected, misshapen or
     non-float key and another model's file; nothing half-loaded is returned.
@@ -75,7 +77,7 @@ def from_protenix(state_dict_or_module: Any, attention: Any = None, *, prefix: O
     return load_stack(state_dict_or_module, what=WHAT, marker=_MARKER, table=TABLE, sizes=protenix_sizes,
                       variant="protenix", attention=attention, prefix=prefix, pair_dropout=pair_dropout,
                       checkpoint_every=checkpoint_every, chunk_size=chunk_size, map_location=map_location,
-                      trust_file=trust_file)
+                      allow_globals=allow_globals)
 
 
 def to_protenix(stack: nn.Module) -> Dict[str, Tensor]:

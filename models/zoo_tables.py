@@ -74,12 +74,13 @@ def pairformer_table(pre: str, tri_att_bias: str, transitions: Sequence[Tuple[st
     )
 
 
-def read_source(obj: Any, what: str, map_location: Any, trust_file: bool) -> Tuple[Mapping[str, Any], str]:
+def read_source(obj: Any, what: str, map_location: Any,
+                allow_globals: Sequence[Any] = ()) -> Tuple[Mapping[str, Any], str]:
     """A state dict and a name for messages, from a path (read as data), a module or a mapping; a checkpoint's
     ``state_dict`` / ``model`` / ``module`` entry (Lightning, Protenix and DeepSpeed-style files) is unwrapped."""
     if isinstance(obj, (str, os.PathLike)):
         source = repr(os.fspath(obj))
-        obj = read_checkpoint(obj, map_location=map_location, trust_file=trust_file)
+        obj = read_checkpoint(obj, map_location=map_location, allow_globals=allow_globals)
     elif isinstance(obj, nn.Module):
         return obj.state_dict(), f"the {type(obj).__name__} module"
     else:
@@ -184,12 +185,12 @@ def shape_reader(sd: Mapping[str, Any], source: str) -> Callable[[str], Tuple[in
 def load_stack(obj: Any, *, what: str, marker: str, table: Table,
                sizes: Callable[[Dict[str, Any], str], Dict[str, int]], variant: str, attention: Any,
                prefix: Optional[str], pair_dropout: float, checkpoint_every: int, chunk_size: Optional[int],
-               map_location: Any, trust_file: bool) -> nn.Module:
+               map_location: Any, allow_globals: Sequence[Any] = ()) -> nn.Module:
     """A foreign trunk stack (path, module or state dict) -> ``PairformerStack(variant=variant)`` in eval mode: the
     stack found by ``marker`` (see :func:`find_prefix`), sized by ``sizes``, read through ``table``."""
     from .pairformer import PairformerStack
 
-    sd, source = read_source(obj, what, map_location, trust_file)
+    sd, source = read_source(obj, what, map_location, allow_globals)
     keys = [k for k in sd if isinstance(k, str)]
     pre = find_prefix(keys, marker, "pairformer_stack.", what, source, prefix)
     sd, source = sub_dict(sd, pre), f"{source} (prefix {pre!r})" if pre else source

@@ -2,7 +2,7 @@
 as partials (lightning-hydra-template style)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import lightning as L
 import torch
@@ -25,9 +25,10 @@ class Task(L.LightningModule):
     with no config at hand; with ``net=None`` the net is built from it.
     pretrained: a path the zoo loads into the net before training (``zoo.load_pretrained``: a checkpoint
     trained here, a Boltz-2 checkpoint, a fair-esm ``.pt`` or a Hugging Face folder), read as data.
-    trust_file: unpickle anything in ``pretrained`` and let ``net_config`` name any callable (both can run
-    code: only for files you trust; ``train.py trust_file=true``). Neither is saved in the hyperparameters, and
-    ``load_from_checkpoint`` never takes them from the file.
+    allow_globals: classes ``pretrained`` pickles, named by your code; the file still cannot name anything else
+    (``zoo.read_checkpoint``). ``net_config`` builds registered network classes only (``zoo.register_network``).
+    Neither ``pretrained`` nor ``allow_globals`` is saved in the hyperparameters, and ``load_from_checkpoint``
+    never takes them from the file.
     """
 
     def __init__(
@@ -40,7 +41,7 @@ class Task(L.LightningModule):
         compile: bool = False,
         net_config: Optional[Mapping[str, Any]] = None,
         pretrained: Optional[str] = None,
-        trust_file: bool = False,
+        allow_globals: Sequence[Any] = (),
     ):
         super().__init__()
         if scheduler_interval not in ("step", "epoch"):
@@ -50,11 +51,11 @@ class Task(L.LightningModule):
                 raise ValueError(f"{type(self).__name__} needs net (a module) or net_config (to build one); got neither")
             from ..zoo import build_network
 
-            net = build_network(net_config, trust_file=trust_file)
+            net = build_network(net_config)
         # hparams hold plain values only, so checkpoints load with torch.load(weights_only=True); the pretrained
         # path is not one of them: a reloaded checkpoint already holds the weights and the file may be gone
         self.save_hyperparameters(
-            logger=False, ignore=["net", "optimizer", "scheduler", "attention", "pretrained", "trust_file"]
+            logger=False, ignore=["net", "optimizer", "scheduler", "attention", "pretrained", "allow_globals"]
         )
         if net_config is not None:
             self.record_net_config(net_config)
@@ -68,17 +69,23 @@ class Task(L.LightningModule):
         if pretrained:
             from ..zoo import load_pretrained
 
-            load_pretrained(pretrained, into=self.net, trust_file=trust_file)
+            load_pretrained(pretrained, into=self.net, allow_globals=allow_globals)
 
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):
-        """Lightning's ``load_from_checkpoint``, except that the file's hyperparameters never choose a file to
-        read (``pretrained``) nor to trust it: pass ``trust_file=True`` yourself for a file you trust."""
-        kwargs.setdefault("pretrained", None)
-        kwargs.setdefault("trust_file", False)
-        if kwargs["trust_file"]:
-            kwargs.setdefault("weights_only", False)
-        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+    def load_from_checkpoint(cls, checkpoint_path, *args, allow_globals: Sequence[Any] = (), **kwargs):
+        """Lightning's ``load_from_checkpoint``, always with ``weights_only=True``, and the file's hyperparameters
+        never choose a file to read (``pretrained``). ``allow_globals``: classes your file pickles, named by your
+        code; the file still cannot name anything else (``zoo.read_checkpoint``)."""
+        from ..zoo_files import SAFE_GLOBALS, _allowed
+
+        if kwargs.pop("weights_only", None) not in (None, True):
+            raise ValueError("files are always read as data (weights_only=True); for classes your checkpoint "
+                             "pickles, pass allow_globals=[YourClass] from your code")
+        extra = _allowed(allow_globals)
+        kwargs.setdefault("pretrained", None)  # the file's hyperparameters never choose a file to read ...
+        kwargs["allow_globals"] = extra  # ... nor what it may unpickle
+        with torch.serialization.safe_globals([*SAFE_GLOBALS, *extra]):
+            return super().load_from_checkpoint(checkpoint_path, *args, weights_only=True, **kwargs)
 
     def record_net_config(self, config: Mapping[str, Any]) -> None:
         """Keep the net's constructor config (``_target_`` dicts, interpolations resolved) in the hparams

@@ -20,9 +20,9 @@ class MSADistogramTask(Task):
 
     def __init__(self, net=None, optimizer=None, scheduler=None, scheduler_interval="step", attention=None,
                  compile=False, masked_msa_weight: float = 1.0, distogram_weight: float = 1.0, net_config=None,
-                 pretrained=None, trust_file: bool = False):
+                 pretrained=None, allow_globals=()):
         super().__init__(net, optimizer, scheduler, scheduler_interval, attention, compile, net_config, pretrained,
-                         trust_file)
+                         allow_globals)
 
     def step(self, batch):
         out = self.net(batch)
