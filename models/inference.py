@@ -764,15 +764,21 @@ def pair_stack_(blk: nn.Module, z: Tensor, pair_mask: Tensor, chunk: int) -> Ten
 
     A chunk that covers every row runs each triangle module's own whole-tensor form (its fused kernels, one
     projection for attention's bias and q/k/v) and adds the update in place: the chunked forms' peak is then no
-    lower than it, and their extra launches and passes only cost time (docs/inference.md)."""
-    if chunk >= z.shape[-2]:
-        for mod in (blk.tri_mul_out, blk.tri_mul_in, blk.tri_att_start, blk.tri_att_end):
+    lower than it, and their extra launches and passes only cost time (docs/inference.md). A triangle
+    multiplication marked ``fused`` (a kernel that holds no full-size intermediates: cuEquivariance's, for a patched
+    Boltz layer) always runs whole. ``blk`` may be any object with these modules' names (``attn_zoo.patch`` runs
+    Boltz's pair stack through this function)."""
+    whole = chunk >= z.shape[-2]
+    for mod in (blk.tri_mul_out, blk.tri_mul_in):
+        if whole or getattr(mod, "fused", False):
             z += mod(z, pair_mask)
-    else:
-        triangle_multiplication_(blk.tri_mul_out, z, pair_mask, chunk)
-        triangle_multiplication_(blk.tri_mul_in, z, pair_mask, chunk)
-        triangle_attention_(blk.tri_att_start, z, pair_mask, chunk)
-        triangle_attention_(blk.tri_att_end, z, pair_mask, chunk)
+        else:
+            triangle_multiplication_(mod, z, pair_mask, chunk)
+    for mod in (blk.tri_att_start, blk.tri_att_end):
+        if whole:
+            z += mod(z, pair_mask)
+        else:
+            triangle_attention_(mod, z, pair_mask, chunk)
     mask = pair_mask if getattr(blk, "mask_transitions", False) else None  # OpenFold3: zeroed at masked pairs
     return rows_update_(z, -3, chunk, _transition_fn(blk.pair_transition), mask=mask)
 

@@ -362,3 +362,73 @@ def assert_bad_keys_named_together(load, sd, missing, unexpected, misshapen, sha
     assert f"1 missing key(s): {missing}" in msg
     assert f"1 unexpected key(s): {unexpected}" in msg
     assert f"{misshapen} {tuple(shape)} (expected {tuple(expected)})" in msg
+
+
+# ---- live tensor bytes (a precise peak on any device, the CPU included) ---------------------------------------------
+class LiveBytes:
+    """A ``TorchDispatchMode`` that counts the bytes of the storages the ops under it allocate, while they live.
+
+    Every op's outputs whose storage is new (not a view, not an in-place or ``out=`` write into a known storage, not
+    an input) add their ``untyped_storage().nbytes()``, released when the storage is freed (a weakref finalizer).
+    ``peak``: the most bytes live at once; ``peak_op``: the op that reached it; ``at_peak``: what was live then,
+    ``(bytes, op, where)`` largest first, ``where`` the innermost frames of the allocating call (``frames``
+    deep, from files whose path contains one of ``stack_from``) for storages of at least ``stack_min`` bytes.
+    Tensors made before the mode (inputs, parameters) are not counted. Kernels' internal scratch buffers (never an
+    op's output) are invisible to it."""
+
+    def __init__(self, stack_from=("boltz", "attn_zoo", "models", "tests"), stack_min=1 << 20, frames=3):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.stack_from, self.stack_min, self.frames = stack_from, stack_min, frames
+        self.live, self.peak, self.peak_op, self.at_peak, self._info = 0, 0, None, [], {}
+        outer = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                outer._saw(func, out, (args, kwargs))
+                return out
+
+        self._mode = _Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+    def _where(self) -> str:
+        import traceback
+
+        keep = [f for f in traceback.extract_stack()[:-3]
+                if any(s in f.filename for s in self.stack_from) and "helpers.py" not in f.filename]
+        return " < ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in reversed(keep[-self.frames:]))
+
+    def _saw(self, func, out, inputs) -> None:
+        import weakref
+
+        from torch.utils._pytree import tree_leaves
+
+        def storages(tree):
+            return [t.untyped_storage() for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+        seen = {id(st) for st in storages(inputs)}  # views of inputs, in-place and out= writes
+        grew = False
+        for st in storages(out):
+            key = id(st)
+            if key in self._info or key in seen or st.nbytes() == 0:
+                continue
+            n = st.nbytes()
+            self._info[key] = (n, str(func), self._where() if n >= self.stack_min else "")
+            weakref.finalize(st, self._freed, key)
+            self.live += n
+            grew = True
+        if grew and self.live > self.peak:
+            self.peak, self.peak_op = self.live, str(func)
+            self.at_peak = sorted(self._info.values(), key=lambda v: -v[0])
+
+    def _freed(self, key) -> None:
+        n = self._info.pop(key)[0]
+        self.live -= n

@@ -60,12 +60,13 @@ def test_refuses_unknown_model_naming_what_it_looked_for():
     assert "Sequential" in msg
     for name in ["AttentionInterface", "esm.multihead_attention.MultiheadAttention", "TriangleAttention",
                  "attention.AttentionPairBias", "attentionv2.AttentionPairBias", "openfold.model.msa.MSAAttention",
+                 "pairformer.PairformerLayer", "PairformerNoSeqLayer",
                  "openfold.model.triangular_attention.TriangleAttention",
                  "openfold3.core.model.layers.triangular_attention.TriangleAttention",
                  "openfold3.core.model.layers.attention_pair_bias.AttentionPairBias",
                  "openfold3.core.model.layers.msa.MSAAttention"]:
         assert name in msg
-    assert len(looked_for()) == 10
+    assert len(looked_for()) == 11
     with pytest.raises(ValueError, match="backend"):
         attn_zoo.patch(nn.Linear(2, 2), backend="no-such-backend")
     with pytest.raises(TypeError, match="torch.nn.Module"):
@@ -388,7 +389,8 @@ def test_boltz_pairformer_layer_patched_equals_unpatched_with_grads(v2, backend)
     before = snapshot(layer)
     attn_zoo.patch(layer, backend=backend)
     patched_names = sorted(n for n, mod in layer.named_modules() if "forward" in mod.__dict__)
-    assert patched_names == ["attention", "tri_att_end", "tri_att_start"]
+    # Boltz-2's layer itself too (its no-grad inference); Boltz-1's trunk layer is not
+    assert patched_names == ([""] if v2 else []) + ["attention", "tri_att_end", "tri_att_start"]
     assert_state_untouched(layer, before)
     s_got, z_got, g_got = boltz_run(layer, *x)
     assert rel_err(s_got, s_ref) < TOL and rel_err(z_got, z_ref) < TOL
@@ -420,6 +422,75 @@ def test_boltz_triangle_attention_chunks(chunk):
     assert rel_err(zg.grad, zr.grad) < TOL
     with pytest.raises(ValueError, match="chunk_size"):
         attn_zoo.patch(tri)(z, mask=pair_mask.float(), chunk_size=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunk", [None, 1, 3, 100])
+def test_boltz2_pairformer_layer_no_grad_in_place_equals_unpatched(chunk, backend):
+    """Without autograd in eval mode the patched layer runs the memory-bounded path (z updated in place on one copy,
+    rows by chunks): Boltz's outputs at real positions, its dtypes, the caller's z untouched."""
+    layer = boltz_layer()
+    s, z, mask, pair_mask = boltz_inputs()
+    real_pairs = mask[:, :, None] & mask[:, None, :]
+    z_before = z.clone()
+    with torch.no_grad():
+        s_ref, z_ref = layer(s, z, mask.float(), pair_mask.float(), chunk_size_tri_attn=chunk)
+        attn_zoo.patch(layer, backend=backend)
+        s_got, z_got = layer(s, z, mask.float(), pair_mask.float(), chunk_size_tri_attn=chunk)
+    assert (s_got.dtype, z_got.dtype, z_got.shape) == (s_ref.dtype, z_ref.dtype, z_ref.shape)
+    assert rel_err(s_got[mask], s_ref[mask]) < TOL and rel_err(z_got[real_pairs], z_ref[real_pairs]) < TOL
+    assert torch.equal(z, z_before) and z_got.data_ptr() != z.data_ptr()
+    with pytest.raises(ValueError, match="chunk_size"):
+        with torch.no_grad():
+            layer(s, z, mask.float(), pair_mask.float(), chunk_size_tri_attn=0)
+
+
+def test_boltz2_pairformer_layer_no_grad_in_place_under_autocast_and_noseq():
+    """bf16 z under CPU autocast: float32 results as Boltz's (its float32 dropout mask promotes the sums), close to
+    Boltz's at bf16 precision; PairformerNoSeqLayer (template / MSA pair stacks) in place too."""
+    pf = pytest.importorskip("boltz.model.layers.pairformer", reason="boltz==2.2.1 (--no-deps) is a test dependency")
+    layer = boltz_layer()
+    s, z, mask, pair_mask = boltz_inputs()
+    real_pairs = mask[:, :, None] & mask[:, None, :]
+    zb = z.bfloat16()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        s_ref, z_ref = layer(s, zb, mask.float(), pair_mask.float(), chunk_size_tri_attn=3)
+        attn_zoo.patch(layer)
+        s_got, z_got = layer(s, zb, mask.float(), pair_mask.float(), chunk_size_tri_attn=3)
+    assert (s_got.dtype, z_got.dtype) == (s_ref.dtype, z_ref.dtype) == (torch.float32, torch.float32)
+    assert rel_err(s_got[mask], s_ref[mask]) < 3e-2 and rel_err(z_got[real_pairs], z_ref[real_pairs]) < 3e-2
+    torch.manual_seed(0)
+    noseq = randomize_(pf.PairformerNoSeqLayer(token_z=16, pairwise_head_width=16, pairwise_num_heads=2)).eval()
+    with torch.no_grad():
+        ref = noseq(z, pair_mask.float(), chunk_size_tri_attn=2)
+        attn_zoo.patch(noseq)
+        got = noseq(z, pair_mask.float(), chunk_size_tri_attn=2)
+    assert "forward" in noseq.__dict__ and rel_err(got[real_pairs], ref[real_pairs]) < TOL
+
+
+def test_boltz2_pairformer_layer_no_grad_keeps_a_fused_triangle_multiplication(monkeypatch):
+    """``use_cuequiv_mul`` (cuEquivariance's triangle multiplication) stays Boltz's kernel, whole, added in place:
+    here a stand-in for the kernel (Boltz's own unfused forward) that counts its calls."""
+    tm = pytest.importorskip("boltz.model.layers.triangular_mult",
+                             reason="boltz==2.2.1 (--no-deps) is a test dependency")
+    layer = boltz_layer()
+    s, z, mask, pair_mask = boltz_inputs()
+    real_pairs = mask[:, :, None] & mask[:, None, :]
+    calls = []
+
+    def kernel(x, direction, mask, **weights):
+        calls.append(direction)
+        mod = layer.tri_mul_out if direction == "outgoing" else layer.tri_mul_in
+        return type(mod).forward(mod, x, mask, use_kernels=False)
+
+    monkeypatch.setattr(tm, "kernel_triangular_mult", kernel)
+    with torch.no_grad():
+        s_ref, z_ref = layer(s, z, mask.float(), pair_mask.float(), chunk_size_tri_attn=2, use_cuequiv_mul=True)
+        attn_zoo.patch(layer)
+        calls.clear()
+        s_got, z_got = layer(s, z, mask.float(), pair_mask.float(), chunk_size_tri_attn=2, use_cuequiv_mul=True)
+    assert calls == ["outgoing", "incoming"]
+    assert rel_err(s_got[mask], s_ref[mask]) < TOL and rel_err(z_got[real_pairs], z_ref[real_pairs]) < TOL
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -463,7 +534,7 @@ def test_boltz2_msa_layer_pair_stack_patched():
         attn_zoo.patch(msa)
         z_got, m_got = msa(z, m, pair_mask.float(), msa_mask)
     assert sorted(n for n, mod in msa.named_modules() if "forward" in mod.__dict__) == [
-        "pairformer_layer.tri_att_end", "pairformer_layer.tri_att_start"]
+        "pairformer_layer", "pairformer_layer.tri_att_end", "pairformer_layer.tri_att_start"]
     assert rel_err(z_got[real_pairs], z_ref[real_pairs]) < TOL and torch.equal(m_got, m_ref)
 
 

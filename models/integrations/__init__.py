@@ -6,8 +6,9 @@ module layouts (one module per project: ``hf``, ``fair_esm``, ``boltz``, ``openf
     attn_zoo.unpatch(model)    # back to the model's own forward
 
 Patching replaces the ``forward`` of each recognised attention module on that instance only (a Hugging Face model
-gets its ``attn_implementation`` set instead), and of the ESM-2 layers whose GELU it fuses: classes, parameters,
-buffers and ``state_dict`` keys stay as they were, and nothing is copied. Patching twice is patching once (the latest options hold); a model in which no known
+gets its ``attn_implementation`` set instead), of the ESM-2 layers whose GELU it fuses, and of Boltz-2's Pairformer
+layers (their no-grad inference in place): classes, parameters, buffers and ``state_dict`` keys stay as they were, and
+nothing is copied. Patching twice is patching once (the latest options hold); a model in which no known
 module is found is refused with the list of what was looked for.
 """
 from __future__ import annotations
@@ -31,7 +32,8 @@ def patch(model: nn.Module, *, backend: str = "auto", deterministic: bool = True
     """Run ``model``'s attention on ``attn_ops.attention(..., backend=backend, deterministic=deterministic)``.
 
     Recognises transformers models written against the attention registry, fair-esm's ``MultiheadAttention``,
-    Boltz-1/2 triangle attention and attention with pair bias, OpenFold's triangle and MSA attention, OpenFold3's
+    Boltz-1/2 triangle attention and attention with pair bias (and Boltz-2's Pairformer layers, whose inference
+    without autograd then runs memory-bounded, in place), OpenFold's triangle and MSA attention, OpenFold3's
     triangle attention, trunk attention with pair bias and MSA attention (see :func:`looked_for`), in ``model`` itself or
     anywhere inside it (a wrapper of yours). Returns ``model``, patched in place. Raises ``TypeError`` for a model
     with none of them.

@@ -9,6 +9,14 @@ Patched in place, wherever they sit (Pairformer, MSA module's pair stack, templa
 - ``AttentionPairBias`` of ``boltz.model.layers.attention`` (Boltz-1) and ``.attentionv2`` (Boltz-2): float32
   attention as Boltz computes it; a ``multiplicity > 1`` pair bias is broadcast over the diffusion samples instead
   of repeated.
+- ``PairformerLayer`` and ``PairformerNoSeqLayer`` of ``boltz.model.layers.pairformer`` (Boltz-2's trunk, template
+  and MSA modules' pair stacks): without autograd in eval mode (Boltz's inference) the layer runs the memory-bounded
+  path of ``attn_zoo.models.inference`` on Boltz's own modules: z is copied once (Boltz returns a new, float32 z)
+  and each pair update is added into that copy in place, by chunks of ``chunk_size_tri_attn`` rows (None: whole),
+  triangle multiplication holding one stored projection, the transition one chunk's hidden width, the single
+  attention's pair bias built by row chunks. Boltz's own forward materialises the full-size update, its residual
+  sum and the transition's four-times-wider hidden layer (about 14 z-sizes at once, against 2 here). With autograd
+  or in train mode (dropout) the layer runs Boltz's own forward, its attention modules patched as above.
 Not patched: ``PairWeightedAveraging`` (the MSA module's pair-weighted averaging): its weights are a softmax of the
 pair bias alone, shared by every MSA row, which Boltz already computes once; a fused op would recompute it per row.
 
@@ -25,14 +33,18 @@ import torch
 from torch import Tensor, nn
 
 import attn_ops
+from attn_ops import registry as attn_registry
 
-from .common import Options, modules_of
-from .openfold import triangle_core
+from .. import inference
+from ..primitives import chunk_rows
+from .common import Options, modules_of, original_forward
+from .openfold import RowAttention, check_chunk_size, triangle_core
 
 LOOKS_FOR = (
     "boltz.model.layers.triangular_attention.attention.TriangleAttention (Boltz-1/2)",
     "boltz.model.layers.attention.AttentionPairBias (Boltz-1)",
     "boltz.model.layers.attentionv2.AttentionPairBias (Boltz-2)",
+    "boltz.model.layers.pairformer.PairformerLayer and PairformerNoSeqLayer (Boltz-2: no-grad inference in place)",
 )
 
 
@@ -44,18 +56,29 @@ def _classes() -> Tuple[tuple, tuple]:
     return ((tri.TriangleAttention,) if tri else ()), tuple(m.AttentionPairBias for m in apb if m is not None)
 
 
+def _layer_classes() -> tuple:
+    """Boltz-2's ``PairformerLayer`` and ``PairformerNoSeqLayer``, or empty."""
+    pf = sys.modules.get("boltz.model.layers.pairformer")
+    return (pf.PairformerLayer, pf.PairformerNoSeqLayer) if pf else ()
+
+
 def find(model: nn.Module) -> List[nn.Module]:
     tri, apb = _classes()
-    return modules_of(model, tri + apb)
+    return modules_of(model, tri + apb + _layer_classes())
 
 
 def patch_targets(modules: List[nn.Module]) -> List[Tuple[nn.Module, object]]:
     tri, _ = _classes()
+    layers = _layer_classes()
     v2 = sys.modules.get("boltz.model.layers.attentionv2")
     out = []
     for m in modules:
         if isinstance(m, tri):
             out.append((m, triangle_attention))
+        elif layers and isinstance(m, layers[0]):
+            out.append((m, pairformer_layer))
+        elif layers and isinstance(m, layers[1]):
+            out.append((m, pairformer_noseq_layer))
         elif v2 is not None and isinstance(m, v2.AttentionPairBias):
             out.append((m, attention_pair_bias_v2))
         else:
@@ -124,3 +147,136 @@ def attention_pair_bias_v1(mod: nn.Module, options: Options, s: Tensor, z: Tenso
     else:
         z = model_cache["z"]
     return _pair_bias_attention(mod, options, s, k_in, z, mask, multiplicity)
+
+
+# --------------------------------------------------------------------------------------------------
+# Pairformer layers without autograd: the memory-bounded path of attn_zoo.models.inference on Boltz's modules
+# --------------------------------------------------------------------------------------------------
+class _TriangleMultiplication:
+    """Boltz's ``TriangleMultiplicationOutgoing`` / ``Incoming`` under the names ``inference.triangle_multiplication_``
+    reads (those of our ``TriangleMultiplication*``: Boltz's ``p_in`` / ``g_in`` are our ``[a | b]`` projection and
+    its gate, ``p_out`` / ``g_out`` the output projection and gate). ``fused``: Boltz's cuEquivariance kernel
+    (``use_kernels``), run whole."""
+
+    def __init__(self, mod: nn.Module, outgoing: bool, fused: bool):
+        self.mod, self.outgoing, self.fused = mod, outgoing, fused
+        self.c_hidden = mod.p_in.out_features // 2
+        self.layer_norm_in, self.linear_ab_p, self.linear_ab_g = mod.norm_in, mod.p_in, mod.g_in
+        self.layer_norm_out, self.linear_z, self.linear_g = mod.norm_out, mod.p_out, mod.g_out
+
+    def __call__(self, z: Tensor, pair_mask: Tensor) -> Tensor:  # the whole-tensor form: Boltz's own forward
+        return self.mod(z, mask=pair_mask, use_kernels=self.fused)
+
+
+class _TriangleAttention:
+    """Boltz's (OpenFold's) ``TriangleAttention`` under the names ``inference.triangle_attention_`` reads, its
+    attention on ``attn_ops.attention`` (``RowAttention``)."""
+
+    def __init__(self, mod: nn.Module, options: Options):
+        self.mod, self.options, self.starting = mod, options, mod.starting
+        self.layer_norm, self.linear_bias, self.mha = mod.layer_norm, mod.linear, RowAttention(mod.mha, options)
+
+    def __call__(self, z: Tensor, pair_mask: Tensor) -> Tensor:  # the whole-tensor form
+        return triangle_core(self.mod, self.options, z, pair_mask, None)
+
+
+class _Transition:
+    """Boltz's ``Transition`` as ``inference.rows_update_`` runs a transition (``_run``: rows in, update out)."""
+
+    def __init__(self, mod: nn.Module):
+        self._run = mod
+
+
+class _PairStack:
+    """The pair half of a Boltz layer under a ``PairformerBlock``'s names, for ``inference.pair_stack_``."""
+
+    mask_transitions = False
+
+    def __init__(self, layer: nn.Module, options: Options, fused_mul: bool):
+        self.tri_mul_out = _TriangleMultiplication(layer.tri_mul_out, True, fused_mul)
+        self.tri_mul_in = _TriangleMultiplication(layer.tri_mul_in, False, fused_mul)
+        self.tri_att_start = _TriangleAttention(layer.tri_att_start, options)
+        self.tri_att_end = _TriangleAttention(layer.tri_att_end, options)
+        self.pair_transition = _Transition(layer.transition_z)
+
+
+def _bounded(layer: nn.Module, z: Tensor, chunk_size) -> bool:
+    """Whether a layer call runs the memory-bounded path: without autograd, in eval mode (no dropout)."""
+    check_chunk_size(chunk_size)
+    return not torch.is_grad_enabled() and not layer.training and z.ndim == 4
+
+
+def _row_chunk(layer: nn.Module, options: Options, z: Tensor, chunk_size: Optional[int]) -> int:
+    """Rows per chunk: Boltz's ``chunk_size_tri_attn`` (None: every row), or fewer where the bounded path's plan
+    (``inference.plan_inference``: the same estimate, the attention backend's score tiles included, against the
+    free memory of a CUDA device, elsewhere the chunk-size rule alone) asks for fewer."""
+    n = z.shape[-2]
+    want = n if chunk_size is None else min(chunk_size, n)
+    ta, cz = layer.tri_att_start, layer.tri_mul_out.norm_in.normalized_shape[0]
+    single = {} if getattr(layer, "attention", None) is None else dict(c_s=layer.attention.c_s,
+                                                                        num_heads_single=layer.attention.num_heads)
+    dims = inference.Dims(c_z=cz, c_hidden_mul=layer.tri_mul_out.p_in.out_features // 2,
+                          num_heads_pair=ta.mha.no_heads, c_hidden_pair=ta.mha.c_hidden,
+                          transition_n=max(1, layer.transition_z.hidden // cz), **single)
+    dev = z.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else z.dtype  # the attention's inputs
+
+    def scores(problems: int, lq: int, lk: int) -> int:
+        return attn_registry.forward_scratch_bytes(options.backend, device=dev, dtype=dtype,
+                                                   head_dim=ta.mha.c_hidden, batch=problems, lq=lq, lk=lk)
+
+    try:
+        plan = inference.plan_inference(dims, n, inference.free_device_memory(z.device), batch=z.shape[0],
+                                        dtype=z.dtype, inplace=True, scores=scores)
+    except ValueError:  # not even chunks of one row fit the free memory: Boltz's chunk, as it would run
+        return want
+    return min(want, plan.chunk_size)
+
+
+def _pair_stack(layer: nn.Module, options: Options, z: Tensor, pair_mask: Tensor, chunk_size: Optional[int],
+                fused_mul: bool) -> Tuple[Tensor, int]:
+    """Boltz's pair stack (``z = z + dropout * update`` five times, dropout 1 in eval mode) on a copy of z updated in
+    place, by chunks of rows; returns the copy and the rows per chunk. The copy has Boltz's result dtype: its float32
+    dropout mask promotes the sums to at least float32."""
+    work = z.to(dtype=torch.promote_types(z.dtype, torch.float32), memory_format=torch.contiguous_format, copy=True)
+    chunk = _row_chunk(layer, options, work, chunk_size)
+    inference.pair_stack_(_PairStack(layer, options, fused_mul), work, pair_mask, chunk)
+    return work, chunk
+
+
+def pairformer_layer(mod: nn.Module, options: Options, s: Tensor, z: Tensor, mask: Tensor, pair_mask: Tensor,
+                     chunk_size_tri_attn: Optional[int] = None, use_kernels: bool = False,
+                     use_cuequiv_mul: bool = False, use_cuequiv_attn: bool = False) -> Tuple[Tensor, Tensor]:
+    """Boltz-2's ``PairformerLayer.forward``: without autograd in eval mode the memory-bounded path (rows by
+    chunks of ``chunk_size_tri_attn``), else Boltz's own forward."""
+    v2 = sys.modules.get("boltz.model.layers.attentionv2")
+    att = mod.attention
+    if (not _bounded(mod, z, chunk_size_tri_attn) or v2 is None or not isinstance(att, v2.AttentionPairBias)
+            or not isinstance(att.proj_z, nn.Sequential)):
+        return original_forward(mod)(s, z, mask, pair_mask, chunk_size_tri_attn=chunk_size_tri_attn,
+                                     use_kernels=use_kernels, use_cuequiv_mul=use_cuequiv_mul,
+                                     use_cuequiv_attn=use_cuequiv_attn)
+    z, chunk = _pair_stack(mod, options, z, pair_mask, chunk_size_tri_attn, use_cuequiv_mul or use_kernels)
+    with torch.autocast("cuda", enabled=False):  # Boltz's single track: float32, autocast off
+        s_normed = mod.pre_norm_s(s.float())
+        # Boltz's proj_z(z.float()) [B, H, N, N], by chunks of z's rows, each read as float32
+        bias = inference.pair_bias(z, att.proj_z[0], att.proj_z[1], chunk, fp32=True)
+        keys = mask.float()
+        update = chunk_rows(lambda q, b: _pair_bias_attention(att, options, q, s_normed, b, keys, 1),
+                            [s_normed, bias], [-2, -2], chunk, out_dim=-2)
+        del bias
+        s = s.float() + update
+        s = s + mod.transition_s(s)
+        s = mod.s_post_norm(s)
+    return s, z
+
+
+def pairformer_noseq_layer(mod: nn.Module, options: Options, z: Tensor, pair_mask: Tensor,
+                           chunk_size_tri_attn: Optional[int] = None, use_kernels: bool = False,
+                           use_cuequiv_mul: bool = False, use_cuequiv_attn: bool = False) -> Tensor:
+    """Boltz-2's ``PairformerNoSeqLayer.forward`` (template and MSA modules' pair stacks): as
+    :func:`pairformer_layer` without the single track."""
+    if not _bounded(mod, z, chunk_size_tri_attn):
+        return original_forward(mod)(z, pair_mask, chunk_size_tri_attn=chunk_size_tri_attn, use_kernels=use_kernels,
+                                     use_cuequiv_mul=use_cuequiv_mul, use_cuequiv_attn=use_cuequiv_attn)
+    return _pair_stack(mod, options, z, pair_mask, chunk_size_tri_attn, use_cuequiv_mul or use_kernels)[0]

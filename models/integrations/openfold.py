@@ -60,12 +60,32 @@ def _spans(n: int, chunk: int):
     return [slice(i, min(i + chunk, n)) for i in range(0, n, chunk)]
 
 
+class RowAttention:
+    """OpenFold's gated ``Attention`` (``mha``: ``_prep_qkv`` / ``_wrap_up``) on ``attn_ops.attention``, split as
+    our ``Attention`` is (``project``, then ``attend``), so that the memory-bounded inference path of
+    ``attn_zoo.models.inference`` (``triangle_attention_``) can run it by chunks of rows."""
+
+    def __init__(self, mha: nn.Module, options: Options):
+        self.mha, self.options = mha, options
+
+    def project(self, q_x: Tensor, kv_x: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(q, k, v, q_x)``: q, k, v ``[*, H, L, C]``; the gate is OpenFold's, computed from ``q_x`` at the end."""
+        q, k, v = self.mha._prep_qkv(q_x, kv_x, apply_scale=False)
+        return q, k, v, q_x
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, q_x: Tensor, bias: Optional[Tensor], mask: Tensor) -> Tensor:
+        """Bias broadcastable to ``[*, H, Lq, Lk]`` or None, ``mask`` (True or 1 = attend) likewise; returns
+        ``[*, Lq, C_in]``."""
+        o = attn_ops.attention(q, k, v, bias=bias, mask=mask.bool(), scale=self.mha.c_hidden ** -0.5,
+                               **self.options.kwargs())  # [*, H, Lq, C]
+        return self.mha._wrap_up(o.transpose(-2, -3), q_x)  # [*, Lq, H, C] -> [*, Lq, C_in]
+
+
 def _rows(mha: nn.Module, options: Options, xn: Tensor, bias: Optional[Tensor], keys: Tensor) -> Tensor:
     """OpenFold's gated ``Attention`` over rows ``xn [*, R, J, C_in]`` (already layer-normed) along J; bias
     ``[*, 1, H, J, J]`` or None, keys ``[*, R, 1, 1, J]`` bool. Returns ``[*, R, J, C_in]``."""
-    q, k, v = mha._prep_qkv(xn, xn, apply_scale=False)  # [*, R, H, J, C]
-    o = attn_ops.attention(q, k, v, bias=bias, mask=keys, scale=mha.c_hidden ** -0.5, **options.kwargs())
-    return mha._wrap_up(o.transpose(-2, -3), xn)  # [*, R, J, H, C] -> [*, R, J, C_in]
+    att = RowAttention(mha, options)
+    return att.attend(*att.project(xn, xn), bias, keys)
 
 
 def row_attention(mha: nn.Module, layer_norm: nn.Module, options: Options, x: Tensor, bias: Optional[Tensor],
