@@ -367,6 +367,21 @@ def boltz_layer(v2=True, seed=0):
     return randomize_(layer, seed).eval()
 
 
+def test_boltz_layer_subclass_with_its_own_forward_keeps_it():
+    layer = boltz_layer()
+    from boltz.model.layers import pairformer as mod
+
+    class Custom(mod.PairformerLayer):  # the user's own layer: its forward is theirs
+        def forward(self, s, z, mask, pair_mask, **kw):
+            return super().forward(s, z, mask, pair_mask, **kw)
+
+    custom = Custom(token_s=32, token_z=16, num_heads=2, pairwise_head_width=16, pairwise_num_heads=2, v2=True)
+    attn_zoo.patch(custom)
+    attn_zoo.patch(layer)
+    assert "forward" not in custom.__dict__ and "forward" in custom.tri_att_start.__dict__
+    assert isinstance(layer.__dict__.get("forward"), PatchedForward)
+
+
 def boltz_run(layer, s, z, mask, pair_mask, seed=5, **kw):
     """Outputs at real positions and the parameters' gradients of a weighted sum over them (padded rows are
     defined differently: see models/integrations/boltz.py)."""

@@ -64,7 +64,10 @@ def _layer_classes() -> tuple:
 
 def find(model: nn.Module) -> List[nn.Module]:
     tri, apb = _classes()
-    return modules_of(model, tri + apb + _layer_classes())
+    layers = _layer_classes()
+    # a layer is patched only where it runs the forward reproduced here (not a subclass's own)
+    return [m for m in modules_of(model, tri + apb + layers)
+            if not isinstance(m, layers) or any(type(m).forward is cls.forward for cls in layers)]
 
 
 def patch_targets(modules: List[nn.Module]) -> List[Tuple[nn.Module, object]]:
