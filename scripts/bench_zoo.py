@@ -14,19 +14,41 @@ first call's wall time, compiles and autotuning included):
   (training) or the pair output on real positions (inference) against the first backend's. AlphaFold 2's own
   Evoformer is JAX/Haiku: its row is not measured and says which of jax, a JAX CUDA plugin, dm-haiku and
   alphafold the Python running the bench has.
+- ``of3-pairformer`` / ``protenix-pairformer``: a stack of 2 Pairformer blocks at the published widths (c_s 384,
+  c_z 128, 16 single heads, triangle attention 4 x 32, products 128 wide, transitions 4x), random weights, built
+  from openfold3 0.5.0's ``PairFormerStack`` / protenix 2.0.0's ``PairformerStack`` and converted by
+  ``from_openfold3`` / ``from_protenix``: a training step (fwd + bwd into the parameters and the inputs s and z of a
+  mean square of s and z at real positions; dropout 0 on both sides, so that their outputs compare) at N = 384
+  and at N = 299 with its last 21 residues padding (single and pair masks). Rows: the original on its default
+  attention path (plain PyTorch), its kernel switches (OpenFold3's ``use_triton_triangle_kernels``,
+  ``use_cueq_triangle_kernels``, ``use_deepspeed_evo_attention``; Protenix's ``triangle_attention`` "triattention",
+  "cuequivariance" (with its triangle multiplication), "deepspeed"), each skipped with the reason where it cannot
+  run, and ours per ``--pf-backends`` (triton; torch as a sanity row). ``diff_vs_ref``: the largest relative error
+  (max abs over max abs) of s, z and the input gradients at real positions, first step, against the original's
+  default path in the same dtype (bf16 autocast). Protenix runs its trunk unpadded and its single attention takes
+  no mask: at N = 299 its rows attend the padded residues, and the reference is Protenix on the 278 real ones.
+  Protenix's layer norm is its PyTorch one (``LAYERNORM_TYPE=torch`` unless set: the fused one is a CUDA
+  extension compiled at import). Where biotite / rdkit are missing (a GPU machine given only
+  ``scripts/prepare_whl_zoo.sh``'s packages), the originals import with a stand-in for each (see
+  :func:`import_original`), and their rows say so.
 
 Writes ``zoo.csv`` and ``zoo.md`` to ``--out`` (default ``$OUT`` or ``bench_out``), rewritten after every row.
 
     python scripts/bench_zoo.py                  # on a GPU
     python scripts/bench_zoo.py --smoke          # tiny shapes on any device: checks that the script runs
+    bash scripts/prepare_whl_zoo.sh && PYTHONPATH=.whl/site python scripts/bench_zoo.py \
+        --cases of3-pairformer protenix-pairformer  # the originals' packages for a machine without them
 On a device without CUDA the triton backend runs as ``torch`` (the Triton interpreter's bf16 is wrong).
 """
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import importlib.util
 import os
 import sys
 import time
+import types
 from dataclasses import astuple
 
 import torch
@@ -40,11 +62,13 @@ from attn_ops import wait_compiles  # noqa: E402
 from attn_zoo.models.compiling import compile_module  # noqa: E402
 from attn_zoo.models.esmc import ESMC_CONFIGS  # noqa: E402
 from bench_blocks import _randomize, attention_config  # noqa: E402
-from bench_patch import (cleanup, emitter, env_lines, is_oom, mlm_batch, mlm_step, parser, profile_step,  # noqa: E402
-                         rel_diff, start)
+from bench_patch import (cleanup, cuequivariance_available, emitter, env_lines, is_oom, mlm_batch,  # noqa: E402
+                         mlm_step, parser, profile_step, rel_diff, start)
 
 FIELDS = ["case", "shape", "variant", "ms", "tokens_per_s", "peak_gib", "first_step_s", "diff_vs_ref", "note"]
 EVO_BACKENDS = ("triton", "torch", "flex")
+PF_CASES = ("of3-pairformer", "protenix-pairformer")
+CASES = ("esmc", "af2-evoformer") + PF_CASES
 HF_ATTN = ("sdpa", "flash_attention_2", "attn_zoo.patch")
 
 FULL = dict(
@@ -52,6 +76,13 @@ FULL = dict(
     esmc_shape=(4, 1024, (300, 1024)),
     evo=dict(c_m=256, c_z=128),
     evo_shape=(512, 48, 384, 37),  # MSA rows, padded rows, residues, padded residues
+    # the published trunk widths; 2 blocks, as the zoo tests' stacks
+    of3=dict(c_s=384, c_z=128, c_hidden_pair_bias=24, no_heads_pair_bias=16, c_hidden_mul=128, c_hidden_pair_att=32,
+             no_heads_pair=4, no_blocks=2, transition_n=4),
+    protenix=dict(n_heads=16, c_z=128, c_s=384, c_hidden_mul=128, c_hidden_pair_att=32, no_heads_pair=4,
+                  num_intermediate_factor=4),
+    pf_blocks=2,
+    pf_shapes=((384, 0), (299, 21)),  # residues, padded residues (at the end)
 )
 SMOKE = dict(
     esmc=dict(layers=2, width=64, heads=4, ffn=192),
@@ -59,6 +90,12 @@ SMOKE = dict(
     evo=dict(c_m=32, c_z=16, num_heads_msa=2, c_hidden_msa=16, num_heads_pair=2, c_hidden_pair=16, c_hidden_opm=8,
              c_hidden_mul=16),
     evo_shape=(6, 2, 12, 3),
+    of3=dict(c_s=32, c_z=8, c_hidden_pair_bias=16, no_heads_pair_bias=2, c_hidden_mul=8, c_hidden_pair_att=16,
+             no_heads_pair=2, no_blocks=2, transition_n=2),
+    protenix=dict(n_heads=2, c_z=8, c_s=32, c_hidden_mul=8, c_hidden_pair_att=16, no_heads_pair=2,
+                  num_intermediate_factor=4),  # Protenix's single transition is 4 wide whatever the factor
+    pf_blocks=2,
+    pf_shapes=((16, 0), (13, 3)),
 )
 
 
@@ -92,8 +129,9 @@ def first_timed(fn, device):
     return wrapped
 
 
-def run_row(emit, timer, device, row, fn, ref, tokens=None):
-    """Time one variant into ``row``; returns the first step's result (the reference for later variants)."""
+def run_row(emit, timer, device, row, fn, ref, tokens=None, diff=rel_diff):
+    """Time one variant into ``row``; returns the first step's result (the reference for later variants, compared
+    by ``diff``)."""
     fn = first_timed(fn, device)
     try:
         ms, peak, first = timer(fn)
@@ -101,7 +139,7 @@ def run_row(emit, timer, device, row, fn, ref, tokens=None):
         if tokens:
             row["tokens_per_s"] = f"{tokens / ms * 1e3:.0f}"
         if ref is not None:
-            row["diff_vs_ref"] = f"{rel_diff(first, ref):.2e}"
+            row["diff_vs_ref"] = f"{diff(first, ref):.2e}"
         ref = first if ref is None else ref
     except Exception as exc:  # an OOM (or a failure) is a row, not the end of the run
         row["note"] = (row.get("note", "") + " " if row.get("note") else "") + (
@@ -272,13 +310,225 @@ def bench_evoformer(cfg, device, timer, backends, emit):
 
 
 # ------------------------------------------------------------------------------------------------
+# AF3-style Pairformers: OpenFold3's and Protenix's stacks vs ours
+# ------------------------------------------------------------------------------------------------
+# rdkit's periodic table symbols 1-118, the one thing protenix.data.constants reads from rdkit (its element list)
+ELEMENTS = ("H He Li Be B C N O F Ne Na Mg Al Si P S Cl Ar K Ca Sc Ti V Cr Mn Fe Co Ni Cu Zn Ga Ge As Se Br Kr "
+            "Rb Sr Y Zr Nb Mo Tc Ru Rh Pd Ag Cd In Sn Sb Te I Xe Cs Ba La Ce Pr Nd Pm Sm Eu Gd Tb Dy Ho Er Tm Yb Lu "
+            "Hf Ta W Re Os Ir Pt Au Hg Tl Pb Bi Po At Rn Fr Ra Ac Th Pa U Np Pu Am Cm Bk Cf Es Fm Md No Lr Rf Db Sg "
+            "Bh Hs Mt Ds Rg Cn Nh Fl Mc Lv Ts Og").split()
+
+
+class _PeriodicTable:
+    def GetElementSymbol(self, z):  # noqa: N802 (rdkit's name)
+        return ELEMENTS[z - 1]
+
+
+def _standin_biotite():
+    """biotite.structure with an ``AtomArray`` class: openfold3.core.utils.tensor_utils imports it for one
+    ``isinstance`` test, which no object can pass where biotite is missing."""
+    structure = types.ModuleType("biotite.structure")
+    structure.AtomArray = type("AtomArray", (), {"__doc__": "stand-in: biotite is not installed"})
+    top = types.ModuleType("biotite")
+    top.structure = structure
+    return {"biotite": top, "biotite.structure": structure}
+
+
+def _standin_rdkit():
+    """rdkit.Chem with ``GetPeriodicTable``: protenix.data.constants builds its element list from it at import
+    (rdkit's symbols, so the constants come out as with rdkit)."""
+    chem = types.ModuleType("rdkit.Chem")
+    chem.GetPeriodicTable = _PeriodicTable
+    top = types.ModuleType("rdkit")
+    top.Chem = chem
+    return {"rdkit": top, "rdkit.Chem": chem}
+
+
+# case -> (package, module its Pairformer imports from, {missing heavy package: its stand-in})
+ORIGINALS = {
+    "of3-pairformer": ("openfold3", "openfold3.core.model.latent.pairformer", {"biotite": _standin_biotite}),
+    "protenix-pairformer": ("protenix", "protenix.model.modules.pairformer", {"rdkit": _standin_rdkit}),
+}
+
+
+@contextlib.contextmanager
+def _standins(wanted):
+    """Put the stand-ins of the packages in ``wanted`` that do not import into ``sys.modules`` for the duration of
+    the block, then take them out again (nothing imported later sees a fake package). Yields their names."""
+    added = {}
+    for name, make in wanted.items():
+        if name not in sys.modules and importlib.util.find_spec(name) is None:
+            added.update(make())
+    sys.modules.update(added)
+    try:
+        yield sorted({k.split(".")[0] for k in added})
+    finally:
+        for k in added:
+            if sys.modules.get(k) is added[k]:
+                del sys.modules[k]
+
+
+def import_original(case):
+    """(module, notes) of the original Pairformer of ``case``; raises ImportError when it does not import.
+
+    The originals' import chains name heavy binary packages their Pairformers never use (the ``ORIGINALS`` table):
+    where one is missing, a stand-in takes its place for the import alone and a note says so. Protenix's layer
+    norm module compiles a CUDA extension at import unless ``LAYERNORM_TYPE`` names another: its PyTorch one is
+    picked here unless the variable is set."""
+    package, module, wanted = ORIGINALS[case]
+    notes = []
+    if case == "protenix-pairformer":
+        os.environ.setdefault("LAYERNORM_TYPE", "torch")
+        notes.append(f"LAYERNORM_TYPE={os.environ['LAYERNORM_TYPE']}")
+    with _standins(wanted) as used:
+        mod = importlib.import_module(module)
+    if used:
+        notes.append(f"{', '.join(used)} not installed: imported with a stand-in (bench_zoo.import_original)")
+    return mod, notes
+
+
+def pf_train(forward, module, s, z, real):
+    """A training step of a Pairformer stack ``forward(s, z) -> (s, z)``: bf16 autocast, the mean square of s and z
+    at the ``real`` positions, backward into the parameters and the inputs. The first call returns s, z and the
+    inputs' gradients at real positions (float32), later calls nothing (no copies in the timed steps)."""
+    state = {"first": True}
+
+    def step():
+        sg, zg = s.clone().requires_grad_(True), z.clone().requires_grad_(True)
+        with torch.autocast(s.device.type, dtype=torch.bfloat16):
+            so, zo = forward(sg, zg)
+        so, zo = so[0, real].float(), zo[0][real][:, real].float()
+        (so.square().mean() + zo.square().mean()).backward()
+        module.zero_grad(set_to_none=True)
+        if state.pop("first", False):
+            return so.detach(), zo.detach(), sg.grad[0, real].float(), zg.grad[0][real][:, real].float()
+        return None
+
+    return step
+
+
+def pf_diff(a, b) -> float:
+    """The largest :func:`rel_diff` of the tensors of two :func:`pf_train` first results."""
+    return max(rel_diff(x, y) for x, y in zip(a, b))
+
+
+def pf_variants(case, device):
+    """[(label, forward keyword flags, why it cannot run or None)]: the original's default path first, then its
+    kernel switches (each needs CUDA, and the cuEquivariance and DeepSpeed ones their packages)."""
+    cuda = device.type == "cuda"
+
+    def why(have, what):
+        return "needs CUDA" if not cuda else None if have else f"needs {what}, not installed"
+
+    ds4s = "deepspeed's DS4Sci_EvoformerAttention"
+    if case == "of3-pairformer":
+        attn = sys.modules["openfold3.core.model.primitives.attention"]  # the flags its own dispatch reads
+        return [
+            ("", {}, None),
+            ("use_triton_triangle_kernels", dict(use_triton_triangle_kernels=True),
+             why(attn.TRITON_AVAILABLE, "triton")),
+            ("use_cueq_triangle_kernels", dict(use_cueq_triangle_kernels=True),
+             why(attn.cueq_is_installed, "cuequivariance_torch and cuequivariance_ops_torch")),
+            ("use_deepspeed_evo_attention", dict(use_deepspeed_evo_attention=True), why(attn.ds4s_is_installed, ds4s)),
+        ]
+    return [
+        ("", {}, None),
+        ("triangle_attention=triattention", dict(triangle_attention="triattention"), why(True, "")),
+        ("cuequivariance", dict(triangle_attention="cuequivariance", triangle_multiplicative="cuequivariance"),
+         why(cuequivariance_available(device), "cuequivariance_torch")),
+        ("triangle_attention=deepspeed", dict(triangle_attention="deepspeed"),
+         why(importlib.util.find_spec("deepspeed") is not None, ds4s)),
+    ]
+
+
+def bench_pairformer(case, cfg, device, timer, backends, emit):
+    """One AF3-style case (``of3-pairformer`` or ``protenix-pairformer``); see the module's docstring."""
+    from attn_zoo.models.zoo import from_openfold3, from_protenix
+
+    package = ORIGINALS[case][0]
+    try:
+        mod, notes = import_original(case)
+        version = importlib.metadata.version(package)
+    except ImportError as exc:
+        emit(dict(case=case, note=f"skipped: {package} does not import ({type(exc).__name__}: {exc}); on a machine "
+                                  "without it: bash scripts/prepare_whl_zoo.sh, PYTHONPATH=.whl/site"))
+        return
+    of3 = case == "of3-pairformer"
+    name = f"{'OpenFold3' if of3 else 'Protenix'} {version}"
+    torch.manual_seed(0)
+    if of3:
+        theirs = mod.PairFormerStack(**cfg["of3"], transition_type="swiglu", pair_dropout=0.0,
+                                     fuse_projection_weights=False, blocks_per_ckpt=None, inf=1e9)
+        c_s, c_z = cfg["of3"]["c_s"], cfg["of3"]["c_z"]
+    else:  # Protenix's stack fixes its blocks' triangle widths: its own blocks of the wanted ones replace them
+        c = cfg["protenix"]
+        theirs = mod.PairformerStack(n_blocks=0, n_heads=c["n_heads"], c_z=c["c_z"], c_s=c["c_s"], dropout=0.0)
+        theirs.blocks = torch.nn.ModuleList(mod.PairformerBlock(**c, dropout=0.0) for _ in range(cfg["pf_blocks"]))
+        c_s, c_z = c["c_s"], c["c_z"]
+    _randomize(theirs)  # their inits zero the output layers and gates: the gradients would hide the attention's work
+    theirs.train()
+    load = from_openfold3 if of3 else from_protenix
+    ours, done = [], set()
+    for b in backends:
+        be = resolve_backend(b, device)
+        if be not in done:  # triton standing in as torch on a CPU
+            done.add(be)
+            ours.append((be, load(theirs, attention={"backend": be}, pair_dropout=0.0).train()))
+    variants = pf_variants(case, device)
+    for label, _, why in variants:
+        if why:
+            emit(dict(case=case, variant=f"{name} {label}", note=f"skipped: {why}"))
+    blocks = len(theirs.blocks)
+    for N, pad in cfg["pf_shapes"]:
+        g = torch.Generator().manual_seed(1)
+        s = torch.randn(1, N, c_s, generator=g).to(device)
+        z = torch.randn(1, N, N, c_z, generator=g).to(device)
+        real = torch.arange(N, device=device) < N - pad
+        mask, pair_mask = real[None], (real[:, None] & real[None, :])[None]
+        shape = f"N={N}{f' ({pad} padded)' if pad else ''}, {blocks} blocks, train step"
+        ref, note = None, list(notes)
+        theirs.to(device)
+        if of3:
+            def their_fwd(flags):
+                return lambda s_, z_: theirs(s_, z_, mask.float(), pair_mask.float(), **flags)
+        else:
+            def their_fwd(flags, pm=pair_mask):
+                return lambda s_, z_: theirs(s_, z_, pm.float(), **flags)
+            if pad:  # Protenix's own way of running a padded sequence: unpadded, the reference of every row here
+                cut = real.nonzero().squeeze(-1)
+                ref = pf_train(lambda s_, z_: theirs(s_, z_, pair_mask[:, cut][:, :, cut].float()), theirs,
+                               s[:, cut], z[:, cut][:, :, cut], torch.ones(len(cut), dtype=torch.bool,
+                                                                           device=device))()
+                note.append(f"attends the {pad} padded residues (no single mask); diff_vs_ref against Protenix on "
+                            f"the {N - pad} real ones")
+                cleanup(device)
+        for label, flags, why in variants:
+            if why:
+                continue
+            row = dict(case=case, shape=shape, variant=f"{name} {label}".rstrip(), note="; ".join(note))
+            ref = run_row(emit, timer, device, row, pf_train(their_fwd(flags), theirs, s, z, real), ref,
+                          diff=pf_diff)
+        theirs.to("cpu")
+        cleanup(device)
+        for be, stack in ours:
+            stack.to(device)
+            row = dict(case=case, shape=shape, variant=f"ours {load.__name__} ({be})")
+            fwd = lambda s_, z_, st=stack: st(s_, z_, mask, pair_mask)  # noqa: E731
+            run_row(emit, timer, device, row, pf_train(fwd, stack, s, z, real), ref, diff=pf_diff)
+            stack.to("cpu")
+            cleanup(device)
+
+
+# ------------------------------------------------------------------------------------------------
 # Output
 # ------------------------------------------------------------------------------------------------
 def main(argv=None):
     p = parser(__doc__)
-    p.add_argument("--cases", nargs="+", default=["esmc", "af2-evoformer"], choices=["esmc", "af2-evoformer"])
+    p.add_argument("--cases", nargs="+", default=["esmc", "af2-evoformer"], choices=list(CASES))
     p.add_argument("--backends", nargs="+", default=list(EVO_BACKENDS), choices=list(EVO_BACKENDS),
                    help="the Evoformer's attention backends (the first is the reference of diff_vs_ref)")
+    p.add_argument("--pf-backends", nargs="+", default=["triton", "torch"], choices=list(EVO_BACKENDS),
+                   help="the attention backends of ours in the OpenFold3 / Protenix cases")
     p.add_argument("--hf-attn", nargs="+", default=list(HF_ATTN), choices=list(HF_ATTN),
                    help="the Hugging Face ESM C's attention (the first is the reference of diff_vs_ref)")
     p.add_argument("--profile", action="store_true", help="also profile each ESM C step (zoo_profile.txt)")
@@ -299,8 +549,10 @@ def main(argv=None):
     for name in args.cases:
         if name == "esmc":
             bench_esmc(cfg, device, timer, backend, emit, args.hf_attn, args.compile)
-        else:
+        elif name == "af2-evoformer":
             bench_evoformer(cfg, device, timer, args.backends, emit)
+        else:
+            bench_pairformer(name, cfg, device, timer, args.pf_backends, emit)
     return rows
 
 

@@ -8,7 +8,8 @@
 #                                                         #    zoo models vs originals (210)
 # Other stages: baseline (the triton backend's host time, crop set, Pairformer step, ~300), determinism (SDPA
 # kernels' backward repeated, 90), patch-hf (the Hugging Face case of patch alone, 110), zoo-compiled (ESM C
-# also under torch.compile / compile_module, 420), ab-host (a host-path change before and after, .whl/before, ~400),
+# also under torch.compile / compile_module, 420), zoo-af3 (OpenFold3's and Protenix's Pairformers vs ours, 180;
+# their packages come in .whl/site from scripts/prepare_whl_zoo.sh), ab-host (a host-path change before and after, .whl/before, ~400),
 # compile-par (every model x mode of compile at once, one process each, tuning off: the question is
 # whether Inductor runs through the lengths; step times then share the GPU), esm2-peer (ESM-2 650M training step
 # at the fine-tune's batch, 8 x 1024, beside fair-esm's own, 150).
@@ -16,7 +17,7 @@
 # Each stage's markdown is appended to $OUT/results.md as it ends, what passed, failed or timed out to
 # $OUT/stages.txt, and the logs and CSV files to $OUT/logs.tgz after every stage (the device returns only a few
 # files, and a call cut off by its own limit still returns what $OUT holds). LIMIT_PCT scales every limit (50: half).
-# ZOO_SMOKE=1 runs the zoo stage with --smoke (any device). Needs torch, triton and this repository; transformers
+# ZOO_SMOKE=1 runs the zoo and zoo-af3 stages with --smoke (any device). Needs torch, triton and this repository; transformers
 # for patch and zoo; lightning and hydra-core/omegaconf/antlr4 for esm2-ft, the latter may come as pure-Python
 # packages in .whl/site (ignored by git: a device call names it in carry).
 set -o pipefail
@@ -121,6 +122,10 @@ torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() e
     zoo)
       step zoo 210 python3 scripts/bench_zoo.py --out "$work/zoo" ${ZOO_SMOKE:+--smoke}
       collect "Zoo models vs originals" "$work/zoo/zoo.md" ;;
+    zoo-af3)  # without openfold3 / protenix (bash scripts/prepare_whl_zoo.sh, carry .whl) their rows say skipped
+      step zoo-af3 180 python3 scripts/bench_zoo.py --cases of3-pairformer protenix-pairformer --out "$work/zoo-af3" \
+        ${ZOO_SMOKE:+--smoke}
+      collect "OpenFold3 and Protenix Pairformers vs ours" "$work/zoo-af3/zoo.md" ;;
     baseline)  # the triton backend's host time, crop-set kernels, Pairformer step, first-step compiles (threads vs
       # worker processes): taken before and after a change to the backend's host code
       step host 40 python3 scripts/bench_host.py

@@ -457,14 +457,23 @@ def test_row_worker_measures_its_row_with_the_given_options(monkeypatch, capsys)
 # ------------------------------------------------------------------------------------------ zoo bench
 @pytest.mark.slow
 def test_zoo_bench_smoke_runs_every_row(tmp_path):
-    """scripts/bench_zoo.py --smoke end to end: every row is measured or says why it was skipped; ours and the
-    Hugging Face ESM C (same weights) agree on the first step's loss; zoo.csv / zoo.md hold the rows."""
+    """scripts/bench_zoo.py --smoke end to end, every case: every row is measured or says why it was skipped; ours
+    and the Hugging Face ESM C (same weights) agree on the first step's loss, ours and OpenFold3's / Protenix's
+    Pairformers on the first step's outputs and input gradients; zoo.csv / zoo.md hold the rows."""
     import csv
+
+    import torch
 
     pytest.importorskip("transformers")
     import bench_zoo
 
-    rows = bench_zoo.main(["--smoke", "--out", str(tmp_path), "--iters", "1", "--warmup", "1"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # at smoke sizes waking intra-op threads costs more than the ops: half the run time
+    try:
+        rows = bench_zoo.main(["--smoke", "--out", str(tmp_path), "--iters", "1", "--warmup", "1",
+                               "--cases", *bench_zoo.CASES])
+    finally:
+        torch.set_num_threads(threads)
     assert rows, "no rows"
     for r in rows:
         assert r.get("ms") or r.get("note", "").startswith(("skipped", "not measured")), r
@@ -478,6 +487,16 @@ def test_zoo_bench_smoke_runs_every_row(tmp_path):
     assert all(float(r["diff_vs_ref"]) < 5e-2 for r in evo if r.get("diff_vs_ref")), evo  # bf16 vs bf16, not ~1
     assert {r["shape"].rsplit(", ", 1)[-1] for r in evo if r.get("ms")} == {"train step", "inference"}
     assert any("JAX" in r["variant"] and r["note"].startswith("not measured") for r in evo)
+    for case in bench_zoo.PF_CASES:  # each original's default path and ours per shape, or one row saying why not
+        pf = [r for r in rows if r["case"] == case]
+        if len(pf) == 1 and "does not import" in pf[0]["note"]:
+            continue
+        ours = [r for r in pf if r["variant"].startswith("ours")]
+        theirs = [r for r in pf if r.get("ms") and not r["variant"].startswith("ours")]
+        assert len(ours) == len(theirs) == 2 and all(r["ms"] for r in ours), pf
+        # bf16 autocast on both sides (fp32: 1e-6); a wrong weight or mask would move them by ~1
+        assert all(float(r["diff_vs_ref"]) < 5e-2 for r in ours), ours
+        assert all(r["note"].startswith("skipped") for r in pf if not r.get("ms")), pf  # kernels: CUDA only here
     with open(tmp_path / "zoo.csv") as f:
         assert list(csv.DictReader(f)) == [{k: r.get(k, "") for k in bench_zoo.FIELDS} for r in rows]
     assert (tmp_path / "zoo.md").read_text().count("\n| ") == len(rows) + 1
