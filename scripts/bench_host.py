@@ -75,20 +75,23 @@ def main():
         step()
     if cuda:
         torch.cuda.synchronize()
-    per_call, host = [], []
+    per_call, host, cpu = [], [], []
     for _ in range(args.repeats):
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         for _ in range(args.iters):
             step()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         if cuda:
             torch.cuda.synchronize()
         t2 = time.perf_counter()
         host.append((t1 - t0) / args.iters * 1e6)
+        cpu.append((c1 - c0) / args.iters * 1e6)
         per_call.append((t2 - t0) / args.iters * 1e6)
     what = "stubbed kernels" if args.stub else "real kernels"
     print(f"[{B},{R},{H},{L},{D}] {str(dtype)[6:]} bias+mask fwd+bwd, {what} on {dev}: "
           f"host {statistics.median(host):.1f} us/call (Python returns), "
+          f"cpu {statistics.median(cpu):.1f} us/call (this thread's CPU time: a shared host's other tenants and "
+          f"preemption left out), "
           f"wall {statistics.median(per_call):.1f} us/call (median of {args.repeats} x {args.iters})")
 
 

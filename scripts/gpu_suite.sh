@@ -164,10 +164,12 @@ torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() e
         step "crop-$side" 90 python3 $root/scripts/bench_attention.py --set crop --backends triton flex \
           --shapes "N=128 " "N=200 " "N=256 " "N=300 D=16" --time-limit 70 --out "$work/crop-$side"
       done
-      { echo "| run | host, stubbed kernels | host, real kernels |"; echo "|---|---|---|"
+      { echo "| run | host, stubbed kernels | cpu, stubbed | host, real kernels | cpu, real |"; echo "|---|---|---|---|---|"
         for i in 1 2 3; do for side in before after; do
           echo "| $side $i | $(grep -o 'host [0-9.]* us' "$logs/host-stub-$side-$i.log") |" \
-               "$(grep -o 'host [0-9.]* us' "$logs/host-$side-$i.log") |"
+               "$(grep -o 'cpu [0-9.]* us' "$logs/host-stub-$side-$i.log") |" \
+               "$(grep -o 'host [0-9.]* us' "$logs/host-$side-$i.log") |" \
+               "$(grep -o 'cpu [0-9.]* us' "$logs/host-$side-$i.log") |"
         done; done; } > "$work/ab.md"
       collect "Host path before / after" "$work/ab.md" "$work/crop-before/crop.md" "$work/crop-after/crop.md" ;;
     *) echo "unknown stage $stage" >&2 ;;
