@@ -59,6 +59,12 @@ def _allowed(allow_globals: Any) -> List[Any]:
     return out
 
 
+def data_only(allow_globals: Sequence[Any]):
+    """The context every load of a user's file runs in: :data:`SAFE_GLOBALS` and the caller's ``allow_globals``
+    (checked by :func:`_allowed`) are all a ``weights_only=True`` unpickler may build."""
+    return torch.serialization.safe_globals([*SAFE_GLOBALS, *_allowed(allow_globals)])
+
+
 def _global_name(g: Any) -> str:
     return f"{g.__module__}.{g.__qualname__}"
 
@@ -79,7 +85,7 @@ def read_checkpoint(path: PathLike, map_location: Any = "cpu", *, allow_globals:
     if not path.is_file():
         raise ZooCheckpointError(f"checkpoint {str(path)!r} does not exist or is not a file")
     try:
-        with torch.serialization.safe_globals([*SAFE_GLOBALS, *extra]):
+        with data_only(extra):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, garbage bytes, pickled code refused by weights_only
         text = str(e)

@@ -76,7 +76,7 @@ class Task(L.LightningModule):
         """Lightning's ``load_from_checkpoint``, always with ``weights_only=True``, and the file's hyperparameters
         never choose a file to read (``pretrained``). ``allow_globals``: classes your file pickles, named by your
         code; the file still cannot name anything else (``zoo.read_checkpoint``)."""
-        from ..zoo_files import SAFE_GLOBALS, _allowed
+        from ..zoo_files import _allowed, data_only
 
         if kwargs.pop("weights_only", None) not in (None, True):
             raise ValueError("files are always read as data (weights_only=True); for classes your checkpoint "
@@ -84,7 +84,7 @@ class Task(L.LightningModule):
         extra = _allowed(allow_globals)
         kwargs.setdefault("pretrained", None)  # the file's hyperparameters never choose a file to read ...
         kwargs["allow_globals"] = extra  # ... nor what it may unpickle
-        with torch.serialization.safe_globals([*SAFE_GLOBALS, *extra]):
+        with data_only(extra):
             return super().load_from_checkpoint(checkpoint_path, *args, weights_only=True, **kwargs)
 
     def record_net_config(self, config: Mapping[str, Any]) -> None:
