@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 import attn_ops
-from .esm2 import Alphabet, _rotate_half
+from .esm2 import Alphabet
+from .kernels import rotary_qk
 from .primitives import AttentionConfig, LayerNorm, fused_linear
 
 Tensor = torch.Tensor
@@ -95,19 +96,20 @@ class EsmcAttention(nn.Module):
     def forward(self, x: Tensor, rotary: Tuple[Tensor, Tensor], mask: Optional[Tensor],
                 segment_ids: Optional[Tensor]) -> Tensor:
         """x ``[B, L, C]``; rotary float32 ``(cos, sin)`` ``[L, D]``; mask ``[B, 1, 1, L]`` True = real key."""
-        q, k, v = fused_linear(x, [self.q_proj, self.k_proj, self.v_proj])  # [B, L, C] each
-        q, k = self.q_norm(q).to(x.dtype), self.k_norm(k).to(x.dtype)
+        C = self.heads * self.head_dim
+        y = fused_linear(x, [self.q_proj, self.k_proj, self.v_proj], split=False)  # [B, L, 3C + pad]
+        qk, v = y.split([2 * C, y.shape[-1] - 2 * C], -1)  # (one cat in the backward, not two scatters)
+        v = v[..., :C] if v.shape[-1] != C else v
+        cos, sin = rotary
+        # q and k normed over the width (float32 statistics) and rotated in one pass (one launch on CUDA)
+        norms = torch.stack([self.q_norm.weight, self.k_norm.weight])  # [2, C]
+        q, k = rotary_qk(qk.unflatten(-1, (2, C)), cos, sin, self.heads, norms, self.q_norm.eps,
+                         out_dtype=v.dtype)  # [B, L, C] each
 
         def heads(t):  # [B, L, C] -> [B, H, L, D]
             return t.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
 
-        cos, sin = rotary
-
-        def rot(t):
-            tf = t.float()
-            return (tf * cos + _rotate_half(tf) * sin).to(t.dtype)
-
-        q, k, v = rot(heads(q)), rot(heads(k)), heads(v)
+        q, k, v = heads(q), heads(k), heads(v)
         seg = {} if segment_ids is None else {"segment_ids": segment_ids}
         o = attn_ops.attention(q, k, v, mask=mask, backend=self.attention.backend, **self.attention.options,
                                **seg)  # [B, H, L, D]
@@ -142,8 +144,11 @@ class EsmcLayer(nn.Module):
 
     def forward(self, x: Tensor, rotary: Tuple[Tensor, Tensor], mask: Optional[Tensor],
                 segment_ids: Optional[Tensor]) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, mask, segment_ids) / self.scaling_factor
-        return x + self.mlp(self.post_attention_layernorm(x)) / self.scaling_factor
+        s = self.scaling_factor  # 1 at 36 layers (600M): no division then, the same bits, two ops fewer a layer
+        h = self.self_attn(self.input_layernorm(x), rotary, mask, segment_ids)
+        x = x + (h if s == 1.0 else h / s)
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h if s == 1.0 else h / s)
 
 
 class EsmcLMHead(nn.Module):

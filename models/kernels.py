@@ -13,7 +13,7 @@ node's pair, the triangle multiplication's product) hands its producer a gradien
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -30,6 +30,7 @@ try:
     from attn_ops.triton.launch import sm_count as _cuda_sm_count
     from attn_ops.triton.norms import (_gate_cf_bwd_kernel, _gate_cf_kernel, _layer_norm_bwd_kernel,
                                        _layer_norm_kernel)
+    from attn_ops.triton.rotary import _rotary_bwd_kernel, _rotary_kernel
 except ImportError:  # pragma: no cover - triton is a dependency; the fallback keeps CPU-only installs working
     triton = None
 
@@ -296,3 +297,104 @@ def gate_channels_first(y: Tensor, mask: Optional[Tensor], n: int, m: int) -> Te
         raise ValueError(f"gate_channels_first: mask must be a contiguous [B, N*N] = [{bsz}, {n * n}] tensor; got "
                          f"shape {tuple(mask.shape)}, strides {mask.stride()}")
     return _GateChannelsFirst.apply(y, mask, n, m)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rotary embedding of q and k (with ESM C's layer norm over the width first), the kernels of
+# attn_ops/triton/rotary.py: one launch for both, float32 inside, one write in the attention's dtype.
+# --------------------------------------------------------------------------------------------------
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary_qk_reference(x: Tensor, cos: Tensor, sin: Tensor, heads: int, weight: Optional[Tensor] = None,
+                        eps: float = 1e-5, scales: Tuple[float, ...] = (1.0, 1.0),
+                        out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """:func:`rotary_qk` in PyTorch ops (CPU, ``torch.compile``, the kernels' reference)."""
+    G, C = x.shape[-2:]
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    if weight is not None:
+        xf = nn.functional.layer_norm(xf, (C,), eps=eps) * weight.float()  # [B, L, G, C]
+    xh = xf.unflatten(-1, (heads, C // heads))  # [B, L, G, H, D]
+    c, s = cos[..., None, None, :], sin[..., None, None, :]  # [*, L, 1, 1, D]
+    y = xh * c + _rotate_half(xh) * s
+    if any(v != 1.0 for v in scales[:G]):
+        y = y * torch.tensor(scales[:G], dtype=y.dtype, device=x.device)[:, None, None]
+    return y.flatten(-2).movedim(-2, 0).to(out_dtype or x.dtype)  # [G, B, L, C]
+
+
+class _RotaryQK(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, weight, eps: float, scales, heads: int, out_dtype):
+        B, L, G, C = x.shape
+        M = B * L
+        block_c = 1 << max(0, C - 1).bit_length()
+        block_m = max(1, min(64, 4096 // block_c))  # about 4096 elements a tile
+        norm = weight is not None
+        y = torch.empty(G, B, L, C, dtype=out_dtype, device=x.device)
+        stats = torch.empty(G, 2, M, dtype=torch.float32, device=x.device) if norm else y
+        scb = cos.stride(0) if cos.dim() == 3 else 0
+        s0, s1 = (float(v) for v in (tuple(scales) + (1.0, 1.0))[:2])
+        if M:
+            _fast_launch(_rotary_kernel, (_cdiv(M, block_m), G),
+                         (x, weight if norm else x, cos, sin, y, stats, M, L, x.stride(0), x.stride(1), x.stride(2),
+                          scb, eps, s0, s1), 4, 1, C=C, D=C // heads, NORM=norm, BLOCK_M=block_m, BLOCK_C=block_c)
+        ctx.save_for_backward(x if norm else None, weight, cos, sin, stats if norm else None)
+        ctx.geo = (B, L, G, C, heads, block_m, block_c, scb, s0, s1, x.dtype)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, weight, cos, sin, stats = ctx.saved_tensors
+        B, L, G, C, heads, block_m, block_c, scb, s0, s1, x_dtype = ctx.geo
+        M = B * L
+        dy = dy.contiguous()
+        dx = torch.empty(B, L, G, C, dtype=x_dtype, device=dy.device)
+        norm = weight is not None
+        programs = max(1, min(_cdiv(M, block_m), 8 * _sm_count(dy.device)))
+        rows = max(block_m, _cdiv(_cdiv(M, programs), block_m) * block_m)
+        programs = max(1, _cdiv(M, rows))
+        dw = torch.empty(G, programs, C, dtype=torch.float32, device=dy.device) if norm else dy
+        sx = x.stride() if norm else (0, 0, 0, 1)
+        if M:
+            _fast_launch(_rotary_bwd_kernel, (programs, G),
+                         (x if norm else dy, weight if norm else dy, cos, sin, dy, dx, stats if norm else dy, dw, M,
+                          L, sx[0], sx[1], sx[2], scb, rows, s0, s1), 4, 1, C=C, D=C // heads, G=G, NORM=norm,
+                         BLOCK_M=block_m, BLOCK_C=block_c)
+        elif norm:
+            dw.zero_()
+        gw = dw.sum(1).to(weight.dtype) if norm else None  # [G, C] in a fixed order: the same bits every run
+        return dx, None, None, gw, None, None, None, None
+
+
+def rotary_qk(x: Tensor, cos: Tensor, sin: Tensor, heads: int, weight: Optional[Tensor] = None, eps: float = 1e-5,
+              scales: Tuple[float, ...] = (1.0, 1.0), out_dtype: Optional[torch.dtype] = None,
+              force: bool = False) -> Tensor:
+    """Rotary embedding (``rotate_half``: channel i and i + D/2 of each head) of the ``G`` groups of ``x``
+    ``[B, L, G, C]`` (q and k of one fused projection: a view, last dim contiguous), each scaled by ``scales[g]``
+    after the rotation; with ``weight`` ``[G, C]``, a layer norm over C (no bias, float32 statistics) first.
+    ``cos, sin``: float32 ``[L, D]`` (or ``[B, L, D]``: per-row positions) built as ``cat(freqs, freqs)``.
+    Returns ``[G, B, L, C]`` contiguous in ``out_dtype`` (default ``x.dtype``).
+
+    On CUDA in eager mode one Triton launch forward and one backward (float32 inside, one write), replacing a dozen
+    PyTorch ops per tensor; ``force`` runs the kernels on any device (the CPU interpreter in tests); elsewhere,
+    under ``torch.compile`` and for a layout they do not take, :func:`rotary_qk_reference`."""
+    out_dtype = out_dtype or x.dtype
+    if x.dim() != 4 or x.shape[-1] % heads or (x.shape[-1] // heads) % 2:
+        raise ValueError(f"rotary_qk: x must be [B, L, G, C] with C divisible by heads={heads} into an even head "
+                         f"dim, got {tuple(x.shape)}")
+    B, L, G, C = x.shape
+    if cos.shape != sin.shape or cos.shape[-2:] != (L, C // heads) or cos.dim() not in (2, 3) or \
+            (cos.dim() == 3 and cos.shape[0] != B):
+        raise ValueError(f"rotary_qk: cos and sin must be [L, D] or [B, L, D] = [{L}, {C // heads}] or "
+                         f"[{B}, {L}, {C // heads}] for x {tuple(x.shape)}, got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if weight is not None and weight.shape != (G, C):
+        raise ValueError(f"rotary_qk: weight must be [G, C] = [{G}, {C}], got {tuple(weight.shape)}")
+    use = triton is not None and eager_first_order() and (force or (x.device.type == "cuda" and not _interpreting()))
+    if not (use and x.stride(-1) == 1 and x.dtype in FLOATS and out_dtype in FLOATS and
+            cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous() and
+            (weight is None or weight.is_contiguous())):
+        return rotary_qk_reference(x, cos, sin, heads, weight, eps, scales, out_dtype)
+    return _RotaryQK.apply(x, cos, sin, weight, float(eps), tuple(scales), int(heads), out_dtype)

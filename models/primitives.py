@@ -210,18 +210,19 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     return nn.functional.linear(x, weight, bias)
 
 
-def fused_linear(x: Tensor, layers: Sequence[nn.Linear]) -> Tuple[Tensor, ...]:
+def fused_linear(x: Tensor, layers: Sequence[nn.Linear], split: bool = True):
     """``tuple(layer(x) for layer in layers)`` computed by one matmul on the concatenated weights.
 
     One read of ``x`` (and one autocast cast of it) instead of one per layer; the outputs are views of
-    one ``[*, sum(out_features) + pad]`` tensor (pad below). Parameters and their initialisations stay per layer.
+    one ``[*, sum(out_features) + pad]`` tensor (pad below), which ``split=False`` returns whole. Parameters and
+    their initialisations stay per layer.
 
     The concatenated width is padded with zero rows to a multiple of 8 (16 bytes in bf16): a triangle
     attention's q, k, v, gate and 4 bias heads make 516 outputs, and for such a width ``torch.compile`` pads the
     ``[*, 516]`` gradient of the matmul into a new ``[*, 520]`` tensor, a full copy (docs/bench/history.md,
     "Design measurements"). The padded outputs are computed and dropped.
     """
-    if len(layers) == 1:
+    if len(layers) == 1 and split:
         return (layers[0](x),)
     sizes = [lin.out_features for lin in layers]
     pad = -sum(sizes) % 8
@@ -234,6 +235,8 @@ def fused_linear(x: Tensor, layers: Sequence[nn.Linear]) -> Tuple[Tensor, ...]:
             lin.bias if lin.bias is not None else _zeros(w0, lin.out_features) for lin in layers
         ] + ([_zeros(w0, pad)] if pad else []))
     y = linear(x, w, b)  # [*, sum(out) + pad]
+    if not split:
+        return y
     return y.split(sizes + ([pad] if pad else []), dim=-1)[: len(layers)]
 
 

@@ -1,0 +1,145 @@
+"""The rotary kernels (``models.kernels.rotary_qk``) against their PyTorch reference and the blocks' own rotary code:
+outputs and the gradients of the input and of the norm weights, q and k in one launch, shared and per-row tables."""
+import pytest
+import torch
+
+from attn_zoo.models import kernels
+from attn_zoo.models.esm2 import RotaryEmbedding
+from attn_zoo.models.esmc import _rotary_tables
+
+
+def _tables(L, D, B=None, g=None):
+    cos, sin = RotaryEmbedding(D).tables(L, torch.device("cpu"))
+    if B is None:
+        return cos, sin
+    pos = torch.randint(0, L, (B, L), generator=g)  # packed rows: positions restart inside a row
+    return cos[pos].contiguous(), sin[pos].contiguous()
+
+
+def _fused_view(B, L, G, C, dtype, g):
+    """q, k (and v) of one fused projection ``[B, L, 3C + 5]``: the kernels read the [B, L, G, C] view in place."""
+    y = (torch.randn(B, L, 3 * C + 5, generator=g) * 2 + 0.5).to(dtype).requires_grad_()
+    return y, y[..., : G * C].unflatten(-1, (G, C))
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("G,per_row", [(2, False), (1, True), (2, True)])
+def test_rotary_kernel_matches_reference(norm, G, per_row):
+    g = torch.Generator().manual_seed(3)
+    B, L, H, D = 2, 7, 3, 8
+    C = H * D
+    y, x = _fused_view(B, L, G, C, torch.float32, g)
+    cos, sin = _tables(L, D, B if per_row else None, g)
+    w = (1 + 0.3 * torch.randn(G, C, generator=g)).requires_grad_() if norm else None
+    scales = (0.5, 1.0)
+    out = kernels.rotary_qk(x, cos, sin, H, w, 1e-5, scales, force=True)
+    assert out.shape == (G, B, L, C) and out.is_contiguous()
+    ref = kernels.rotary_qk_reference(x.double(), cos.double(), sin.double(), H,
+                                      None if w is None else w.double(), 1e-5, scales, torch.float64)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    dout = torch.randn(out.shape, generator=g)
+    wrt = [y] + ([w] if norm else [])
+    got = torch.autograd.grad(out, wrt, dout)
+    want = torch.autograd.grad(ref, wrt, dout.double())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
+    if norm:  # the weight gradient is summed in a fixed order: the same bits every run
+        again = torch.autograd.grad(kernels.rotary_qk(x, cos, sin, H, w, 1e-5, scales, force=True), [w], dout)
+        assert torch.equal(again[0], got[1])
+
+
+def test_rotary_kernel_half_precision_within_reference_noise():
+    """fp16 in and out: the kernel (float32 inside, one rounding) is no further from the float64 result than the
+    reference run in fp16's own output rounding."""
+    g = torch.Generator().manual_seed(5)
+    B, L, H, D = 3, 9, 2, 16
+    C = H * D
+    _, x = _fused_view(B, L, 2, C, torch.float16, g)
+    cos, sin = _tables(L, D)
+    w = (1 + 0.3 * torch.randn(2, C, generator=g)).half()
+    out = kernels.rotary_qk(x, cos, sin, H, w, force=True)
+    exact = kernels.rotary_qk_reference(x.double(), cos.double(), sin.double(), H, w.double(), out_dtype=torch.float64)
+    rounded = exact.half().double()
+    assert (out.double() - exact).abs().max() <= 1.01 * (rounded - exact).abs().max() + 1e-6
+
+
+def test_reference_is_the_blocks_rotary():
+    """ESM-2's (q scaled, then rotated) and ESM C's (q/k layer norm, then rotated) own code give the reference's
+    result, so the models keep their parity with fair-esm and Hugging Face whichever path runs."""
+    g = torch.Generator().manual_seed(1)
+    B, L, H, D = 2, 6, 2, 8
+    C = H * D
+    q, k = torch.randn(B, L, C, generator=g), torch.randn(B, L, C, generator=g)
+    x = torch.stack([q, k], 2)
+    rot = RotaryEmbedding(D)
+
+    def heads(t):
+        return t.unflatten(-1, (H, D)).transpose(1, 2)
+
+    q2, k2 = rot(heads(q * D ** -0.5), heads(k))
+    out = kernels.rotary_qk_reference(x, *rot.tables(L, torch.device("cpu")), H, scales=(D ** -0.5, 1.0))
+    torch.testing.assert_close(heads(out[0]), q2, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(heads(out[1]), k2, rtol=1e-6, atol=1e-6)
+    wq, wk = 1 + torch.randn(C, generator=g), 1 + torch.randn(C, generator=g)
+    cos, sin = _rotary_tables(L, D, 10000.0, torch.device("cpu"))
+    nq = torch.nn.functional.layer_norm(q, (C,), wq)
+    want = heads(nq) * cos + kernels._rotate_half(heads(nq)) * sin
+    out = kernels.rotary_qk_reference(x, cos, sin, H, torch.stack([wq, wk]))
+    torch.testing.assert_close(heads(out[0]), want, rtol=1e-6, atol=1e-6)
+
+
+def test_rotary_declines_what_it_cannot_serve():
+    """Off CUDA unless forced, for float64 or strided tables: the reference's result; shapes that do not fit: a
+    ValueError naming the argument."""
+    g = torch.Generator().manual_seed(2)
+    cos, sin = _tables(5, 8)
+    x = torch.randn(2, 5, 2, 16, generator=g)
+    calls = []
+    real = kernels._RotaryQK.apply
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels._RotaryQK, "apply", lambda *a: calls.append(1) or real(*a))
+        kernels.rotary_qk(x, cos, sin, 2)  # CPU, not forced
+        kernels.rotary_qk(x.double(), cos, sin, 2, force=True)
+        kernels.rotary_qk(x, cos.t().contiguous().t(), sin, 2, force=True)  # tables not contiguous
+        assert not calls
+        kernels.rotary_qk(x, cos, sin, 2, force=True)
+        assert calls
+    with pytest.raises(ValueError, match=r"cos and sin must be \[L, D\].*got \(5, 8\)"):
+        kernels.rotary_qk(torch.randn(2, 6, 2, 16), cos, sin, 2)  # 6 rows, tables of 5
+    with pytest.raises(ValueError, match="even head dim"):
+        kernels.rotary_qk(torch.randn(2, 5, 2, 12), cos, sin, 4)
+    with pytest.raises(ValueError, match=r"weight must be \[G, C\] = \[2, 16\]"):
+        kernels.rotary_qk(x, cos, sin, 2, torch.ones(16))
+    empty = torch.randn(0, 5, 2, 16, requires_grad=True)
+    w = torch.ones(2, 16, requires_grad=True)
+    out = kernels.rotary_qk(empty, cos, sin, 2, w, force=True)
+    dx, dw = torch.autograd.grad(out, [empty, w], torch.ones_like(out))
+    assert out.shape == (2, 0, 5, 16) and torch.equal(dw, torch.zeros(2, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("norm", [False, True])
+def test_rotary_kernel_gpu_bf16(norm):
+    """bf16 on the GPU: within the reference's own bf16 error of the float64 result; gradients likewise."""
+    g = torch.Generator().manual_seed(4)
+    B, L, H, D = 4, 301, 18, 64
+    C = H * D
+    y, x = _fused_view(B, L, 2, C, torch.bfloat16, g)
+    y = y.detach().cuda().requires_grad_()
+    x = y[..., : 2 * C].unflatten(-1, (2, C))
+    cos, sin = (t.cuda() for t in _tables(L, D))
+    w = (1 + 0.3 * torch.randn(2, C, generator=g)).cuda().requires_grad_() if norm else None
+    out = kernels.rotary_qk(x, cos, sin, H, w, scales=(0.125, 1.0))
+    ref = kernels.rotary_qk_reference(x, cos, sin, H, w, scales=(0.125, 1.0))
+    exact = kernels.rotary_qk_reference(x.double(), cos.double(), sin.double(), H,
+                                        None if w is None else w.double(), scales=(0.125, 1.0),
+                                        out_dtype=torch.float64)
+    assert (out.double() - exact).abs().max() <= 1.01 * (ref.double() - exact).abs().max() + 1e-6
+    dout = torch.randn(out.shape, device="cuda", dtype=torch.bfloat16)
+    wrt = [y] + ([w] if norm else [])
+    got = torch.autograd.grad(out, wrt, dout)
+    low = torch.autograd.grad(ref, wrt, dout)
+    want = torch.autograd.grad(exact, wrt, dout.double())
+    for a, b, c in zip(got, low, want):
+        assert (a.double() - c).abs().max() <= 1.5 * (b.double() - c).abs().max() + 1e-5
