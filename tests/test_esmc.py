@@ -224,26 +224,36 @@ def test_embed_command_takes_esmc(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_triton_matches_hf_fp32_and_bf16():
-    """On CUDA (the rotary/q-k norm kernel and the triton backend): fp32 logits and every parameter's gradient within
-    1e-5 of the Hugging Face model's (TF32 off); bf16 autocast logits no further from HF's fp32 ones than HF's own
-    bf16 logits are."""
+    """On CUDA (the rotary/q-k norm kernel and the triton backend), TF32 off: fp32 logits within 1e-5 of the Hugging
+    Face model's; every parameter's fp32 gradient no further from HF's float64 gradient than twice HF's own fp32
+    gradient is (plus 1e-6 of its largest entry); bf16 autocast logits no further from HF's fp32 ones than 1.5x HF's
+    own bf16 logits are."""
+    import copy
+
     torch.backends.cuda.matmul.allow_tf32 = False
     hf, cfg = _hf(3, 128, 4, 256)
     hf = hf.cuda()
+    hf64 = copy.deepcopy(hf).double()
     ours = from_esmc(hf.state_dict(), config=cfg, attention="triton").cuda()
     tok = _tokens().cuda()
     keep = tok.ne(ALPHABET.padding_idx)
     ref = hf(input_ids=tok, attention_mask=keep.long()).logits
     out = ours(tok)["logits"]
     assert _rel(out, ref, keep) < TOL
-    (ref[keep].square().mean()).backward()
-    (out[keep].square().mean()).backward()
-    theirs = dict(hf.named_parameters())
+    for model, logits in ((hf, ref), (ours, out), (hf64, hf64(input_ids=tok, attention_mask=keep.long()).logits)):
+        logits[keep].square().mean().backward()
+    theirs, exact = dict(hf.named_parameters()), dict(hf64.named_parameters())
+    checked = 0
     for name, p in ours.named_parameters():
-        q = theirs.get("esmc." + name, theirs.get(name))
-        if q is None or q.grad is None:
+        key = "esmc." + name if "esmc." + name in theirs else name
+        if key not in theirs or theirs[key].grad is None:
             continue
-        assert ((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item() < 1e-4, name
+        g64 = exact[key].grad
+        e_ours = (p.grad.double() - g64).abs().max().item()
+        e_hf = (theirs[key].grad.double() - g64).abs().max().item()
+        assert e_ours <= 2 * e_hf + 1e-6 * g64.abs().max().item(), (name, e_ours, e_hf)
+        checked += 1
+    assert checked >= 10
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         ref_bf = hf(input_ids=tok, attention_mask=keep.long()).logits.float()
         out_bf = ours(tok)["logits"].float()
