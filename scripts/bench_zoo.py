@@ -227,6 +227,17 @@ def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN, compiled=Fals
     row = dict(case="esmc", shape=shape, variant=f"ours from_esmc ({backend})")
     fn = lambda: mlm_step(lambda t: ours(inp)["logits"], ours, tokens, target, device)  # noqa: E731
     run_row(emit, timer, device, row, fn, ref, real)
+    if cfg.get("rotary_ab"):  # the same model with q/k norm + rotary in PyTorch ops instead of the one kernel
+        import attn_zoo.models.esmc as esmc_module
+        from attn_zoo.models.kernels import rotary_qk_reference
+
+        kernel = esmc_module.rotary_qk
+        esmc_module.rotary_qk = lambda *a, **kw: rotary_qk_reference(*a, **kw)
+        try:
+            run_row(emit, timer, device, dict(row, variant=row["variant"] + ", rotary in PyTorch ops"), fn, ref, real)
+        finally:
+            esmc_module.rotary_qk = kernel
+        run_row(emit, timer, device, dict(row, variant=row["variant"] + " (again)"), fn, ref, real)
     if cfg.get("profile"):
         profile_step(cfg["profile"], f"esmc {shape} {row['variant']}", fn, device)
     for mode in (("default", "reduce-overhead") if compiled else ()):
@@ -532,6 +543,8 @@ def main(argv=None):
     p.add_argument("--hf-attn", nargs="+", default=list(HF_ATTN), choices=list(HF_ATTN),
                    help="the Hugging Face ESM C's attention (the first is the reference of diff_vs_ref)")
     p.add_argument("--profile", action="store_true", help="also profile each ESM C step (zoo_profile.txt)")
+    p.add_argument("--rotary-ab", action="store_true",
+                   help="ESM C: ours also with its q/k norm and rotary in PyTorch ops, then the kernel again")
     p.add_argument("--compile", action="store_true",
                    help="ESM C also compiled: Hugging Face's under torch.compile, ours under compile_module (default "
                         "and reduce-overhead)")
@@ -539,6 +552,7 @@ def main(argv=None):
     cfg = dict(SMOKE if args.smoke else FULL)
     if args.profile:
         cfg["profile"] = os.path.join(args.out, "zoo_profile.txt")
+    cfg["rotary_ab"] = args.rotary_ab
     backend = resolve_backend("triton", device)
     env = env_lines(device, backend)[:-1] + [
         f"- bf16 autocast, fp32 parameters, random weights; ours on {backend}; "
