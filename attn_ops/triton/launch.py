@@ -27,6 +27,7 @@ comparison).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import operator
@@ -150,11 +151,9 @@ def _compile_job(kernel, grid, args, num_warps: int, num_stages: int, constexprs
         result = kernel.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **constexprs)
         if load and device >= 0 and torch.cuda.is_available() and hasattr(result, "_init_handles"):
             # Triton's launcher for this signature (a C compile on a cold cache) and the module's load, here rather
-            # than in the first real launch
-            try:
+            # than in the first real launch; an error (e.g. out of resources) the launch raises again
+            with contextlib.suppress(Exception):
                 result._init_handles()
-            except Exception:  # noqa: BLE001 - e.g. out of resources: the launch raises it again
-                pass
         if _direct_ok(kernel, args, constexprs, result):
             STATE.compiled[key] = result
     return work
@@ -194,7 +193,6 @@ def launch_kernel(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int,
     head = (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()))
     exact = (head, _exact_key(args))
     compiled = state.exact.get(exact)
-    key = None
     if compiled is None:
         key = head + (signature(args, _params(kernel)[1]),)
         compiled = state.compiled.get(key)
@@ -241,18 +239,12 @@ def compile_in_background(kernel, grid: Tuple[int, ...], args: Sequence, num_war
     job = TUNER.jobs.get(key)
     if job is None:
         with TUNER.lock:
-            if TUNER.pool is None:
-                TUNER.pool = ThreadPoolExecutor(1, thread_name_prefix="attn_zoo_compile")
+            TUNER.pool = TUNER.pool or ThreadPoolExecutor(1, thread_name_prefix="attn_zoo_compile")
         TUNER.jobs[key] = TUNER.pool.submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key))
         return "pending"
     if not job.done():
         return "pending"
     return "failed" if job.exception() is not None else "ready"
-
-
-def background_job(kernel, args: Sequence, num_warps: int, num_stages: int, **constexprs):
-    """The background compile of this launch's kernel (a ``concurrent.futures.Future``); None if none was asked."""
-    return TUNER.jobs.get(_signature_key(kernel, args, num_warps, num_stages, constexprs))
 
 
 def bound(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int, n_leading: int,
@@ -265,22 +257,16 @@ def bound(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_sta
     the current device must stay the same (the plan's key holds both)."""
     if _WARMUP_ONLY.get() or TUNER.ahead is not None or interpreting() or not _settings.get().fast_launch:
         return None
-    head = (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()))
-    compiled = STATE.exact.get((head, _exact_key(args)))
-    if compiled is None:
-        compiled = STATE.compiled.get(head + (signature(args, _params(kernel)[1]),))
+    compiled = STATE.compiled.get(_signature_key(kernel, args, num_warps, num_stages, constexprs))
     if compiled is None:
         return None
     runner = compiled[(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)]
     rest = tuple(args[n_leading:]) + tuple(constexprs.values())
     device = _device()
     if _RAW_STREAM is None or "stream" not in inspect.signature(runner).parameters:
-        def run(*leading):
-            runner(*leading, *rest)
-    else:  # the current stream handed over: the runner would look up the device and its stream on every launch
-        def run(*leading):
-            runner(*leading, *rest, stream=_RAW_STREAM(device))
-    return run
+        return lambda *leading: runner(*leading, *rest)
+    # the current stream handed over: the runner would look up the device and its stream on every launch
+    return lambda *leading: runner(*leading, *rest, stream=_RAW_STREAM(device))
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None) if torch.cuda.is_available() else None
@@ -319,8 +305,7 @@ def _bstrides(t: Tensor) -> Tuple[int, ...]:
 
 def _rows(t: Tensor) -> Tuple[int, int, int, int]:
     """(b, r, h, row) strides of a canonical [B, R, H, L, D] tensor."""
-    s = _bstrides(t)
-    return s[0], s[1], s[2], t.stride(3)  # the row stride as is, also for a single row
+    return (*_bstrides(t)[:3], t.stride(3))  # the row stride as is, also for a single row
 
 
 def empty_in_order(like: Tensor, shape, dtype: torch.dtype) -> Tensor:
@@ -348,12 +333,7 @@ def _align(*tensors: Tensor) -> int:
     kernels get for these canonical tensors: the batch strides (dims B, R, H; size-1 dims pass 0) and the row
     stride. Row starts then keep the base pointer's alignment, so rows load as 16-byte vectors for head widths such
     as 24, whose strides Triton does not specialise (it does so only for multiples of 16)."""
-    g = 0
-    for t in tensors:
-        for n, s in zip(t.shape[:3], t.stride()[:3]):
-            if n > 1:
-                g = math.gcd(g, s)
-        g = math.gcd(g, t.stride(3))
+    g = math.gcd(*(s for t in tensors for s in _rows(t)))  # (a size-1 dim's 0 divides by anything)
     return 16 if g == 0 else min(16, g & -g)
 
 
@@ -385,11 +365,7 @@ def _tma_capable(device: torch.device) -> bool:
     it off."""
     if TensorDescriptor is None or not _settings.get().tma:
         return False
-    if interpreting():
-        return True
-    if device.type != "cuda":
-        return False
-    return _device_facts(device)[0] >= 9
+    return interpreting() or (device.type == "cuda" and _device_facts(device)[0] >= 9)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -459,11 +435,10 @@ def _keep(key: Tuple, rec: "Recorder", outputs: Tuple[Optional[int], ...]) -> No
         return
     plans = STATE.plans
     if key not in plans and len(plans) >= STATE.plans_max:  # many geometries seen: drop the oldest plan
-        with STATE.lock:  # (two threads evicting at once would pick the same one)
-            try:
-                plans.pop(next(iter(plans), None), None)
-            except RuntimeError:  # another thread inserted between iter and next: evict at a later call
-                pass
+        # (under the lock: two threads evicting at once would pick the same one; another thread inserting between
+        # iter and next raises RuntimeError: evict at a later call)
+        with STATE.lock, contextlib.suppress(RuntimeError):
+            plans.pop(next(iter(plans), None), None)
     plans[key] = Plan(tuple(rec.steps), outputs, rec.guard, tuple(rec.pending))
 
 
@@ -530,7 +505,7 @@ class Recorder:
             return constexprs
         if compile_in_background(kernel, grid, args, num_warps, num_stages, **constexprs) != "pending":
             return constexprs  # ready by now, or failed: compiled here (and its error raised) as ever
-        self.pending.append(background_job(kernel, args, num_warps, num_stages, **constexprs))
+        self.pending.append(TUNER.jobs[_signature_key(kernel, args, num_warps, num_stages, constexprs)])
         return general
 
     def tuned(self, name: str, key: Tuple, width: int, Lq: int, Lk: int, run: Callable, **kw):
