@@ -55,15 +55,9 @@ def _bias_align(bias: Optional[Tensor], has_bias: int, in_range: bool) -> int:
     return vec
 
 
-def _mask_u8(mask: Optional[Tensor]) -> Optional[Tensor]:
-    return None if mask is None else mask.view(torch.uint8)
-
-
 def _mask_kind(mask: Optional[Tensor]) -> int:
     """HAS_MASK for the kernels: 0 none, 1 a key mask (size 1 along Lq), 2 a mask varying along Lq."""
-    if mask is None:
-        return 0
-    return 1 if mask.shape[3] == 1 else 2
+    return 0 if mask is None else 1 if mask.shape[3] == 1 else 2
 
 
 def _key(q: Tensor, v: Tensor, bias, mask, causal: bool, *extra) -> Tuple:
@@ -80,12 +74,7 @@ def _seg_strides(q_seg: Optional[Tensor], k_seg: Optional[Tensor]) -> Tuple[int,
     """The (b, r) strides of the query and key segment tables (0 on broadcast dims; all 0 without ids)."""
     if q_seg is None:
         return 0, 0, 0, 0
-    st = lambda t: (0 if t.shape[0] == 1 else t.stride(0), 0 if t.shape[1] == 1 else t.stride(1))  # noqa: E731
-    return st(q_seg) + st(k_seg)
-
-
-def _mask_strides(m8: Optional[Tensor]) -> Tuple[int, ...]:
-    return (0, 0, 0, 0, 0) if m8 is None else _bstrides(m8)
+    return tuple(0 if n == 1 else s for t in (q_seg, k_seg) for n, s in zip(t.shape[:2], t.stride()[:2]))
 
 
 _TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -109,8 +98,7 @@ def bias_tma(bias: Optional[Tensor], Lq: int, Lk: int) -> Optional[Tuple[int, in
     """
     if not _tma_tiles(bias, Lq, Lk) or bias.stride(4) != 1:
         return None
-    esize = bias.element_size()
-    s_m = bias.stride(3)
+    esize, s_m = bias.element_size(), bias.stride(3)
     if s_m < Lk or (s_m * esize) % 16 or bias.data_ptr() % 16:  # rows repeated by a 0 stride: pointer loads
         return None
     batch = _bstrides(bias)[:3]
@@ -165,19 +153,21 @@ def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
 
 
 def _bias_slot(rec: Recorder, b: int, q: Tensor, Lq: int, Lk: int):
-    """(env slot of the bias the kernels read, :func:`bias_tma` of it, whether its rows can be read in whole
-    tiles): :func:`bias_for_tiles` as a step."""
+    """(env slot of the bias the kernels read, that tensor, :func:`bias_tma` of it, whether its rows can be read in
+    whole tiles): :func:`bias_for_tiles` as a step; (None, None, None, False) without a bias."""
     bias = rec.env[b]
+    if bias is None:
+        return None, None, None, False
     read, tma, whole_rows = bias_for_tiles(bias, q, Lq, Lk)
     if read is bias:
-        return b, tma, whole_rows
+        return b, bias, tma, whole_rows
     shape, pitch = tuple(read.shape), read.stride(3)
     first = [read]  # this call's copy, made above; replays make their own
 
     def copy(env):
         return first.pop() if first else _rows_copy(env[b], shape, pitch)
 
-    return rec.new(copy), tma, whole_rows
+    return rec.new(copy), read, tma, whole_rows
 
 
 def _rows_copy(bias: Tensor, shape, pitch: int) -> Tensor:
@@ -186,19 +176,19 @@ def _rows_copy(bias: Tensor, shape, pitch: int) -> Tensor:
     return rows.copy_(bias)
 
 
-def _bias_operand_slot(b: Optional[int], bias: Optional[Tensor], tma, block_m: int, block_n: int, dummy: int,
-                       whole_rows: bool):
-    """(leading argument: env slot ``b`` of ``bias``, a per-call descriptor maker, or the ``dummy`` slot; its five
-    strides; HAS_BIAS) of a kernel reading [block_m, block_n] bias tiles: a tensor descriptor (HAS_BIAS 2, batch
-    strides in slices) where :func:`bias_tma` allowed it, else the tensor (1; 3 where ``whole_rows``: rows readable
-    in whole tiles, :func:`bias_for_tiles`) or nothing (0)."""
+def _bias_operand_slot(read: Tuple, c, dummy: int):
+    """(leading argument: the env slot of the bias read (:func:`_bias_slot`), a per-call descriptor maker, or the
+    ``dummy`` slot; its five strides; HAS_BIAS) of a kernel reading ``c``'s [block_m, block_n] bias tiles: a tensor
+    descriptor (HAS_BIAS 2, batch strides in slices) where :func:`bias_tma` allowed it, else the tensor (1; 3 where
+    its rows are readable in whole tiles, :func:`bias_for_tiles`) or nothing (0)."""
+    b, bias, tma, whole_rows = read
     if b is None:
         return dummy, (0, 0, 0, 0, 0), 0
     if tma is None:  # (a tile wider than the padding reads the copy with column masks, as HAS_BIAS 1)
-        return b, _bstrides(bias), 3 if whole_rows and block_n <= PAD_COLS else 1
+        return b, _bstrides(bias), 3 if whole_rows and c.block_n <= PAD_COLS else 1
     slice_stride, n_slices, batch = tma
     dims, strides = [n_slices, bias.shape[3], bias.shape[4]], [slice_stride, bias.stride(3), 1]
-    block = [1, block_m, block_n]
+    block = [1, c.block_m, c.block_n]
     return (lambda env: TensorDescriptor(env[b], dims, strides, block)), (*batch, bias.stride(3), 1), 2
 
 
@@ -208,7 +198,7 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
     """out ``[B, R, H, Lq, Dv]`` (q.dtype, dense in q's dim order) and lse ``[B, R, H, Lq]`` (fp32, natural log).
 
     ``q_seg``/``k_seg``: None or the ``op.segment_tables`` of the query / key ids (both or neither)."""
-    m8 = _mask_u8(mask)
+    m8 = None if mask is None else mask.view(torch.uint8)
     env = [q, k, v, bias, m8, q_seg, k_seg]
     key = ("fwd", _geo(q), _geo(k), _geo(v), _geo(bias), _geo(m8), _geo(q_seg), _geo(k_seg), scale, causal,
            _current_device() if q.is_cuda else -1, interpreting(), _settings.get())
@@ -223,9 +213,9 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
     o = rec.new(_empty((B, R, H, Lq, Dv), q.dtype, q.device, order=_order(q)))
     lse = rec.new(_empty((B, R, H, Lq), torch.float32, q.device))
     out = rec.env[o]
-    b, tma, whole_rows = (None, None, False) if bias is None else _bias_slot(rec, 3, q, Lq, Lk)
-    bias_t = None if b is None else rec.env[b]
-    sm = _mask_strides(m8)
+    read = _bias_slot(rec, 3, q, Lq, Lk)
+    bias_t, tma = read[1:3]
+    sm = (0,) * 5 if m8 is None else _bstrides(m8)
     seg = q_seg is not None
     ss = _seg_strides(q_seg, k_seg)
     rows = (*_rows(q), *_rows(k), *_rows(v))  # the same for every config
@@ -233,8 +223,7 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
     align = _align(q, k, v, out)
 
     def run(c):
-        arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=0,
-                                               whole_rows=whole_rows)
+        arg, sb, has_bias = _bias_operand_slot(read, c, dummy=0)
         rec.launch(attn_fwd_kernel, (_cdiv(Lq, c.block_m), B * R * H),
                    (0, 1, 2, arg, 4 if m8 is not None else 0, o, lse, 5 if seg else lse, 6 if seg else lse),
                    (*rows, *sb, *sm, *_rows(out), *ss, R, H, Lq, Lk, scale),
@@ -310,7 +299,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     kernel when fused or when TMA bulk reductions take them (large steps on Hopper). ``q_seg``/``k_seg``:
     segment id tables as in :func:`attn_forward`.
     """
-    m8 = _mask_u8(mask)
+    m8 = None if mask is None else mask.view(torch.uint8)
     env = [do, dlse, q, k, v, out, lse, bias, m8, q_seg, k_seg]
     key = ("bwd", _geo(do), _geo(dlse), _geo(q), _geo(k), _geo(v), _geo(out), _geo(lse), _geo(bias), _geo(m8),
            _geo(q_seg), _geo(k_seg), scale, causal, fused, need_dbias, atomic_dbias,
@@ -326,13 +315,12 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
     dev = q.device
     BD, BDV = _pow2(D), _pow2(Dv)
     # any copy of the bias has its shape and dtype (so has dbias)
-    b, tma, whole_rows = (None, None, False) if bias is None else _bias_slot(rec, _BIAS, q, Lq, Lk)
-    bias_t = None if b is None else rec.env[b]
-    mask_slot, sm = (_Q if m8 is None else _MASK), _mask_strides(m8)
+    read = _bias_slot(rec, _BIAS, q, Lq, Lk)
+    b, bias_t, tma, _ = read
+    mask_slot, sm = (_Q, (0,) * 5) if m8 is None else (_MASK, _bstrides(m8))
     seg = q_seg is not None
     seg_slots, ss = ((_QS, _KS) if seg else (_LSE, _LSE)), _seg_strides(q_seg, k_seg)
-    dims = (B, R, H, Lq, Lk)
-    direct_dbias = need_dbias and tuple(bias.shape) == dims
+    direct_dbias = need_dbias and tuple(bias.shape) == (B, R, H, Lq, Lk)
     atomic = need_dbias and not direct_dbias and atomic_dbias and tuple(bias.shape[3:]) == (Lq, Lk)
     want_dbias = need_dbias and not direct_dbias and not atomic
     # The atomic accumulators take bulk TMA reductions (one per tile; faster: docs/bench/attention_h100.md) where the
@@ -353,9 +341,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
                (*_rows(out), *_rows(do), R, H, Lq), 4, 3, HAS_DLSE=dlse is not None, BLOCK_M=bm_pre,
                BLOCK_DV=BDV, Dv=Dv, ALIGN=align)
 
-    dq = rec.new(_empty(q.shape, q.dtype, dev, stride=q.stride()))
-    dk = rec.new(_empty(k.shape, k.dtype, dev, stride=k.stride()))
-    dv = rec.new(_empty(v.shape, v.dtype, dev, stride=v.stride()))
+    dq, dk, dv = (rec.new(_empty(t.shape, t.dtype, dev, stride=t.stride())) for t in (q, k, v))
     dbias = None
     if direct_dbias:  # causal / segments: tiles that are never visited must start at zero
         make, shape, dtype = torch.zeros if causal or seg else torch.empty, tuple(bias.shape), bias.dtype
@@ -373,9 +359,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
         gs = gs[:3] + (rec.env[dbias].stride(3),) + gs[4:]
     if tma_dbias:
         gs = tuple(s // (Lq * Lk) for s in gs[:3]) + gs[3:]
-    dq_acc = None
-    if fused:
-        dq_acc = rec.new(_empty(q.shape, torch.float32, dev, stride=None if tma_dq else q.stride()))
+    dq_acc = rec.new(_empty(q.shape, torch.float32, dev, stride=None if tma_dq else q.stride())) if fused else None
     flags = dict(HAS_MASK=_mask_kind(m8), CAUSAL=causal, HAS_SEG=seg)
     rows = (*_rows(q), *_rows(k), *_rows(v))  # the same for every config
     do_rows = _rows(do)
@@ -385,8 +369,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
     def operands(c):
         """The bias argument, the stride tuple and the constexpr flags (HAS_BIAS first, the kernels' parameter
         order) of a launch with c's tiles (only a bias descriptor's block shape depends on them)."""
-        arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=_Q,
-                                               whole_rows=whole_rows)
+        arg, sb, has_bias = _bias_operand_slot(read, c, dummy=_Q)
         return arg, (*rows, *sb, *sm, *do_rows), dict(HAS_BIAS=has_bias, **flags), (bias_t, has_bias)
 
     # 2. dK, dV (+ dQ by atomics when fused, + dBias when it is unbroadcast or accumulated by atomics)
@@ -458,10 +441,7 @@ def _record_dbias_reduce(rec: Recorder, b: int, mask_slot: int, sm, seg_slots, s
     numel, shape, dtype, dev = bias.numel(), tuple(bias.shape), bias.dtype, q.device
     lr_n, lh_n = R // BR, H // BH
     total = (B // BB) * lr_n * lh_n  # batch steps summed into each tile
-    dense = [1] * 5  # dbias is allocated dense: its strides, 0 on broadcast dims as ever
-    for d in range(3, -1, -1):
-        dense[d] = dense[d + 1] * shape[d + 1]
-    dense = tuple(0 if n == 1 else st for n, st in zip(shape, dense))
+    dense = _bstrides(torch.empty(shape, device="meta"))  # dbias is allocated dense: its strides, 0 on broadcast dims
     strides = (*_rows(q), *_rows(k), *_rows(v), *_bstrides(bias), *sm, *_rows(do), numel, *dense)
 
     def run(c):
