@@ -97,8 +97,7 @@ def _params(kernel) -> Tuple[int, Tuple[int, ...]]:
         params = getattr(kernel, "params", ())
         flags = [bool(getattr(p, "is_constexpr", False)) for p in params]
         n = flags.index(True) if True in flags else len(flags)
-        if not flags or any(not f for f in flags[n:]):
-            n = -1
+        n = n if flags and all(flags[n:]) else -1  # (no params, or a runtime param after a constexpr)
         known = STATE.params[kernel] = (n, tuple(
             0 if getattr(p, "do_not_specialize", False) else 1 if getattr(p, "do_not_specialize_on_alignment", False)
             else 2 for p in params))
@@ -170,8 +169,7 @@ def _submit_ahead(kernel, grid, args: Sequence, num_warps: int, num_stages: int,
             return False
         pool, jobs = TUNER.ahead
         if key not in STATE.compiled and key not in jobs:
-            jobs[key] = pool.submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key,
-                                                 load=True))
+            jobs[key] = pool.submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key, load=True))
     return True
 
 
@@ -198,8 +196,8 @@ def launch_kernel(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int,
         compiled = state.compiled.get(key)
         if compiled is not None:
             _remember_exact(exact, compiled)
-    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     if compiled is not None:
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         compiled[grid3](*args, *constexprs.values())
         return
     result = kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
@@ -213,9 +211,9 @@ def _direct_ok(kernel, args: Sequence, constexprs: dict, result) -> bool:
     order: the runtime args lead, the constexprs are exactly the trailing params, and it is a compiled kernel."""
     # (the type's: Triton 3.9's placeholder for a compile still pending elsewhere answers hasattr through
     # __getattr__ yet cannot be subscripted)
-    return _params(kernel)[0] == len(args) and len(args) + len(constexprs) == len(kernel.params) and all(
-        p.name == name for p, name in zip(kernel.params[len(args):], constexprs)) and hasattr(type(result),
-                                                                                             "__getitem__")
+    n = len(args)
+    return _params(kernel)[0] == n and n + len(constexprs) == len(kernel.params) and all(
+        p.name == name for p, name in zip(kernel.params[n:], constexprs)) and hasattr(type(result), "__getitem__")
 
 
 def _signature_key(kernel, args: Sequence, num_warps: int, num_stages: int, constexprs: dict) -> Tuple:
@@ -482,11 +480,9 @@ class Recorder:
         if not self.recording:
             return
         run = bound(kernel, grid, args, num_warps, num_stages, len(leading), **constexprs)
-        if run is None:  # the plain path (interpreter, fast_launch off): through launch_kernel every time
-            self.steps.append(lambda env: launch_kernel(kernel, grid, get(env) + rest, num_warps, num_stages,
-                                                        **constexprs))
-        else:
-            self.steps.append(lambda env: run(*get(env)))
+        # None: the plain path (interpreter, fast_launch off), through launch_kernel every time
+        self.steps.append((lambda env: run(*get(env))) if run is not None else (
+            lambda env: launch_kernel(kernel, grid, get(env) + rest, num_warps, num_stages, **constexprs)))
 
     def _ready_variant(self, kernel, grid, args, num_warps: int, num_stages: int, constexprs: dict) -> dict:
         """``constexprs``, or the general variant's while theirs compiles in the background. A length that is a
@@ -501,10 +497,10 @@ class Recorder:
         general = dict(constexprs, EVEN_M=False, EVEN_N=False)
         if general.get("HAS_BIAS") == 1:
             general["BIAS_ALIGN"] = 1  # HAS_BIAS 1: vector bias loads only where no tile carries masks
-        if not is_compiled(kernel, args, num_warps, num_stages, **general):
+        # the general variant not compiled, or this one ready by now or failed: compiled here (its error raised) as ever
+        if not is_compiled(kernel, args, num_warps, num_stages, **general) or \
+                compile_in_background(kernel, grid, args, num_warps, num_stages, **constexprs) != "pending":
             return constexprs
-        if compile_in_background(kernel, grid, args, num_warps, num_stages, **constexprs) != "pending":
-            return constexprs  # ready by now, or failed: compiled here (and its error raised) as ever
         self.pending.append(TUNER.jobs[_signature_key(kernel, args, num_warps, num_stages, constexprs)])
         return general
 
