@@ -252,14 +252,12 @@ def _compile_all(cands: List[Cfg], launch: Callable[[Cfg], None], threads: int) 
 def _launch_each(cands: List[Cfg], launch: Callable[[Cfg], None]) -> None:
     """``launch(c)`` for every candidate, errors ignored (the real call, or the timing, reports them)."""
     for c in cands:
-        try:
+        with contextlib.suppress(Exception):
             launch(c)
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def _time(kernel: str, key: Tuple, cands: List[Cfg], launch: Callable[[Cfg], None], log: bool) -> Cfg:
-    best = None
+    timed = []
     for c in cands:
         try:
             ms = measure(lambda: launch(c))
@@ -267,9 +265,8 @@ def _time(kernel: str, key: Tuple, cands: List[Cfg], launch: Callable[[Cfg], Non
             continue
         if log:
             print(f"tune {kernel} {key}: {c} {ms:.3f} ms", flush=True)
-        if best is None or ms < best[0]:
-            best = (ms, c)
-    return best[1] if best is not None else cands[-1]
+        timed.append((ms, c))
+    return min(timed, key=lambda t: t[0])[1] if timed else cands[-1]  # (the first of equal times)
 
 
 
@@ -417,9 +414,7 @@ class DiskCache:
         folder = os.path.dirname(self.path)
         os.makedirs(folder, exist_ok=True)
         with _locked(self.path + ".lock"):
-            merged = self._read()
-            merged.update(self.configs)
-            self.configs = merged
+            self.configs = merged = {**self._read(), **self.configs}  # ours over the file's
             fd, tmp = tempfile.mkstemp(prefix=".tuning-", suffix=".tmp", dir=folder)
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -446,9 +441,7 @@ def _read_table(path: str, want) -> Tuple[object, Dict[str, Cfg]]:
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object, got {type(data).__name__}")
     ident = data.get("identity")
-    if ident != want:
-        return ident, {}
-    return ident, {k: Cfg(*v) for k, v in data["configs"].items()}
+    return ident, ({k: Cfg(*v) for k, v in data["configs"].items()} if ident == want else {})
 
 
 @contextlib.contextmanager
@@ -490,8 +483,7 @@ def shipped(device=None) -> Dict[str, Cfg]:
     table = TUNER.shipped.get(key)
     if table is None:
         table = {}
-        names = sorted(n for n in os.listdir(folder) if n.endswith(".json")) if os.path.isdir(folder) else []
-        for name in names:
+        for name in sorted(n for n in os.listdir(folder) if n.endswith(".json")) if os.path.isdir(folder) else []:
             path = os.path.join(folder, name)
             try:
                 table.update(_read_table(path, want)[1])
