@@ -50,9 +50,7 @@ def _bias_align(bias: Optional[Tensor], has_bias: int, in_range: bool) -> int:
     if not (has_bias == 3 or (has_bias == 1 and in_range)):
         return 1
     vec = 16 // bias.element_size()
-    if bias.data_ptr() % 16 or any(s % vec for s in _bstrides(bias)[:4]):
-        return 1
-    return vec
+    return 1 if bias.data_ptr() % 16 or any(s % vec for s in _bstrides(bias)[:4]) else vec
 
 
 def _mask_kind(mask: Optional[Tensor]) -> int:
@@ -122,7 +120,7 @@ def _host_bound(q: Tensor, Lq: int, Lk: int) -> bool:
 PAD_COLS = 128
 
 
-def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
+def bias_for_tiles(bias: Tensor, q: Tensor, Lq: int, Lk: int):
     """(the bias the kernels read, :func:`bias_tma` of it, whether its rows can be read in whole tiles: HAS_BIAS 3).
 
     A bias that several programs re-read (it is broadcast over a batch dim of q: a pair bias shared over R) is
@@ -135,8 +133,6 @@ def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
       whose rows already fill whole tiles is read as it is, with HAS_BIAS 3 too.
     Its gradient keeps the bias's shape and dtype either way.
     """
-    if bias is None:
-        return bias, None, False
     reused = tuple(bias.shape[:3]) != tuple(q.shape[:3]) and tuple(bias.shape[3:]) == (Lq, Lk) and min(Lq, Lk) >= 2
     if not _host_bound(q, Lq, Lk):
         tma = bias_tma(bias, Lq, Lk)
@@ -208,8 +204,7 @@ def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: 
 
 def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int]:
     q, k, v, bias, m8, q_seg, k_seg = rec.env
-    B, R, H, Lq, D = q.shape
-    Lk, Dv = k.shape[3], v.shape[4]
+    B, R, H, Lq, D, Lk, Dv = *q.shape, k.shape[3], v.shape[4]
     o = rec.new(_empty((B, R, H, Lq, Dv), q.dtype, q.device, order=_order(q)))
     lse = rec.new(_empty((B, R, H, Lq), torch.float32, q.device))
     out = rec.env[o]
@@ -233,16 +228,6 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
     rec.tuned("fwd", _key(q, v, bias_t, m8, causal, seg, tma is None), _width(q, D, Dv), Lq, Lk, run,
               device=q.device.index)
     return o, lse
-
-
-def _pairs_rows(bias: Optional[Tensor], R: int, causal: bool, atomic_dbias: bool) -> bool:
-    """Whether a dK/dV program may take two rows r, r + 1 that share one bias slice (a bias broadcast over R,
-    summed by atomics with the split dQ kernel).
-
-    Only the atomic variant tries it: one atomic add covers both rows' dS; the other kernels measured as fast or
-    faster with one row per program (docs/bench/history.md, "Design measurements").
-    """
-    return atomic_dbias and bias is not None and bias.shape[1] == 1 and R > 1 and not causal
 
 
 # deterministic=False below STATE.tma_min_scores: a broadcast bias's gradient by vector atomics in the dQ kernel
@@ -310,8 +295,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
 
 def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, need_dbias: bool, atomic_dbias: bool):
     do, dlse, q, k, v, out, lse, bias, m8, q_seg, k_seg = rec.env
-    B, R, H, Lq, D = q.shape
-    Lk, Dv = k.shape[3], v.shape[4]
+    B, R, H, Lq, D, Lk, Dv = *q.shape, k.shape[3], v.shape[4]
     dev = q.device
     BD, BDV = _pow2(D), _pow2(Dv)
     # any copy of the bias has its shape and dtype (so has dbias)
@@ -322,7 +306,6 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
     seg_slots, ss = ((_QS, _KS) if seg else (_LSE, _LSE)), _seg_strides(q_seg, k_seg)
     direct_dbias = need_dbias and tuple(bias.shape) == (B, R, H, Lq, Lk)
     atomic = need_dbias and not direct_dbias and atomic_dbias and tuple(bias.shape[3:]) == (Lq, Lk)
-    want_dbias = need_dbias and not direct_dbias and not atomic
     # The atomic accumulators take bulk TMA reductions (one per tile; faster: docs/bench/attention_h100.md) where the
     # copy engine can address them: dense, 16-byte rows. The dense dbias accumulator's batch strides then count
     # [Lq, Lk] slices; the fused dQ accumulator is allocated dense ([B*R*H] slices of [Lq, D]).
@@ -348,10 +331,10 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
         dbias = rec.new(lambda env: make(shape, dtype=dtype, device=dev))
     elif dq_atomic:  # fp32 accumulator, zeroed per launch, rows padded to 16 bytes (the dQ kernel's vector atomics;
         # the padding adds zeros and is never read); not in dq's memory, which that kernel writes meanwhile
-        shape, pitch = tuple(bias.shape), _cdiv(Lk, 4) * 4
+        shape, pitch, dtype = tuple(bias.shape), _cdiv(Lk, 4) * 4, bias.dtype
         dbias = rec.new(lambda env: torch.empty(shape[:4] + (pitch,), dtype=torch.float32, device=dev)[..., :Lk])
     elif atomic:  # fp32 accumulator, zeroed per launch; in dq's memory (written only after it) when it fits
-        n, shape, scratch = bias.numel(), tuple(bias.shape), None if fused else dq
+        n, shape, dtype, scratch = bias.numel(), tuple(bias.shape), bias.dtype, None if fused else dq
         dbias = rec.new(lambda env: _f32_buffer(n, dev, None if scratch is None else env[scratch]).view(shape))
     acc = dbias  # (steps below that name a slot take it from a variable that is never reassigned)
     gs = (0,) * 5 if dbias is None else _bstrides(rec.env[dbias])
@@ -362,7 +345,6 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
     dq_acc = rec.new(_empty(q.shape, torch.float32, dev, stride=None if tma_dq else q.stride())) if fused else None
     flags = dict(HAS_MASK=_mask_kind(m8), CAUSAL=causal, HAS_SEG=seg)
     rows = (*_rows(q), *_rows(k), *_rows(v))  # the same for every config
-    do_rows = _rows(do)
     tail = (*ss, R, H, Lq, Lk, scale)
     key = _key(q, v, bias_t, m8, causal, fused, direct_dbias, atomic, seg, tma is None)
 
@@ -370,7 +352,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
         """The bias argument, the stride tuple and the constexpr flags (HAS_BIAS first, the kernels' parameter
         order) of a launch with c's tiles (only a bias descriptor's block shape depends on them)."""
         arg, sb, has_bias = _bias_operand_slot(read, c, dummy=_Q)
-        return arg, (*rows, *sb, *sm, *do_rows), dict(HAS_BIAS=has_bias, **flags), (bias_t, has_bias)
+        return arg, (*rows, *sb, *sm, *_rows(do)), dict(HAS_BIAS=has_bias, **flags), (bias_t, has_bias)
 
     # 2. dK, dV (+ dQ by atomics when fused, + dBias when it is unbroadcast or accumulated by atomics)
     def run_dkdv(c):
@@ -391,15 +373,17 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
                    ATOMIC_DBIAS=(2 if tma_dbias else 1) if atomic and not dq_atomic else 0,
                    **_tile_args(c, Lq, Lk, D, Dv, align, bias_arg, ROWS=c.rows))
 
-    rec.tuned("dkdv", key, _width(q, D, Dv), Lq, Lk, run_dkdv,
-              pair=_pairs_rows(bias, R, causal, atomic and not fused and not dq_atomic) and not seg, device=dev.index)
-    bias_dtype = None if bias is None else bias.dtype
+    # Two rows r, r + 1 per dK/dV program sharing one bias slice (a bias broadcast over R, summed by the dK/dV
+    # kernel's atomics): one atomic add covers both rows' dS; the other variants measured as fast or faster with one
+    # row per program (docs/bench/history.md, "Design measurements").
+    pair = atomic and not fused and not dq_atomic and bias.shape[1] == 1 and R > 1 and not causal and not seg
+    rec.tuned("dkdv", key, _width(q, D, Dv), Lq, Lk, run_dkdv, pair=pair, device=dev.index)
     if atomic and not dq_atomic:
-        dbias = rec.new(lambda env: env[acc].to(bias_dtype, copy=True))  # a copy: the accumulator may be in dq's memory
+        dbias = rec.new(lambda env: env[acc].to(dtype, copy=True))  # a copy: the accumulator may be in dq's memory
 
     # 3. dBias of a broadcast bias: deterministic tile-owner reduction. It runs before dq is written, so its
     #    fp32 split partials can live in dq's memory (no extra peak memory).
-    if want_dbias:
+    if need_dbias and not direct_dbias and not atomic:
         dbias = _record_dbias_reduce(rec, b, mask_slot, sm, seg_slots, ss, delta, scale, causal, key, scratch=dq)
 
     # 4. dQ over query tiles (split variant)
@@ -417,7 +401,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
 
         rec.tuned("dq", key, _width(q, D, Dv), Lq, Lk, run_dq, device=dev.index)
         if dq_atomic:  # (a copy: a dense tensor, not the padded rows)
-            dbias = rec.new(lambda env: env[acc].to(bias_dtype, copy=True))
+            dbias = rec.new(lambda env: env[acc].to(dtype, copy=True))
     return dq, dk, dv, dbias
 
 
@@ -433,8 +417,7 @@ def _record_dbias_reduce(rec: Recorder, b: int, mask_slot: int, sm, seg_slots, s
     """The gradient of a bias broadcast over batch dims (env slot ``b``) by the deterministic reduction kernel;
     returns its env slot. ``scratch``: the slot of a buffer not yet written (dq) that fp32 split partials may use."""
     q, k, v, bias, do = rec.env[_Q], rec.env[_K], rec.env[_V], rec.env[b], rec.env[_DO]
-    B, R, H, Lq, D = q.shape
-    Lk, Dv = k.shape[3], v.shape[4]
+    B, R, H, Lq, D, Lk, Dv = *q.shape, k.shape[3], v.shape[4]
     BB, BR, BH, BLq, BLk = bias.shape
     loop_m, loop_n = BLq == 1 and Lq > 1, BLk == 1 and Lk > 1
     n_groups = BB * BR * BH
@@ -467,8 +450,7 @@ def _record_dbias_reduce(rec: Recorder, b: int, mask_slot: int, sm, seg_slots, s
         return dbias
 
     # the bias's broadcast pattern is in the key; R's power of two sets how many batch steps each tile sums
-    return rec.tuned("dbias", key + ((B // BB * R // BR * H // BH).bit_length(),), _width(q, D, Dv), Lq, Lk, run,
-                     device=dev.index)
+    return rec.tuned("dbias", key + (total.bit_length(),), _width(q, D, Dv), Lq, Lk, run, device=dev.index)
 
 
 def segment_tables_flat(q_ids: Tensor, k_ids: Tensor, shared: bool) -> Tensor:
@@ -477,15 +459,12 @@ def segment_tables_flat(q_ids: Tensor, k_ids: Tensor, shared: bool) -> Tensor:
     batch = torch.broadcast_shapes(q_ids.shape[:-1], k_ids.shape[:-1])
     Lq, Lk = q_ids.shape[-1], k_ids.shape[-1]
 
-    def rows(ids):
-        ids = ids if ids.stride(-1) == 1 else ids.contiguous()
-        return ids.expand(batch + ids.shape[-1:])
-
-    qi, ki = rows(q_ids), rows(k_ids)
+    # each side's ids contiguous along L, broadcast over the batch
+    qi, ki = ((t if t.stride(-1) == 1 else t.contiguous()).expand(batch + t.shape[-1:]) for t in (q_ids, k_ids))
     B, R = batch
-    width = 3 * Lq if shared else 3 * (Lq + Lk)
-    out = torch.empty((B, R, width), dtype=torch.int32, device=q_ids.device)
-    scratch = torch.empty((B * R, 2 * Lq if shared else 2 * (Lq + Lk)), dtype=torch.int32, device=q_ids.device)
+    n = Lq if shared else Lq + Lk  # positions in the tables
+    out = torch.empty((B, R, 3 * n), dtype=torch.int32, device=q_ids.device)
+    scratch = torch.empty((B * R, 2 * n), dtype=torch.int32, device=q_ids.device)
     launch_kernel(segment_table_kernel, (B * R,),
             (qi, ki, out, scratch, qi.stride(0), qi.stride(1), ki.stride(0), ki.stride(1), R, Lq, Lk,
              int(Lq).bit_length(), int(Lk).bit_length()), 4, 1, SHARED=shared, BLOCK=_SEG_BLOCK)
@@ -495,6 +474,4 @@ def segment_tables_flat(q_ids: Tensor, k_ids: Tensor, shared: bool) -> Tensor:
 def split_tables(flat: Tensor, Lq: int, Lk: int, shared: bool) -> Tuple[Tensor, Tensor]:
     """The (query, key) table views ``[B', R', 3, L]`` of :func:`segment_tables_flat`'s result."""
     qt = flat[..., :3 * Lq].unflatten(-1, (3, Lq))
-    if shared:
-        return qt, qt
-    return qt, flat[..., 3 * Lq:].unflatten(-1, (3, Lk))
+    return qt, (qt if shared else flat[..., 3 * Lq:].unflatten(-1, (3, Lk)))
