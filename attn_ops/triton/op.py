@@ -26,8 +26,7 @@ from .tuning import compiling_ahead as _compiling_ahead
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("attn_zoo::triton_attn_fwd", mutates_args=())
-def triton_attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
+def _forward_impl(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
                     scale: float, causal: bool, fused_bwd: bool, atomic_dbias: bool, q_seg: Optional[Tensor] = None,
                     k_seg: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """out ``[B, R, H, Lq, Dv]`` (q.dtype, in q's dim order) and lse ``[B, R, H, Lq]`` (fp32, natural log, -inf on
@@ -40,11 +39,13 @@ def triton_attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mas
     return attn_forward(q, k, v, bias, mask, scale, causal, q_seg, k_seg)
 
 
+# the custom op and the eager Function (below) run this one body
+triton_attn_fwd = torch.library.custom_op("attn_zoo::triton_attn_fwd", _forward_impl, mutates_args=())
+
+
 @triton_attn_fwd.register_fake
 def _(q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias, q_seg=None, k_seg=None):
-    out = empty_in_order(q, q.shape[:-1] + v.shape[-1:], q.dtype)
-    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-    return out, lse
+    return empty_in_order(q, q.shape[:-1] + v.shape[-1:], q.dtype), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("attn_zoo::triton_attn_bwd", mutates_args=())
@@ -171,10 +172,7 @@ torch.library.register_autograd("attn_zoo::triton_attn_fwd", _backward, setup_co
 class _EagerAttention(torch.autograd.Function):
     """The eager path: the custom op's forward, setup and backward without its dispatch."""
 
-    @staticmethod
-    def forward(q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias, q_seg=None, k_seg=None):
-        return attn_forward(q, k, v, bias, mask, scale, causal, q_seg, k_seg)
-
+    forward = staticmethod(_forward_impl)
     setup_context = staticmethod(_setup_context)
 
     @staticmethod
@@ -430,9 +428,7 @@ def triton_lse_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
         return dq, dk, dv, db
     # [B, R, H, ...] views with unit dims prepended
     q5, k5, v5 = (_dense(_lpad(t, 5)) for t in (q, k, v))
-    out5 = _lpad(out, 5)
-    if out5.stride(-1) != 1:
-        out5 = out5.contiguous()
+    out5 = _lpad(out if out.stride(-1) == 1 else out.contiguous(), 5)
     lse4 = _lpad(lse, 4).float().contiguous()
     dlse4 = None if d_lse is None else _lpad(d_lse, 4).float().contiguous()
     dq, dk, dv, db = backward(
