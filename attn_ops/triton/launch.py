@@ -37,8 +37,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .. import settings as _settings
-from ..settings import interpreting
+from ..settings import get as _settings, interpreting
 from . import tuning
 from .tuning import _WARMUP_ONLY, TUNER, compiling_ahead, pick
 
@@ -173,8 +172,7 @@ def _submit_ahead(kernel, grid, args: Sequence, num_warps: int, num_stages: int,
     return True
 
 
-def launch_kernel(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int,
-                  **constexprs) -> None:
+def launch_kernel(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int, **constexprs) -> None:
     """``kernel[grid](*args, num_warps=.., num_stages=.., **constexprs)``, directly on a remembered compiled kernel
     when this launch signature was seen before. ``args`` are the runtime params in order; ``constexprs`` must be
     exactly the kernel's trailing constexpr params, in order."""
@@ -184,7 +182,7 @@ def launch_kernel(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int,
     if TUNER.ahead is not None and tuning.background_compiles() and \
             _submit_ahead(kernel, grid, args, num_warps, num_stages, constexprs):
         return
-    if interpreting() or not _settings.get().fast_launch:
+    if interpreting() or not _settings().fast_launch:
         kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
         return
     state = STATE
@@ -217,8 +215,7 @@ def _direct_ok(kernel, args: Sequence, constexprs: dict, result) -> bool:
 
 
 def _signature_key(kernel, args: Sequence, num_warps: int, num_stages: int, constexprs: dict) -> Tuple:
-    return (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()),
-            signature(args, _params(kernel)[1]))
+    return kernel, _device(), num_warps, num_stages, tuple(constexprs.values()), signature(args, _params(kernel)[1])
 
 
 def is_compiled(kernel, args: Sequence, num_warps: int, num_stages: int, **constexprs) -> bool:
@@ -253,7 +250,7 @@ def bound(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_sta
     ``settings.fast_launch`` False, a kernel whose constexprs are not trailing): the caller keeps calling
     :func:`launch_kernel`. The leading arguments must have the dtypes and 16-byte alignment of those given here, and
     the current device must stay the same (the plan's key holds both)."""
-    if _WARMUP_ONLY.get() or TUNER.ahead is not None or interpreting() or not _settings.get().fast_launch:
+    if _WARMUP_ONLY.get() or TUNER.ahead is not None or interpreting() or not _settings().fast_launch:
         return None
     compiled = STATE.compiled.get(_signature_key(kernel, args, num_warps, num_stages, constexprs))
     if compiled is None:
@@ -338,7 +335,7 @@ def _align(*tensors: Tensor) -> int:
 def _even(length: int, block: int) -> bool:
     """Whether a launch asks for the variant of a length that is a multiple of the tile (EVEN_M / EVEN_N: no load
     masks); ``settings.tile_variants`` False: never, every length runs the general variant (fewer compiles)."""
-    return length % block == 0 and _settings.get().tile_variants
+    return length % block == 0 and _settings().tile_variants
 
 
 def _device_facts(device: torch.device) -> Tuple[int, int]:
@@ -361,7 +358,7 @@ def _tma_capable(device: torch.device) -> bool:
     """Tensor-memory-accelerator copies: Hopper or newer GPUs with a Triton that has host tensor descriptors, and
     the CPU interpreter (so the CPU tests run this path too); ``settings.tma`` False (``ATTN_ZOO_NO_TMA=1``) turns
     it off."""
-    if TensorDescriptor is None or not _settings.get().tma:
+    if TensorDescriptor is None or not _settings().tma:
         return False
     return interpreting() or (device.type == "cuda" and _device_facts(device)[0] >= 9)
 

@@ -9,8 +9,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import settings as _settings
-from ..settings import interpreting
+from ..settings import get as _settings, interpreting
 from . import tuning
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
 from .common import LOG2E
@@ -65,7 +64,7 @@ def _key(q: Tensor, v: Tensor, bias, mask, causal: bool, *extra) -> Tuple:
     nbatch = (B * R * H).bit_length()
     pattern = None if bias is None else tuple(n == 1 for n in bias.shape)
     return (str(q.dtype), D, v.shape[-1], bucket(Lq), bucket(v.shape[3]), nbatch, pattern,
-            None if bias is None else str(bias.dtype), _mask_kind(mask), causal, _settings.get().tma) + extra
+            None if bias is None else str(bias.dtype), _mask_kind(mask), causal, _settings().tma) + extra
 
 
 def _seg_strides(q_seg: Optional[Tensor], k_seg: Optional[Tensor]) -> Tuple[int, int, int, int]:
@@ -188,16 +187,15 @@ def _bias_operand_slot(read: Tuple, c, dummy: int):
     return (lambda env: TensorDescriptor(env[b], dims, strides, block)), (*batch, bias.stride(3), 1), 2
 
 
-def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
-                 scale: float, causal: bool, q_seg: Optional[Tensor] = None, k_seg: Optional[Tensor] = None
-                 ) -> Tuple[Tensor, Tensor]:
+def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], scale: float,
+                 causal: bool, q_seg: Optional[Tensor] = None, k_seg: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """out ``[B, R, H, Lq, Dv]`` (q.dtype, dense in q's dim order) and lse ``[B, R, H, Lq]`` (fp32, natural log).
 
     ``q_seg``/``k_seg``: None or the ``op.segment_tables`` of the query / key ids (both or neither)."""
     m8 = None if mask is None else mask.view(torch.uint8)
     env = [q, k, v, bias, m8, q_seg, k_seg]
     key = ("fwd", _geo(q), _geo(k), _geo(v), _geo(bias), _geo(m8), _geo(q_seg), _geo(k_seg), scale, causal,
-           _current_device() if q.is_cuda else -1, interpreting(), _settings.get())
+           _current_device() if q.is_cuda else -1, interpreting(), _settings())
     o, lse = run_plan(key, env, _record_forward, scale, causal)
     return env[o], env[lse]
 
@@ -288,7 +286,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     env = [do, dlse, q, k, v, out, lse, bias, m8, q_seg, k_seg]
     key = ("bwd", _geo(do), _geo(dlse), _geo(q), _geo(k), _geo(v), _geo(out), _geo(lse), _geo(bias), _geo(m8),
            _geo(q_seg), _geo(k_seg), scale, causal, fused, need_dbias, atomic_dbias,
-           _current_device() if q.is_cuda else -1, interpreting(), _settings.get())
+           _current_device() if q.is_cuda else -1, interpreting(), _settings())
     dq, dk, dv, db = run_plan(key, env, _record_backward, scale, causal, fused, need_dbias, atomic_dbias)
     return env[dq], env[dk], env[dv], (None if db is None else env[db])
 

@@ -29,8 +29,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from .. import settings as _settings
-from ..settings import interpreting
+from ..settings import get as _settings, interpreting
 
 
 class Cfg(NamedTuple):
@@ -79,7 +78,7 @@ def compiling_ahead() -> bool:
 def background_compiles() -> bool:
     """Whether compiles can run off the launching thread: on the direct path only (the CPU interpreter and
     ``settings.fast_launch`` False always launch through Triton, which compiles where it must)."""
-    return not interpreting() and _settings.get().fast_launch
+    return not interpreting() and _settings().fast_launch
 
 
 @contextlib.contextmanager
@@ -98,7 +97,7 @@ def compile_ahead(threads: Optional[int] = None) -> Iterator[None]:
         raise RuntimeError("compile_ahead() during a CUDA graph capture: the graph would hold no kernel launches")
     if TUNER.ahead is not None:
         raise RuntimeError("compile_ahead() is already active")
-    pool = ThreadPoolExecutor(threads or _settings.get().compile_threads, thread_name_prefix="attn_zoo_ahead")
+    pool = ThreadPoolExecutor(threads or _settings().compile_threads, thread_name_prefix="attn_zoo_ahead")
     jobs: Dict[Tuple, object] = {}
     with TUNER.lock:
         TUNER.ahead = (pool, jobs)
@@ -205,7 +204,7 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
     """
     if interpreting():
         return _INTERPRETER._replace(rows=2 if pair else 1)
-    s = _settings.get()
+    s = _settings()
     full_key = (kernel, pair) + key + (s.tune, s.shipped_configs, device)
     cfg = TUNER.picks.get(full_key)
     if cfg is not None:
