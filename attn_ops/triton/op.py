@@ -133,8 +133,7 @@ def _tables_key(q_ids: Tensor, k_ids: Tensor, shared: bool):
     """What identifies the tables of these ids: each side's base tensor, its version and the view's geometry;
     None where nothing may be cached (inference tensors have no version counter; tables made during CUDA graph
     capture live in the graph's memory pool)."""
-    if q_ids.is_inference() or k_ids.is_inference() or (
-            q_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if q_ids.is_inference() or k_ids.is_inference() or (q_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     side = lambda t: (id(_root(t)), t._version, t.untyped_storage().data_ptr(), t.shape, t.stride(),  # noqa
                       t.storage_offset(), t.dtype, t.device)
@@ -154,11 +153,9 @@ def _grads(ctx, dout, dlse, run_backward):
     """The autograd backward of both paths; ``run_backward`` is the custom op (compiled) or its body (eager)."""
     q, k, v, bias, mask, out, lse, q_seg, k_seg = ctx.saved_tensors
     need_dbias = bias is not None and ctx.needs_input_grad[3]
-    if dout is None:  # only lse was used
-        dout = torch.zeros_like(out)
-    dq, dk, dv, dbias = run_backward(
-        dout, dlse, q, k, v, out, lse, bias, mask, ctx.scale, ctx.causal, ctx.fused, need_dbias, ctx.atomic_dbias,
-        q_seg, k_seg)
+    dout = torch.zeros_like(out) if dout is None else dout  # None: only lse was used
+    dq, dk, dv, dbias = run_backward(dout, dlse, q, k, v, out, lse, bias, mask, ctx.scale, ctx.causal, ctx.fused,
+                                     need_dbias, ctx.atomic_dbias, q_seg, k_seg)
     return (dq, dk, dv, (dbias if need_dbias else None)) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 
@@ -266,8 +263,7 @@ def _merge_plan(q: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], seg=N
     for d in range(q.ndim - 3):
         if q.shape[d] == 1:
             continue
-        pattern = (bias is not None and bias.shape[d] != 1, mask is not None and mask.shape[d] != 1,
-                   seg is not None and seg[0].shape[d] != 1, seg is not None and seg[1].shape[d] != 1)
+        pattern = tuple(t is not None and t.shape[d] != 1 for t in (bias, mask, *(seg or (None, None))))
         if groups and pattern == last:
             groups[-1].append(d)
         else:
@@ -316,8 +312,7 @@ def _seg_tables(seg):
 
 def _canonical_call(q, k, v, bias, mask, scale, causal, mode, tables=()) -> Tuple[Tensor, Tensor]:
     """q, k, v with exactly two leading dims -> (out, lse) via the custom op; ``mode`` = (fused, atomic_dbias)."""
-    q, k, v = _dense(q), _dense(k), _dense(v)
-    return attend(q, k, v, bias, mask, float(scale), bool(causal), *mode, *tables)
+    return attend(_dense(q), _dense(k), _dense(v), bias, mask, float(scale), bool(causal), *mode, *tables)
 
 
 def _seg_index(seg, i):
@@ -336,8 +331,7 @@ def _attend(q, k, v, bias, mask, scale, causal, mode, seg=None) -> Tuple[Tensor,
     groups = _merge_plan(q, bias, mask, seg)
     if len(groups) <= 2:
         # [G1, G2, H, L, D]: each group of leading dims merged into one
-        qm, km, vm = (_merge(t, groups, 3) for t in (q, k, v))
-        bm, mm = _merge(bias, groups, 3), _merge(mask, groups, 3)
+        qm, km, vm, bm, mm = (_merge(t, groups, 3) for t in (q, k, v, bias, mask))
         sm = None if seg is None else (_merge(seg[0], groups, 1), _merge(seg[1], groups, 1))
         if seg is not None and seg[1] is seg[0]:
             sm = (sm[0], sm[0])
@@ -357,9 +351,9 @@ def _canonical_ids(segment_ids, q: Tensor):
     return (qi, qi) if segment_ids[1] is segment_ids[0] else (qi, ki)
 
 
-def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
-                     scale: float, causal: bool, deterministic: bool = True, bwd: str = "auto", segment_ids=None
-                     ) -> Tuple[Tensor, Tensor]:
+def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], scale: float,
+                     causal: bool, deterministic: bool = True, bwd: str = "auto",
+                     segment_ids=None) -> Tuple[Tensor, Tensor]:
     """Fused attention with a broadcastable trainable bias and a differentiable lse (Triton kernels).
 
     Args (already validated by ``attn_ops.attention``):
@@ -402,10 +396,9 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], ma
     return _attend(q, k, v, bias, mask, scale, causal, mode, _canonical_ids(segment_ids, q))
 
 
-def triton_lse_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
-                        scale: float, causal: bool, out: Tensor, lse: Tensor, d_out: Optional[Tensor],
-                        d_lse: Optional[Tensor], need_dbias: bool, bwd: str = "auto", deterministic: bool = True,
-                        segment_ids=None):
+def triton_lse_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], scale: float,
+                        causal: bool, out: Tensor, lse: Tensor, d_out: Optional[Tensor], d_lse: Optional[Tensor],
+                        need_dbias: bool, bwd: str = "auto", deterministic: bool = True, segment_ids=None):
     """Gradients (dq, dk, dv, dbias or None) of attention given its saved (out, lse), without a forward.
 
     Same shapes as :func:`triton_attention`; ``out`` ``[*batch, H, Lq, Dv]`` and ``lse`` ``[*batch, H, Lq]`` may be
