@@ -454,8 +454,8 @@ class Recorder:
     one on it."""
 
     def __init__(self, env: list):
-        self.env, self.steps, self.recording, self.guard = env, [], True, _guard()
-        self.pending = []  # background compiles of the variants that stand-ins ran for (see _ready_variant)
+        # pending: background compiles of the variants that stand-ins ran for (see _ready_variant)
+        self.env, self.steps, self.recording, self.guard, self.pending = env, [], True, _guard(), []
 
     def do(self, step: Callable[[list], None]) -> None:
         step(self.env)

@@ -143,8 +143,7 @@ def _tables_key(q_ids: Tensor, k_ids: Tensor, shared: bool):
 def _setup_context(ctx, inputs, output):
     q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias = inputs[:9]
     q_seg, k_seg = (tuple(inputs[9:]) + (None, None))[:2]
-    out, lse = output
-    ctx.save_for_backward(q, k, v, bias, mask, out, lse, q_seg, k_seg)
+    ctx.save_for_backward(q, k, v, bias, mask, *output, q_seg, k_seg)  # output: (out, lse)
     ctx.scale, ctx.causal, ctx.fused, ctx.atomic_dbias = scale, causal, fused_bwd, atomic_dbias
     ctx.set_materialize_grads(False)  # an unused lse sends None, not a zeros buffer
 

@@ -61,10 +61,9 @@ def _key(q: Tensor, v: Tensor, bias, mask, causal: bool, *extra) -> Tuple:
     """The tuner's key: length buckets (not lengths, :func:`tuning.bucket`), the batch count's power of two, the
     head widths, dtypes, bias/mask kind and broadcast pattern, and the TMA switch (it changes the kernels)."""
     B, R, H, Lq, D = q.shape
-    nbatch = (B * R * H).bit_length()
-    pattern = None if bias is None else tuple(n == 1 for n in bias.shape)
-    return (str(q.dtype), D, v.shape[-1], bucket(Lq), bucket(v.shape[3]), nbatch, pattern,
-            None if bias is None else str(bias.dtype), _mask_kind(mask), causal, _settings().tma) + extra
+    pattern, bias_dtype = (None, None) if bias is None else (tuple(n == 1 for n in bias.shape), str(bias.dtype))
+    return (str(q.dtype), D, v.shape[-1], bucket(Lq), bucket(v.shape[3]), (B * R * H).bit_length(), pattern,
+            bias_dtype, _mask_kind(mask), causal, _settings().tma) + extra
 
 
 def _seg_strides(q_seg: Optional[Tensor], k_seg: Optional[Tensor]) -> Tuple[int, int, int, int]:
@@ -110,8 +109,7 @@ def bias_tma(bias: Optional[Tensor], Lq: int, Lk: int) -> Optional[Tuple[int, in
 def _host_bound(q: Tensor, Lq: int, Lk: int) -> bool:
     """Whether a step is small enough that the host's descriptor work outweighs TMA's gain (the CPU interpreter
     always takes TMA, so the CPU tests cover that path at their small shapes)."""
-    B, R, H = q.shape[:3]
-    return B * R * H * Lq * Lk < STATE.tma_min_scores and not interpreting()
+    return q.shape[:3].numel() * Lq * Lk < STATE.tma_min_scores and not interpreting()
 
 
 # Pointer-loaded bias tiles read whole rows of this many columns from a padded copy (HAS_BIAS 3): the widest key
@@ -294,8 +292,7 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
 def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, need_dbias: bool, atomic_dbias: bool):
     do, dlse, q, k, v, out, lse, bias, m8, q_seg, k_seg = rec.env
     B, R, H, Lq, D, Lk, Dv = *q.shape, k.shape[3], v.shape[4]
-    dev = q.device
-    BD, BDV = _pow2(D), _pow2(Dv)
+    dev, BD = q.device, _pow2(D)
     # any copy of the bias has its shape and dtype (so has dbias)
     read = _bias_slot(rec, _BIAS, q, Lq, Lk)
     b, bias_t, tma, _ = read
@@ -320,7 +317,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
     bm_pre = 16 if interpreting() else 64
     rec.launch(bwd_preprocess_kernel, (_cdiv(Lq, bm_pre), B * R * H), (_OUT, _DO, _Q if dlse is None else _DLSE, delta),
                (*_rows(out), *_rows(do), R, H, Lq), 4, 3, HAS_DLSE=dlse is not None, BLOCK_M=bm_pre,
-               BLOCK_DV=BDV, Dv=Dv, ALIGN=align)
+               BLOCK_DV=_pow2(Dv), Dv=Dv, ALIGN=align)
 
     dq, dk, dv = (rec.new(_empty(t.shape, t.dtype, dev, stride=t.stride())) for t in (q, k, v))
     dbias = None
@@ -426,8 +423,7 @@ def _record_dbias_reduce(rec: Recorder, b: int, mask_slot: int, sm, seg_slots, s
     strides = (*_rows(q), *_rows(k), *_rows(v), *_bstrides(bias), *sm, *_rows(do), numel, *dense)
 
     def run(c):
-        n_mt, n_nt = _cdiv(Lq, c.block_m), _cdiv(Lk, c.block_n)
-        tiles = (1 if loop_m else n_mt) * (1 if loop_n else n_nt)
+        tiles = (1 if loop_m else _cdiv(Lq, c.block_m)) * (1 if loop_n else _cdiv(Lk, c.block_n))
         per, splits = _even_splits(total, _dbias_splits(c.splits, tiles * n_groups, total, dev))
         dbias = rec.new(_empty(shape, dtype, dev))  # dense, in the bias's dtype
         # splits > 1: fp32 partials, in the scratch memory (dq's, not yet written) when it is big enough; one
@@ -463,9 +459,8 @@ def segment_tables_flat(q_ids: Tensor, k_ids: Tensor, shared: bool) -> Tensor:
     n = Lq if shared else Lq + Lk  # positions in the tables
     out = torch.empty((B, R, 3 * n), dtype=torch.int32, device=q_ids.device)
     scratch = torch.empty((B * R, 2 * n), dtype=torch.int32, device=q_ids.device)
-    launch_kernel(segment_table_kernel, (B * R,),
-            (qi, ki, out, scratch, qi.stride(0), qi.stride(1), ki.stride(0), ki.stride(1), R, Lq, Lk,
-             int(Lq).bit_length(), int(Lk).bit_length()), 4, 1, SHARED=shared, BLOCK=_SEG_BLOCK)
+    launch_kernel(segment_table_kernel, (B * R,), (qi, ki, out, scratch, *qi.stride()[:2], *ki.stride()[:2], R, Lq, Lk,
+                  int(Lq).bit_length(), int(Lk).bit_length()), 4, 1, SHARED=shared, BLOCK=_SEG_BLOCK)
     return out
 
 

@@ -301,11 +301,9 @@ def measure(fn: Callable[[], None], budget_ms: float = 2.0, min_runs: int = 5, m
 def _first_that_launches(cands: List[Cfg], launch: Callable[[Cfg], None]) -> Cfg:
     """The first candidate whose kernel compiles and launches (shared memory and registers permitting)."""
     for c in cands[:-1]:
-        try:
+        with contextlib.suppress(OutOfResources):
             launch(c)
             return c
-        except OutOfResources:
-            continue
     return cands[-1]
 
 
