@@ -27,6 +27,7 @@ comparison).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import operator
@@ -36,8 +37,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .. import settings as _settings
-from ..settings import interpreting
+from ..settings import get as _settings, interpreting
 from . import tuning
 from .tuning import _WARMUP_ONLY, TUNER, compiling_ahead, pick
 
@@ -96,8 +96,7 @@ def _params(kernel) -> Tuple[int, Tuple[int, ...]]:
         params = getattr(kernel, "params", ())
         flags = [bool(getattr(p, "is_constexpr", False)) for p in params]
         n = flags.index(True) if True in flags else len(flags)
-        if not flags or any(not f for f in flags[n:]):
-            n = -1
+        n = n if flags and all(flags[n:]) else -1  # (no params, or a runtime param after a constexpr)
         known = STATE.params[kernel] = (n, tuple(
             0 if getattr(p, "do_not_specialize", False) else 1 if getattr(p, "do_not_specialize_on_alignment", False)
             else 2 for p in params))
@@ -150,11 +149,9 @@ def _compile_job(kernel, grid, args, num_warps: int, num_stages: int, constexprs
         result = kernel.warmup(*args, grid=grid, num_warps=num_warps, num_stages=num_stages, **constexprs)
         if load and device >= 0 and torch.cuda.is_available() and hasattr(result, "_init_handles"):
             # Triton's launcher for this signature (a C compile on a cold cache) and the module's load, here rather
-            # than in the first real launch
-            try:
+            # than in the first real launch; an error (e.g. out of resources) the launch raises again
+            with contextlib.suppress(Exception):
                 result._init_handles()
-            except Exception:  # noqa: BLE001 - e.g. out of resources: the launch raises it again
-                pass
         if _direct_ok(kernel, args, constexprs, result):
             STATE.compiled[key] = result
     return work
@@ -171,13 +168,11 @@ def _submit_ahead(kernel, grid, args: Sequence, num_warps: int, num_stages: int,
             return False
         pool, jobs = TUNER.ahead
         if key not in STATE.compiled and key not in jobs:
-            jobs[key] = pool.submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key,
-                                                 load=True))
+            jobs[key] = pool.submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key, load=True))
     return True
 
 
-def launch_kernel(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int,
-                  **constexprs) -> None:
+def launch_kernel(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int, **constexprs) -> None:
     """``kernel[grid](*args, num_warps=.., num_stages=.., **constexprs)``, directly on a remembered compiled kernel
     when this launch signature was seen before. ``args`` are the runtime params in order; ``constexprs`` must be
     exactly the kernel's trailing constexpr params, in order."""
@@ -187,21 +182,20 @@ def launch_kernel(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int,
     if TUNER.ahead is not None and tuning.background_compiles() and \
             _submit_ahead(kernel, grid, args, num_warps, num_stages, constexprs):
         return
-    if interpreting() or not _settings.get().fast_launch:
+    if interpreting() or not _settings().fast_launch:
         kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
         return
     state = STATE
     head = (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()))
     exact = (head, _exact_key(args))
     compiled = state.exact.get(exact)
-    key = None
     if compiled is None:
         key = head + (signature(args, _params(kernel)[1]),)
         compiled = state.compiled.get(key)
         if compiled is not None:
             _remember_exact(exact, compiled)
-    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     if compiled is not None:
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         compiled[grid3](*args, *constexprs.values())
         return
     result = kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
@@ -215,14 +209,13 @@ def _direct_ok(kernel, args: Sequence, constexprs: dict, result) -> bool:
     order: the runtime args lead, the constexprs are exactly the trailing params, and it is a compiled kernel."""
     # (the type's: Triton 3.9's placeholder for a compile still pending elsewhere answers hasattr through
     # __getattr__ yet cannot be subscripted)
-    return _params(kernel)[0] == len(args) and len(args) + len(constexprs) == len(kernel.params) and all(
-        p.name == name for p, name in zip(kernel.params[len(args):], constexprs)) and hasattr(type(result),
-                                                                                             "__getitem__")
+    n = len(args)
+    return _params(kernel)[0] == n and n + len(constexprs) == len(kernel.params) and all(
+        p.name == name for p, name in zip(kernel.params[n:], constexprs)) and hasattr(type(result), "__getitem__")
 
 
 def _signature_key(kernel, args: Sequence, num_warps: int, num_stages: int, constexprs: dict) -> Tuple:
-    return (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()),
-            signature(args, _params(kernel)[1]))
+    return kernel, _device(), num_warps, num_stages, tuple(constexprs.values()), signature(args, _params(kernel)[1])
 
 
 def is_compiled(kernel, args: Sequence, num_warps: int, num_stages: int, **constexprs) -> bool:
@@ -241,18 +234,12 @@ def compile_in_background(kernel, grid: Tuple[int, ...], args: Sequence, num_war
     job = TUNER.jobs.get(key)
     if job is None:
         with TUNER.lock:
-            if TUNER.pool is None:
-                TUNER.pool = ThreadPoolExecutor(1, thread_name_prefix="attn_zoo_compile")
+            TUNER.pool = TUNER.pool or ThreadPoolExecutor(1, thread_name_prefix="attn_zoo_compile")
         TUNER.jobs[key] = TUNER.pool.submit(_compile_job(kernel, grid, args, num_warps, num_stages, constexprs, key))
         return "pending"
     if not job.done():
         return "pending"
     return "failed" if job.exception() is not None else "ready"
-
-
-def background_job(kernel, args: Sequence, num_warps: int, num_stages: int, **constexprs):
-    """The background compile of this launch's kernel (a ``concurrent.futures.Future``); None if none was asked."""
-    return TUNER.jobs.get(_signature_key(kernel, args, num_warps, num_stages, constexprs))
 
 
 def bound(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int, n_leading: int,
@@ -263,24 +250,18 @@ def bound(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_sta
     ``settings.fast_launch`` False, a kernel whose constexprs are not trailing): the caller keeps calling
     :func:`launch_kernel`. The leading arguments must have the dtypes and 16-byte alignment of those given here, and
     the current device must stay the same (the plan's key holds both)."""
-    if _WARMUP_ONLY.get() or TUNER.ahead is not None or interpreting() or not _settings.get().fast_launch:
+    if _WARMUP_ONLY.get() or TUNER.ahead is not None or interpreting() or not _settings().fast_launch:
         return None
-    head = (kernel, _device(), num_warps, num_stages, tuple(constexprs.values()))
-    compiled = STATE.exact.get((head, _exact_key(args)))
-    if compiled is None:
-        compiled = STATE.compiled.get(head + (signature(args, _params(kernel)[1]),))
+    compiled = STATE.compiled.get(_signature_key(kernel, args, num_warps, num_stages, constexprs))
     if compiled is None:
         return None
     runner = compiled[(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)]
     rest = tuple(args[n_leading:]) + tuple(constexprs.values())
     device = _device()
     if _RAW_STREAM is None or "stream" not in inspect.signature(runner).parameters:
-        def run(*leading):
-            runner(*leading, *rest)
-    else:  # the current stream handed over: the runner would look up the device and its stream on every launch
-        def run(*leading):
-            runner(*leading, *rest, stream=_RAW_STREAM(device))
-    return run
+        return lambda *leading: runner(*leading, *rest)
+    # the current stream handed over: the runner would look up the device and its stream on every launch
+    return lambda *leading: runner(*leading, *rest, stream=_RAW_STREAM(device))
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None) if torch.cuda.is_available() else None
@@ -319,8 +300,7 @@ def _bstrides(t: Tensor) -> Tuple[int, ...]:
 
 def _rows(t: Tensor) -> Tuple[int, int, int, int]:
     """(b, r, h, row) strides of a canonical [B, R, H, L, D] tensor."""
-    s = _bstrides(t)
-    return s[0], s[1], s[2], t.stride(3)  # the row stride as is, also for a single row
+    return (*_bstrides(t)[:3], t.stride(3))  # the row stride as is, also for a single row
 
 
 def empty_in_order(like: Tensor, shape, dtype: torch.dtype) -> Tensor:
@@ -348,19 +328,14 @@ def _align(*tensors: Tensor) -> int:
     kernels get for these canonical tensors: the batch strides (dims B, R, H; size-1 dims pass 0) and the row
     stride. Row starts then keep the base pointer's alignment, so rows load as 16-byte vectors for head widths such
     as 24, whose strides Triton does not specialise (it does so only for multiples of 16)."""
-    g = 0
-    for t in tensors:
-        for n, s in zip(t.shape[:3], t.stride()[:3]):
-            if n > 1:
-                g = math.gcd(g, s)
-        g = math.gcd(g, t.stride(3))
+    g = math.gcd(*(s for t in tensors for s in _rows(t)))  # (a size-1 dim's 0 divides by anything)
     return 16 if g == 0 else min(16, g & -g)
 
 
 def _even(length: int, block: int) -> bool:
     """Whether a launch asks for the variant of a length that is a multiple of the tile (EVEN_M / EVEN_N: no load
     masks); ``settings.tile_variants`` False: never, every length runs the general variant (fewer compiles)."""
-    return length % block == 0 and _settings.get().tile_variants
+    return length % block == 0 and _settings().tile_variants
 
 
 def _device_facts(device: torch.device) -> Tuple[int, int]:
@@ -383,13 +358,9 @@ def _tma_capable(device: torch.device) -> bool:
     """Tensor-memory-accelerator copies: Hopper or newer GPUs with a Triton that has host tensor descriptors, and
     the CPU interpreter (so the CPU tests run this path too); ``settings.tma`` False (``ATTN_ZOO_NO_TMA=1``) turns
     it off."""
-    if TensorDescriptor is None or not _settings.get().tma:
+    if TensorDescriptor is None or not _settings().tma:
         return False
-    if interpreting():
-        return True
-    if device.type != "cuda":
-        return False
-    return _device_facts(device)[0] >= 9
+    return interpreting() or (device.type == "cuda" and _device_facts(device)[0] >= 9)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -459,11 +430,10 @@ def _keep(key: Tuple, rec: "Recorder", outputs: Tuple[Optional[int], ...]) -> No
         return
     plans = STATE.plans
     if key not in plans and len(plans) >= STATE.plans_max:  # many geometries seen: drop the oldest plan
-        with STATE.lock:  # (two threads evicting at once would pick the same one)
-            try:
-                plans.pop(next(iter(plans), None), None)
-            except RuntimeError:  # another thread inserted between iter and next: evict at a later call
-                pass
+        # (under the lock: two threads evicting at once would pick the same one; another thread inserting between
+        # iter and next raises RuntimeError: evict at a later call)
+        with STATE.lock, contextlib.suppress(RuntimeError):
+            plans.pop(next(iter(plans), None), None)
     plans[key] = Plan(tuple(rec.steps), outputs, rec.guard, tuple(rec.pending))
 
 
@@ -484,8 +454,8 @@ class Recorder:
     one on it."""
 
     def __init__(self, env: list):
-        self.env, self.steps, self.recording, self.guard = env, [], True, _guard()
-        self.pending = []  # background compiles of the variants that stand-ins ran for (see _ready_variant)
+        # pending: background compiles of the variants that stand-ins ran for (see _ready_variant)
+        self.env, self.steps, self.recording, self.guard, self.pending = env, [], True, _guard(), []
 
     def do(self, step: Callable[[list], None]) -> None:
         step(self.env)
@@ -507,11 +477,9 @@ class Recorder:
         if not self.recording:
             return
         run = bound(kernel, grid, args, num_warps, num_stages, len(leading), **constexprs)
-        if run is None:  # the plain path (interpreter, fast_launch off): through launch_kernel every time
-            self.steps.append(lambda env: launch_kernel(kernel, grid, get(env) + rest, num_warps, num_stages,
-                                                        **constexprs))
-        else:
-            self.steps.append(lambda env: run(*get(env)))
+        # None: the plain path (interpreter, fast_launch off), through launch_kernel every time
+        self.steps.append((lambda env: run(*get(env))) if run is not None else (
+            lambda env: launch_kernel(kernel, grid, get(env) + rest, num_warps, num_stages, **constexprs)))
 
     def _ready_variant(self, kernel, grid, args, num_warps: int, num_stages: int, constexprs: dict) -> dict:
         """``constexprs``, or the general variant's while theirs compiles in the background. A length that is a
@@ -526,11 +494,11 @@ class Recorder:
         general = dict(constexprs, EVEN_M=False, EVEN_N=False)
         if general.get("HAS_BIAS") == 1:
             general["BIAS_ALIGN"] = 1  # HAS_BIAS 1: vector bias loads only where no tile carries masks
-        if not is_compiled(kernel, args, num_warps, num_stages, **general):
+        # the general variant not compiled, or this one ready by now or failed: compiled here (its error raised) as ever
+        if not is_compiled(kernel, args, num_warps, num_stages, **general) or \
+                compile_in_background(kernel, grid, args, num_warps, num_stages, **constexprs) != "pending":
             return constexprs
-        if compile_in_background(kernel, grid, args, num_warps, num_stages, **constexprs) != "pending":
-            return constexprs  # ready by now, or failed: compiled here (and its error raised) as ever
-        self.pending.append(background_job(kernel, args, num_warps, num_stages, **constexprs))
+        self.pending.append(TUNER.jobs[_signature_key(kernel, args, num_warps, num_stages, constexprs)])
         return general
 
     def tuned(self, name: str, key: Tuple, width: int, Lq: int, Lk: int, run: Callable, **kw):

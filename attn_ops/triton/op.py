@@ -12,6 +12,8 @@ is bound by (docs/bench/history.md). Both paths run the same launches, so they g
 """
 from __future__ import annotations
 
+import functools
+import operator
 import weakref
 from typing import List, Optional, Tuple
 
@@ -24,8 +26,7 @@ from .tuning import compiling_ahead as _compiling_ahead
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("attn_zoo::triton_attn_fwd", mutates_args=())
-def triton_attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
+def _forward_impl(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
                     scale: float, causal: bool, fused_bwd: bool, atomic_dbias: bool, q_seg: Optional[Tensor] = None,
                     k_seg: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """out ``[B, R, H, Lq, Dv]`` (q.dtype, in q's dim order) and lse ``[B, R, H, Lq]`` (fp32, natural log, -inf on
@@ -38,11 +39,13 @@ def triton_attn_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mas
     return attn_forward(q, k, v, bias, mask, scale, causal, q_seg, k_seg)
 
 
+# the custom op and the eager Function (below) run this one body
+triton_attn_fwd = torch.library.custom_op("attn_zoo::triton_attn_fwd", _forward_impl, mutates_args=())
+
+
 @triton_attn_fwd.register_fake
 def _(q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias, q_seg=None, k_seg=None):
-    out = empty_in_order(q, q.shape[:-1] + v.shape[-1:], q.dtype)
-    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-    return out, lse
+    return empty_in_order(q, q.shape[:-1] + v.shape[-1:], q.dtype), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("attn_zoo::triton_attn_bwd", mutates_args=())
@@ -59,10 +62,8 @@ def triton_attn_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, 
 def _backward_impl(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused, need_dbias, atomic_dbias,
                    q_seg=None, k_seg=None):
     """The backward launches; dbias None when not needed."""
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    if dlse is not None:
-        dlse = dlse.contiguous()  # the kernels index it as [B, R, H, Lq]; autograd may hand an expanded view
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    dlse = None if dlse is None else dlse.contiguous()  # indexed as [B, R, H, Lq]; autograd may hand an expanded view
     return attn_backward(dout, dlse, q, k, v, out, lse, bias, mask, scale, causal, fused,
                          need_dbias and bias is not None, atomic_dbias, q_seg, k_seg)
 
@@ -132,8 +133,7 @@ def _tables_key(q_ids: Tensor, k_ids: Tensor, shared: bool):
     """What identifies the tables of these ids: each side's base tensor, its version and the view's geometry;
     None where nothing may be cached (inference tensors have no version counter; tables made during CUDA graph
     capture live in the graph's memory pool)."""
-    if q_ids.is_inference() or k_ids.is_inference() or (
-            q_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if q_ids.is_inference() or k_ids.is_inference() or (q_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     side = lambda t: (id(_root(t)), t._version, t.untyped_storage().data_ptr(), t.shape, t.stride(),  # noqa
                       t.storage_offset(), t.dtype, t.device)
@@ -143,8 +143,7 @@ def _tables_key(q_ids: Tensor, k_ids: Tensor, shared: bool):
 def _setup_context(ctx, inputs, output):
     q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias = inputs[:9]
     q_seg, k_seg = (tuple(inputs[9:]) + (None, None))[:2]
-    out, lse = output
-    ctx.save_for_backward(q, k, v, bias, mask, out, lse, q_seg, k_seg)
+    ctx.save_for_backward(q, k, v, bias, mask, *output, q_seg, k_seg)  # output: (out, lse)
     ctx.scale, ctx.causal, ctx.fused, ctx.atomic_dbias = scale, causal, fused_bwd, atomic_dbias
     ctx.set_materialize_grads(False)  # an unused lse sends None, not a zeros buffer
 
@@ -153,11 +152,9 @@ def _grads(ctx, dout, dlse, run_backward):
     """The autograd backward of both paths; ``run_backward`` is the custom op (compiled) or its body (eager)."""
     q, k, v, bias, mask, out, lse, q_seg, k_seg = ctx.saved_tensors
     need_dbias = bias is not None and ctx.needs_input_grad[3]
-    if dout is None:  # only lse was used
-        dout = torch.zeros_like(out)
-    dq, dk, dv, dbias = run_backward(
-        dout, dlse, q, k, v, out, lse, bias, mask, ctx.scale, ctx.causal, ctx.fused, need_dbias, ctx.atomic_dbias,
-        q_seg, k_seg)
+    dout = torch.zeros_like(out) if dout is None else dout  # None: only lse was used
+    dq, dk, dv, dbias = run_backward(dout, dlse, q, k, v, out, lse, bias, mask, ctx.scale, ctx.causal, ctx.fused,
+                                     need_dbias, ctx.atomic_dbias, q_seg, k_seg)
     return (dq, dk, dv, (dbias if need_dbias else None)) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 
@@ -171,10 +168,7 @@ torch.library.register_autograd("attn_zoo::triton_attn_fwd", _backward, setup_co
 class _EagerAttention(torch.autograd.Function):
     """The eager path: the custom op's forward, setup and backward without its dispatch."""
 
-    @staticmethod
-    def forward(q, k, v, bias, mask, scale, causal, fused_bwd, atomic_dbias, q_seg=None, k_seg=None):
-        return attn_forward(q, k, v, bias, mask, scale, causal, q_seg, k_seg)
-
+    forward = staticmethod(_forward_impl)
     setup_context = staticmethod(_setup_context)
 
     @staticmethod
@@ -264,12 +258,11 @@ def _merge_plan(q: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], seg=N
     """Groups of adjacent leading dims (size-1 dims of q dropped) that share bias/mask/segment-id broadcast
     patterns."""
     groups: List[List[int]] = []
-    last = None
+    last = None  # the broadcast pattern of the last group
     for d in range(q.ndim - 3):
         if q.shape[d] == 1:
             continue
-        pattern = (bias is not None and bias.shape[d] != 1, mask is not None and mask.shape[d] != 1,
-                   seg is not None and seg[0].shape[d] != 1, seg is not None and seg[1].shape[d] != 1)
+        pattern = tuple(t is not None and t.shape[d] != 1 for t in (bias, mask, *(seg or (None, None))))
         if groups and pattern == last:
             groups[-1].append(d)
         else:
@@ -282,13 +275,8 @@ def _merge(t: Optional[Tensor], groups: List[List[int]], tail: int) -> Optional[
     """Reshape ``t``'s leading dims to one dim per group (product of sizes; 1 where t broadcasts)."""
     if t is None:
         return None
-    sizes = []
-    for g in groups:
-        n = 1
-        for d in g:
-            n *= t.shape[d]
-        sizes.append(n)
-    return t.reshape(tuple(sizes) + tuple(t.shape[-tail:]))
+    return t.reshape(tuple(functools.reduce(operator.mul, [t.shape[d] for d in g]) for g in groups) +
+                     tuple(t.shape[-tail:]))
 
 
 def _check_bwd(bwd: str, deterministic: bool) -> Tuple[bool, bool]:
@@ -297,32 +285,37 @@ def _check_bwd(bwd: str, deterministic: bool) -> Tuple[bool, bool]:
     if bwd not in BWD_VARIANTS:
         raise ValueError(f"bwd must be one of {BWD_VARIANTS}, got {bwd!r}")
     if bwd == "fused" and deterministic:
-        raise ValueError(
-            "bwd='fused' accumulates dq with atomics and is not bitwise deterministic; "
-            "pass deterministic=False to use it, or bwd='split'"
-        )
+        raise ValueError("bwd='fused' accumulates dq with atomics and is not bitwise deterministic; "
+                         "pass deterministic=False to use it, or bwd='split'")
     return bwd == "fused", not deterministic
 
 
-def _seg_tables(seg, pad=()):
-    """Segment ids ``(q_ids, k_ids)`` ``[B|1, R|1, L]`` (``pad`` unit dims prepended first) -> the kernels' tables,
-    one shared table when both sides are the same tensor."""
+def _lpad(t: Optional[Tensor], ndim: int) -> Optional[Tensor]:
+    """``t`` with unit dims prepended up to ``ndim`` dims (a view; ``t`` itself if it has them); None stays None."""
+    return t if t is None or t.ndim >= ndim else t.reshape((1,) * (ndim - t.ndim) + tuple(t.shape))
+
+
+def _row(t: Optional[Tensor], i: int) -> Optional[Tensor]:
+    """Index ``i`` of ``t``'s dim 0, or its only index where that dim broadcasts; None stays None."""
+    return None if t is None else t[i if t.shape[0] > 1 else 0]
+
+
+def _seg_tables(seg):
+    """Segment ids ``(q_ids, k_ids)`` (unit dims prepended up to ``[B|1, R|1, L]``) -> the kernels' tables, one
+    shared table when both sides are the same tensor."""
     if seg is None:
         return ()
-    q_ids = seg[0].reshape(pad + seg[0].shape)
-    return segment_tables(q_ids, q_ids if seg[1] is seg[0] else seg[1].reshape(pad + seg[1].shape))
+    q_ids = _lpad(seg[0], 3)
+    return segment_tables(q_ids, q_ids if seg[1] is seg[0] else _lpad(seg[1], 3))
 
 
 def _canonical_call(q, k, v, bias, mask, scale, causal, mode, tables=()) -> Tuple[Tensor, Tensor]:
     """q, k, v with exactly two leading dims -> (out, lse) via the custom op; ``mode`` = (fused, atomic_dbias)."""
-    q, k, v = _dense(q), _dense(k), _dense(v)
-    return attend(q, k, v, bias, mask, float(scale), bool(causal), *mode, *tables)
+    return attend(_dense(q), _dense(k), _dense(v), bias, mask, float(scale), bool(causal), *mode, *tables)
 
 
 def _seg_index(seg, i):
-    if seg is None:
-        return None
-    return tuple(t[i if t.shape[0] > 1 else 0] for t in seg)
+    return None if seg is None else tuple(_row(t, i) for t in seg)
 
 
 def _attend(q, k, v, bias, mask, scale, causal, mode, seg=None) -> Tuple[Tensor, Tensor]:
@@ -330,47 +323,36 @@ def _attend(q, k, v, bias, mask, scale, causal, mode, seg=None) -> Tuple[Tensor,
     if n == 2:  # canonical already (bias and mask have q's ndim): no views to make
         return _canonical_call(q, k, v, bias, mask, scale, causal, mode, _seg_tables(seg))
     lead = q.shape[:n]
-    if n < 2:
-        pad = (1,) * (2 - n)
-        # [B, R, H, L, D] with unit dims prepended (views)
-        q5, k5, v5 = (t.reshape(pad + t.shape) for t in (q, k, v))
-        b5 = None if bias is None else bias.reshape(pad + bias.shape)
-        m5 = None if mask is None else mask.reshape(pad + mask.shape)
-        out, lse = _canonical_call(q5, k5, v5, b5, m5, scale, causal, mode, _seg_tables(seg, pad))
+    if n < 2:  # [B, R, H, L, D] with unit dims prepended (views)
+        q5, k5, v5, b5, m5 = (_lpad(t, 5) for t in (q, k, v, bias, mask))
+        out, lse = _canonical_call(q5, k5, v5, b5, m5, scale, causal, mode, _seg_tables(seg))
         return out.reshape(lead + out.shape[2:]), lse.reshape(lead + lse.shape[2:])
     groups = _merge_plan(q, bias, mask, seg)
     if len(groups) <= 2:
         # [G1, G2, H, L, D]: each group of leading dims merged into one
-        qm, km, vm = (_merge(t, groups, 3) for t in (q, k, v))
-        bm, mm = _merge(bias, groups, 3), _merge(mask, groups, 3)
+        qm, km, vm, bm, mm = (_merge(t, groups, 3) for t in (q, k, v, bias, mask))
         sm = None if seg is None else (_merge(seg[0], groups, 1), _merge(seg[1], groups, 1))
         if seg is not None and seg[1] is seg[0]:
             sm = (sm[0], sm[0])
         out, lse = _attend(qm, km, vm, bm, mm, scale, causal, mode, sm)
         return out.reshape(lead + out.shape[-3:]), lse.reshape(lead + lse.shape[-2:])
     # More than two broadcast patterns: loop over dim 0 (autograd sums a shared bias's gradient).
-    outs, lses = [], []
-    for i in range(q.shape[0]):
-        bi = None if bias is None else bias[i if bias.shape[0] > 1 else 0]
-        mi = None if mask is None else mask[i if mask.shape[0] > 1 else 0]
-        o, s = _attend(q[i], k[i], v[i], bi, mi, scale, causal, mode, _seg_index(seg, i))
-        outs.append(o)
-        lses.append(s)
-    return torch.stack(outs), torch.stack(lses)
+    parts = [_attend(q[i], k[i], v[i], _row(bias, i), _row(mask, i), scale, causal, mode, _seg_index(seg, i))
+             for i in range(q.shape[0])]
+    return torch.stack([o for o, _ in parts]), torch.stack([s for _, s in parts])
 
 
 def _canonical_ids(segment_ids, q: Tensor):
     """``(q_ids, k_ids)`` with ``q.ndim - 2`` dims (left-padded; the API does this already), or None."""
     if segment_ids is None:
         return None
-    pad = lambda t: t.reshape((1,) * (q.ndim - 2 - t.ndim) + tuple(t.shape))  # noqa: E731
-    qi, ki = segment_ids
-    return (pad(qi), pad(qi)) if ki is qi else (pad(qi), pad(ki))
+    qi, ki = (_lpad(t, q.ndim - 2) for t in segment_ids)
+    return (qi, qi) if segment_ids[1] is segment_ids[0] else (qi, ki)
 
 
-def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
-                     scale: float, causal: bool, deterministic: bool = True, bwd: str = "auto", segment_ids=None
-                     ) -> Tuple[Tensor, Tensor]:
+def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], scale: float,
+                     causal: bool, deterministic: bool = True, bwd: str = "auto",
+                     segment_ids=None) -> Tuple[Tensor, Tensor]:
     """Fused attention with a broadcastable trainable bias and a differentiable lse (Triton kernels).
 
     Args (already validated by ``attn_ops.attention``):
@@ -413,10 +395,9 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], ma
     return _attend(q, k, v, bias, mask, scale, causal, mode, _canonical_ids(segment_ids, q))
 
 
-def triton_lse_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
-                        scale: float, causal: bool, out: Tensor, lse: Tensor, d_out: Optional[Tensor],
-                        d_lse: Optional[Tensor], need_dbias: bool, bwd: str = "auto", deterministic: bool = True,
-                        segment_ids=None):
+def triton_lse_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], scale: float,
+                        causal: bool, out: Tensor, lse: Tensor, d_out: Optional[Tensor], d_lse: Optional[Tensor],
+                        need_dbias: bool, bwd: str = "auto", deterministic: bool = True, segment_ids=None):
     """Gradients (dq, dk, dv, dbias or None) of attention given its saved (out, lse), without a forward.
 
     Same shapes as :func:`triton_attention`; ``out`` ``[*batch, H, Lq, Dv]`` and ``lse`` ``[*batch, H, Lq]`` may be
@@ -427,34 +408,23 @@ def triton_lse_backward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
     fused, atomic = _check_bwd(bwd, deterministic)
     seg = _canonical_ids(segment_ids, q)
     d_out = torch.zeros_like(out, dtype=v.dtype) if d_out is None else d_out.to(v.dtype)  # dots need v's dtype
-    n = q.ndim - 3
-    if n > 2:  # loop over dim 0: simple and exact; the merge plan of _attend is a later optimisation
-        parts = []
-        for i in range(q.shape[0]):
-            bi = None if bias is None else bias[i if bias.shape[0] > 1 else 0]
-            mi = None if mask is None else mask[i if mask.shape[0] > 1 else 0]
-            parts.append(triton_lse_backward(q[i], k[i], v[i], bi, mi, scale, causal, out[i], lse[i], d_out[i],
-                                             None if d_lse is None else d_lse[i], need_dbias, bwd, deterministic,
-                                             _seg_index(seg, i)))
+    if q.ndim > 5:  # loop over dim 0: simple and exact; the merge plan of _attend is a later optimisation
+        parts = [triton_lse_backward(q[i], k[i], v[i], _row(bias, i), _row(mask, i), scale, causal, out[i], lse[i],
+                                     d_out[i], _row(d_lse, i), need_dbias, bwd, deterministic, _seg_index(seg, i))
+                 for i in range(q.shape[0])]
         dq, dk, dv = (torch.stack([p[j] for p in parts]) for j in range(3))
         db = None
         if need_dbias:
             dbs = [p[3] for p in parts]
             db = torch.stack(dbs) if bias.shape[0] > 1 else sum(dbs[1:], dbs[0]).unsqueeze(0)
         return dq, dk, dv, db
-    pad = (1,) * (2 - n)
-
-    def five(t):  # [B, R, H, ...] views with unit dims prepended
-        return None if t is None else t.reshape(pad + t.shape)
-
-    q5, k5, v5 = (_dense(five(t)) for t in (q, k, v))
-    out5 = five(out)
-    if out5.stride(-1) != 1:
-        out5 = out5.contiguous()
-    lse4 = five(lse).float().contiguous()
-    dlse4 = None if d_lse is None else five(d_lse).float().contiguous()
+    # [B, R, H, ...] views with unit dims prepended
+    q5, k5, v5 = (_dense(_lpad(t, 5)) for t in (q, k, v))
+    out5 = _lpad(out if out.stride(-1) == 1 else out.contiguous(), 5)
+    lse4 = _lpad(lse, 4).float().contiguous()
+    dlse4 = None if d_lse is None else _lpad(d_lse, 4).float().contiguous()
     dq, dk, dv, db = backward(
-        five(d_out), dlse4, q5, k5, v5, out5, lse4, five(bias), five(mask), float(scale), bool(causal), fused,
-        bool(need_dbias and bias is not None), atomic, *_seg_tables(seg, pad))
+        _lpad(d_out, 5), dlse4, q5, k5, v5, out5, lse4, _lpad(bias, 5), _lpad(mask, 5), float(scale), bool(causal),
+        fused, bool(need_dbias and bias is not None), atomic, *_seg_tables(seg))
     db = db.reshape(bias.shape) if db is not None else None
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), db

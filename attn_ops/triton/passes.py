@@ -9,8 +9,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import settings as _settings
-from ..settings import interpreting
+from ..settings import get as _settings, interpreting
 from . import tuning
 from .backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
 from .common import LOG2E
@@ -50,42 +49,28 @@ def _bias_align(bias: Optional[Tensor], has_bias: int, in_range: bool) -> int:
     if not (has_bias == 3 or (has_bias == 1 and in_range)):
         return 1
     vec = 16 // bias.element_size()
-    if bias.data_ptr() % 16 or any(s % vec for s in _bstrides(bias)[:4]):
-        return 1
-    return vec
-
-
-def _mask_u8(mask: Optional[Tensor]) -> Optional[Tensor]:
-    return None if mask is None else mask.view(torch.uint8)
+    return 1 if bias.data_ptr() % 16 or any(s % vec for s in _bstrides(bias)[:4]) else vec
 
 
 def _mask_kind(mask: Optional[Tensor]) -> int:
     """HAS_MASK for the kernels: 0 none, 1 a key mask (size 1 along Lq), 2 a mask varying along Lq."""
-    if mask is None:
-        return 0
-    return 1 if mask.shape[3] == 1 else 2
+    return 0 if mask is None else 1 if mask.shape[3] == 1 else 2
 
 
 def _key(q: Tensor, v: Tensor, bias, mask, causal: bool, *extra) -> Tuple:
     """The tuner's key: length buckets (not lengths, :func:`tuning.bucket`), the batch count's power of two, the
     head widths, dtypes, bias/mask kind and broadcast pattern, and the TMA switch (it changes the kernels)."""
     B, R, H, Lq, D = q.shape
-    nbatch = (B * R * H).bit_length()
-    pattern = None if bias is None else tuple(n == 1 for n in bias.shape)
-    return (str(q.dtype), D, v.shape[-1], bucket(Lq), bucket(v.shape[3]), nbatch, pattern,
-            None if bias is None else str(bias.dtype), _mask_kind(mask), causal, _settings.get().tma) + extra
+    pattern, bias_dtype = (None, None) if bias is None else (tuple(n == 1 for n in bias.shape), str(bias.dtype))
+    return (str(q.dtype), D, v.shape[-1], bucket(Lq), bucket(v.shape[3]), (B * R * H).bit_length(), pattern,
+            bias_dtype, _mask_kind(mask), causal, _settings().tma) + extra
 
 
 def _seg_strides(q_seg: Optional[Tensor], k_seg: Optional[Tensor]) -> Tuple[int, int, int, int]:
     """The (b, r) strides of the query and key segment tables (0 on broadcast dims; all 0 without ids)."""
     if q_seg is None:
         return 0, 0, 0, 0
-    st = lambda t: (0 if t.shape[0] == 1 else t.stride(0), 0 if t.shape[1] == 1 else t.stride(1))  # noqa: E731
-    return st(q_seg) + st(k_seg)
-
-
-def _mask_strides(m8: Optional[Tensor]) -> Tuple[int, ...]:
-    return (0, 0, 0, 0, 0) if m8 is None else _bstrides(m8)
+    return tuple(0 if n == 1 else s for t in (q_seg, k_seg) for n, s in zip(t.shape[:2], t.stride()[:2]))
 
 
 _TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -109,8 +94,7 @@ def bias_tma(bias: Optional[Tensor], Lq: int, Lk: int) -> Optional[Tuple[int, in
     """
     if not _tma_tiles(bias, Lq, Lk) or bias.stride(4) != 1:
         return None
-    esize = bias.element_size()
-    s_m = bias.stride(3)
+    esize, s_m = bias.element_size(), bias.stride(3)
     if s_m < Lk or (s_m * esize) % 16 or bias.data_ptr() % 16:  # rows repeated by a 0 stride: pointer loads
         return None
     batch = _bstrides(bias)[:3]
@@ -125,8 +109,7 @@ def bias_tma(bias: Optional[Tensor], Lq: int, Lk: int) -> Optional[Tuple[int, in
 def _host_bound(q: Tensor, Lq: int, Lk: int) -> bool:
     """Whether a step is small enough that the host's descriptor work outweighs TMA's gain (the CPU interpreter
     always takes TMA, so the CPU tests cover that path at their small shapes)."""
-    B, R, H = q.shape[:3]
-    return B * R * H * Lq * Lk < STATE.tma_min_scores and not interpreting()
+    return q.shape[:3].numel() * Lq * Lk < STATE.tma_min_scores and not interpreting()
 
 
 # Pointer-loaded bias tiles read whole rows of this many columns from a padded copy (HAS_BIAS 3): the widest key
@@ -134,7 +117,7 @@ def _host_bound(q: Tensor, Lq: int, Lk: int) -> bool:
 PAD_COLS = 128
 
 
-def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
+def bias_for_tiles(bias: Tensor, q: Tensor, Lq: int, Lk: int):
     """(the bias the kernels read, :func:`bias_tma` of it, whether its rows can be read in whole tiles: HAS_BIAS 3).
 
     A bias that several programs re-read (it is broadcast over a batch dim of q: a pair bias shared over R) is
@@ -147,8 +130,6 @@ def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
       whose rows already fill whole tiles is read as it is, with HAS_BIAS 3 too.
     Its gradient keeps the bias's shape and dtype either way.
     """
-    if bias is None:
-        return bias, None, False
     reused = tuple(bias.shape[:3]) != tuple(q.shape[:3]) and tuple(bias.shape[3:]) == (Lq, Lk) and min(Lq, Lk) >= 2
     if not _host_bound(q, Lq, Lk):
         tma = bias_tma(bias, Lq, Lk)
@@ -165,19 +146,21 @@ def bias_for_tiles(bias: Optional[Tensor], q: Tensor, Lq: int, Lk: int):
 
 
 def _bias_slot(rec: Recorder, b: int, q: Tensor, Lq: int, Lk: int):
-    """(env slot of the bias the kernels read, :func:`bias_tma` of it, whether its rows can be read in whole
-    tiles): :func:`bias_for_tiles` as a step."""
+    """(env slot of the bias the kernels read, that tensor, :func:`bias_tma` of it, whether its rows can be read in
+    whole tiles): :func:`bias_for_tiles` as a step; (None, None, None, False) without a bias."""
     bias = rec.env[b]
+    if bias is None:
+        return None, None, None, False
     read, tma, whole_rows = bias_for_tiles(bias, q, Lq, Lk)
     if read is bias:
-        return b, tma, whole_rows
+        return b, bias, tma, whole_rows
     shape, pitch = tuple(read.shape), read.stride(3)
     first = [read]  # this call's copy, made above; replays make their own
 
     def copy(env):
         return first.pop() if first else _rows_copy(env[b], shape, pitch)
 
-    return rec.new(copy), tma, whole_rows
+    return rec.new(copy), read, tma, whole_rows
 
 
 def _rows_copy(bias: Tensor, shape, pitch: int) -> Tensor:
@@ -186,46 +169,44 @@ def _rows_copy(bias: Tensor, shape, pitch: int) -> Tensor:
     return rows.copy_(bias)
 
 
-def _bias_operand_slot(b: Optional[int], bias: Optional[Tensor], tma, block_m: int, block_n: int, dummy: int,
-                       whole_rows: bool):
-    """(leading argument: env slot ``b`` of ``bias``, a per-call descriptor maker, or the ``dummy`` slot; its five
-    strides; HAS_BIAS) of a kernel reading [block_m, block_n] bias tiles: a tensor descriptor (HAS_BIAS 2, batch
-    strides in slices) where :func:`bias_tma` allowed it, else the tensor (1; 3 where ``whole_rows``: rows readable
-    in whole tiles, :func:`bias_for_tiles`) or nothing (0)."""
+def _bias_operand_slot(read: Tuple, c, dummy: int):
+    """(leading argument: the env slot of the bias read (:func:`_bias_slot`), a per-call descriptor maker, or the
+    ``dummy`` slot; its five strides; HAS_BIAS) of a kernel reading ``c``'s [block_m, block_n] bias tiles: a tensor
+    descriptor (HAS_BIAS 2, batch strides in slices) where :func:`bias_tma` allowed it, else the tensor (1; 3 where
+    its rows are readable in whole tiles, :func:`bias_for_tiles`) or nothing (0)."""
+    b, bias, tma, whole_rows = read
     if b is None:
         return dummy, (0, 0, 0, 0, 0), 0
     if tma is None:  # (a tile wider than the padding reads the copy with column masks, as HAS_BIAS 1)
-        return b, _bstrides(bias), 3 if whole_rows and block_n <= PAD_COLS else 1
+        return b, _bstrides(bias), 3 if whole_rows and c.block_n <= PAD_COLS else 1
     slice_stride, n_slices, batch = tma
     dims, strides = [n_slices, bias.shape[3], bias.shape[4]], [slice_stride, bias.stride(3), 1]
-    block = [1, block_m, block_n]
+    block = [1, c.block_m, c.block_n]
     return (lambda env: TensorDescriptor(env[b], dims, strides, block)), (*batch, bias.stride(3), 1), 2
 
 
-def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
-                 scale: float, causal: bool, q_seg: Optional[Tensor] = None, k_seg: Optional[Tensor] = None
-                 ) -> Tuple[Tensor, Tensor]:
+def attn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor], scale: float,
+                 causal: bool, q_seg: Optional[Tensor] = None, k_seg: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """out ``[B, R, H, Lq, Dv]`` (q.dtype, dense in q's dim order) and lse ``[B, R, H, Lq]`` (fp32, natural log).
 
     ``q_seg``/``k_seg``: None or the ``op.segment_tables`` of the query / key ids (both or neither)."""
-    m8 = _mask_u8(mask)
+    m8 = None if mask is None else mask.view(torch.uint8)
     env = [q, k, v, bias, m8, q_seg, k_seg]
     key = ("fwd", _geo(q), _geo(k), _geo(v), _geo(bias), _geo(m8), _geo(q_seg), _geo(k_seg), scale, causal,
-           _current_device() if q.is_cuda else -1, interpreting(), _settings.get())
+           _current_device() if q.is_cuda else -1, interpreting(), _settings())
     o, lse = run_plan(key, env, _record_forward, scale, causal)
     return env[o], env[lse]
 
 
 def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int]:
     q, k, v, bias, m8, q_seg, k_seg = rec.env
-    B, R, H, Lq, D = q.shape
-    Lk, Dv = k.shape[3], v.shape[4]
+    B, R, H, Lq, D, Lk, Dv = *q.shape, k.shape[3], v.shape[4]
     o = rec.new(_empty((B, R, H, Lq, Dv), q.dtype, q.device, order=_order(q)))
     lse = rec.new(_empty((B, R, H, Lq), torch.float32, q.device))
     out = rec.env[o]
-    b, tma, whole_rows = (None, None, False) if bias is None else _bias_slot(rec, 3, q, Lq, Lk)
-    bias_t = None if b is None else rec.env[b]
-    sm = _mask_strides(m8)
+    read = _bias_slot(rec, 3, q, Lq, Lk)
+    bias_t, tma = read[1:3]
+    sm = (0,) * 5 if m8 is None else _bstrides(m8)
     seg = q_seg is not None
     ss = _seg_strides(q_seg, k_seg)
     rows = (*_rows(q), *_rows(k), *_rows(v))  # the same for every config
@@ -233,8 +214,7 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
     align = _align(q, k, v, out)
 
     def run(c):
-        arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=0,
-                                               whole_rows=whole_rows)
+        arg, sb, has_bias = _bias_operand_slot(read, c, dummy=0)
         rec.launch(attn_fwd_kernel, (_cdiv(Lq, c.block_m), B * R * H),
                    (0, 1, 2, arg, 4 if m8 is not None else 0, o, lse, 5 if seg else lse, 6 if seg else lse),
                    (*rows, *sb, *sm, *_rows(out), *ss, R, H, Lq, Lk, scale),
@@ -244,16 +224,6 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
     rec.tuned("fwd", _key(q, v, bias_t, m8, causal, seg, tma is None), _width(q, D, Dv), Lq, Lk, run,
               device=q.device.index)
     return o, lse
-
-
-def _pairs_rows(bias: Optional[Tensor], R: int, causal: bool, atomic_dbias: bool) -> bool:
-    """Whether a dK/dV program may take two rows r, r + 1 that share one bias slice (a bias broadcast over R,
-    summed by atomics with the split dQ kernel).
-
-    Only the atomic variant tries it: one atomic add covers both rows' dS; the other kernels measured as fast or
-    faster with one row per program (docs/bench/history.md, "Design measurements").
-    """
-    return atomic_dbias and bias is not None and bias.shape[1] == 1 and R > 1 and not causal
 
 
 # deterministic=False below STATE.tma_min_scores: a broadcast bias's gradient by vector atomics in the dQ kernel
@@ -310,31 +280,27 @@ def attn_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: T
     kernel when fused or when TMA bulk reductions take them (large steps on Hopper). ``q_seg``/``k_seg``:
     segment id tables as in :func:`attn_forward`.
     """
-    m8 = _mask_u8(mask)
+    m8 = None if mask is None else mask.view(torch.uint8)
     env = [do, dlse, q, k, v, out, lse, bias, m8, q_seg, k_seg]
     key = ("bwd", _geo(do), _geo(dlse), _geo(q), _geo(k), _geo(v), _geo(out), _geo(lse), _geo(bias), _geo(m8),
            _geo(q_seg), _geo(k_seg), scale, causal, fused, need_dbias, atomic_dbias,
-           _current_device() if q.is_cuda else -1, interpreting(), _settings.get())
+           _current_device() if q.is_cuda else -1, interpreting(), _settings())
     dq, dk, dv, db = run_plan(key, env, _record_backward, scale, causal, fused, need_dbias, atomic_dbias)
     return env[dq], env[dk], env[dv], (None if db is None else env[db])
 
 
 def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, need_dbias: bool, atomic_dbias: bool):
     do, dlse, q, k, v, out, lse, bias, m8, q_seg, k_seg = rec.env
-    B, R, H, Lq, D = q.shape
-    Lk, Dv = k.shape[3], v.shape[4]
-    dev = q.device
-    BD, BDV = _pow2(D), _pow2(Dv)
+    B, R, H, Lq, D, Lk, Dv = *q.shape, k.shape[3], v.shape[4]
+    dev, BD = q.device, _pow2(D)
     # any copy of the bias has its shape and dtype (so has dbias)
-    b, tma, whole_rows = (None, None, False) if bias is None else _bias_slot(rec, _BIAS, q, Lq, Lk)
-    bias_t = None if b is None else rec.env[b]
-    mask_slot, sm = (_Q if m8 is None else _MASK), _mask_strides(m8)
+    read = _bias_slot(rec, _BIAS, q, Lq, Lk)
+    b, bias_t, tma, _ = read
+    mask_slot, sm = (_Q, (0,) * 5) if m8 is None else (_MASK, _bstrides(m8))
     seg = q_seg is not None
     seg_slots, ss = ((_QS, _KS) if seg else (_LSE, _LSE)), _seg_strides(q_seg, k_seg)
-    dims = (B, R, H, Lq, Lk)
-    direct_dbias = need_dbias and tuple(bias.shape) == dims
+    direct_dbias = need_dbias and tuple(bias.shape) == (B, R, H, Lq, Lk)
     atomic = need_dbias and not direct_dbias and atomic_dbias and tuple(bias.shape[3:]) == (Lq, Lk)
-    want_dbias = need_dbias and not direct_dbias and not atomic
     # The atomic accumulators take bulk TMA reductions (one per tile; faster: docs/bench/attention_h100.md) where the
     # copy engine can address them: dense, 16-byte rows. The dense dbias accumulator's batch strides then count
     # [Lq, Lk] slices; the fused dQ accumulator is allocated dense ([B*R*H] slices of [Lq, D]).
@@ -351,21 +317,19 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
     bm_pre = 16 if interpreting() else 64
     rec.launch(bwd_preprocess_kernel, (_cdiv(Lq, bm_pre), B * R * H), (_OUT, _DO, _Q if dlse is None else _DLSE, delta),
                (*_rows(out), *_rows(do), R, H, Lq), 4, 3, HAS_DLSE=dlse is not None, BLOCK_M=bm_pre,
-               BLOCK_DV=BDV, Dv=Dv, ALIGN=align)
+               BLOCK_DV=_pow2(Dv), Dv=Dv, ALIGN=align)
 
-    dq = rec.new(_empty(q.shape, q.dtype, dev, stride=q.stride()))
-    dk = rec.new(_empty(k.shape, k.dtype, dev, stride=k.stride()))
-    dv = rec.new(_empty(v.shape, v.dtype, dev, stride=v.stride()))
+    dq, dk, dv = (rec.new(_empty(t.shape, t.dtype, dev, stride=t.stride())) for t in (q, k, v))
     dbias = None
     if direct_dbias:  # causal / segments: tiles that are never visited must start at zero
         make, shape, dtype = torch.zeros if causal or seg else torch.empty, tuple(bias.shape), bias.dtype
         dbias = rec.new(lambda env: make(shape, dtype=dtype, device=dev))
     elif dq_atomic:  # fp32 accumulator, zeroed per launch, rows padded to 16 bytes (the dQ kernel's vector atomics;
         # the padding adds zeros and is never read); not in dq's memory, which that kernel writes meanwhile
-        shape, pitch = tuple(bias.shape), _cdiv(Lk, 4) * 4
+        shape, pitch, dtype = tuple(bias.shape), _cdiv(Lk, 4) * 4, bias.dtype
         dbias = rec.new(lambda env: torch.empty(shape[:4] + (pitch,), dtype=torch.float32, device=dev)[..., :Lk])
     elif atomic:  # fp32 accumulator, zeroed per launch; in dq's memory (written only after it) when it fits
-        n, shape, scratch = bias.numel(), tuple(bias.shape), None if fused else dq
+        n, shape, dtype, scratch = bias.numel(), tuple(bias.shape), bias.dtype, None if fused else dq
         dbias = rec.new(lambda env: _f32_buffer(n, dev, None if scratch is None else env[scratch]).view(shape))
     acc = dbias  # (steps below that name a slot take it from a variable that is never reassigned)
     gs = (0,) * 5 if dbias is None else _bstrides(rec.env[dbias])
@@ -373,21 +337,17 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
         gs = gs[:3] + (rec.env[dbias].stride(3),) + gs[4:]
     if tma_dbias:
         gs = tuple(s // (Lq * Lk) for s in gs[:3]) + gs[3:]
-    dq_acc = None
-    if fused:
-        dq_acc = rec.new(_empty(q.shape, torch.float32, dev, stride=None if tma_dq else q.stride()))
+    dq_acc = rec.new(_empty(q.shape, torch.float32, dev, stride=None if tma_dq else q.stride())) if fused else None
     flags = dict(HAS_MASK=_mask_kind(m8), CAUSAL=causal, HAS_SEG=seg)
     rows = (*_rows(q), *_rows(k), *_rows(v))  # the same for every config
-    do_rows = _rows(do)
     tail = (*ss, R, H, Lq, Lk, scale)
     key = _key(q, v, bias_t, m8, causal, fused, direct_dbias, atomic, seg, tma is None)
 
     def operands(c):
         """The bias argument, the stride tuple and the constexpr flags (HAS_BIAS first, the kernels' parameter
         order) of a launch with c's tiles (only a bias descriptor's block shape depends on them)."""
-        arg, sb, has_bias = _bias_operand_slot(b, bias_t, tma, c.block_m, c.block_n, dummy=_Q,
-                                               whole_rows=whole_rows)
-        return arg, (*rows, *sb, *sm, *do_rows), dict(HAS_BIAS=has_bias, **flags), (bias_t, has_bias)
+        arg, sb, has_bias = _bias_operand_slot(read, c, dummy=_Q)
+        return arg, (*rows, *sb, *sm, *_rows(do)), dict(HAS_BIAS=has_bias, **flags), (bias_t, has_bias)
 
     # 2. dK, dV (+ dQ by atomics when fused, + dBias when it is unbroadcast or accumulated by atomics)
     def run_dkdv(c):
@@ -408,15 +368,17 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
                    ATOMIC_DBIAS=(2 if tma_dbias else 1) if atomic and not dq_atomic else 0,
                    **_tile_args(c, Lq, Lk, D, Dv, align, bias_arg, ROWS=c.rows))
 
-    rec.tuned("dkdv", key, _width(q, D, Dv), Lq, Lk, run_dkdv,
-              pair=_pairs_rows(bias, R, causal, atomic and not fused and not dq_atomic) and not seg, device=dev.index)
-    bias_dtype = None if bias is None else bias.dtype
+    # Two rows r, r + 1 per dK/dV program sharing one bias slice (a bias broadcast over R, summed by the dK/dV
+    # kernel's atomics): one atomic add covers both rows' dS; the other variants measured as fast or faster with one
+    # row per program (docs/bench/history.md, "Design measurements").
+    pair = atomic and not fused and not dq_atomic and bias.shape[1] == 1 and R > 1 and not causal and not seg
+    rec.tuned("dkdv", key, _width(q, D, Dv), Lq, Lk, run_dkdv, pair=pair, device=dev.index)
     if atomic and not dq_atomic:
-        dbias = rec.new(lambda env: env[acc].to(bias_dtype, copy=True))  # a copy: the accumulator may be in dq's memory
+        dbias = rec.new(lambda env: env[acc].to(dtype, copy=True))  # a copy: the accumulator may be in dq's memory
 
     # 3. dBias of a broadcast bias: deterministic tile-owner reduction. It runs before dq is written, so its
     #    fp32 split partials can live in dq's memory (no extra peak memory).
-    if want_dbias:
+    if need_dbias and not direct_dbias and not atomic:
         dbias = _record_dbias_reduce(rec, b, mask_slot, sm, seg_slots, ss, delta, scale, causal, key, scratch=dq)
 
     # 4. dQ over query tiles (split variant)
@@ -434,7 +396,7 @@ def _record_backward(rec: Recorder, scale: float, causal: bool, fused: bool, nee
 
         rec.tuned("dq", key, _width(q, D, Dv), Lq, Lk, run_dq, device=dev.index)
         if dq_atomic:  # (a copy: a dense tensor, not the padded rows)
-            dbias = rec.new(lambda env: env[acc].to(bias_dtype, copy=True))
+            dbias = rec.new(lambda env: env[acc].to(dtype, copy=True))
     return dq, dk, dv, dbias
 
 
@@ -450,23 +412,18 @@ def _record_dbias_reduce(rec: Recorder, b: int, mask_slot: int, sm, seg_slots, s
     """The gradient of a bias broadcast over batch dims (env slot ``b``) by the deterministic reduction kernel;
     returns its env slot. ``scratch``: the slot of a buffer not yet written (dq) that fp32 split partials may use."""
     q, k, v, bias, do = rec.env[_Q], rec.env[_K], rec.env[_V], rec.env[b], rec.env[_DO]
-    B, R, H, Lq, D = q.shape
-    Lk, Dv = k.shape[3], v.shape[4]
+    B, R, H, Lq, D, Lk, Dv = *q.shape, k.shape[3], v.shape[4]
     BB, BR, BH, BLq, BLk = bias.shape
     loop_m, loop_n = BLq == 1 and Lq > 1, BLk == 1 and Lk > 1
     n_groups = BB * BR * BH
     numel, shape, dtype, dev = bias.numel(), tuple(bias.shape), bias.dtype, q.device
     lr_n, lh_n = R // BR, H // BH
     total = (B // BB) * lr_n * lh_n  # batch steps summed into each tile
-    dense = [1] * 5  # dbias is allocated dense: its strides, 0 on broadcast dims as ever
-    for d in range(3, -1, -1):
-        dense[d] = dense[d + 1] * shape[d + 1]
-    dense = tuple(0 if n == 1 else st for n, st in zip(shape, dense))
+    dense = _bstrides(torch.empty(shape, device="meta"))  # dbias is allocated dense: its strides, 0 on broadcast dims
     strides = (*_rows(q), *_rows(k), *_rows(v), *_bstrides(bias), *sm, *_rows(do), numel, *dense)
 
     def run(c):
-        n_mt, n_nt = _cdiv(Lq, c.block_m), _cdiv(Lk, c.block_n)
-        tiles = (1 if loop_m else n_mt) * (1 if loop_n else n_nt)
+        tiles = (1 if loop_m else _cdiv(Lq, c.block_m)) * (1 if loop_n else _cdiv(Lk, c.block_n))
         per, splits = _even_splits(total, _dbias_splits(c.splits, tiles * n_groups, total, dev))
         dbias = rec.new(_empty(shape, dtype, dev))  # dense, in the bias's dtype
         # splits > 1: fp32 partials, in the scratch memory (dq's, not yet written) when it is big enough; one
@@ -487,8 +444,7 @@ def _record_dbias_reduce(rec: Recorder, b: int, mask_slot: int, sm, seg_slots, s
         return dbias
 
     # the bias's broadcast pattern is in the key; R's power of two sets how many batch steps each tile sums
-    return rec.tuned("dbias", key + ((B // BB * R // BR * H // BH).bit_length(),), _width(q, D, Dv), Lq, Lk, run,
-                     device=dev.index)
+    return rec.tuned("dbias", key + (total.bit_length(),), _width(q, D, Dv), Lq, Lk, run, device=dev.index)
 
 
 def segment_tables_flat(q_ids: Tensor, k_ids: Tensor, shared: bool) -> Tensor:
@@ -497,24 +453,18 @@ def segment_tables_flat(q_ids: Tensor, k_ids: Tensor, shared: bool) -> Tensor:
     batch = torch.broadcast_shapes(q_ids.shape[:-1], k_ids.shape[:-1])
     Lq, Lk = q_ids.shape[-1], k_ids.shape[-1]
 
-    def rows(ids):
-        ids = ids if ids.stride(-1) == 1 else ids.contiguous()
-        return ids.expand(batch + ids.shape[-1:])
-
-    qi, ki = rows(q_ids), rows(k_ids)
+    # each side's ids contiguous along L, broadcast over the batch
+    qi, ki = ((t if t.stride(-1) == 1 else t.contiguous()).expand(batch + t.shape[-1:]) for t in (q_ids, k_ids))
     B, R = batch
-    width = 3 * Lq if shared else 3 * (Lq + Lk)
-    out = torch.empty((B, R, width), dtype=torch.int32, device=q_ids.device)
-    scratch = torch.empty((B * R, 2 * Lq if shared else 2 * (Lq + Lk)), dtype=torch.int32, device=q_ids.device)
-    launch_kernel(segment_table_kernel, (B * R,),
-            (qi, ki, out, scratch, qi.stride(0), qi.stride(1), ki.stride(0), ki.stride(1), R, Lq, Lk,
-             int(Lq).bit_length(), int(Lk).bit_length()), 4, 1, SHARED=shared, BLOCK=_SEG_BLOCK)
+    n = Lq if shared else Lq + Lk  # positions in the tables
+    out = torch.empty((B, R, 3 * n), dtype=torch.int32, device=q_ids.device)
+    scratch = torch.empty((B * R, 2 * n), dtype=torch.int32, device=q_ids.device)
+    launch_kernel(segment_table_kernel, (B * R,), (qi, ki, out, scratch, *qi.stride()[:2], *ki.stride()[:2], R, Lq, Lk,
+                  int(Lq).bit_length(), int(Lk).bit_length()), 4, 1, SHARED=shared, BLOCK=_SEG_BLOCK)
     return out
 
 
 def split_tables(flat: Tensor, Lq: int, Lk: int, shared: bool) -> Tuple[Tensor, Tensor]:
     """The (query, key) table views ``[B', R', 3, L]`` of :func:`segment_tables_flat`'s result."""
     qt = flat[..., :3 * Lq].unflatten(-1, (3, Lq))
-    if shared:
-        return qt, qt
-    return qt, flat[..., 3 * Lq:].unflatten(-1, (3, Lk))
+    return qt, (qt if shared else flat[..., 3 * Lq:].unflatten(-1, (3, Lk)))

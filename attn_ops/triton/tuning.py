@@ -29,8 +29,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from .. import settings as _settings
-from ..settings import interpreting
+from ..settings import get as _settings, interpreting
 
 
 class Cfg(NamedTuple):
@@ -79,7 +78,7 @@ def compiling_ahead() -> bool:
 def background_compiles() -> bool:
     """Whether compiles can run off the launching thread: on the direct path only (the CPU interpreter and
     ``settings.fast_launch`` False always launch through Triton, which compiles where it must)."""
-    return not interpreting() and _settings.get().fast_launch
+    return not interpreting() and _settings().fast_launch
 
 
 @contextlib.contextmanager
@@ -98,7 +97,7 @@ def compile_ahead(threads: Optional[int] = None) -> Iterator[None]:
         raise RuntimeError("compile_ahead() during a CUDA graph capture: the graph would hold no kernel launches")
     if TUNER.ahead is not None:
         raise RuntimeError("compile_ahead() is already active")
-    pool = ThreadPoolExecutor(threads or _settings.get().compile_threads, thread_name_prefix="attn_zoo_ahead")
+    pool = ThreadPoolExecutor(threads or _settings().compile_threads, thread_name_prefix="attn_zoo_ahead")
     jobs: Dict[Tuple, object] = {}
     with TUNER.lock:
         TUNER.ahead = (pool, jobs)
@@ -107,8 +106,7 @@ def compile_ahead(threads: Optional[int] = None) -> Iterator[None]:
     finally:
         with TUNER.lock:
             TUNER.ahead = None
-        wait(list(jobs.values()))
-        pool.shutdown()
+        pool.shutdown()  # (waits for every compile submitted)
         failed = [e for e in (f.exception() for f in jobs.values()) if e is not None]
         if failed:
             warnings.warn(f"compile_ahead: {len(failed)} of {len(jobs)} compiles failed (each compiles again at its "
@@ -123,9 +121,7 @@ def wait_background(timeout: Optional[float] = None) -> float:
     the seconds waited. Benchmarks call it before timing a steady state: until then a tile-multiple length runs
     its general stand-in variants."""
     t0 = time.perf_counter()
-    jobs = [j for j in list(TUNER.jobs.values()) if not j.done()]
-    if jobs:
-        wait(jobs, timeout=timeout)
+    wait([j for j in list(TUNER.jobs.values()) if not j.done()], timeout=timeout)
     return time.perf_counter() - t0
 
 
@@ -183,18 +179,11 @@ def candidates(kernel: str, head_dim: int, lq: int, lk: int, pair: bool = False)
     kernel can run two batch rows per program on one bias tile; each tile shape is tried both ways. Depends on
     ``lq`` and ``lk`` only through :func:`bucket`.
     """
-    out = []
-    for c in _CANDIDATES[kernel]:
-        if head_dim > 128 and (c.block_m * c.block_n > 64 * 64 or c.num_stages > 2):
-            continue
-        if head_dim > 64 and kernel == "dkdv" and c.block_m * c.block_n > 64 * 128:
-            continue
-        if c.block_m > bucket(lq) or c.block_n > bucket(lk):
-            continue
-        out.append(c)
+    out = [c for c in _CANDIDATES[kernel] if c.block_m <= bucket(lq) and c.block_n <= bucket(lk)
+           and not (head_dim > 128 and (c.block_m * c.block_n > 64 * 64 or c.num_stages > 2))
+           and not (head_dim > 64 and kernel == "dkdv" and c.block_m * c.block_n > 64 * 128)]
     if head_dim > 128:
-        out.append(Cfg(32, 32, 4, 2))
-        out.append(Cfg(64, 32, 4, 2))
+        out += [Cfg(32, 32, 4, 2), Cfg(64, 32, 4, 2)]
     out = out or [Cfg(16, 16, 4, 1)]
     if pair and head_dim <= 64:  # two rows' accumulators: only for small heads (the pair-bias layouts)
         out += [c._replace(rows=2) for c in out]
@@ -215,29 +204,23 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
     """
     if interpreting():
         return _INTERPRETER._replace(rows=2 if pair else 1)
-    s = _settings.get()
+    s = _settings()
     full_key = (kernel, pair) + key + (s.tune, s.shipped_configs, device)
     cfg = TUNER.picks.get(full_key)
     if cfg is not None:
         return cfg
-    cands = candidates(kernel, head_dim, lq, lk, pair)
+    cands, name = candidates(kernel, head_dim, lq, lk, pair), (kernel, pair) + key
     disk = disk_cache(s.cache_dir, device) if s.tune else None
-    if disk is not None:
-        cfg = disk.get((kernel, pair) + key)
-        if cfg is not None and cfg not in cands:
-            cfg = None  # a config the current candidate lists no longer offer
-    if cfg is None:
-        if compiling_ahead():  # nothing runs: submit the compiles the real call will want (the shipped config, else
-            # every candidate to time, else the first); check, time and cache nothing (the real call does)
-            first = shipped(device).get(DiskCache._name((kernel, pair) + key)) if s.tune and s.shipped_configs \
-                else None
-            first = first if first in cands else None
-            _launch_each([first] if first is not None else (cands if s.tune else cands[:1]), launch)
-            return first or cands[0]
-    if cfg is None and s.tune and s.shipped_configs:
-        cfg = shipped(device).get(DiskCache._name((kernel, pair) + key))
-        if cfg is not None:  # (launched once: a kernel changed since the table was made may not fit it)
-            cfg = _first_that_launches([cfg] + [c for c in cands if c != cfg], launch) if cfg in cands else None
+    cfg = None if disk is None else disk.get(name)
+    cfg = cfg if cfg in cands else None  # (not a config the current candidate lists no longer offer)
+    ship = shipped(device).get(DiskCache._name(name)) if cfg is None and s.tune and s.shipped_configs else None
+    ship = ship if ship in cands else None
+    if cfg is None and compiling_ahead():  # nothing runs: submit the compiles the real call will want (the shipped
+        # config, else every candidate to time, else the first); check, time and cache nothing (the real call does)
+        _launch_each([ship] if ship is not None else (cands if s.tune else cands[:1]), launch)
+        return ship or cands[0]
+    if cfg is None and ship is not None:  # (launched once: a kernel changed since the table was made may not fit it)
+        cfg = _first_that_launches([ship] + [c for c in cands if c != ship], launch)
     if cfg is None:
         if len(cands) == 1 or not s.tune:
             cfg = _first_that_launches(cands, launch)
@@ -245,7 +228,7 @@ def pick(kernel: str, key: Tuple, head_dim: int, lq: int, lk: int, launch: Calla
             _compile_all(cands, launch, s.compile_threads)
             cfg = _time(kernel, key, cands, launch, s.tune_log)
             if disk is not None:
-                disk.put((kernel, pair) + key, cfg)
+                disk.put(name, cfg)
     TUNER.picks[full_key] = cfg
     return cfg
 
@@ -268,14 +251,12 @@ def _compile_all(cands: List[Cfg], launch: Callable[[Cfg], None], threads: int) 
 def _launch_each(cands: List[Cfg], launch: Callable[[Cfg], None]) -> None:
     """``launch(c)`` for every candidate, errors ignored (the real call, or the timing, reports them)."""
     for c in cands:
-        try:
+        with contextlib.suppress(Exception):
             launch(c)
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def _time(kernel: str, key: Tuple, cands: List[Cfg], launch: Callable[[Cfg], None], log: bool) -> Cfg:
-    best = None
+    timed = []
     for c in cands:
         try:
             ms = measure(lambda: launch(c))
@@ -283,9 +264,8 @@ def _time(kernel: str, key: Tuple, cands: List[Cfg], launch: Callable[[Cfg], Non
             continue
         if log:
             print(f"tune {kernel} {key}: {c} {ms:.3f} ms", flush=True)
-        if best is None or ms < best[0]:
-            best = (ms, c)
-    return best[1] if best is not None else cands[-1]
+        timed.append((ms, c))
+    return min(timed, key=lambda t: t[0])[1] if timed else cands[-1]  # (the first of equal times)
 
 
 
@@ -301,33 +281,29 @@ def measure(fn: Callable[[], None], budget_ms: float = 2.0, min_runs: int = 5, m
     # hold no tensor that outlives the call (torch.compile(mode="reduce-overhead") refuses such a pool).
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
     flush = torch.empty(max(64 << 20, 2 * l2), dtype=torch.int8, device="cuda")
+
+    def timed(pairs) -> List[float]:
+        for start, end in pairs:
+            flush.zero_()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return sorted(start.elapsed_time(end) for start, end in pairs)
+
     fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(max_runs)]
-    flush.zero_()
-    events[0][0].record()
-    fn()
-    events[0][1].record()
-    torch.cuda.synchronize()
-    first = events[0][0].elapsed_time(events[0][1])
-    runs = max(min_runs, min(max_runs, int(budget_ms / max(first, 1e-3))))
-    for start, end in events[:runs]:
-        flush.zero_()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    times = sorted(start.elapsed_time(end) for start, end in events[:runs])
+    first = timed(events[:1])[0]
+    times = timed(events[:max(min_runs, min(max_runs, int(budget_ms / max(first, 1e-3))))])
     return times[len(times) // 2]
 
 
 def _first_that_launches(cands: List[Cfg], launch: Callable[[Cfg], None]) -> Cfg:
     """The first candidate whose kernel compiles and launches (shared memory and registers permitting)."""
     for c in cands[:-1]:
-        try:
+        with contextlib.suppress(OutOfResources):
             launch(c)
             return c
-        except OutOfResources:
-            continue
     return cands[-1]
 
 
@@ -399,9 +375,8 @@ class DiskCache:
         except _TABLE_ERRORS as exc:
             self._warn("corrupt", f"unreadable or malformed ({type(exc).__name__}: {exc}); ignored, rebuilt")
             return {}
-        if ident != self.ident:
+        if ident != self.ident:  # (configs is {} then)
             self._warn("foreign", f"written for {ident}, not {self.ident}; ignored, rebuilt")
-            return {}
         return configs
 
     def refresh(self) -> None:
@@ -415,9 +390,7 @@ class DiskCache:
             self._stamp = stamp
             self.configs.update(self._read())
 
-    @staticmethod
-    def _name(key: Tuple) -> str:
-        return repr(key)
+    _name = staticmethod(repr)  # a tuner key's name in the file
 
     def get(self, key: Tuple) -> Optional[Cfg]:
         name = self._name(key)
@@ -438,9 +411,7 @@ class DiskCache:
         folder = os.path.dirname(self.path)
         os.makedirs(folder, exist_ok=True)
         with _locked(self.path + ".lock"):
-            merged = self._read()
-            merged.update(self.configs)
-            self.configs = merged
+            self.configs = merged = {**self._read(), **self.configs}  # ours over the file's
             fd, tmp = tempfile.mkstemp(prefix=".tuning-", suffix=".tmp", dir=folder)
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -467,30 +438,23 @@ def _read_table(path: str, want) -> Tuple[object, Dict[str, Cfg]]:
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object, got {type(data).__name__}")
     ident = data.get("identity")
-    if ident != want:
-        return ident, {}
-    return ident, {k: Cfg(*v) for k, v in data["configs"].items()}
+    return ident, ({k: Cfg(*v) for k, v in data["configs"].items()} if ident == want else {})
 
 
-class _locked:
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
     """An exclusive ``flock`` on ``path`` (created if needed) for a read-merge-write; no lock where fcntl is missing."""
-
-    def __init__(self, path: str):
-        self.path, self.fd = path, None
-
-    def __enter__(self):
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - not POSIX: os.replace still keeps the file whole
-            return self
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        if self.fd is not None:
-            os.close(self.fd)  # closing releases the lock
-        return False
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: os.replace still keeps the file whole
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -516,8 +480,7 @@ def shipped(device=None) -> Dict[str, Cfg]:
     table = TUNER.shipped.get(key)
     if table is None:
         table = {}
-        names = sorted(n for n in os.listdir(folder) if n.endswith(".json")) if os.path.isdir(folder) else []
-        for name in names:
+        for name in sorted(n for n in os.listdir(folder) if n.endswith(".json")) if os.path.isdir(folder) else []:
             path = os.path.join(folder, name)
             try:
                 table.update(_read_table(path, want)[1])
