@@ -167,12 +167,12 @@ def test_code_line_rule():
     assert code_lines(src) == (4, 3)  # decorator, def, two statements | import, def, return
 
 
-MAX_HOST_RATIO = 1.34  # lower it as host code shrinks
+MAX_HOST_RATIO = 1.19  # the ratio reached, never above 1.2; lower it as host code shrinks
 
 
 def test_triton_line_budget():
     """No backend file over ``MAX_FILE_LINES`` raw lines; the host/kernel code ratio is printed and held at its
-    current value, ``MAX_HOST_RATIO`` (the goal is host <= 1.2 x kernel)."""
+    current value, ``MAX_HOST_RATIO``, which itself stays within the rule host <= 1.2 x kernel."""
     kernel = host = 0
     rows, too_long = [], []
     for path in sorted(TRITON_DIR.glob("*.py")):
@@ -186,6 +186,7 @@ def test_triton_line_budget():
     print("\n".join(rows))
     print(f"attn_ops/triton: kernel {kernel}, host {host}, host/kernel {host / kernel:.2f}")
     assert not too_long, f"files over {MAX_FILE_LINES} lines: {too_long}"
+    assert MAX_HOST_RATIO <= 1.2
     assert host <= MAX_HOST_RATIO * kernel, f"host/kernel {host / kernel:.2f} > {MAX_HOST_RATIO}"
 
 

@@ -207,8 +207,7 @@ def _record_forward(rec: Recorder, scale: float, causal: bool) -> Tuple[int, int
     read = _bias_slot(rec, 3, q, Lq, Lk)
     bias_t, tma = read[1:3]
     sm = (0,) * 5 if m8 is None else _bstrides(m8)
-    seg = q_seg is not None
-    ss = _seg_strides(q_seg, k_seg)
+    seg, ss = q_seg is not None, _seg_strides(q_seg, k_seg)
     rows = (*_rows(q), *_rows(k), *_rows(v))  # the same for every config
     flags = dict(HAS_MASK=_mask_kind(m8), CAUSAL=causal, HAS_SEG=seg)
     align = _align(q, k, v, out)
