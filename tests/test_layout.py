@@ -167,7 +167,7 @@ def test_code_line_rule():
     assert code_lines(src) == (4, 3)  # decorator, def, two statements | import, def, return
 
 
-MAX_HOST_RATIO = 1.19  # the ratio reached, never above 1.2; lower it as host code shrinks
+MAX_HOST_RATIO = 1.12  # the ratio reached (1.19 without the rotary kernels), never above 1.2; lower it as host code shrinks
 
 
 def test_triton_line_budget():
