@@ -121,7 +121,8 @@ def test_rotary_declines_what_it_cannot_serve():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("norm", [False, True])
 def test_rotary_kernel_gpu_bf16(norm):
-    """bf16 on the GPU: within the reference's own bf16 error of the float64 result; gradients likewise."""
+    """bf16 on the GPU: the output within the reference's own bf16 error of the float64 result (largest entry), the
+    gradients within 1.5x its error norm."""
     g = torch.Generator().manual_seed(4)
     B, L, H, D = 4, 301, 18, 64
     C = H * D
@@ -141,5 +142,5 @@ def test_rotary_kernel_gpu_bf16(norm):
     got = torch.autograd.grad(out, wrt, dout)
     low = torch.autograd.grad(ref, wrt, dout)
     want = torch.autograd.grad(exact, wrt, dout.double())
-    for a, b, c in zip(got, low, want):
-        assert (a.double() - c).abs().max() <= 1.5 * (b.double() - c).abs().max() + 1e-5
+    for a, b, c in zip(got, low, want):  # norms, not the largest entry: one bf16 ulp is 2x wider past a power of 2
+        assert (a.double() - c).norm() <= 1.5 * (b.double() - c).norm() + 1e-6 * c.norm()
