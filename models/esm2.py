@@ -20,7 +20,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import attn_ops
-from .kernels import rotary_qk
+from .kernels import _rotate_half, rotary_qk
 from .primitives import AttentionConfig, LayerNorm, check_token_segments, fused_linear, segment_positions
 
 Tensor = torch.Tensor
@@ -147,11 +147,6 @@ def esm2(size: str = "650M", attention: Any = None, **kwargs) -> "ESM2":
 def gelu(x: Tensor) -> Tensor:
     """Exact (erf) GELU, fair-esm's ``x * 0.5 * (1 + erf(x / sqrt(2)))`` as one fused op (one saved tensor)."""
     return nn.functional.gelu(x)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):

@@ -329,8 +329,7 @@ class _RotaryQK(torch.autograd.Function):
     def forward(ctx, x, cos, sin, weight, eps: float, scales, heads: int, out_dtype):
         B, L, G, C = x.shape
         M = B * L
-        block_c = 1 << max(0, C - 1).bit_length()
-        block_m = max(1, min(64, 4096 // block_c))  # about 4096 elements a tile
+        block_c, block_m = _tiles(C)  # the layer norm kernels' tiles: about 4096 elements
         norm = weight is not None
         y = torch.empty(G, B, L, C, dtype=out_dtype, device=x.device)
         stats = torch.empty(G, 2, M, dtype=torch.float32, device=x.device) if norm else y
@@ -353,9 +352,8 @@ class _RotaryQK(torch.autograd.Function):
         dy = dy.contiguous()
         dx = torch.empty(B, L, G, C, dtype=x_dtype, device=dy.device)
         norm = weight is not None
-        programs = max(1, min(_cdiv(M, block_m), 8 * _sm_count(dy.device)))
-        rows = max(block_m, _cdiv(_cdiv(M, programs), block_m) * block_m)
-        programs = max(1, _cdiv(M, rows))
+        plan = _make_plan((M, 1, C, C, C, 1), dy.device)  # the layer norm backward's programs and rows each
+        programs, rows = plan.programs, plan.rows
         dw = torch.empty(G, programs, C, dtype=torch.float32, device=dy.device) if norm else dy
         sx = x.stride() if norm else (0, 0, 0, 1)
         if M:
