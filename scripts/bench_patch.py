@@ -29,6 +29,7 @@ import datetime
 import gc
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -310,18 +311,71 @@ def long_inference(layer, cfg, device, timer, backend, emit, const):
 
 
 def profile_step(path, title, fn, device):
-    """Append one step's kernels by device time (torch.profiler) to ``path``."""
+    """Append one step's kernels by device time, its host calls by CPU time and the CUDA runtime calls that block
+    the host (torch.profiler), then the Python stacks of the step's synchronizing calls
+    (``torch.cuda.set_sync_debug_mode``), to ``path``: a step slower than both its CPU and its device time waits
+    somewhere, and these say where."""
     from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
     with profile(activities=acts) as prof:
         fn()
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3
+    events = prof.key_averages()
+    blocking = [e for e in events if re.match(r"cuda(Stream|Device|Event)Synchronize|cudaMemcpy(?!Async)|cudaMalloc"
+                                              r"|cudaFree|cudaHostAlloc|cudaMemcpyAsync", e.key)]
     with open(path, "a") as f:
-        f.write(f"## {title}\n\n")
-        f.write(prof.key_averages().table(sort_by="self_cuda_time_total" if device.type == "cuda" else
-                                          "self_cpu_time_total", row_limit=25, max_name_column_width=60) + "\n\n")
+        f.write(f"## {title}\n\nprofiled wall {wall:.1f} ms\n\n")
+        f.write(events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=25,
+                             max_name_column_width=60) + "\n\n")
+        f.write("### by host time\n\n" + events.table(sort_by="self_cpu_time_total", row_limit=25,
+                                                         max_name_column_width=60) + "\n\n")
+        f.write("### runtime calls that can block the host\n\n")
+        for e in blocking:
+            f.write(f"- {e.key}: {e.count} calls, {e.self_cpu_time_total / 1e3:.2f} ms\n")
+        f.write("\n" if blocking else "- none\n\n")
+        if cuda:
+            f.write("### synchronizing calls (set_sync_debug_mode), by Python stack\n\n")
+            for stack, n in sync_sites(fn).most_common(12):
+                f.write(f"- {n} x\n```\n{stack}```\n")
+            f.write("\n")
+
+
+def sync_sites(fn):
+    """Counter of the Python stacks (last frames) at which one call of ``fn`` synchronised with the device."""
+    import collections
+    import traceback
+    import warnings
+
+    sites = collections.Counter()
+    show = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" in str(message):
+            sites["".join(traceback.format_stack(limit=9)[:-2])] += 1
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    torch.cuda.synchronize()
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = show
+    return sites
 
 
 def run_row(emit, timer, device, case, shape, variant, fn, ref):

@@ -10,6 +10,7 @@
 # kernels' backward repeated, 90), patch-hf (the Hugging Face case of patch alone, 110), zoo-compiled (ESM C
 # also under torch.compile / compile_module, 420), zoo-af3 (OpenFold3's and Protenix's Pairformers vs ours, 180;
 # their packages come in .whl/site from scripts/prepare_whl_zoo.sh), ab-host (a host-path change before and after, .whl/before, ~400),
+# ab-block (the Pairformer block's eager step before and after, the whole before tree in .whl/before, ~200),
 # compile-par (every model x mode of compile at once, one process each, tuning off: the question is
 # whether Inductor runs through the lengths; step times then share the GPU), esm2-peer (ESM-2 650M training step
 # at the fine-tune's batch, 8 x 1024, beside fair-esm's own, 150).
@@ -172,6 +173,18 @@ torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() e
                "$(grep -o 'cpu [0-9.]* us' "$logs/host-$side-$i.log") |"
         done; done; } > "$work/ab.md"
       collect "Host path before / after" "$work/ab.md" "$work/crop-before/crop.md" "$work/crop-after/crop.md" ;;
+    ab-block)  # the Pairformer block's eager training step, before and after (.whl/before holds the whole before
+      # tree: attn_ops, models, attn_zoo, configs, scripts), alternating processes
+      if [ ! -d .whl/before/models ]; then echo "ab-block: no .whl/before/models" | tee -a "$out/stages.txt"; continue; fi
+      for i in 1 2; do
+        for side in before after; do
+          root=.; [ $side = before ] && root=.whl/before
+          step "block-$side-$i" 70 python3 $root/scripts/bench_blocks.py --cases pair384 pair299 --backends triton \
+            --out "$work/block-$side-$i"
+          { echo "### $side $i"; cat "$work/block-$side-$i/blocks.md" 2>/dev/null; } >> "$work/ab_block.md"
+        done
+      done
+      collect "Pairformer block step before / after" "$work/ab_block.md" ;;
     *) echo "unknown stage $stage" >&2 ;;
   esac
 done

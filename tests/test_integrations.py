@@ -119,6 +119,27 @@ def test_fair_esm_patched_equals_unpatched_with_grads(backend):
     assert_close_grads(m, got_g, ref_g, unused="contact_head.")
 
 
+def test_fair_esm_rotary_kernel_in_interpreter(monkeypatch):
+    """The patched attention's q/k rotation on the Triton kernel itself (the CPU interpreter), fed fair-esm's
+    time-first projection as a transposed view: outputs and every gradient as unpatched."""
+    from test_primitives import skip_unless_backend
+
+    skip_unless_backend("triton")
+    from attn_zoo.models.integrations import fair_esm as fair_esm_integration
+    from attn_zoo.models.kernels import rotary_qk
+
+    m = fair_esm_model()
+    tok = fair_esm_tokens(m)
+    ref, ref_g = fair_esm_run(m, tok)
+    calls = []
+    monkeypatch.setattr(fair_esm_integration, "rotary_qk",
+                        lambda *a, **kw: calls.append(1) or rotary_qk(*a, **kw, force=True))
+    attn_zoo.patch(m, backend="torch")
+    got, got_g = fair_esm_run(m, tok)
+    assert calls and rel_err(got, ref) < TOL
+    assert_close_grads(m, got_g, ref_g, unused="contact_head.")
+
+
 def test_fair_esm_patch_is_used_and_unpatch_restores_bitwise():
     m = fair_esm_model()
     tok = fair_esm_tokens(m)
@@ -222,14 +243,16 @@ def test_hf_esm_patched_equals_sdpa_with_grads(backend):
     before = snapshot(m)
     attn_zoo.patch(m, backend=backend)
     assert m.config._attn_implementation == ("attn_zoo" if backend == "auto" else f"attn_zoo_{backend}")
-    assert all(isinstance(layer.intermediate.__dict__.get("forward"), PatchedForward) for layer in m.esm.encoder.layer)
+    assert all(isinstance(layer.intermediate.__dict__.get("forward"), PatchedForward) and
+               isinstance(layer.attention.self.__dict__.get("forward"), PatchedForward) for layer in m.esm.encoder.layer)
     assert_state_untouched(m, before)
     got, got_g = hf_run(m, ids, am)
     assert rel_err(got, ref) < TOL
     assert_close_grads(m, got_g, ref_g, unused="esm.contact_head.")
     attn_zoo.unpatch(m)
     assert m.config._attn_implementation == "sdpa" and not is_patched(m)
-    assert not any("forward" in layer.intermediate.__dict__ for layer in m.esm.encoder.layer)
+    assert not any("forward" in layer.intermediate.__dict__ or "forward" in layer.attention.self.__dict__
+                   for layer in m.esm.encoder.layer)
     with torch.no_grad():
         assert torch.equal(m(input_ids=ids, attention_mask=am).logits, ref)
 
@@ -572,10 +595,48 @@ def test_hf_esmc_patched_equals_sdpa_with_chains_and_grads():
         return logits[chains >= 0].detach(), param_grads(m)
 
     ref, ref_g = run()
+    before = snapshot(m)
     attn_zoo.patch(m)
+    assert all(isinstance(layer.self_attn.__dict__.get("forward"), PatchedForward) for layer in m.esmc.layers)
+    assert_state_untouched(m, before)
     got, got_g = run()
     assert rel_err(got, ref) < TOL
     assert_close_grads(m, got_g, ref_g)
+    attn_zoo.unpatch(m)
+    assert not any("forward" in layer.self_attn.__dict__ for layer in m.esmc.layers)
+    with torch.no_grad():
+        assert torch.equal(m(input_ids=ids, sequence_id=chains).logits[chains >= 0], ref)
+
+
+@pytest.mark.parametrize("family", ["esm", "esmc"])
+def test_hf_fused_attention_rotary_kernels_in_interpreter(family, monkeypatch):
+    """The patched self-attention's q/k rotation (and ESM C's q/k norms) on the Triton kernels themselves (the
+    CPU interpreter), against the unpatched model: outputs and every gradient."""
+    from test_primitives import skip_unless_backend
+
+    skip_unless_backend("triton")
+    tr = pytest.importorskip("transformers", reason="transformers is a test dependency")
+    from attn_zoo.models.integrations import hf as hf_integration
+    from attn_zoo.models.kernels import rotary_qk
+
+    if family == "esmc":
+        if not hasattr(tr, "EsmcForMaskedLM"):
+            pytest.skip(f"transformers {tr.__version__} has no ESM C")
+        config = tr.EsmcConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2)
+        torch.manual_seed(0)
+        m = randomize_(tr.EsmcForMaskedLM(config), 0).eval()
+    else:
+        m = hf_model()
+    ids, am = hf_inputs(L=9)
+    ref, ref_g = hf_run(m, ids, am)
+    calls = []
+    monkeypatch.setattr(hf_integration, "rotary_qk",
+                        lambda *a, **kw: calls.append(1) or rotary_qk(*a, **kw, force=True))
+    attn_zoo.patch(m, backend="torch")
+    got, got_g = hf_run(m, ids, am)
+    assert calls and rel_err(got, ref) < TOL
+    assert_close_grads(m, got_g, ref_g, unused="esm.contact_head.")
 
 
 def test_hf_esmc_patched_under_autocast_within_twice_sdpa():

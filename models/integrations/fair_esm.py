@@ -7,7 +7,9 @@ forward (the exact path), unchanged: ``need_head_weights`` (the per-head maps be
 incremental decoding state, ``static_kv``, ``before_softmax``, ``bias_k``/``bias_v``, ``add_zero_attn``, attention
 dropout while training, and a non-float ``attn_mask``. The head-averaged weights that ``need_weights=True`` alone
 asks for (ESM layers ask for them and discard them) are not computed: the patched forward returns None for them.
-Self-attention's q, k and v projections run as one matmul (``fused_linear``: the same weights, one read of x).
+Self-attention's q, k and v projections run as one matmul (``fused_linear``: the same weights, one read of x), and
+the rotation of q and k as one pass of ``models.kernels.rotary_qk`` on fair-esm's own cached tables (one Triton
+launch each way on CUDA, where fair-esm's rotary embedding issues a dozen ops per tensor).
 
 Each ``esm.modules.TransformerLayer`` is patched too: its feed-forward's GELU, written in fair-esm as
 ``x * 0.5 * (1 + erf(x / sqrt(2)))`` (four kernels and four saved tensors on the widest activation), runs as
@@ -25,6 +27,7 @@ from torch import Tensor, nn
 
 import attn_ops
 
+from ..kernels import rotary_qk
 from ..primitives import fused_linear
 from .common import Options, original_forward
 
@@ -89,7 +92,21 @@ def forward(mod: nn.Module, options: Options, query: Tensor, key: Optional[Tenso
     if embed_dim != mod.embed_dim:
         raise ValueError(f"query: expected embed_dim {mod.embed_dim} as its last dim, got shape {tuple(query.shape)}")
     H, D = mod.num_heads, mod.head_dim
-    if mod.self_attention:
+    tables = getattr(mod.rot_emb, "_update_cos_sin_tables", None)  # fair-esm's own cached [1, T, D] tables
+    # (ESM-2's layers build their attention without self_attention=True and pass the same tensor three times)
+    self_attention = mod.self_attention or (key is query and value is query)
+    if self_attention and tables is not None and mod.kdim == mod.vdim == embed_dim:
+        # q, k, v in one matmul; q and k rotated (q scaled after the rotation: the same map) in one pass
+        C = embed_dim
+        y = fused_linear(query, [mod.q_proj, mod.k_proj, mod.v_proj], split=False)  # [T, B, 3C + pad]
+        qk, v = y[..., :2 * C], y[..., 2 * C:3 * C]
+        cos, sin = (t[0].float().contiguous() for t in tables(y, seq_dimension=0))  # [T, D]
+        q, k = rotary_qk(qk.unflatten(-1, (2, C)).transpose(0, 1), cos, sin, H, scales=(mod.scaling, 1.0),
+                         out_dtype=v.dtype)  # [B, T, C] each
+        q, k = (t.view(bsz, tgt_len, H, D).transpose(1, 2) for t in (q, k))  # [B, H, T, D]
+        v = v.view(tgt_len, bsz, H, D).permute(1, 2, 0, 3)
+        return _attend(mod, options, q, k, v, key_padding_mask, attn_mask, tgt_len, bsz, embed_dim)
+    if self_attention:
         q, k, v = fused_linear(query, [mod.q_proj, mod.k_proj, mod.v_proj])
     else:
         q, k, v = mod.q_proj(query), mod.k_proj(key), mod.v_proj(value)
@@ -100,8 +117,14 @@ def forward(mod: nn.Module, options: Options, query: Tensor, key: Optional[Tenso
     if mod.rot_emb is not None:
         q, k = mod.rot_emb(q, k)
         q, k = q.to(v.dtype), k.to(v.dtype)  # the fp32 rotary tables promote q, k under autocast; bmm would cast back
-    src_len = k.shape[1]
     q, k, v = (t.view(bsz, H, -1, D) for t in (q, k, v))  # [B, H, L, D]
+    return _attend(mod, options, q, k, v, key_padding_mask, attn_mask, tgt_len, bsz, embed_dim)
+
+
+def _attend(mod: nn.Module, options: Options, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
+            attn_mask: Optional[Tensor], tgt_len: int, bsz: int, embed_dim: int) -> Tuple[Tensor, None]:
+    """The op on q, k, v ``[B, H, L, D]`` (q scaled) with fair-esm's key padding mask; the output projection."""
+    src_len = k.shape[2]
     mask = None
     if key_padding_mask is not None and key_padding_mask.dim() > 0:
         if tuple(key_padding_mask.shape) != (bsz, src_len):

@@ -4,9 +4,12 @@
 ``AttentionMaskInterface`` (the boolean ``[B, 1, Lq, Lk]`` masks transformers' SDPA path builds, True = attend);
 ``EsmForMaskedLM.from_pretrained(path, attn_implementation="attn_zoo")`` and ``model.set_attn_implementation`` then
 run this op in every layer of any model written against the registry. ``patch(model)`` does the same for a model
-already built and ``unpatch`` sets back the implementation it had: the config's implementation name changes, and in
+already built and ``unpatch`` sets back the implementation it had: the config's implementation name changes, in
 ESM-2 models (``EsmIntermediate``) the feed-forward's GELU, written there as ``x * 0.5 * (1 + erf(x / sqrt(2)))``
-(four kernels and four saved tensors on the widest activation), runs as ``F.gelu``, the same erf function in one.
+(four kernels and four saved tensors on the widest activation), runs as ``F.gelu``, the same erf function in one,
+and ESM-2's and ESM C's self-attention (``EsmSelfAttention``, ``EsmcAttention``) compute q, k, v in one matmul and
+rotate q and k (ESM C: after their layer norms) in one pass of ``models.kernels.rotary_qk``: the host issues a
+third of the layer's attention launches, which is what a host-bound training step waits on.
 
 The function serves: a padding mask (boolean, or an additive float mask, taken as a bias), causal attention
 without a mask, grouped key/value heads, and packed rows: ``cu_seq_lens_q``/``cu_seq_lens_k`` keyword arguments
@@ -26,7 +29,9 @@ from torch import Tensor, nn
 
 import attn_ops
 
-from .common import Options
+from ..kernels import rotary_qk
+from ..primitives import fused_linear
+from .common import Options, original_forward
 
 NAME = "attn_zoo"
 LOOKS_FOR = ("transformers.PreTrainedModel whose layers call the attention registry (AttentionInterface)",)
@@ -192,23 +197,107 @@ def find(model: nn.Module) -> List[nn.Module]:
     return found
 
 
-def _intermediate_class() -> Optional[type]:
-    """transformers' ESM ``EsmIntermediate`` (dense then the erf GELU), if imported and of the known signature."""
-    cls = getattr(sys.modules.get("transformers.models.esm.modeling_esm"), "EsmIntermediate", None)
-    if cls is None or tuple(inspect.signature(cls.forward).parameters) != ("self", "hidden_states"):
-        return None
-    return cls
-
-
 def intermediate_forward(mod: nn.Module, options: Options, hidden_states: Tensor) -> Tensor:
     return nn.functional.gelu(mod.dense(hidden_states))
 
 
+# The rotary self-attention modules whose projections and rotation patching fuses: (module, class, parameters of
+# the forward it was written against). Another signature means another forward: left to the registry alone.
+_ROTARY_ATTENTION = (
+    ("transformers.models.esm.modeling_esm", "EsmSelfAttention",
+     ("self", "hidden_states", "attention_mask", "encoder_hidden_states", "encoder_attention_mask",
+      "position_embeddings", "kwargs")),
+    ("transformers.models.esmc.modeling_esmc", "EsmcAttention",
+     ("self", "hidden_states", "attention_mask", "position_embeddings", "kwargs")),
+)
+
+
+def _known_class(module: str, name: str, params: Tuple[str, ...]) -> Optional[type]:
+    cls = getattr(sys.modules.get(module), name, None)
+    if cls is None or tuple(inspect.signature(cls.forward).parameters) != params:
+        return None
+    return cls
+
+
+def _intermediate_class() -> Optional[type]:
+    """transformers' ESM ``EsmIntermediate`` (dense then the erf GELU), if imported and of the known signature."""
+    return _known_class("transformers.models.esm.modeling_esm", "EsmIntermediate", ("self", "hidden_states"))
+
+
+def _rotary_attention(mod: nn.Module, x: Tensor, projections, norms, q_scale: float, position_embeddings,
+                      attention_mask: Optional[Tensor], dropout: float, scaling: float, kwargs: dict):
+    """q, k, v of ``x`` in one matmul, then q and k (layer-normed first where ``norms`` are given) rotated and q
+    scaled in one pass (``models.kernels.rotary_qk``: one launch each way on CUDA), then the model's configured
+    attention function: the module's own computation in a third of its launches."""
+    heads, C = getattr(mod, "num_attention_heads", None) or mod.config.num_attention_heads, projections[0].out_features
+    y = fused_linear(x, projections, split=False)  # [B, L, 3C + pad]
+    qk, v = y.split([2 * C, y.shape[-1] - 2 * C], -1)
+    v = v[..., :C] if v.shape[-1] != C else v
+    cos, sin = (t.float().contiguous() for t in position_embeddings)  # [B or 1, L, D]: the model's own tables
+    if cos.dim() == 3 and cos.shape[0] == 1:
+        cos, sin = cos[0], sin[0]
+    weight = eps = None
+    if norms:
+        weight, eps = torch.stack([n.weight for n in norms]), norms[0].eps
+    q, k = rotary_qk(qk.unflatten(-1, (2, C)), cos, sin, heads, weight=weight, eps=eps or 1e-5,
+                     scales=(q_scale, 1.0), out_dtype=v.dtype)  # [B, L, C] each
+
+    def split_heads(t):  # [B, L, C] -> [B, H, L, D]
+        return t.unflatten(-1, (heads, C // heads)).transpose(1, 2)
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(mod.config._attn_implementation, _eager)
+    out, weights = attention(mod, split_heads(q), split_heads(k), split_heads(v), attention_mask,
+                             dropout=dropout, scaling=scaling, **kwargs)
+    return out.reshape(*x.shape[:-1], -1).contiguous(), weights
+
+
+def esm_self_attention_forward(mod: nn.Module, options: Options, hidden_states: Tensor,
+                               attention_mask: Optional[Tensor] = None, encoder_hidden_states=None,
+                               encoder_attention_mask=None, position_embeddings=None, **kwargs):
+    """``EsmSelfAttention.forward``: q scaled by ``D^-0.5`` and rotated (ESM's order; the same map scaled after),
+    attention at scale 1. Cross-attention and absolute positions run the module's own forward."""
+    if encoder_hidden_states is not None or mod.position_embedding_type != "rotary" or position_embeddings is None:
+        return original_forward(mod)(hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
+                                     position_embeddings, **kwargs)
+    dropout = mod.dropout if mod.training else 0.0
+    return _rotary_attention(mod, hidden_states, [mod.query, mod.key, mod.value], None,
+                             mod.attention_head_size ** -0.5, position_embeddings, attention_mask, dropout,
+                             mod.scaling, kwargs)
+
+
+def esmc_attention_forward(mod: nn.Module, options: Options, hidden_states: Tensor,
+                           attention_mask: Optional[Tensor] = None, position_embeddings=None, **kwargs):
+    """``EsmcAttention.forward``: q and k layer-normed over the width (float32 statistics, no rounding between the
+    norm and the rotation), rotated, then the output projection."""
+    out, weights = _rotary_attention(mod, hidden_states, [mod.q_proj, mod.k_proj, mod.v_proj],
+                                     [mod.q_norm, mod.k_norm], 1.0, position_embeddings, attention_mask,
+                                     mod.attention_dropout if mod.training else 0.0, mod.scaling, kwargs)
+    return mod.o_proj(out), weights
+
+
+def _fusable(m: nn.Module, name: str) -> bool:
+    """Whether this rotary attention module has the layout the fused forward computes: q, k, v of one width (no
+    grouped key/value heads), ESM C's norms affine without bias and of one eps."""
+    if name == "EsmSelfAttention":
+        return m.query.out_features == m.key.out_features == m.value.out_features
+    projs = (m.q_proj, m.k_proj, m.v_proj)
+    norms = (m.q_norm, m.k_norm)
+    return (len({p.out_features for p in projs}) == 1 and m.q_proj.out_features == m.config.hidden_size
+            and m.head_dim * m.config.num_attention_heads == m.q_proj.out_features
+            and all(n.weight is not None and n.bias is None for n in norms) and norms[0].eps == norms[1].eps)
+
+
 def patch_targets(models: List[nn.Module]) -> List[Tuple[nn.Module, object]]:
-    """The modules of ``models`` (found by :func:`find`) whose forward is replaced beside the attention."""
-    cls = _intermediate_class()
-    return [(m, intermediate_forward) for model in models for m in model.modules()
-            if cls is not None and isinstance(m, cls) and type(m).forward is cls.forward]
+    """The modules of ``models`` (found by :func:`find`) whose forward is replaced beside the attention function:
+    ESM-2's GELU, and ESM-2's / ESM C's self-attention (fused projections and rotation)."""
+    known = [(_intermediate_class(), "EsmIntermediate", intermediate_forward)]
+    known += [(_known_class(mod, name, params), name, fn) for (mod, name, params), fn in
+              zip(_ROTARY_ATTENTION, (esm_self_attention_forward, esmc_attention_forward))]
+    return [(m, fn) for model in models for m in model.modules() for cls, name, fn in known
+            if cls is not None and isinstance(m, cls) and type(m).forward is cls.forward
+            and (fn is intermediate_forward or _fusable(m, name))]
 
 
 _PREVIOUS = "_attn_zoo_previous_attn_implementation"
