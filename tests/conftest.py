@@ -19,6 +19,7 @@ if ROOT not in sys.path:
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
     config.addinivalue_line("markers", "slow: slower CPU test")
+    config.addinivalue_line("markers", "interpreter: runs kernels on CPU tensors (needs TRITON_INTERPRET=1)")
 
 
 def pytest_addoption(parser):
@@ -52,6 +53,11 @@ def pytest_collection_modifyitems(config, items):
         if slow:
             config.hook.pytest_deselected(items=slow)
             items[:] = [item for item in items if "slow" not in item.keywords]
+    if os.environ.get("TRITON_INTERPRET") != "1":  # a GPU machine: Triton compiles for the GPU, not CPU tensors
+        no_interpreter = pytest.mark.skip(reason="runs Triton kernels on CPU tensors: needs TRITON_INTERPRET=1")
+        for item in items:
+            if "interpreter" in item.keywords:
+                item.add_marker(no_interpreter)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

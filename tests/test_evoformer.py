@@ -443,6 +443,7 @@ def test_triangle_multiplication_padding_adds_no_graph_per_length(monkeypatch):
     assert len(graphs) == 1 and "pad" in graphs[0], len(graphs)  # one padded graph for every length
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("masked", [True, False])
 def test_gate_channels_first_kernel_matches_pytorch(dtype, masked):

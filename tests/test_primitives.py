@@ -362,6 +362,7 @@ def test_layer_norm_under_autocast_returns_low_precision_within_bound(offset):
     assert torch.equal(ln(x), plain)  # without autocast: exactly nn.LayerNorm
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("layout", ["rows", "transposed", "channels_last", "slice"])
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float16), (torch.float16, torch.float16)])
 def test_triton_layer_norm_with_backward_against_float64(layout, dtypes, monkeypatch):
@@ -502,6 +503,7 @@ def test_gpu_linear_bias_gradient_by_matmul(monkeypatch):
         assert rel_err(a, t) <= 2 * max(rel_err(r, t), extra) + 1e-6, (rel_err(a, t), rel_err(r, t), extra)
 
 
+@pytest.mark.interpreter
 def test_triton_layer_norm_compiles_nothing_per_length(monkeypatch):
     """Two protein lengths launch the layer norm kernels with the same compile-time arguments, and every argument
     that follows the length is left unspecialised (a new length must not stall on a Triton compile)."""
@@ -533,6 +535,7 @@ def test_triton_layer_norm_compiles_nothing_per_length(monkeypatch):
         assert names <= unspecialised, (kernel, names - unspecialised)
 
 
+@pytest.mark.interpreter
 def test_triton_layer_norm_declines_what_it_cannot_serve():
     """None (the module runs instead) off CUDA unless forced, for a norm over more than the last dim and for a view
     of three strided row dims; the module's own path then gives nn.LayerNorm's result."""
@@ -555,6 +558,7 @@ def test_triton_layer_norm_declines_what_it_cannot_serve():
     assert dx.shape == empty.shape and torch.equal(dw, torch.zeros(8)) and torch.equal(db, torch.zeros(8))
 
 
+@pytest.mark.interpreter
 def test_triton_layer_norm_without_affine_parameters():
     """``elementwise_affine=False`` (no weight, no bias): the kernels' HAS_W / HAS_B off, the input gradient against
     float64, and a double backward refused rather than silently first-order."""

@@ -1,19 +1,11 @@
 """The rotary kernels (``models.kernels.rotary_qk``) against their PyTorch reference and the blocks' own rotary code:
 outputs and the gradients of the input and of the norm weights, q and k in one launch, shared and per-row tables."""
-import os
-
 import pytest
 import torch
 
 from attn_zoo.models import kernels
 from attn_zoo.models.esm2 import RotaryEmbedding
 from attn_zoo.models.esmc import _rotary_tables
-
-
-# force=True on CPU tensors runs the kernels in Triton's interpreter: conftest turns it on where CUDA is absent; on
-# a GPU machine these tests would hand CPU tensors to compiled kernels (the GPU test below covers that machine)
-interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="the kernels on CPU tensors need TRITON_INTERPRET=1")
 
 
 def _tables(L, D, B=None, g=None):
@@ -30,7 +22,7 @@ def _fused_view(B, L, G, C, dtype, g):
     return y, y[..., : G * C].unflatten(-1, (G, C))
 
 
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("G,per_row", [(2, False), (1, True), (2, True)])
 def test_rotary_kernel_matches_reference(norm, G, per_row):
@@ -57,7 +49,7 @@ def test_rotary_kernel_matches_reference(norm, G, per_row):
         assert torch.equal(again[0], got[1])
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_rotary_kernel_half_precision_within_reference_noise():
     """fp16 in and out: the kernel (float32 inside, one rounding) is no further from the float64 result than the
     reference run in fp16's own output rounding."""
@@ -98,7 +90,7 @@ def test_reference_is_the_blocks_rotary():
     torch.testing.assert_close(heads(out[0]), want, rtol=1e-6, atol=1e-6)
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_rotary_declines_what_it_cannot_serve():
     """Off CUDA unless forced, for float64 or strided tables: the reference's result; shapes that do not fit: a
     ValueError naming the argument."""
