@@ -20,8 +20,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 import attn_ops
-from .kernels import _rotate_half, rotary_qk
-from .primitives import AttentionConfig, LayerNorm, check_token_segments, fused_linear, segment_positions
+from .kernels import _rotate_half
+from .primitives import AttentionConfig, LayerNorm, check_token_segments, rotary_qkv, segment_positions
 
 Tensor = torch.Tensor
 
@@ -236,21 +236,12 @@ class MultiheadAttention(nn.Module):
         if need_weights and segment_ids is not None:
             raise ValueError("attention probabilities (need_head_weights / return_contacts) are not available for "
                              "packed rows (segment_ids): run those proteins padded")
-        C = self.embed_dim
-        y = fused_linear(x, [self.q_proj, self.k_proj, self.v_proj], split=False)  # [B, L, 3C + pad]
-        qk, v = y.split([2 * C, y.shape[-1] - 2 * C], -1)  # (one cat in the backward, not two scatters)
-        v = v[..., :C] if v.shape[-1] != C else v
         cos, sin = self.rot_emb.tables(x.shape[1], x.device)
         if positions is not None:
             cos, sin = cos[positions], sin[positions]  # [B, L, D]
         # q scaled by D^-0.5 (after the rotation: the same map) and q, k rotated in one pass (one launch on CUDA)
-        q, k = rotary_qk(qk.unflatten(-1, (2, C)), cos, sin, self.num_heads, scales=(self.scaling, 1.0),
-                         out_dtype=v.dtype)  # [B, L, C] each
-
-        def heads(t):  # [B, L, C] -> [B, H, L, D]
-            return t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
-
-        q, k, v = heads(q), heads(k), heads(v)
+        q, k, v = rotary_qkv(x, [self.q_proj, self.k_proj, self.v_proj], cos, sin, self.num_heads,
+                             q_scale=self.scaling)
         probs = None
         if need_weights:
             o, probs = _attention_with_probs(q, k, v, mask)

@@ -21,8 +21,7 @@ from torch import nn
 
 import attn_ops
 from .esm2 import Alphabet
-from .kernels import rotary_qk
-from .primitives import AttentionConfig, LayerNorm, fused_linear
+from .primitives import AttentionConfig, LayerNorm, fused_linear, rotary_qkv
 
 Tensor = torch.Tensor
 VOCAB_ROWS = 64  # the embedding and decoder have 64 rows; tokens 33..63 are never produced by the tokenizer
@@ -96,20 +95,10 @@ class EsmcAttention(nn.Module):
     def forward(self, x: Tensor, rotary: Tuple[Tensor, Tensor], mask: Optional[Tensor],
                 segment_ids: Optional[Tensor]) -> Tensor:
         """x ``[B, L, C]``; rotary float32 ``(cos, sin)`` ``[L, D]``; mask ``[B, 1, 1, L]`` True = real key."""
-        C = self.heads * self.head_dim
-        y = fused_linear(x, [self.q_proj, self.k_proj, self.v_proj], split=False)  # [B, L, 3C + pad]
-        qk, v = y.split([2 * C, y.shape[-1] - 2 * C], -1)  # (one cat in the backward, not two scatters)
-        v = v[..., :C] if v.shape[-1] != C else v
         cos, sin = rotary
         # q and k normed over the width (float32 statistics) and rotated in one pass (one launch on CUDA)
-        norms = torch.stack([self.q_norm.weight, self.k_norm.weight])  # [2, C]
-        q, k = rotary_qk(qk.unflatten(-1, (2, C)), cos, sin, self.heads, norms, self.q_norm.eps,
-                         out_dtype=v.dtype)  # [B, L, C] each
-
-        def heads(t):  # [B, L, C] -> [B, H, L, D]
-            return t.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
-
-        q, k, v = heads(q), heads(k), heads(v)
+        q, k, v = rotary_qkv(x, [self.q_proj, self.k_proj, self.v_proj], cos, sin, self.heads,
+                             [self.q_norm, self.k_norm])
         seg = {} if segment_ids is None else {"segment_ids": segment_ids}
         o = attn_ops.attention(q, k, v, mask=mask, backend=self.attention.backend, **self.attention.options,
                                **seg)  # [B, H, L, D]

@@ -329,8 +329,8 @@ def profile_step(path, title, fn, device):
             torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) * 1e3
     events = prof.key_averages()
-    blocking = [e for e in events if re.match(r"cuda(Stream|Device|Event)Synchronize|cudaMemcpy(?!Async)|cudaMalloc"
-                                              r"|cudaFree|cudaHostAlloc|cudaMemcpyAsync", e.key)]
+    blocking = [e for e in events if re.match(r"cuda(Stream|Device|Event)Synchronize|cudaMemcpy|cudaMalloc|cudaFree"
+                                              r"|cudaHostAlloc", e.key)]
     with open(path, "a") as f:
         f.write(f"## {title}\n\nprofiled wall {wall:.1f} ms\n\n")
         f.write(events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=25,
@@ -364,18 +364,14 @@ def sync_sites(fn):
             show(message, category, filename, lineno, file, line)
 
     torch.cuda.synchronize()
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                fn()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = show
+    with warnings.catch_warnings():  # (restores showwarning and the filters on exit)
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     return sites
 
 

@@ -228,15 +228,14 @@ def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN, compiled=Fals
     fn = lambda: mlm_step(lambda t: ours(inp)["logits"], ours, tokens, target, device)  # noqa: E731
     run_row(emit, timer, device, row, fn, ref, real)
     if cfg.get("rotary_ab"):  # the same model with q/k norm + rotary in PyTorch ops instead of the one kernel
-        import attn_zoo.models.esmc as esmc_module
-        from attn_zoo.models.kernels import rotary_qk_reference
+        import attn_zoo.models.kernels as kernels_module
 
-        kernel = esmc_module.rotary_qk
-        esmc_module.rotary_qk = lambda *a, **kw: rotary_qk_reference(*a, **kw)
+        kernel = kernels_module.rotary_qk
+        kernels_module.rotary_qk = lambda *a, **kw: kernels_module.rotary_qk_reference(*a, **kw)
         try:
             run_row(emit, timer, device, dict(row, variant=row["variant"] + ", rotary in PyTorch ops"), fn, ref, real)
         finally:
-            esmc_module.rotary_qk = kernel
+            kernels_module.rotary_qk = kernel
         run_row(emit, timer, device, dict(row, variant=row["variant"] + " (again)"), fn, ref, real)
     if cfg.get("profile"):
         profile_step(cfg["profile"], f"esmc {shape} {row['variant']}", fn, device)

@@ -125,14 +125,15 @@ def test_fair_esm_rotary_kernel_in_interpreter(monkeypatch):
     from test_primitives import skip_unless_backend
 
     skip_unless_backend("triton")
-    from attn_zoo.models.integrations import fair_esm as fair_esm_integration
-    from attn_zoo.models.kernels import rotary_qk
+    from attn_zoo.models import kernels
+
+    rotary_qk = kernels.rotary_qk
 
     m = fair_esm_model()
     tok = fair_esm_tokens(m)
     ref, ref_g = fair_esm_run(m, tok)
     calls = []
-    monkeypatch.setattr(fair_esm_integration, "rotary_qk",
+    monkeypatch.setattr(kernels, "rotary_qk",
                         lambda *a, **kw: calls.append(1) or rotary_qk(*a, **kw, force=True))
     attn_zoo.patch(m, backend="torch")
     got, got_g = fair_esm_run(m, tok)
@@ -616,8 +617,9 @@ def test_hf_fused_attention_rotary_kernels_in_interpreter(family, monkeypatch):
 
     skip_unless_backend("triton")
     tr = pytest.importorskip("transformers", reason="transformers is a test dependency")
-    from attn_zoo.models.integrations import hf as hf_integration
-    from attn_zoo.models.kernels import rotary_qk
+    from attn_zoo.models import kernels
+
+    rotary_qk = kernels.rotary_qk
 
     if family == "esmc":
         if not hasattr(tr, "EsmcForMaskedLM"):
@@ -631,7 +633,7 @@ def test_hf_fused_attention_rotary_kernels_in_interpreter(family, monkeypatch):
     ids, am = hf_inputs(L=9)
     ref, ref_g = hf_run(m, ids, am)
     calls = []
-    monkeypatch.setattr(hf_integration, "rotary_qk",
+    monkeypatch.setattr(kernels, "rotary_qk",
                         lambda *a, **kw: calls.append(1) or rotary_qk(*a, **kw, force=True))
     attn_zoo.patch(m, backend="torch")
     got, got_g = hf_run(m, ids, am)

@@ -8,7 +8,7 @@ incremental decoding state, ``static_kv``, ``before_softmax``, ``bias_k``/``bias
 dropout while training, and a non-float ``attn_mask``. The head-averaged weights that ``need_weights=True`` alone
 asks for (ESM layers ask for them and discard them) are not computed: the patched forward returns None for them.
 Self-attention's q, k and v projections run as one matmul (``fused_linear``: the same weights, one read of x), and
-the rotation of q and k as one pass of ``models.kernels.rotary_qk`` on fair-esm's own cached tables (one Triton
+the rotation of q and k as one pass of ``models.kernels.rotary_qk`` (``models.primitives.rotary_qkv``) on fair-esm's own cached tables (one Triton
 launch each way on CUDA, where fair-esm's rotary embedding issues a dozen ops per tensor).
 
 Each ``esm.modules.TransformerLayer`` is patched too: its feed-forward's GELU, written in fair-esm as
@@ -27,8 +27,7 @@ from torch import Tensor, nn
 
 import attn_ops
 
-from ..kernels import rotary_qk
-from ..primitives import fused_linear
+from ..primitives import fused_linear, rotary_qkv
 from .common import Options, original_forward
 
 LOOKS_FOR = ("esm.multihead_attention.MultiheadAttention (fair-esm)",)
@@ -97,14 +96,9 @@ def forward(mod: nn.Module, options: Options, query: Tensor, key: Optional[Tenso
     self_attention = mod.self_attention or (key is query and value is query)
     if self_attention and tables is not None and mod.kdim == mod.vdim == embed_dim:
         # q, k, v in one matmul; q and k rotated (q scaled after the rotation: the same map) in one pass
-        C = embed_dim
-        y = fused_linear(query, [mod.q_proj, mod.k_proj, mod.v_proj], split=False)  # [T, B, 3C + pad]
-        qk, v = y[..., :2 * C], y[..., 2 * C:3 * C]
-        cos, sin = (t[0].float().contiguous() for t in tables(y, seq_dimension=0))  # [T, D]
-        q, k = rotary_qk(qk.unflatten(-1, (2, C)).transpose(0, 1), cos, sin, H, scales=(mod.scaling, 1.0),
-                         out_dtype=v.dtype)  # [B, T, C] each
-        q, k = (t.view(bsz, tgt_len, H, D).transpose(1, 2) for t in (q, k))  # [B, H, T, D]
-        v = v.view(tgt_len, bsz, H, D).permute(1, 2, 0, 3)
+        cos, sin = (t[0].float().contiguous() for t in tables(query, seq_dimension=0))  # [T, D]
+        q, k, v = rotary_qkv(query, [mod.q_proj, mod.k_proj, mod.v_proj], cos, sin, H, q_scale=mod.scaling,
+                             time_first=True)  # [B, H, T, D] each
         return _attend(mod, options, q, k, v, key_padding_mask, attn_mask, tgt_len, bsz, embed_dim)
     if self_attention:
         q, k, v = fused_linear(query, [mod.q_proj, mod.k_proj, mod.v_proj])

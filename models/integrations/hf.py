@@ -29,8 +29,7 @@ from torch import Tensor, nn
 
 import attn_ops
 
-from ..kernels import rotary_qk
-from ..primitives import fused_linear
+from ..primitives import rotary_qkv
 from .common import Options, original_forward
 
 NAME = "attn_zoo"
@@ -227,29 +226,18 @@ def _intermediate_class() -> Optional[type]:
 def _rotary_attention(mod: nn.Module, x: Tensor, projections, norms, q_scale: float, position_embeddings,
                       attention_mask: Optional[Tensor], dropout: float, scaling: float, kwargs: dict):
     """q, k, v of ``x`` in one matmul, then q and k (layer-normed first where ``norms`` are given) rotated and q
-    scaled in one pass (``models.kernels.rotary_qk``: one launch each way on CUDA), then the model's configured
+    scaled in one pass (``models.primitives.rotary_qkv``), then the model's configured
     attention function: the module's own computation in a third of its launches."""
-    heads, C = getattr(mod, "num_attention_heads", None) or mod.config.num_attention_heads, projections[0].out_features
-    y = fused_linear(x, projections, split=False)  # [B, L, 3C + pad]
-    qk, v = y.split([2 * C, y.shape[-1] - 2 * C], -1)
-    v = v[..., :C] if v.shape[-1] != C else v
+    heads = getattr(mod, "num_attention_heads", None) or mod.config.num_attention_heads
     cos, sin = (t.float().contiguous() for t in position_embeddings)  # [B or 1, L, D]: the model's own tables
     if cos.dim() == 3 and cos.shape[0] == 1:
         cos, sin = cos[0], sin[0]
-    weight = eps = None
-    if norms:
-        weight, eps = torch.stack([n.weight for n in norms]), norms[0].eps
-    q, k = rotary_qk(qk.unflatten(-1, (2, C)), cos, sin, heads, weight=weight, eps=eps or 1e-5,
-                     scales=(q_scale, 1.0), out_dtype=v.dtype)  # [B, L, C] each
-
-    def split_heads(t):  # [B, L, C] -> [B, H, L, D]
-        return t.unflatten(-1, (heads, C // heads)).transpose(1, 2)
+    q, k, v = rotary_qkv(x, projections, cos, sin, heads, norms, q_scale)  # [B, H, L, D] each
 
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(mod.config._attn_implementation, _eager)
-    out, weights = attention(mod, split_heads(q), split_heads(k), split_heads(v), attention_mask,
-                             dropout=dropout, scaling=scaling, **kwargs)
+    out, weights = attention(mod, q, k, v, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     return out.reshape(*x.shape[:-1], -1).contiguous(), weights
 
 
