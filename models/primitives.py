@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.utils.checkpoint
@@ -301,31 +301,54 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(c, eps=eps)
 
     def forward(self, x: Tensor) -> Tensor:
-        dev = x.device.type
-        auto = torch.is_autocast_enabled(dev)
-        autocast_input = auto and x.dtype in (torch.float32, torch.get_autocast_dtype(dev))
-        if dev == "cuda" and _kernels.eager_first_order() and (autocast_input or not auto) and (
-                x.numel() >= _kernels.LAYER_NORM_MIN_ROWS * x.shape[-1] or
-                (_kernels.LAYER_NORM_STRIDED and not x.is_contiguous())):
-            # eager CUDA: the Triton kernels (float32 statistics, any row layout, several rows per program; the
-            # module's kernel runs one block per row: slow on the 128 channels of large pair tensors, and a
-            # transposed or channels-last view costs it a transposing copy first)
-            y = _kernels.layer_norm(x, self, torch.get_autocast_dtype(dev) if auto else x.dtype)
-            if y is not None:
-                return y
-        if autocast_input:
-            dt = torch.get_autocast_dtype(dev)
-            with torch.autocast(dev, enabled=False):
-                if x.dtype == dt:
-                    # already low precision: one pass that also makes a transposed view (ending node,
-                    # MSA columns) contiguous, instead of layer_norm's own copy
-                    x = x.contiguous()
-                    return nn.functional.layer_norm(x, self.normalized_shape, self.weight.to(dt),
-                                                    self.bias.to(dt), self.eps)
-                # float32 residual stream: normalise in float32 (a large mean would swamp a bf16 input),
-                # then hand the next matmul the autocast dtype
-                return super().forward(x).to(dt)
-        return super().forward(x)
+        return layer_norm(self, x)
+
+
+class _NormView(NamedTuple):
+    """Another project's last-dim layer norm under ``nn.LayerNorm``'s attribute names (``kernels.layer_norm``)."""
+
+    normalized_shape: Tuple[int, ...]
+    weight: Tensor
+    bias: Tensor
+    eps: float
+
+
+def layer_norm(norm: nn.Module, x: Tensor) -> Tensor:
+    """``norm(x)`` as :class:`LayerNorm` computes it, for that class and for another project's affine layer norm over
+    the last dim (``nn.LayerNorm``, OpenFold's, Boltz's and OpenFold3's ``LayerNorm``: ``weight``, ``bias``, ``eps``
+    and ``normalized_shape`` or ``c_in``), which the in-place integrations run on their own parameters."""
+    weight, bias, eps = norm.weight, norm.bias, norm.eps
+    if isinstance(norm, nn.LayerNorm):
+        shape = norm.normalized_shape
+    else:
+        shape = tuple(norm.c_in)
+        norm = _NormView(shape, weight, bias, eps)
+    dev = x.device.type
+    auto = torch.is_autocast_enabled(dev)
+    autocast_input = auto and x.dtype in (torch.float32, torch.get_autocast_dtype(dev))
+    if dev == "cuda" and _kernels.eager_first_order() and (autocast_input or not auto) and (
+            x.numel() >= _kernels.LAYER_NORM_MIN_ROWS * x.shape[-1] or
+            (_kernels.LAYER_NORM_STRIDED and not x.is_contiguous())):
+        # eager CUDA: the Triton kernels (float32 statistics, any row layout, several rows per program; the
+        # module's kernel runs one block per row: slow on the 128 channels of large pair tensors, and a
+        # transposed or channels-last view costs it a transposing copy first)
+        y = None if weight is None or bias is None else _kernels.layer_norm(
+            x, norm, torch.get_autocast_dtype(dev) if auto else x.dtype)
+        if y is not None:
+            return y
+    if autocast_input:
+        dt = torch.get_autocast_dtype(dev)
+        with torch.autocast(dev, enabled=False):
+            if x.dtype == dt:
+                # already low precision: one pass that also makes a transposed view (ending node,
+                # MSA columns) contiguous, instead of layer_norm's own copy
+                x = x.contiguous()
+                return nn.functional.layer_norm(x, shape, None if weight is None else weight.to(dt),
+                                                None if bias is None else bias.to(dt), eps)
+            # float32 residual stream: normalise in float32 (a large mean would swamp a bf16 input),
+            # then hand the next matmul the autocast dtype
+            return nn.functional.layer_norm(x, shape, weight, bias, eps).to(dt)
+    return nn.functional.layer_norm(x, shape, weight, bias, eps)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -260,6 +260,9 @@ def boltz2_pairformer(cfg, device, timer, backend, emit):
                     attn_zoo.patch(layer, backend=backend)
                 ref = run_row(emit, timer, device, "boltz2-pairformer", f"{shape}, {mode}", variant,
                               lambda: step(flags), ref)
+                if cfg.get("profile") and step is train and variant in ("boltz+cue", "patched"):
+                    profile_step(cfg["profile"], f"boltz2-pairformer {shape} train {variant}", lambda: step(flags),
+                                 device)
     attn_zoo.unpatch(layer)
     long_inference(layer, cfg, device, timer, backend, emit, const)
     del layer
@@ -462,7 +465,8 @@ def main(argv=None):
     p.add_argument("--backend", default="auto", help="attn_ops backend the patched models use")
     p.add_argument("--cases", nargs="+", default=["hf-esm2", "boltz2-pairformer", "fair-esm"],
                    choices=["hf-esm2", "boltz2-pairformer", "fair-esm"])
-    p.add_argument("--profile", action="store_true", help="also profile each hf-esm2 step (patch_profile.txt)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile each hf-esm2 step and the Boltz train steps (patch_profile.txt)")
     args, device, timer = start(p, argv)
     cfg = dict(SMOKE if args.smoke else FULL)
     if args.profile:

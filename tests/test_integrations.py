@@ -64,9 +64,10 @@ def test_refuses_unknown_model_naming_what_it_looked_for():
                  "openfold.model.triangular_attention.TriangleAttention",
                  "openfold3.core.model.layers.triangular_attention.TriangleAttention",
                  "openfold3.core.model.layers.attention_pair_bias.AttentionPairBias",
-                 "openfold3.core.model.layers.msa.MSAAttention"]:
+                 "openfold3.core.model.layers.msa.MSAAttention",
+                 "triangular_mult.TriangleMultiplicationOutgoing", "transition.Transition"]:
         assert name in msg
-    assert len(looked_for()) == 11
+    assert len(looked_for()) == 13
     with pytest.raises(ValueError, match="backend"):
         attn_zoo.patch(nn.Linear(2, 2), backend="no-such-backend")
     with pytest.raises(TypeError, match="torch.nn.Module"):
@@ -429,7 +430,8 @@ def test_boltz_pairformer_layer_patched_equals_unpatched_with_grads(v2, backend)
     attn_zoo.patch(layer, backend=backend)
     patched_names = sorted(n for n, mod in layer.named_modules() if "forward" in mod.__dict__)
     # Boltz-2's layer itself too (its no-grad inference); Boltz-1's trunk layer is not
-    assert patched_names == ([""] if v2 else []) + ["attention", "tri_att_end", "tri_att_start"]
+    assert patched_names == ([""] if v2 else []) + ["attention", "transition_s", "transition_z", "tri_att_end",
+                                                     "tri_att_start", "tri_mul_in", "tri_mul_out"]
     assert_state_untouched(layer, before)
     s_got, z_got, g_got = boltz_run(layer, *x)
     assert rel_err(s_got, s_ref) < TOL and rel_err(z_got, z_ref) < TOL
@@ -437,6 +439,74 @@ def test_boltz_pairformer_layer_patched_equals_unpatched_with_grads(v2, backend)
     attn_zoo.unpatch(layer)
     s_back, z_back, _ = boltz_run(layer, *x)
     assert torch.equal(s_back, s_ref) and torch.equal(z_back, z_ref)
+
+
+def _boltz_update_module(kind, c=8):
+    if kind == "transition":
+        tr = pytest.importorskip("boltz.model.layers.transition", reason="boltz==2.2.1 (--no-deps) is a test dependency")
+        return randomize_(tr.Transition(c, 3 * c), 3)
+    tm = pytest.importorskip("boltz.model.layers.triangular_mult", reason="boltz==2.2.1 (--no-deps) is a test dependency")
+    cls = tm.TriangleMultiplicationOutgoing if kind == "outgoing" else tm.TriangleMultiplicationIncoming
+    return randomize_(cls(c), 3)
+
+
+@pytest.mark.parametrize("kind", ["outgoing", "incoming", "transition"])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_boltz_triangle_multiplication_and_transition_on_our_code_with_grads(kind, train):
+    """Boltz's triangle multiplications and transition, patched, run our blocks' code on Boltz's parameters: the
+    same values and gradients (fp32, a pair mask with holes), the state untouched; unpatched, bitwise Boltz again."""
+    mod = _boltz_update_module(kind).train(train)
+    _, z, mask, pair_mask = boltz_inputs(c_z=8)
+    z.requires_grad_(True)
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(z.shape, generator=g)
+
+    def run():
+        mod.zero_grad(set_to_none=True)
+        z.grad = None
+        out = mod(z) if kind == "transition" else mod(z, mask=pair_mask.float())
+        (out * w).sum().backward()
+        return out.detach(), z.grad.clone(), param_grads(mod)
+
+    ref, ref_dz, ref_g = run()
+    before = snapshot(mod)
+    attn_zoo.patch(mod)
+    assert is_patched(mod)
+    assert_state_untouched(mod, before)
+    got, got_dz, got_g = run()
+    assert rel_err(got, ref) < TOL and rel_err(got_dz, ref_dz) < TOL
+    assert_close_grads(mod, got_g, ref_g)
+    attn_zoo.unpatch(mod)
+    assert torch.equal(run()[0], ref)
+
+
+def test_boltz_transition_inference_chunks_and_cuequivariance_stay_boltz_own(monkeypatch):
+    """What the patch leaves to Boltz's own forwards: the transition's hidden-width chunks (eval mode with
+    ``chunk_size``: its inference memory) and a triangle multiplication asked for cuEquivariance by name
+    (``use_kernels``, stood in for here by a recorder of the call)."""
+    tr = _boltz_update_module("transition")
+    x = torch.randn(2, 5, 5, 8, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = tr.eval()(x, chunk_size=5)
+        attn_zoo.patch(tr)
+        calls = []
+        from attn_zoo.models.integrations import boltz as integration
+        real = integration.fused_linear
+        monkeypatch.setattr(integration, "fused_linear", lambda *a: calls.append(1) or real(*a))
+        got = tr(x, chunk_size=5)
+        assert not calls  # Boltz's own loop over chunks of the hidden width, not the fused path
+        assert torch.equal(got, want)
+        tr(x)
+        assert calls == [1]  # without chunks: ours
+    tm = pytest.importorskip("boltz.model.layers.triangular_mult", reason="boltz==2.2.1 (--no-deps) is a test dependency")
+    mul = _boltz_update_module("outgoing")
+    attn_zoo.patch(mul)
+    seen = []
+    monkeypatch.setattr(tm, "kernel_triangular_mult", lambda x, direction, mask, **kw: seen.append(direction) or x)
+    _, z, _, pair_mask = boltz_inputs(c_z=8)
+    assert mul(z, pair_mask.float(), use_kernels=True) is z and seen == ["outgoing"]
+    with pytest.raises(ValueError, match=r"mask: expected shape \(2, 7, 7\)"):
+        mul(z, pair_mask[:, :5].float())
 
 
 @pytest.mark.parametrize("chunk", [2, 3, 100])
@@ -572,9 +642,11 @@ def test_boltz2_msa_layer_pair_stack_patched():
         z_ref, m_ref = msa(z, m, pair_mask.float(), msa_mask)
         attn_zoo.patch(msa)
         z_got, m_got = msa(z, m, pair_mask.float(), msa_mask)
+    # the MSA track's own transition too (Boltz's Transition, wherever it sits); its pair-weighted averaging is not
     assert sorted(n for n, mod in msa.named_modules() if "forward" in mod.__dict__) == [
-        "pairformer_layer", "pairformer_layer.tri_att_end", "pairformer_layer.tri_att_start"]
-    assert rel_err(z_got[real_pairs], z_ref[real_pairs]) < TOL and torch.equal(m_got, m_ref)
+        "msa_transition", "pairformer_layer", "pairformer_layer.transition_z", "pairformer_layer.tri_att_end",
+        "pairformer_layer.tri_att_start", "pairformer_layer.tri_mul_in", "pairformer_layer.tri_mul_out"]
+    assert rel_err(z_got[real_pairs], z_ref[real_pairs]) < TOL and rel_err(m_got, m_ref) < TOL
 
 
 def test_hf_esmc_patched_equals_sdpa_with_chains_and_grads():
@@ -805,13 +877,14 @@ def _gpu_case(case):
         ids, am = (t.cuda() for t in hf_inputs(L=40))
         return m, lambda: m(input_ids=ids, attention_mask=am).logits[am.bool()]
     layer = boltz_layer().cuda()
-    s, z, mask, pair_mask = (t.cuda() for t in boltz_inputs(N=40))
+    # boltz-odd: the triangle products' rows padded from 67 to 72 (models.triangle.gemm_pad)
+    s, z, mask, pair_mask = (t.cuda() for t in boltz_inputs(N=67 if case == "boltz-odd" else 40))
     real = mask[:, :, None] & mask[:, None, :]
     return layer, lambda: layer(s, z, mask.float(), pair_mask.float())[1][real]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["fair-esm", "hf", "boltz"])
+@pytest.mark.parametrize("case", ["fair-esm", "hf", "boltz", "boltz-odd"])
 def test_gpu_triton_bf16_error_within_twice_unpatched(case):
     model, run = _gpu_case(case)
     with torch.no_grad():

@@ -36,8 +36,9 @@ import attn_ops
 from attn_ops import registry as attn_registry
 
 from .. import inference
-from ..primitives import chunk_rows
-from .common import Options, modules_of, original_forward
+from ..primitives import chunk_rows, fused_linear
+from ..triangle import TriangleMultiplication
+from .common import Options, fusable, layer_norm, modules_of, original_forward, plain_layer_norm, plain_linear
 from .openfold import RowAttention, check_chunk_size, triangle_core
 
 LOOKS_FOR = (
@@ -45,6 +46,8 @@ LOOKS_FOR = (
     "boltz.model.layers.attention.AttentionPairBias (Boltz-1)",
     "boltz.model.layers.attentionv2.AttentionPairBias (Boltz-2)",
     "boltz.model.layers.pairformer.PairformerLayer and PairformerNoSeqLayer (Boltz-2: no-grad inference in place)",
+    "boltz.model.layers.triangular_mult.TriangleMultiplicationOutgoing and Incoming (Boltz-1/2)",
+    "boltz.model.layers.transition.Transition (Boltz-1/2)",
 )
 
 
@@ -62,22 +65,38 @@ def _layer_classes() -> tuple:
     return (pf.PairformerLayer, pf.PairformerNoSeqLayer) if pf else ()
 
 
+def _update_classes() -> Tuple[tuple, tuple]:
+    """(Boltz's two triangle multiplications, its ``Transition``), or empty."""
+    tm = sys.modules.get("boltz.model.layers.triangular_mult")
+    tr = sys.modules.get("boltz.model.layers.transition")
+    mul = (tm.TriangleMultiplicationOutgoing, tm.TriangleMultiplicationIncoming) if tm else ()
+    return mul, ((tr.Transition,) if tr else ())
+
+
 def find(model: nn.Module) -> List[nn.Module]:
     tri, apb = _classes()
     layers = _layer_classes()
-    # a layer is patched only where it runs the forward reproduced here (not a subclass's own)
-    return [m for m in modules_of(model, tri + apb + layers)
-            if not isinstance(m, layers) or any(type(m).forward is cls.forward for cls in layers)]
+    mul, trans = _update_classes()
+    exact = layers + mul + trans
+    # a layer, triangle multiplication or transition is patched only where it runs the forward reproduced here (not
+    # a subclass's own)
+    return [m for m in modules_of(model, tri + apb + exact)
+            if not isinstance(m, exact) or any(type(m).forward is cls.forward for cls in exact)]
 
 
 def patch_targets(modules: List[nn.Module]) -> List[Tuple[nn.Module, object]]:
     tri, _ = _classes()
     layers = _layer_classes()
+    mul, trans = _update_classes()
     v2 = sys.modules.get("boltz.model.layers.attentionv2")
     out = []
     for m in modules:
         if isinstance(m, tri):
             out.append((m, triangle_attention))
+        elif mul and isinstance(m, mul):
+            out.append((m, triangle_multiplication))
+        elif trans and isinstance(m, trans):
+            out.append((m, transition))
         elif layers and isinstance(m, layers[0]):
             out.append((m, pairformer_layer))
         elif layers and isinstance(m, layers[1]):
@@ -96,6 +115,55 @@ def triangle_attention(mod: nn.Module, options: Options, x: Tensor, mask: Option
                        chunk_size: Optional[int] = None, use_kernels: bool = False) -> Tensor:
     """Boltz's ``TriangleAttention.forward``: ``x [*, I, J, C_in]``, ``mask [*, I, J]`` (OpenFold's module)."""
     return triangle_core(mod, options, x, mask, chunk_size)
+
+
+# --------------------------------------------------------------------------------------------------
+# Triangle multiplication (AF3 Alg. 12 as Boltz writes it) and the SwiGLU transition, on our blocks' code
+# --------------------------------------------------------------------------------------------------
+class _OurTriangleMultiplication:
+    """A Boltz ``TriangleMultiplicationOutgoing`` / ``Incoming`` under our ``TriangleMultiplication``'s names, run by
+    that class's forward: one matmul for Boltz's ``p_in`` and ``g_in`` (our ``[a | b]`` projection and its gate),
+    the gating, mask and channels-first layout in one Triton pass on eager CUDA, the product's rows padded for
+    cuBLAS, the layer norms on our kernels. Boltz's math: ``x_ij = sum_k a_ik b_jk`` (outgoing) or
+    ``sum_k a_ki b_kj`` (incoming) of the gated, masked projections, then ``p_out(norm_out(x)) * sigmoid(g_out(zn))``."""
+
+    forward = TriangleMultiplication.forward
+    _gated_channels_first = TriangleMultiplication._gated_channels_first
+
+    def __init__(self, mod: nn.Module, outgoing: bool):
+        self.outgoing, self.c_hidden = outgoing, mod.p_in.out_features // 2
+        self.linear_ab_p, self.linear_ab_g, self.linear_z, self.linear_g = mod.p_in, mod.g_in, mod.p_out, mod.g_out
+        self.layer_norm_in = lambda x: layer_norm(mod.norm_in, x)
+        self.layer_norm_out = lambda x: layer_norm(mod.norm_out, x)
+
+
+def _ours_serves_triangle_multiplication(mod: nn.Module, x: Tensor) -> bool:
+    return all(plain_layer_norm(n) for n in (mod.norm_in, mod.norm_out)) and \
+        fusable(x, [mod.p_in, mod.g_in]) and plain_linear(mod.p_out) and plain_linear(mod.g_out)
+
+
+def triangle_multiplication(mod: nn.Module, options: Options, x: Tensor, mask: Tensor,
+                            use_kernels: bool = False) -> Tensor:
+    """Boltz's ``TriangleMultiplicationOutgoing/Incoming.forward``: ``x [B, N, N, D]``, ``mask [B, N, N]``. With
+    ``use_kernels`` (cuEquivariance's fused kernel, asked for by name) Boltz's own forward runs, as it does for a
+    layout this code does not know."""
+    if use_kernels or not _ours_serves_triangle_multiplication(mod, x):
+        return original_forward(mod)(x, mask, use_kernels=use_kernels)
+    if mask.shape != x.shape[:-1]:
+        raise ValueError(f"mask: expected shape {tuple(x.shape[:-1])} (x without channels), got {tuple(mask.shape)}")
+    outgoing = isinstance(mod, _update_classes()[0][0])
+    return _OurTriangleMultiplication(mod, outgoing).forward(x, mask)
+
+
+def transition(mod: nn.Module, options: Options, x: Tensor, chunk_size: Optional[int] = None) -> Tensor:
+    """Boltz's ``Transition.forward``: ``fc3(silu(fc1(xn)) * fc2(xn))`` of ``xn = norm(x)``, ``fc1`` and ``fc2`` as
+    one matmul and the norm on our kernels. Boltz's inference form (``chunk_size`` in eval mode: the hidden width by
+    chunks, for memory) runs Boltz's own forward."""
+    if (chunk_size is not None and not mod.training) or not plain_layer_norm(mod.norm) or \
+            not fusable(x, [mod.fc1, mod.fc2]) or not plain_linear(mod.fc3):
+        return original_forward(mod)(x, chunk_size)
+    a, b = fused_linear(layer_norm(mod.norm, x), [mod.fc1, mod.fc2])
+    return mod.fc3(nn.functional.silu(a) * b)
 
 
 # --------------------------------------------------------------------------------------------------

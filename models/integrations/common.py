@@ -5,9 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from attn_ops import registry
+
+from .. import primitives
+
+# Modules of other projects whose Linear and LayerNorm compute what PyTorch's do under its autocast rules (a Linear
+# whose ``precision`` is None; a LayerNorm over the last dim, float32 statistics): the fused paths may stand in for
+# them. Any other subclass (its own forward: LoRA, quantised layers) keeps being called as it is.
+_TORCH_SEMANTICS = frozenset({
+    "boltz.model.layers.triangular_attention.primitives",  # OpenFold's Linear / LayerNorm as Boltz vendors them
+    "openfold3.core.model.primitives.linear",
+    "openfold3.core.model.primitives.normalization",
+})
 
 
 @dataclass(frozen=True)
@@ -82,3 +94,34 @@ def original_forward(module: nn.Module) -> Callable:
     """The forward the module runs unpatched (for exact-path fallbacks)."""
     current = patched(module)
     return current.original if current is not None else module.forward
+
+
+def plain_linear(m: nn.Module) -> bool:
+    """Whether ``m(x)`` is ``nn.functional.linear(x, m.weight, m.bias)`` under autocast's rules."""
+    return isinstance(m, nn.Linear) and (type(m).forward is nn.Linear.forward or (
+        type(m).__module__ in _TORCH_SEMANTICS and getattr(m, "precision", 0) is None))
+
+
+def plain_layer_norm(m: nn.Module) -> bool:
+    """Whether ``m`` is an affine layer norm over the last dim that ``primitives.layer_norm`` may compute."""
+    if isinstance(m, nn.LayerNorm):
+        return type(m).forward is nn.LayerNorm.forward and len(m.normalized_shape) == 1
+    return type(m).__module__ in _TORCH_SEMANTICS and type(m).__name__ == "LayerNorm" and \
+        getattr(m, "weight", None) is not None and getattr(m, "bias", None) is not None
+
+
+def fusable(x: Tensor, linears) -> bool:
+    """Whether one matmul on the concatenated weights (``primitives.fused_linear``) computes ``[l(x) for l in
+    linears]``: plain linears of one dtype, and autocast on or ``x`` in their dtype (OpenFold's Linear would cast its
+    weight to a bf16 input's dtype itself)."""
+    dtype = linears[0].weight.dtype
+    return all(plain_linear(m) and m.weight.dtype == dtype for m in linears) and (
+        x.dtype == dtype or torch.is_autocast_enabled(x.device.type))
+
+
+def layer_norm(m: nn.Module, x: Tensor) -> Tensor:
+    """``m(x)``: by ``primitives.layer_norm`` (under autocast the autocast dtype, Triton kernels on eager CUDA) where
+    ``m`` is a plain layer norm and autocast is on or ``x`` has its dtype, else the module itself."""
+    if plain_layer_norm(m) and (x.dtype == m.weight.dtype or torch.is_autocast_enabled(x.device.type)):
+        return primitives.layer_norm(m, x)
+    return m(x)

@@ -25,7 +25,8 @@ from torch import Tensor, nn
 
 import attn_ops
 
-from .common import Options, modules_of
+from .common import Options, fusable, layer_norm, modules_of
+from ..primitives import fused_linear
 
 LOOKS_FOR = (
     "openfold.model.triangular_attention.TriangleAttention (OpenFold)",
@@ -129,11 +130,37 @@ def triangle_core(mod: nn.Module, options: Options, x: Tensor, mask: Optional[Te
         raise ValueError(f"mask: expected shape {tuple(x.shape[:-1])} (x without channels), got {tuple(mask.shape)}")
     if not mod.starting:
         x, mask = x.transpose(-2, -3), mask.transpose(-1, -2)
-    bias = pair_bias(x, mod.layer_norm, mod.linear if linear is None else linear, chunk_size)  # [*, 1, H, I, J]
+    linear = mod.linear if linear is None else linear
+    mha = mod.mha
+    gate = [] if mha.linear_g is None else [mha.linear_g]
+    projections = [mha.linear_q, mha.linear_k, mha.linear_v] + gate + [linear]
+    if (chunk_size is None or chunk_size >= x.shape[-3]) and fusable(x, projections):
+        out = _fused_rows(mha, options, layer_norm(mod.layer_norm, x), mask, projections, transpose_bias)
+        return out.transpose(-2, -3) if not mod.starting else out
+    bias = pair_bias(x, mod.layer_norm, linear, chunk_size)  # [*, 1, H, I, J]
     if transpose_bias:
         bias = bias.transpose(-1, -2)
     out = row_attention(mod.mha, mod.layer_norm, options, x, bias, mask, chunk_size)
     return out.transpose(-2, -3) if not mod.starting else out
+
+
+def _fused_rows(mha: nn.Module, options: Options, xn: Tensor, mask: Tensor, projections, transpose_bias: bool) -> Tensor:
+    """The whole triangle attention of layer-normed rows ``xn [*, I, J, C_in]`` with one matmul for q, k, v, the gate
+    and the triangle bias (``projections``, the last one the bias's), as our ``TriangleAttention`` computes it: the
+    layer norm once, not once for the bias and once for the rows. Returns ``[*, I, J, C_in]``."""
+    H, C = mha.no_heads, mha.c_hidden
+    outs = fused_linear(xn, projections)
+    q, k, v = (t.unflatten(-1, (H, C)).transpose(-2, -3) for t in outs[:3])  # [*, I, H, J, C]
+    bias = outs[-1].movedim(-1, -3)  # [*, H, I, J]
+    if transpose_bias:
+        bias = bias.transpose(-1, -2)
+    bias = bias.contiguous().unsqueeze(-4)  # [*, 1, H, J, K]: shared by all rows i
+    keys = mask.bool()[..., :, None, None, :]  # [*, I, 1, 1, K], True = attend
+    o = attn_ops.attention(q, k, v, bias=bias, mask=keys, scale=C ** -0.5, **options.kwargs())  # [*, I, H, J, C]
+    o = o.transpose(-2, -3)  # [*, I, J, H, C]
+    if mha.linear_g is not None:  # OpenFold's _wrap_up: sigmoid(linear_g(q_x)) per head, then the output projection
+        o = o * torch.sigmoid(outs[3]).unflatten(-1, (H, C))
+    return mha.linear_o(o.flatten(-2))
 
 
 # --------------------------------------------------------------------------------------------------
