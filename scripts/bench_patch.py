@@ -99,6 +99,28 @@ class Timer:
         return statistics.median(times), peak, first
 
 
+def alternate(timer, variants, rounds: int):
+    """Median step time of each of ``variants`` (``(name, setup, fn)``: ``setup()`` makes ``fn`` that variant's step)
+    timed in turns: every round runs each variant once (one step, then ``timer.iters`` timed), the order rotating by
+    round, so that a drift in the host's speed (host-bound steps moved 25% between repeats in one process) falls on
+    all variants alike. Returns ``{name: (median of the rounds' medians, fastest round, slowest round)}``."""
+    t = Timer(timer.device, timer.iters, 1)
+    seen = {name: [] for name, _, _ in variants}
+    for r in range(rounds):
+        k = r % len(variants)
+        for name, setup, fn in variants[k:] + variants[:k]:
+            setup()
+            seen[name].append(t(fn)[0])
+    return {name: (statistics.median(v), min(v), max(v)) for name, v in seen.items()}
+
+
+def emit_alternated(emit, case, shape, variants, rounds, timer):
+    """:func:`alternate` as one row per variant (``variant, alternating``), the spread of the rounds in its note."""
+    for name, (ms, lo, hi) in alternate(timer, variants, rounds).items():
+        emit(dict(case=case, shape=shape, variant=f"{name}, alternating", ms=f"{ms:.2f}",
+                  note=f"median of {rounds} rounds of {timer.iters} steps, rounds {lo:.2f}-{hi:.2f} ms"))
+
+
 def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
@@ -263,8 +285,17 @@ def boltz2_pairformer(cfg, device, timer, backend, emit):
                 if cfg.get("profile") and step is train and variant in ("boltz+cue", "patched"):
                     profile_step(cfg["profile"], f"boltz2-pairformer {shape} train {variant}", lambda: step(flags),
                                  device)
+        if cfg.get("rounds"):  # the train steps again, in turns
+            def setup(patched):
+                attn_zoo.unpatch(layer)
+                if patched:
+                    attn_zoo.patch(layer, backend=backend)
+
+            turns = [(v, lambda p=p: setup(p), lambda f=f: train(f)) for v, p, f in variants]
+            emit_alternated(emit, "boltz2-pairformer", f"{shape}, train step", turns, cfg["rounds"], timer)
     attn_zoo.unpatch(layer)
-    long_inference(layer, cfg, device, timer, backend, emit, const)
+    if cfg["long_n"]:
+        long_inference(layer, cfg, device, timer, backend, emit, const)
     del layer
     cleanup(device)
 
@@ -467,10 +498,16 @@ def main(argv=None):
                    choices=["hf-esm2", "boltz2-pairformer", "fair-esm"])
     p.add_argument("--profile", action="store_true",
                    help="also profile each hf-esm2 step and the Boltz train steps (patch_profile.txt)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="then time the Boltz train-step variants again in this many alternating rounds")
+    p.add_argument("--long-n", type=int, default=None, help="N of the Boltz one-layer inference rows (0: none)")
     args, device, timer = start(p, argv)
     cfg = dict(SMOKE if args.smoke else FULL)
     if args.profile:
         cfg["profile"] = os.path.join(args.out, "patch_profile.txt")
+    cfg["rounds"] = args.rounds
+    if args.long_n is not None:
+        cfg["long_n"] = args.long_n
     env, rows = env_lines(device, args.backend), []
     emit = emitter(args.out, "patch", "attn_zoo.patch: patched vs unpatched", env, rows, FIELDS)
 

@@ -62,8 +62,8 @@ from attn_ops import wait_compiles  # noqa: E402
 from attn_zoo.models.compiling import compile_module  # noqa: E402
 from attn_zoo.models.esmc import ESMC_CONFIGS  # noqa: E402
 from bench_blocks import _randomize, attention_config  # noqa: E402
-from bench_patch import (cleanup, cuequivariance_available, emitter, env_lines, is_oom, mlm_batch,  # noqa: E402
-                         mlm_step, parser, profile_step, rel_diff, start)
+from bench_patch import (cleanup, cuequivariance_available, emit_alternated, emitter, env_lines, is_oom,  # noqa: E402
+                         mlm_batch, mlm_step, parser, profile_step, rel_diff, start)
 
 FIELDS = ["case", "shape", "variant", "ms", "tokens_per_s", "peak_gib", "first_step_s", "diff_vs_ref", "note"]
 EVO_BACKENDS = ("triton", "torch", "flex")
@@ -239,6 +239,23 @@ def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN, compiled=Fals
         run_row(emit, timer, device, dict(row, variant=row["variant"] + " (again)"), fn, ref, real)
     if cfg.get("profile"):
         profile_step(cfg["profile"], f"esmc {shape} {row['variant']}", fn, device)
+    if cfg.get("rounds"):  # HF sdpa, HF patched and ours again, in turns, both models on the device
+        hf.to(device)
+
+        def hf_as(attn):
+            attn_zoo.unpatch(hf)
+            if attn == "attn_zoo.patch":
+                attn_zoo.patch(hf, backend=backend)
+            else:
+                hf.set_attn_implementation(attn)
+
+        hf_step = lambda: mlm_step(hf_logits, hf, tokens, target, device)  # noqa: E731
+        turns = [(f"HF {a}", lambda a=a: hf_as(a), hf_step) for a in ("sdpa", "attn_zoo.patch")]
+        turns.append((row["variant"], lambda: None, fn))
+        emit_alternated(emit, "esmc", shape, turns, cfg["rounds"], timer)
+        attn_zoo.unpatch(hf)
+        hf.to("cpu")
+        cleanup(device)
     for mode in (("default", "reduce-overhead") if compiled else ()):
         ours_compiled = compile_module(ours, mode=None if mode == "default" else mode)
         fn = lambda: mlm_step(lambda t: ours_compiled(inp)["logits"], ours, tokens, target, device)  # noqa: E731
@@ -547,11 +564,13 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="ESM C also compiled: Hugging Face's under torch.compile, ours under compile_module (default "
                         "and reduce-overhead)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="ESM C: then HF sdpa, HF patched and ours again in this many alternating rounds")
     args, device, timer = start(p, argv)
     cfg = dict(SMOKE if args.smoke else FULL)
     if args.profile:
         cfg["profile"] = os.path.join(args.out, "zoo_profile.txt")
-    cfg["rotary_ab"] = args.rotary_ab
+    cfg["rotary_ab"], cfg["rounds"] = args.rotary_ab, args.rounds
     backend = resolve_backend("triton", device)
     env = env_lines(device, backend)[:-1] + [
         f"- bf16 autocast, fp32 parameters, random weights; ours on {backend}; "
