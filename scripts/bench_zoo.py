@@ -6,8 +6,9 @@ first call's wall time, compiles and autotuning included):
 - ``esmc``: ESM C 600M (36 layers, 1152 wide, 18 heads). Hugging Face ``EsmcForMaskedLM`` with ``attn_implementation``
   ``sdpa`` / ``flash_attention_2`` (when ``flash_attn`` imports) / ``attn_zoo.patch``, against ours
   (``models/esmc.py``, built by ``from_esmc`` from the HF model's weights) on the triton backend: a masked-LM
-  training step (fwd + bwd, no optimizer) at 4 x 1024 padded from random lengths 300-1024; tokens/s counts real
-  (non-padding) tokens. ``diff_vs_ref``: the first step's loss against HF sdpa's.
+  training step (fwd + bwd, no optimizer) at 4 x 1024 padded from random lengths 300-1024, ours also with its
+  activation checkpointing; tokens/s counts real (non-padding) tokens. ``diff_vs_ref``: the first step's loss
+  against HF sdpa's.
 - ``af2-evoformer``: one ``EvoformerBlock(variant="alphafold2")`` (c_m 256, c_z 128), 512 MSA sequences (the last 48
   padding), N = 384 (the last 37 residues padding): a training step (fwd + bwd into the inputs, dropout on) and
   inference (eval, no grad) per attention backend (triton, torch, flex). ``diff_vs_ref``: the first step's loss
@@ -227,6 +228,9 @@ def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN, compiled=Fals
     row = dict(case="esmc", shape=shape, variant=f"ours from_esmc ({backend})")
     fn = lambda: mlm_step(lambda t: ours(inp)["logits"], ours, tokens, target, device)  # noqa: E731
     run_row(emit, timer, device, row, fn, ref, real)
+    ours.activation_checkpointing = True  # each layer recomputed in the backward: the memory a user can trade for time
+    run_row(emit, timer, device, dict(row, variant=row["variant"] + ", activation checkpointing"), fn, ref, real)
+    ours.activation_checkpointing = False
     if cfg.get("rotary_ab"):  # the same model with q/k norm + rotary in PyTorch ops instead of the one kernel
         import attn_zoo.models.kernels as kernels_module
 
