@@ -114,6 +114,7 @@ def test_logits_and_representations_match_fair_esm(peer, tokens, peer_out, backe
         assert rel(out["representations"][i], peer_out["representations"][i]) < RTOL, i
 
 
+@pytest.mark.interpreter
 def test_triton_interpreter_matches_fair_esm(peer):
     toks = ALPHABET.get_batch_converter()([("a", "MKTAYIAKQ"), ("b", "M<mask>TA")])[2]  # [2, 11], padded
     ours = from_fair_esm(peer.state_dict(), attention="triton")

@@ -475,6 +475,7 @@ def test_gate_channels_first_kernel_matches_pytorch(dtype, masked):
     assert rel_err(dy.float(), want_dy.float()) < tol
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("cls", [TriangleMultiplicationOutgoing, TriangleMultiplicationIncoming])
 def test_triangle_multiplication_gating_kernel_path_equals_pytorch(cls, monkeypatch):
     """The eager CUDA form of the module (channels-last GEMM, the Triton gating pass writing the padded product's

@@ -708,6 +708,7 @@ def test_bench_memory_longest_n_walks_down_past_out_of_memory(tmp_path, monkeypa
 # --------------------------------------------------------------------------------------------------
 # The inference path's Triton layer norm (interpreter on the CPU)
 # --------------------------------------------------------------------------------------------------
+@pytest.mark.interpreter
 @pytest.mark.parametrize("layout", ["rows", "columns", "channels_first", "one_row"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_layer_norm_rows_equals_layer_norm(layout, dtype):

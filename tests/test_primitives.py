@@ -653,6 +653,7 @@ def test_linear_bias_by_matmul_keeps_only_what_gradients_need():
     torch.testing.assert_close(db, torch.full((4,), 5.0))
 
 
+@pytest.mark.interpreter
 def test_triton_layer_norm_declines_forward_mode_ad():
     """The kernels are first-order: under forward-mode AD the module's own (differentiable) path runs."""
     import torch.autograd.forward_ad as fwAD

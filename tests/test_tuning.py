@@ -553,6 +553,7 @@ def test_lengths_differing_mod_16_compile_nothing_new(monkeypatch):
         assert _launch_keys(monkeypatch, R, Lq) == first, (R, Lq)
 
 
+@pytest.mark.interpreter
 def test_dbias_split_counts_compile_nothing_new():
     """The split sum's count follows the tile count (a multiple of 16 at some lengths): Triton specialises none of
     the counts, so a length whose count is 16, 32 or 48 reuses the compiled sum kernel."""
