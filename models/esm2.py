@@ -21,7 +21,8 @@ from torch import nn
 
 import attn_ops
 from .kernels import _rotate_half
-from .primitives import AttentionConfig, LayerNorm, check_token_segments, rotary_qkv, segment_positions
+from .primitives import (AttentionConfig, LayerNorm, check_token_segments, host_reads_allowed, rotary_qkv,
+                         segment_positions)
 
 Tensor = torch.Tensor
 
@@ -407,8 +408,8 @@ class ESM2(nn.Module):
         if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"tokens must be an int64/int32 tensor [B, L], got "
                              f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
-        # the range check reads the tokens on the host (a device sync); compiled graphs skip it (no graph break)
-        if tokens.numel() and not torch.compiler.is_compiling():
+        # the range check reads the tokens on the host (a device sync); compiled graphs and CUDA graph captures skip it
+        if tokens.numel() and host_reads_allowed(tokens):
             lo, hi = torch.stack(torch.aminmax(tokens)).tolist()  # one host read, not one per bound
             if lo < 0 or hi >= self.alphabet_size:
                 raise ValueError(f"tokens must lie in [0, {self.alphabet_size}), got [{lo}, {hi}]")
@@ -456,9 +457,9 @@ class ESM2(nn.Module):
         if 0 in repr_layers:
             reps[0] = x
         key_mask = None
-        # eager: no mask without padding (SDPA's flash kernel takes none); compiled: always one, so that no
-        # data-dependent branch breaks the graph
-        if segment_ids is None and (torch.compiler.is_compiling() or padding_mask.any()):
+        # eager: no mask without padding (SDPA's flash kernel takes none); compiled or captured: always one, so that
+        # no data-dependent branch breaks the graph
+        if segment_ids is None and (not host_reads_allowed(tokens) or padding_mask.any()):
             key_mask = (~padding_mask)[:, None, None, :]  # [B, 1, 1, L]
         checkpoint = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         attn_weights = []

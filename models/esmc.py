@@ -21,7 +21,7 @@ from torch import nn
 
 import attn_ops
 from .esm2 import Alphabet
-from .primitives import AttentionConfig, LayerNorm, fused_linear, rotary_qkv
+from .primitives import AttentionConfig, LayerNorm, fused_linear, host_reads_allowed, rotary_qkv
 
 Tensor = torch.Tensor
 VOCAB_ROWS = 64  # the embedding and decoder have 64 rows; tokens 33..63 are never produced by the tokenizer
@@ -221,7 +221,7 @@ class ESMC(nn.Module):
         if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"tokens must be an int64/int32 tensor [B, L], got "
                              f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
-        if tokens.numel() and not torch.compiler.is_compiling():
+        if tokens.numel() and host_reads_allowed(tokens):  # (compiled and captured graphs skip the host read)
             lo, hi = torch.stack(torch.aminmax(tokens)).tolist()  # one host read, not one per bound
             if lo < 0 or hi >= VOCAB_ROWS:
                 raise ValueError(f"tokens must lie in [0, {VOCAB_ROWS}), got [{lo}, {hi}]")
@@ -245,14 +245,16 @@ class ESMC(nn.Module):
         pad = tokens.eq(self.padding_idx)
         if sequence_id is not None:
             sequence_id = torch.where(pad, torch.full_like(sequence_id, -1), sequence_id)
-        elif torch.compiler.is_compiling() or pad.any():  # compiled: no data-dependent branch (see ESM2.forward)
+        elif not host_reads_allowed(tokens) or pad.any():  # compiled / captured: no data-dependent branch (see ESM2)
             mask = (~pad)[:, None, None, :]  # [B, 1, 1, L]
         rotary = _rotary_tables(tokens.shape[1], self.width // self.heads, self.rope_theta, x.device)
         reps: Dict[int, Tensor] = {0: x} if 0 in repr_layers else {}
         checkpoint = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
             if checkpoint:
-                x = torch.utils.checkpoint.checkpoint(layer, x, rotary, mask, sequence_id, use_reentrant=False)
+                # ESM C draws no random numbers: no RNG state to save (which a CUDA graph capture could not read)
+                x = torch.utils.checkpoint.checkpoint(layer, x, rotary, mask, sequence_id, use_reentrant=False,
+                                                      preserve_rng_state=False)
             else:
                 x = layer(x, rotary, mask, sequence_id)
             if i + 1 in repr_layers:

@@ -12,7 +12,7 @@ import contextlib
 import gc
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -95,9 +95,15 @@ class CUDAGraphs(nn.Module):
     Parameters are part of the signature by their memory and ``requires_grad``: one replaced (``.to()``,
     ``load_state_dict(assign=True)``) or unfrozen gets a new capture. Copies (``copy.deepcopy``, pickling) start
     without captures.
+
+    ``share_grad_memory=True``: a parameter's gradient in a step where it had none (``zero_grad(set_to_none=True)``)
+    is the capture's own gradient buffer rather than a copy of it, which saves the memory of one copy of all
+    gradients (2.1 GiB for ESM C 600M in float32). Before each replay's forward, a gradient still held in that buffer
+    is copied out (so that accumulating over several backward passes stays right): only a reference to ``.grad``
+    kept past the next call of the wrapper sees it rewritten.
     """
 
-    def __init__(self, module: nn.Module, max_graphs: int = 2, warmup_iters: int = 3):
+    def __init__(self, module: nn.Module, max_graphs: int = 2, warmup_iters: int = 3, share_grad_memory: bool = False):
         super().__init__()
         if not isinstance(max_graphs, int) or max_graphs < 1:
             raise ValueError(f"max_graphs must be an int >= 1, got {max_graphs!r}")
@@ -107,11 +113,16 @@ class CUDAGraphs(nn.Module):
         self.max_graphs, self.warmup_iters = max_graphs, warmup_iters
         self._graphs: "OrderedDict[Tuple, Tuple[Callable, set]]" = OrderedDict()
         self._hooks: Dict[int, Any] = {}  # id(parameter) -> its hook handle
+        # share_grad_memory: id(parameter) -> data_ptr of the capture's gradient buffer it was handed (no reference:
+        # one would stop autograd from taking the buffer as .grad without a copy)
+        self.share_grad_memory = bool(share_grad_memory)
+        self._shared: Dict[int, int] = {}
         self._warned = False
 
     def __getstate__(self):
         state = dict(super().__getstate__())
-        state["_graphs"], state["_hooks"] = OrderedDict(), {}  # captures belong to this object's parameters
+        state["_graphs"], state["_hooks"], state["_shared"] = OrderedDict(), {}, {}  # captures belong to this
+        # object's parameters
         return state
 
     def reset(self) -> None:
@@ -120,6 +131,7 @@ class CUDAGraphs(nn.Module):
         for h in self._hooks.values():
             h.remove()
         self._hooks.clear()
+        self._shared.clear()
         gc.collect()  # a capture's autograd Function class refers to itself: only the cycle collector frees it
 
     @property
@@ -165,6 +177,7 @@ class CUDAGraphs(nn.Module):
             else:
                 self._graphs.move_to_end(key)
             replay, live = entry
+            self._copy_out_shared_grads(params)
             outs = replay(*(_OwnGrad.apply(a) if a.requires_grad else a for a in args))
         flat, spec = torch.utils._pytree.tree_flatten(outs)
         tensors = [i for i, t in enumerate(flat) if isinstance(t, Tensor)]
@@ -175,6 +188,15 @@ class CUDAGraphs(nn.Module):
             # the replay's outputs are the graph's buffers: copies (autograd passes gradients through them)
             flat[i] = t.clone()
         return torch.utils._pytree.tree_unflatten(flat, spec)
+
+    def _copy_out_shared_grads(self, params: List[Tensor]) -> None:
+        """Gradients that are still a capture's buffer become copies before a replay rewrites that buffer."""
+        if not self._shared:
+            return
+        for p in params:
+            ptr = self._shared.get(id(p))
+            if ptr is not None and p.grad is not None and p.grad.data_ptr() == ptr:
+                p.grad = p.grad.clone()
 
     def _capture(self, args: Tuple[Tensor, ...], params: List[Tensor]) -> Callable:
         """The graphed forward of ``module`` for inputs like ``args`` (``module`` itself is left as it was)."""
@@ -187,15 +209,23 @@ class CUDAGraphs(nn.Module):
         if own is not None:
             self.module.forward = own
         # a parameter's first gradient of a step would be the graph's buffer (autograd keeps an incoming gradient as
-        # .grad when there is none): a copy instead, so that a second backward accumulates into it
+        # .grad when there is none): a copy instead, so that a second backward accumulates into it (or, sharing,
+        # the buffer itself, copied out before the next replay)
         for p in params:
             if p.requires_grad and id(p) not in self._hooks:
-                self._hooks[id(p)] = p.register_hook(_first_grad_copied(p))
+                self._hooks[id(p)] = p.register_hook(_first_grad(p, self._shared if self.share_grad_memory else None))
         return replay
 
 
-def _first_grad_copied(p: Tensor) -> Callable[[Tensor], Tensor]:
+def _first_grad(p: Tensor, shared: Optional[Dict[int, int]]) -> Callable[[Tensor], Tensor]:
+    """The hook on ``p``'s gradient: the first one of a step copied, or with ``shared`` passed on as it is and its
+    memory recorded."""
     def hook(g: Tensor) -> Tensor:
-        return g.clone() if p.grad is None else g
+        if p.grad is not None:
+            return g
+        if shared is None:
+            return g.clone()
+        shared[id(p)] = g.data_ptr()
+        return g
 
     return hook

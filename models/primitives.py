@@ -641,6 +641,15 @@ def run_blocks(
     return x, y
 
 
+def host_reads_allowed(t: Tensor) -> bool:
+    """False while ``torch.compile`` traces or a CUDA graph capture records on ``t``'s device: a check or a branch
+    that reads ``t``'s values on the host (a device sync) cannot run there (compiled graphs would break; a capture
+    fails). Callers skip such checks there and take the branch that is right for every input."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def check_token_segments(segment_ids: torch.Tensor, tokens: torch.Tensor) -> None:
     """A model's ``segment_ids`` argument: an integer tensor shaped like ``tokens`` (else ValueError naming it)."""
     if segment_ids.shape != tokens.shape or segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool:

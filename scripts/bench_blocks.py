@@ -13,6 +13,11 @@ triton-backend block (where the block's time goes).
     python scripts/bench_blocks.py --cases pair384 pair299 --backends triton+compile --compile-dynamic
     python scripts/bench_blocks.py --cases pair299 pair767 --backends boltz-cueq triton triton+compile --isolate
     python scripts/bench_blocks.py --varlen             # 40 new lengths in a row: per-step times, compile + tune
+    python scripts/bench_blocks.py --cases pair384 pair447 --backends boltz-cueq triton triton+graphs --rounds 5
+
+``--rounds R``: after the table, the eager rows of each case again, all built at once and timed in turns (R rounds
+of ``--iters`` steps, the order rotating by round), so that a drift of the host's speed within the process, which
+moves host-bound steps by up to 25%, falls on every row alike (``alternating`` rows).
 
 ``--varlen``: one PairformerBlock (c_s 384, c_z 128) per backend, eager, stepping through ``--varlen-count``
 distinct random lengths in [180, 520] (``--varlen-seed``); each length runs 3 fwd+bwd steps: the first includes any
@@ -73,7 +78,9 @@ CASES = {
     "pair768": ("pairformer", 768, None),
     "pair299": ("pairformer", 299, None),  # an odd crop length (13 of it padded, as every case)
     "pair767": ("pairformer", 767, None),  # an odd length near 768 (rows of its [N, N] matrices not 16-byte aligned)
+    "pair447": ("pairformer", 447, None),  # an odd crop with 21 of it padded
 }
+PADDED_OF = {"pair447": 21}  # cases whose padding is not PADDED
 BACKENDS = ("triton", "triton+compile", "triton+graphs", "triton-atomic", "triton-atomic+compile", "flex",
             "flex+compile", "sdpa", "torch", "torch+compile", "boltz", "boltz-cueq")
 # "triton+compile": torch.compile of the whole triton-backend block (Inductor fuses the glue around the op)
@@ -94,10 +101,10 @@ def attention_config(backend: str) -> dict:
 # ------------------------------------------------------------------------------------------------
 # inputs and steps
 # ------------------------------------------------------------------------------------------------
-def _masks(n: int, dev, width: int | None = None):
-    """Single [1, W] and pair [1, W, W] masks of a length-``n`` sequence whose last PADDED residues are padding,
+def _masks(n: int, dev, width: int | None = None, padded: int = PADDED):
+    """Single [1, W] and pair [1, W, W] masks of a length-``n`` sequence whose last ``padded`` residues are padding,
     padded on to ``width`` (default ``n``)."""
-    real = torch.arange(n if width is None else width, device=dev) < n - PADDED  # [W]
+    real = torch.arange(n if width is None else width, device=dev) < n - padded  # [W]
     single = real[None].clone()  # [1, N]
     pair = single[:, :, None] & single[:, None, :]  # [1, N, N]
     return single, pair
@@ -109,7 +116,7 @@ def build_case(case: str, backend: str, dev, compile_mode: str | None = None, dy
     (torch.compile's default, None, recompiles for symbolic lengths once the code has met a second length).
     True: symbolic lengths, the kernels a run over many lengths ends up with."""
     kind, n, s_rows = CASES[case]
-    single, pair = _masks(n, dev)
+    single, pair = _masks(n, dev, padded=PADDED_OF.get(case, PADDED))
     g = torch.Generator(device=dev).manual_seed(0)
     if backend in ("boltz", "boltz-cueq"):
         if kind != "pairformer":
@@ -244,7 +251,7 @@ def breakdown(case: str, dev, iters: int, warmup: int, backend: str = "triton"):
     mod, (x, z), _ = build_case(case, backend, dev)
     _randomize(mod)
     kind = CASES[case][0]
-    single, pair = _masks(CASES[case][1], dev)
+    single, pair = _masks(CASES[case][1], dev, padded=PADDED_OF.get(case, PADDED))
     parts = [(name, getattr(mod, name), lambda m: m(z, pair))
              for name in ("tri_mul_out", "tri_mul_in", "tri_att_start", "tri_att_end")]
     parts.append(("pair_transition", mod.pair_transition, lambda m: m(z)))
@@ -604,7 +611,7 @@ def env_lines():
         f"- torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
         f"python {platform.python_version()}",
         "- step: forward + backward, train mode (dropout on), bf16 autocast, fp32 params and inputs requiring grad;",
-        f"  {PADDED} padded residues per sequence; time = median over the timed steps; peak = extra device memory",
+        f"  {PADDED} padded residues per sequence (pair447: {PADDED_OF['pair447']}); time = median over the timed steps; peak = extra device memory",
         "  of one step beyond params and inputs (gradients included).",
     ]
 
@@ -614,9 +621,11 @@ def write_markdown(path, rows, brk, env, notes):
         f.write("# Block benchmark (scripts/bench_blocks.py)\n\n" + "\n".join(env) + "\n\n")
         f.write("| block | N_res | N_seq | backend | fwd+bwd ms | peak GiB | vs triton (time) | note |\n")
         f.write("|---|---|---|---|---|---|---|---|\n")
-        tri = {(r["case"]): r for r in rows if r["backend"] == "triton" and r["ms"] != ""}
+        # alternating rows against the alternating triton row (same rounds)
+        tri = {(r["case"], r["backend"] != "triton"): r for r in rows
+               if r["backend"] in ("triton", "triton, alternating") and r["ms"] != ""}
         for r in rows:
-            ref = tri.get(r["case"])
+            ref = tri.get((r["case"], r["backend"].endswith(", alternating")))
             ratio = f"{r['ms'] / ref['ms']:.2f}x" if ref and r["ms"] != "" and r["ms"] else ""
             ms = f"{r['ms']:.2f}" if r["ms"] != "" else "-"
             peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] != "" else "-"
@@ -634,6 +643,45 @@ def write_markdown(path, rows, brk, env, notes):
 def _empty_row(case: str, backend: str) -> dict:
     kind, n, s_rows = CASES[case]
     return dict(block=kind, case=case, n_res=n, n_seq=s_rows or "", backend=backend, ms="", peak_gib="", note="")
+
+
+def alternating_rows(case: str, backends, dev, args) -> list:
+    """The eager rows of ``case`` (``backends`` without ``+compile``) built at once and timed in ``args.rounds``
+    alternating rounds (``bench_patch.alternate``); one row per backend, the rounds' spread in its note."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_patch import alternate
+
+    variants, rows = [], []
+    for backend in backends:
+        if backend.endswith("+compile") or (backend.startswith("boltz") and CASES[case][0] != "pairformer"):
+            continue
+        try:
+            mod, inputs, fwd = build_case(case, backend, dev)
+        except Exception as exc:  # a missing peer: its row says so
+            rows.append(dict(_empty_row(case, backend + ", alternating"), note=f"failed: {type(exc).__name__}: {exc}"))
+            continue
+        _randomize(mod)
+        mod.train()
+        grads = [None]
+
+        def step(mod=mod, inputs=inputs, fwd=fwd, grads=grads):
+            mod.zero_grad(set_to_none=True)
+            for t in inputs:
+                t.grad = None
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                outs = fwd()
+            if grads[0] is None:
+                grads[0] = [torch.randn_like(o) for o in outs]
+            torch.autograd.backward(outs, grads[0])
+
+        variants.append((backend, lambda: None, step))
+    timer = argparse.Namespace(device=dev, iters=args.iters)
+    for backend, (ms, lo, hi) in alternate(timer, variants, args.rounds).items():
+        rows.append(dict(_empty_row(case, backend + ", alternating"), ms=ms,
+                         note=f"median of {args.rounds} rounds of {args.iters} steps, rounds {lo:.2f}-{hi:.2f} ms"))
+    variants.clear()
+    torch.cuda.empty_cache()
+    return rows
 
 
 def _run_item(case, backend, dev, args, t0):
@@ -705,6 +753,8 @@ def parse_args(argv=None):
     p.add_argument("--compile-mode", default=None,
                    choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
                    help="torch.compile mode of the +compile backends (default: torch's default)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="time the eager rows of each case again in R alternating rounds (see above)")
     p.add_argument("--profile-rows", type=int, default=40, help="kernels listed per --profile table")
     p.add_argument("--time-limit", type=float, default=None,
                    help=f"start nothing new after this many s (default 400; --varlen: {VARLEN_TIME_LIMIT:.0f}, "
@@ -796,6 +846,14 @@ def main(argv=None):
             w.writerow({k: v for k, v in row.items() if k != "_order"})
             fcsv.flush()
             write_markdown(md_path, sorted(rows, key=lambda r: r["_order"]), brk, env, notes)
+        for ci, case in enumerate(args.cases if args.rounds else ()):
+            for bi, row in enumerate(alternating_rows(case, args.backends, dev, args)):
+                row["_order"] = (ci, len(args.backends) + bi)
+                print({k: v for k, v in row.items() if k != "_order"}, f"[{time.time() - t0:.0f} s]", flush=True)
+                rows.append(row)
+                w.writerow({k: v for k, v in row.items() if k != "_order"})
+                fcsv.flush()
+                write_markdown(md_path, sorted(rows, key=lambda r: r["_order"]), brk, env, notes)
     print(open(md_path).read())
 
 

@@ -7,8 +7,13 @@ first call's wall time, compiles and autotuning included):
   ``sdpa`` / ``flash_attention_2`` (when ``flash_attn`` imports) / ``attn_zoo.patch``, against ours
   (``models/esmc.py``, built by ``from_esmc`` from the HF model's weights) on the triton backend: a masked-LM
   training step (fwd + bwd, no optimizer) at 4 x 1024 padded from random lengths 300-1024, ours also with its
-  activation checkpointing; tokens/s counts real (non-padding) tokens. ``diff_vs_ref``: the first step's loss
-  against HF sdpa's.
+  activation checkpointing, replayed as CUDA graphs (``models.graphs.CUDAGraphs``), and packed: the same sequences
+  in one row of their real tokens (``sequence_id``; rotary positions run on over the row, which changes no score:
+  rotary attention depends on position differences within a sequence), padded to a multiple of 256 so that a
+  packing loader's fixed budget can replay one capture; tokens/s counts real (non-padding) tokens. ``diff_vs_ref``:
+  the first step's loss against HF sdpa's. HF sdpa also runs as CUDA graphs, as ours. CUDA-graph rows share the
+  capture's gradient memory (``share_grad_memory``); their peak adds the capture's private memory pool (memory
+  reserved beyond what is allocated once the cache is emptied).
 - ``af2-evoformer``: one ``EvoformerBlock(variant="alphafold2")`` (c_m 256, c_z 128), 512 MSA sequences (the last 48
   padding), N = 384 (the last 37 residues padding): a training step (fwd + bwd into the inputs, dropout on) and
   inference (eval, no grad) per attention backend (triton, torch, flex). ``diff_vs_ref``: the first step's loss
@@ -62,6 +67,7 @@ from attn_ops.registry import BACKENDS  # noqa: E402
 from attn_ops import wait_compiles  # noqa: E402
 from attn_zoo.models.compiling import compile_module  # noqa: E402
 from attn_zoo.models.esmc import ESMC_CONFIGS  # noqa: E402
+from attn_zoo.models.graphs import CUDAGraphs  # noqa: E402
 from bench_blocks import _randomize, attention_config  # noqa: E402
 from bench_patch import (cleanup, cuequivariance_available, emit_alternated, emitter, env_lines, is_oom,  # noqa: E402
                          mlm_batch, mlm_step, parser, profile_step, rel_diff, start)
@@ -130,12 +136,16 @@ def first_timed(fn, device):
     return wrapped
 
 
-def run_row(emit, timer, device, row, fn, ref, tokens=None, diff=rel_diff):
+def run_row(emit, timer, device, row, fn, ref, tokens=None, diff=rel_diff, graphs=False):
     """Time one variant into ``row``; returns the first step's result (the reference for later variants, compared
-    by ``diff``)."""
+    by ``diff``). ``graphs``: the step replays CUDA graphs, whose private memory pool (reserved, not allocated,
+    between replays) is added to the peak."""
     fn = first_timed(fn, device)
     try:
         ms, peak, first = timer(fn)
+        if graphs and device.type == "cuda":
+            torch.cuda.empty_cache()
+            peak += (torch.cuda.memory_reserved() - torch.cuda.memory_allocated()) / 2.0 ** 30
         row.update(ms=f"{ms:.2f}", peak_gib="" if peak != peak else f"{peak:.2f}", first_step_s=f"{fn.state['s']:.2f}")
         if tokens:
             row["tokens_per_s"] = f"{tokens / ms * 1e3:.0f}"
@@ -168,6 +178,44 @@ def esmc_batch(B, L, lengths, device):
     tokens = tokens.masked_fill(pos == 0, ALPHABET.cls_idx).masked_fill(pos == n[:, None] - 1, ALPHABET.eos_idx)
     target = target & (pos > 0) & (pos < n[:, None] - 1)
     return tokens.masked_fill(target, ALPHABET.mask_idx), tokens, target, real
+
+
+def pack_rows(inp, tokens, target, real, multiple: int = 256):
+    """The rows of a padded MLM batch as one row of their real tokens (``sequence_id`` = the row index, then
+    ``<pad>`` with -1 up to a multiple of ``multiple``): (input ids, target ids, target positions, sequence ids),
+    each ``[1, T]``."""
+    from attn_zoo.models.esmc import ALPHABET
+
+    keep = real.bool()
+    ids = torch.arange(inp.shape[0], device=inp.device)[:, None].expand_as(inp)
+    parts = [inp[keep], tokens[keep], target[keep], ids[keep]]
+    pad = -len(parts[0]) % multiple
+    fill = (ALPHABET.padding_idx, ALPHABET.padding_idx, False, -1)
+    return tuple(torch.cat([p, torch.full((pad,), f, dtype=p.dtype, device=p.device)])[None]
+                 for p, f in zip(parts, fill))
+
+
+class _HFLogits(torch.nn.Module):
+    """``hf(input_ids=..., attention_mask=...).logits`` with positional tensors (for a CUDA graph capture)."""
+
+    def __init__(self, hf):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, input_ids, attention_mask):
+        return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+class _Logits(torch.nn.Module):
+    """``model(tokens, sequence_id=...)["logits"]`` with tensors only as positional arguments (what a CUDA graph
+    capture takes)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, *sequence_id):
+        return self.model(tokens, sequence_id=sequence_id[0] if sequence_id else None)["logits"]
 
 
 def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN, compiled=False):
@@ -214,6 +262,12 @@ def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN, compiled=Fals
         ref = run_row(emit, timer, device, row, fn, ref, real)
         if cfg.get("profile"):
             profile_step(cfg["profile"], f"esmc {shape} {row['variant']}", fn, device)
+        if attn == "sdpa":  # the same model replayed as CUDA graphs, as ours below
+            hf_graphed = CUDAGraphs(_HFLogits(hf), max_graphs=1, share_grad_memory=True)
+            fn = lambda: mlm_step(lambda _: hf_graphed(inp, am), hf, tokens, target, device)  # noqa: E731
+            run_row(emit, timer, device, dict(row, variant="HF sdpa, CUDA graphs"), fn, ref, real, graphs=True)
+            hf_graphed.reset()
+            del hf_graphed
         if compiled and attn == "sdpa":  # the same model under torch.compile (Inductor), its first step compiling
             hf_compiled = torch.compile(hf)
             fn = lambda: mlm_step(lambda _: hf_compiled(input_ids=inp, attention_mask=am).logits, hf, tokens,  # noqa: E731
@@ -230,6 +284,25 @@ def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN, compiled=Fals
     run_row(emit, timer, device, row, fn, ref, real)
     ours.activation_checkpointing = True  # each layer recomputed in the backward: the memory a user can trade for time
     run_row(emit, timer, device, dict(row, variant=row["variant"] + ", activation checkpointing"), fn, ref, real)
+    ours.activation_checkpointing = False
+    # the host-bound eager step replayed as CUDA graphs; then the batch packed (real tokens only), eager and graphed
+    graphed = CUDAGraphs(_Logits(ours), max_graphs=1, share_grad_memory=True)
+    packed = pack_rows(inp, tokens, target, am)
+    variants = {
+        "CUDA graphs": lambda: mlm_step(lambda t: graphed(inp), ours, tokens, target, device),
+        "packed": lambda: mlm_step(lambda t: ours(packed[0], sequence_id=packed[3])["logits"], ours, packed[1],
+                                   packed[2], device),
+        "packed, CUDA graphs": lambda: mlm_step(lambda t: graphed(packed[0], packed[3]), ours, packed[1], packed[2],
+                                                device),
+    }
+    for name, step in variants.items():
+        run_row(emit, timer, device, dict(row, variant=f"{row['variant']}, {name}"), step, ref, real,
+                graphs="graphs" in name)
+        graphed.reset()
+    ours.activation_checkpointing = True
+    run_row(emit, timer, device, dict(row, variant=f"{row['variant']}, packed, activation checkpointing, CUDA graphs"),
+            variants["packed, CUDA graphs"], ref, real, graphs=True)
+    graphed.reset()
     ours.activation_checkpointing = False
     if cfg.get("rotary_ab"):  # the same model with q/k norm + rotary in PyTorch ops instead of the one kernel
         import attn_zoo.models.kernels as kernels_module
@@ -256,7 +329,9 @@ def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN, compiled=Fals
         hf_step = lambda: mlm_step(hf_logits, hf, tokens, target, device)  # noqa: E731
         turns = [(f"HF {a}", lambda a=a: hf_as(a), hf_step) for a in ("sdpa", "attn_zoo.patch")]
         turns.append((row["variant"], lambda: None, fn))
+        turns.append((row["variant"] + ", packed, CUDA graphs", lambda: None, variants["packed, CUDA graphs"]))
         emit_alternated(emit, "esmc", shape, turns, cfg["rounds"], timer)
+        graphed.reset()
         attn_zoo.unpatch(hf)
         hf.to("cpu")
         cleanup(device)

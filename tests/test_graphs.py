@@ -218,6 +218,35 @@ def test_copies_start_without_captures_and_unfrozen_parameters_recapture(stand_i
     assert all(torch.allclose(want[k], grads[k], atol=1e-6) for k in want)
 
 
+def test_shared_gradient_memory_is_the_buffer_and_accumulates_right(stand_in):
+    """share_grad_memory: a step's first gradients are the capture's buffers (no copy); accumulating over two backward
+    passes, over steps without zeroing, and gradients kept between steps give what the plain block gives."""
+    torch.manual_seed(0)
+    plain = randomize_(PairformerBlock(**W, pair_dropout=0.0, attention="torch"))
+    wrapped = CUDAGraphs(copy.deepcopy(plain), share_grad_memory=True)
+    for block in (plain, wrapped):
+        block.zero_grad(set_to_none=True)
+    _, want = _step(plain, 9, 1)
+    _, got = _step(wrapped, 9, 1)
+    assert all(torch.allclose(want[k], got[k], atol=1e-6) for k in want)
+    params = dict(wrapped.module.named_parameters())
+    shared = [k for k in got if params[k].grad.data_ptr() == wrapped._shared.get(id(params[k]))]
+    assert len(shared) == len(got)  # every gradient is its capture buffer: nothing was copied
+    # no zeroing: the next step accumulates into the gradients, which the replay must not rewrite first
+    _, want2 = _step(plain, 9, 5, backward_passes=2)
+    _, got2 = _step(wrapped, 9, 5, backward_passes=2)
+    assert all(torch.allclose(want2[k], got2[k], atol=1e-5) for k in want2)
+    # zeroed to None: a kept gradient is a copy once the next call has run
+    wrapped.zero_grad(set_to_none=True)
+    _step(wrapped, 9, 7)
+    kept = {k: p.grad for k, p in wrapped.module.named_parameters()}
+    before = {k: g.clone() for k, g in kept.items()}
+    wrapped.zero_grad(set_to_none=True)
+    _step(wrapped, 9, 8)
+    assert not all(torch.equal(kept[k], before[k]) for k in kept)  # (kept buffers are rewritten: documented)
+    assert len(stand_in.captures) == 1
+
+
 @pytest.mark.parametrize("kw", [{"max_graphs": 0}, {"max_graphs": 1.5}, {"warmup_iters": 0}])
 def test_bad_arguments(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
