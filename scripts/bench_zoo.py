@@ -316,24 +316,36 @@ def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN, compiled=Fals
         run_row(emit, timer, device, dict(row, variant=row["variant"] + " (again)"), fn, ref, real)
     if cfg.get("profile"):
         profile_step(cfg["profile"], f"esmc {shape} {row['variant']}", fn, device)
-    if cfg.get("rounds"):  # HF sdpa, HF patched and ours again, in turns, both models on the device
+    if cfg.get("rounds"):  # HF (eager and as CUDA graphs) and ours again, in turns, both models on the device
         hf.to(device)
+        hf_graphed = CUDAGraphs(_HFLogits(hf), max_graphs=1, share_grad_memory=True)
 
         def hf_as(attn):
+            hf_graphed.reset()
             attn_zoo.unpatch(hf)
             if attn == "attn_zoo.patch":
                 attn_zoo.patch(hf, backend=backend)
             else:
                 hf.set_attn_implementation(attn)
 
+        def ours_as(checkpointing):  # a fresh capture per round: the flag is not part of a capture's signature
+            graphed.reset()
+            ours.activation_checkpointing = checkpointing
+
         hf_step = lambda: mlm_step(hf_logits, hf, tokens, target, device)  # noqa: E731
         turns = [(f"HF {a}", lambda a=a: hf_as(a), hf_step) for a in ("sdpa", "attn_zoo.patch")]
-        turns.append((row["variant"], lambda: None, fn))
-        turns.append((row["variant"] + ", packed, CUDA graphs", lambda: None, variants["packed, CUDA graphs"]))
+        turns.append(("HF sdpa, CUDA graphs", lambda: hf_as("sdpa"),
+                      lambda: mlm_step(lambda _: hf_graphed(inp, am), hf, tokens, target, device)))
+        turns.append((row["variant"], lambda: ours_as(False), fn))
+        for ckpt in (False, True):
+            turns.append((row["variant"] + ", packed" + (", activation checkpointing" if ckpt else "") + ", CUDA graphs",
+                          lambda ckpt=ckpt: ours_as(ckpt), variants["packed, CUDA graphs"]))
         emit_alternated(emit, "esmc", shape, turns, cfg["rounds"], timer)
-        graphed.reset()
+        ours_as(False)
+        hf_graphed.reset()
         attn_zoo.unpatch(hf)
         hf.to("cpu")
+        del hf_graphed
         cleanup(device)
     for mode in (("default", "reduce-overhead") if compiled else ()):
         ours_compiled = compile_module(ours, mode=None if mode == "default" else mode)

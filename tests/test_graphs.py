@@ -254,14 +254,15 @@ def test_bad_arguments(kw):
 
 
 @pytest.mark.gpu
-def test_cuda_graphs_equal_the_eager_block():
+@pytest.mark.parametrize("share", [False, True])
+def test_cuda_graphs_equal_the_eager_block(share):
     """The real capture, bf16 autocast, the triton backend: outputs, input and parameter gradients bitwise the plain
     eager block's, with two backward passes accumulating, over two lengths taking turns (one is evicted and captured
     again); outputs kept from one step, and the inputs of every call, intact after the later replays."""
     torch.manual_seed(0)
     dev = "cuda"
     eager = randomize_(PairformerBlock(**W, pair_dropout=0.0, attention="triton"), seed=3).to(dev)
-    wrapped = CUDAGraphs(copy.deepcopy(eager), max_graphs=1)
+    wrapped = CUDAGraphs(copy.deepcopy(eager), max_graphs=1, share_grad_memory=share)
     kept, inputs = [], []
     for step, n in enumerate((37, 37, 45, 37)):
         res = []
