@@ -616,25 +616,3 @@ def test_compile_ahead_then_real_calls_are_exact_gpu(tune, monkeypatch):
         for x, y in zip(g, a):
             assert torch.equal(x, y)
 
-
-def test_capture_after_a_specialisation_compiled_in_the_background_gpu():
-    """A tile-multiple length first runs the general variant while its EVEN specialisation compiles in the
-    background, which leaves the module's load to the first launch. A CUDA graph captured once that compile has
-    ended must not load it (a load syncs the device and breaks the capture): the general variant serves there, and
-    the next eager call takes the specialisation."""
-    import attn_ops
-
-    torch.manual_seed(0)
-    L = 4 * 64 * 3  # 768: a multiple of every tile
-    for n in (L - 5, L):  # the general variant of the length's bucket first, then the tile multiple
-        q, k, v = (torch.randn(2, 4, n, 64, device="cuda", dtype=torch.float16) for _ in range(3))
-        want = attn_ops.attention(q, k, v, backend="triton")
-    attn_ops.wait_compiles()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = attn_ops.attention(q, k, v, backend="triton")
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(got, want)
-    again = attn_ops.attention(q, k, v, backend="triton")  # eager: the specialisation, recorded anew
-    assert (again - want).abs().max().item() < 1e-2

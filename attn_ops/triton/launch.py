@@ -223,13 +223,6 @@ def is_compiled(kernel, args: Sequence, num_warps: int, num_stages: int, **const
     return _signature_key(kernel, args, num_warps, num_stages, constexprs) in STATE.compiled
 
 
-def is_loaded(kernel, args: Sequence, num_warps: int, num_stages: int, **constexprs) -> bool:
-    """Whether this launch's compiled kernel is also loaded on the device (launched before; a background compile
-    leaves the module's load to its first launch)."""
-    c = STATE.compiled.get(_signature_key(kernel, args, num_warps, num_stages, constexprs))
-    return c is not None and getattr(c, "module", True) is not None
-
-
 def compile_in_background(kernel, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: int,
                           **constexprs) -> str:
     """Compile this launch's kernel on a background thread (once per signature) and remember it for direct
@@ -495,24 +488,12 @@ class Recorder:
         variant (masks everywhere, the same results) is compiled, it runs instead; the call's plan is kept with the
         pending compiles, replayed while they run and recorded anew once they have ended (:func:`run_plan`), so the
         calls meanwhile cost no more host time than any replay and a later one takes the specialisation."""
-        if not (constexprs.get("EVEN_M") or constexprs.get("EVEN_N")) or not tuning.background_compiles():
-            return constexprs
-        # inside a CUDA graph capture a module cannot be loaded (the load syncs the device: the capture fails), and a
-        # specialisation compiled in the background is loaded at its first launch: the general variant serves there
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        if is_compiled(kernel, args, num_warps, num_stages, **constexprs) and not (
-                capturing and not is_loaded(kernel, args, num_warps, num_stages, **constexprs)):
+        if not (constexprs.get("EVEN_M") or constexprs.get("EVEN_N")) or not tuning.background_compiles() or \
+                is_compiled(kernel, args, num_warps, num_stages, **constexprs):
             return constexprs
         general = dict(constexprs, EVEN_M=False, EVEN_N=False)
         if general.get("HAS_BIAS") == 1:
             general["BIAS_ALIGN"] = 1  # HAS_BIAS 1: vector bias loads only where no tile carries masks
-        if capturing:
-            if not is_loaded(kernel, args, num_warps, num_stages, **general):
-                return constexprs
-            job = TUNER.jobs.get(_signature_key(kernel, args, num_warps, num_stages, constexprs))
-            if job is not None:  # the plan is recorded anew at a later call, which takes the specialisation
-                self.pending.append(job)
-            return general
         # the general variant not compiled, or this one ready by now or failed: compiled here (its error raised) as ever
         if not is_compiled(kernel, args, num_warps, num_stages, **general) or \
                 compile_in_background(kernel, grid, args, num_warps, num_stages, **constexprs) != "pending":
