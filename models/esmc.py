@@ -263,3 +263,20 @@ class ESMC(nn.Module):
         if self.num_layers in repr_layers:
             reps[self.num_layers] = x
         return {"logits": self.lm_head(x), "embeddings": x, "representations": reps}
+
+
+class EsmcLogits(nn.Module):
+    """``model(tokens, sequence_id=...)["logits"]`` taking tensors as positional arguments only, which is what
+    :class:`~attn_zoo.models.graphs.CUDAGraphs` captures: ``CUDAGraphs(EsmcLogits(model))(tokens, sequence_id)``
+    (``sequence_id`` optional). The parameters are ``model``'s."""
+
+    def __init__(self, model: ESMC):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: Tensor, *sequence_id: Tensor) -> Tensor:
+        if len(sequence_id) > 1:
+            raise ValueError(f"EsmcLogits takes tokens and at most one sequence_id tensor, got {1 + len(sequence_id)} "
+                             f"arguments")
+        return self.model(tokens, sequence_id=sequence_id[0] if sequence_id else None)["logits"]
+

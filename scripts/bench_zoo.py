@@ -66,7 +66,7 @@ import attn_zoo  # noqa: E402
 from attn_ops.registry import BACKENDS  # noqa: E402
 from attn_ops import wait_compiles  # noqa: E402
 from attn_zoo.models.compiling import compile_module  # noqa: E402
-from attn_zoo.models.esmc import ESMC_CONFIGS  # noqa: E402
+from attn_zoo.models.esmc import ESMC_CONFIGS, EsmcLogits  # noqa: E402
 from attn_zoo.models.graphs import CUDAGraphs  # noqa: E402
 from bench_blocks import _randomize, attention_config  # noqa: E402
 from bench_patch import (cleanup, cuequivariance_available, emit_alternated, emitter, env_lines, is_oom,  # noqa: E402
@@ -206,18 +206,6 @@ class _HFLogits(torch.nn.Module):
         return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
-class _Logits(torch.nn.Module):
-    """``model(tokens, sequence_id=...)["logits"]`` with tensors only as positional arguments (what a CUDA graph
-    capture takes)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens, *sequence_id):
-        return self.model(tokens, sequence_id=sequence_id[0] if sequence_id else None)["logits"]
-
-
 def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN, compiled=False):
     import transformers
 
@@ -286,7 +274,7 @@ def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN, compiled=Fals
     run_row(emit, timer, device, dict(row, variant=row["variant"] + ", activation checkpointing"), fn, ref, real)
     ours.activation_checkpointing = False
     # the host-bound eager step replayed as CUDA graphs; then the batch packed (real tokens only), eager and graphed
-    graphed = CUDAGraphs(_Logits(ours), max_graphs=1, share_grad_memory=True)
+    graphed = CUDAGraphs(EsmcLogits(ours), max_graphs=1, share_grad_memory=True)
     packed = pack_rows(inp, tokens, target, am)
     variants = {
         "CUDA graphs": lambda: mlm_step(lambda t: graphed(inp), ours, tokens, target, device),

@@ -13,7 +13,7 @@ if not hasattr(transformers, "EsmcForMaskedLM"):
     pytest.skip("this transformers has no ESM C (needs >= 5.x)", allow_module_level=True)
 from transformers import EsmcConfig, EsmcForMaskedLM, EsmcModel, EsmcTokenizer  # noqa: E402
 
-from attn_zoo.models.esmc import ALPHABET, ESMC, ESMC_CONFIGS, esmc  # noqa: E402
+from attn_zoo.models.esmc import ALPHABET, ESMC, ESMC_CONFIGS, EsmcLogits, esmc  # noqa: E402
 from attn_zoo.models.zoo import ZooCheckpointError, from_esmc, to_esmc  # noqa: E402
 
 TOL = 1e-5  # fp32 parity, relative to the largest reference value
@@ -172,6 +172,18 @@ def test_bad_checkpoints_name_the_keys():
         from_esmc(esm2_like, num_heads=4)
 
 
+def test_logits_module_is_the_models_logits():
+    torch.manual_seed(0)
+    model = ESMC(num_layers=1, width=32, heads=2, attention="torch").eval()
+    tokens = torch.randint(4, 24, (1, 10))
+    seq = torch.tensor([[0] * 6 + [1] * 4])
+    logits = EsmcLogits(model)
+    assert torch.equal(logits(tokens), model(tokens)["logits"])
+    assert torch.equal(logits(tokens, seq), model(tokens, sequence_id=seq)["logits"])
+    with pytest.raises(ValueError, match="at most one sequence_id"):
+        logits(tokens, seq, seq)
+
+
 def test_forward_checks_inputs():
     m = ESMC(1, 32, 2, 64)
     with pytest.raises(ValueError, match="tokens must lie"):
@@ -267,15 +279,8 @@ def test_gpu_cuda_graphs_packed_rows_equal_eager(checkpointing):
     """ESM C replayed as CUDA graphs (the model checks its tokens and picks its mask on the host: a capture must skip
     that) on packed rows (sequence ids, padding at the end) and on padded rows, with activation checkpointing or
     not, sharing the capture's gradient memory: loss and every gradient bitwise the eager model's."""
+    from attn_zoo.models.esmc import EsmcLogits as Logits
     from attn_zoo.models.graphs import CUDAGraphs
-
-    class Logits(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, tokens, *seq):
-            return self.model(tokens, sequence_id=seq[0] if seq else None)["logits"]
 
     torch.manual_seed(0)
     model = ESMC(num_layers=2, width=64, heads=4, attention="triton",
