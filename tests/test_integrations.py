@@ -441,6 +441,24 @@ def test_boltz_pairformer_layer_patched_equals_unpatched_with_grads(v2, backend)
     assert torch.equal(s_back, s_ref) and torch.equal(z_back, z_ref)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_boltz2_pairformer_layer_training_with_dropout_equals_unpatched(backend):
+    """Train mode, dropout 0.25: the patched layer draws Boltz's masks (same random stream, same order) and adds the
+    updates in one pass; outputs and every parameter's gradient as Boltz's."""
+    layer = boltz_layer().train()
+    x = boltz_inputs()
+    torch.manual_seed(3)
+    s_ref, z_ref, g_ref = boltz_run(layer, *x)
+    attn_zoo.patch(layer, backend=backend)
+    torch.manual_seed(3)
+    s_got, z_got, g_got = boltz_run(layer, *x)
+    assert rel_err(s_got, s_ref) < TOL and rel_err(z_got, z_ref) < TOL
+    assert_close_grads(layer, g_got, g_ref, zero=("proj_z.0.bias",))
+    torch.manual_seed(4)  # another draw: another result (the masks are drawn, not fixed)
+    s_other, _, _ = boltz_run(layer, *x)
+    assert rel_err(s_other, s_got) > 1e-3
+
+
 def _boltz_update_module(kind, c=8):
     if kind == "transition":
         tr = pytest.importorskip("boltz.model.layers.transition", reason="boltz==2.2.1 (--no-deps) is a test dependency")
