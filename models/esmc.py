@@ -21,6 +21,7 @@ from torch import nn
 
 import attn_ops
 from .esm2 import Alphabet
+from .graphs import Logits
 from .primitives import AttentionConfig, LayerNorm, fused_linear, host_reads_allowed, rotary_qkv
 
 Tensor = torch.Tensor
@@ -265,18 +266,10 @@ class ESMC(nn.Module):
         return {"logits": self.lm_head(x), "embeddings": x, "representations": reps}
 
 
-class EsmcLogits(nn.Module):
-    """``model(tokens, sequence_id=...)["logits"]`` taking tensors as positional arguments only, which is what
-    :class:`~attn_zoo.models.graphs.CUDAGraphs` captures: ``CUDAGraphs(EsmcLogits(model))(tokens, sequence_id)``
-    (``sequence_id`` optional). The parameters are ``model``'s."""
+class EsmcLogits(Logits):
+    """``model(tokens, sequence_id=...)["logits"]`` with tensors as positional arguments only, for
+    :class:`~attn_zoo.models.graphs.CUDAGraphs`: ``CUDAGraphs(EsmcLogits(model))(tokens, sequence_id)``
+    (``sequence_id`` optional)."""
 
     def __init__(self, model: ESMC):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens: Tensor, *sequence_id: Tensor) -> Tensor:
-        if len(sequence_id) > 1:
-            raise ValueError(f"EsmcLogits takes tokens and at most one sequence_id tensor, got {1 + len(sequence_id)} "
-                             f"arguments")
-        return self.model(tokens, sequence_id=sequence_id[0] if sequence_id else None)["logits"]
-
+        super().__init__(model, "sequence_id")

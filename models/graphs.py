@@ -229,3 +229,20 @@ def _first_grad(p: Tensor, shared: Optional[Dict[int, int]]) -> Callable[[Tensor
         return g
 
     return hook
+
+
+class Logits(nn.Module):
+    """``model(tokens, **{ids_keyword: ids})["logits"]`` taking tensors as positional arguments only, which is what
+    :class:`CUDAGraphs` captures: ``CUDAGraphs(Logits(esm2_model, "segment_ids"))(tokens, segment_ids)`` (the ids
+    optional). The parameters are ``model``'s."""
+
+    def __init__(self, model: nn.Module, ids_keyword: str):
+        super().__init__()
+        self.model, self.ids_keyword = model, ids_keyword
+
+    def forward(self, tokens: Tensor, *ids: Tensor) -> Tensor:
+        if len(ids) > 1:
+            raise ValueError(f"{type(self).__name__} takes tokens and at most one {self.ids_keyword} tensor, got "
+                             f"{1 + len(ids)} arguments")
+        return self.model(tokens, **({self.ids_keyword: ids[0]} if ids else {}))["logits"]
+

@@ -176,8 +176,107 @@ def test_esm2_batch_wraps_crops_in_cls_and_eos():
     assert torch.equal(out["tokens"], want)
     assert torch.equal(out["target"], ALPHABET.get_batch_converter()([("a", "MKV"), ("b", "AC")])[2])
     assert out["mask"].tolist() == [[False, False, True, False, False], [False, True, False, False, False]]
-    with pytest.raises(ValueError, match="data.packing=false"):
+    with pytest.raises(ValueError, match="data.packing_frame=2"):  # packed, but no slots for <cls> / <eos>
         esm2_batch({**batch, "segment_ids": torch.zeros_like(tokens)})
+
+
+def _lm_examples(seqs, seed=0):
+    """Masked-LM examples (tokens, target, loss_mask) of ``seqs``, as the dataset makes them."""
+    from attn_zoo.models.data.alphabet import encode
+    from attn_zoo.models.data.transforms import bert_mask
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for seq in seqs:
+        t = encode(seq)
+        corrupted, chosen = bert_mask(t, 0.3, g)
+        out.append({"tokens": corrupted, "target": t, "loss_mask": chosen})
+    return out
+
+
+def test_collate_packed_keeps_a_frame_around_each_crop():
+    from attn_zoo.models.data.packing import collate_packed
+
+    ex = _lm_examples(["MKV", "AC", "GGGG"])
+    b = collate_packed(ex, rows=2, width=10, frame=2)
+    for r in range(2):
+        seg, real = b["segment_ids"][r], b["pad_mask"][r]
+        for s in seg[seg >= 0].unique().tolist():
+            where = (seg == s).nonzero().flatten()
+            assert not real[where[0]] and not real[where[-1]] and real[where[1:-1]].all()  # frame slots, then real
+            assert b["positions"][r, where].tolist() == list(range(len(where)))
+    assert int(b["pad_mask"].sum()) == 9 and int((b["segment_ids"] >= 0).sum()) == 9 + 2 * 3
+    with pytest.raises(ValueError, match="frame must be 0 or 2"):
+        collate_packed(ex, rows=2, width=10, frame=1)
+
+
+@pytest.mark.parametrize("net", [lambda: ESM2(**TINY), lambda: ESMC(**TINY_ESMC)], ids=["esm2", "esmc"])
+def test_packed_batches_train_as_the_padded_ones(net):
+    """data.packing=true with packing_frame=2: each crop in its own <cls> ... <eos> slots of a packed row; the
+    task's loss and every gradient as with the same crops padded one per row (float64)."""
+    from attn_zoo.models.data.batching import collate_lm
+    from attn_zoo.models.data.packing import collate_packed
+    from attn_zoo.models.tasks import ESMMaskedLMTask
+
+    ex = _lm_examples(["MKTAYIAKQR", "ACDEFG", "LLKKV", "WYYHHPPST"])
+    padded, packed = collate_lm(ex), collate_packed(ex, rows=2, width=20, frame=2)
+    assert int(packed["pad_mask"].sum()) == int(padded["pad_mask"].sum())
+    torch.manual_seed(0)
+    task = ESMMaskedLMTask(net=net()).double().eval()  # eval: ESM-2's token dropout statistics are per row
+    results = []
+    for batch in (padded, packed):
+        task.zero_grad(set_to_none=True)
+        b = esm2_batch(batch)
+        if batch is packed:  # the frame slots hold <cls> and <eos>, one pair per crop
+            assert int((b["tokens"] == ALPHABET.cls_idx).sum()) == int((b["tokens"] == ALPHABET.eos_idx).sum()) == 4
+        loss = task.step(batch)[0]
+        loss.backward()
+        results.append([loss.detach()] + [p.grad.clone() for p in task.parameters() if p.grad is not None])
+    assert len(results[0]) == len(results[1])
+    # ESM-2's positions restart per crop: the same sums. ESM C's run on over the row (as ESM C does), which changes
+    # no score but rounds its float32 rotary tables at other angles: 1e-5 of each tensor's largest value
+    bound = 1e-12 if isinstance(task.net, ESM2) else 1e-5
+    for a, b in zip(*results):
+        assert (a - b).abs().max() <= bound * b.abs().max()
+
+
+@pytest.mark.parametrize("net", [lambda: ESM2(**TINY), lambda: ESMC(**TINY_ESMC)], ids=["esm2", "esmc"])
+def test_cuda_graphs_option_runs_training_steps_through_a_capture(net, monkeypatch):
+    """model.cuda_graphs: training steps go through CUDAGraphs (a stand-in capture on the CPU, as in
+    test_graphs.py): loss and gradients as the eager task's; evaluation runs the net itself; the state_dict keys
+    stay the net's; not together with compile."""
+    from test_graphs import _StandIn
+
+    from attn_zoo.models import graphs
+    from attn_zoo.models.data.packing import collate_packed
+    from attn_zoo.models.tasks import ESMMaskedLMTask
+
+    stand_in = _StandIn()
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", stand_in)
+    monkeypatch.setattr(graphs, "CAPTURE_DEVICES", ("cuda", "cpu"))
+    batch = collate_packed(_lm_examples(["MKTAYIAKQR", "ACDEFG", "LLKKV"]), rows=2, width=16, frame=2)
+    torch.manual_seed(0)
+    plain = ESMMaskedLMTask(net=net()).train()
+    graphed = ESMMaskedLMTask(net=net(), cuda_graphs=True).train()
+    graphed.load_state_dict(plain.state_dict())
+    assert graphed.state_dict().keys() == plain.state_dict().keys()
+    for step in range(2):
+        results = []
+        for task in (plain, graphed):
+            task.zero_grad(set_to_none=True)
+            loss = task.step(batch)[0]
+            loss.backward()
+            results.append([loss.detach()] + [p.grad.clone() for p in task.parameters() if p.grad is not None])
+            del loss
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*results)), step
+    assert len(stand_in.captures) == 1  # one shape: captured once, replayed after
+    assert graphed.state_dict().keys() == plain.state_dict().keys()
+    graphed.eval()
+    with torch.no_grad():
+        graphed.step(batch)
+    assert len(stand_in.captures) == 1
+    with pytest.raises(ValueError, match="cuda_graphs or compile"):
+        ESMMaskedLMTask(net=net(), cuda_graphs=True, compile=True)
 
 
 def test_training_fasta_refuses_labels_that_name_two_proteins(tmp_path):
@@ -207,14 +306,14 @@ def _console(args):
     return _run(["-c", code, *args])
 
 
-def _fine_tune(tmp_path, pretrained, lr="1e-3", experiment="esm2_mlm"):
+def _fine_tune(tmp_path, pretrained, lr="1e-3", experiment="esm2_mlm", extra=()):
     fasta = write_fasta(tmp_path / "train.fasta", 12)
     logs = tmp_path / "logs"
     sizes = TINY_ARGS if experiment == "esm2_mlm" else TINY_ESMC_ARGS
     r = _run(["train.py", f"experiment={experiment}", f"model.pretrained={pretrained}", *sizes,
               f"model.optimizer.lr={lr}", "model.scheduler.start_factor=1.0", f"data.fasta={fasta}",
               "data.batch_size=2", "data.train_samples=6", "data.val_samples=2", "trainer.max_steps=3",
-              "trainer.max_epochs=1", "test=false", "logger=csv", f"paths.log_dir={logs}", "run_name=ft"])
+              "trainer.max_epochs=1", "test=false", "logger=csv", f"paths.log_dir={logs}", "run_name=ft", *extra])
     assert r.returncode == 0, r.stderr[-3000:]
     last = logs / "train" / "runs" / "ft" / "checkpoints" / "last.ckpt"
     assert last.is_file(), r.stderr[-2000:]
@@ -269,6 +368,19 @@ def test_fine_tune_esmc_then_embed(tmp_path):
                   "--device", "cpu", "--no-progress"])
     assert r.returncode == 0, r.stderr
     assert "12 written, 0 skipped" in r.stderr
+
+
+@pytest.mark.slow
+def test_fine_tune_esmc_packed_with_cuda_graphs_option(tmp_path):
+    """data.packing=true (the experiment's packing_frame=2) and model.cuda_graphs=true from the command line: the
+    run trains from the folder and writes a checkpoint of the plain net (on the CPU the steps run eagerly)."""
+    src = pretrained_esm2(seed=2, cls=ESMC, sizes=TINY_ESMC)
+    last, _ = _fine_tune(tmp_path, hf_folder(tmp_path / "hf", src), experiment="esmc_mlm",
+                         extra=["data.packing=true", "model.cuda_graphs=true"])
+    tuned = load_checkpoint(last, attention="torch")
+    src_sd, tuned_sd = src.state_dict(), tuned.state_dict()
+    assert src_sd.keys() == tuned_sd.keys()
+    assert 0 < max((tuned_sd[k] - src_sd[k]).abs().max().item() for k in src_sd) < 0.05
 
 
 @pytest.mark.slow

@@ -75,7 +75,8 @@ class _StandIn:
             ins = iter(_Reused.apply(bufs_in, *[a[i] for i in grad_idx], *module.parameters()))
             xs = [next(ins) if i in grad_idx else samples[i] for i in range(len(a))]
             out = torch.func.functional_call(module, dict(zip(names, ins)), tuple(xs))
-            return _Reused.apply(bufs_out, *out)
+            res = _Reused.apply(bufs_out, *(out if isinstance(out, tuple) else (out,)))
+            return res if isinstance(out, tuple) else res[0]  # (a module returning one tensor gets one back)
 
         module.forward = new_fwd
         return module

@@ -175,10 +175,13 @@ class _LMDataModule(SplitDataModule):
         h = self.hparams
         workers = dict(num_workers=h.num_workers, persistent_workers=h.num_workers > 0)
         if h.get("packing") and isinstance(ds, MaskedLMDataset):
-            # batch_size rows of max_len tokens, filled with as many crops as fit (the padded batch's memory)
-            sampler = TokenBudgetSampler(ds.lengths(), h.batch_size, h.max_len, shuffle=shuffle, seed=h.split_seed)
+            # batch_size rows of max_len (+ frame) tokens, filled with as many crops as fit (the padded batch's
+            # memory); a crop with its frame slots takes len + frame
+            frame = h.get("packing_frame", 0)
+            sampler = TokenBudgetSampler([n + frame for n in ds.lengths()], h.batch_size, h.max_len + frame,
+                                         shuffle=shuffle, seed=h.split_seed)
             return DataLoader(ds, batch_sampler=sampler, collate_fn=functools.partial(
-                collate_packed, rows=h.batch_size, width=h.max_len), **workers)
+                collate_packed, rows=h.batch_size, width=h.max_len + frame, frame=frame), **workers)
         collate = functools.partial(collate_with_segments, length_multiple=h.get("length_multiple", 1))
         return DataLoader(ds, batch_size=h.batch_size, shuffle=shuffle, collate_fn=collate, **workers)
 
@@ -195,13 +198,17 @@ class MaskedLMDataModule(_LMDataModule):
 
     ``packing=True``: each batch is ``batch_size`` rows of ``max_len`` tokens holding as many crops as fit
     (``models/data/packing.py``; the padded batch's memory, more proteins), with ``segment_ids`` and
-    per-protein ``positions``; the loss counts real masked tokens either way."""
+    per-protein ``positions``; the loss counts real masked tokens either way. ``packing_frame=2`` keeps a slot
+    before and after each packed crop (rows of ``max_len + 2``) for a model's ``<cls>`` and ``<eos>`` (ESM-2, ESM C);
+    without packing it has no effect."""
 
     def __init__(self, fasta="sample", msa_dir="sample", msa_rows="query", max_len=128, mask_prob=0.15,
                  batch_size=8, train_samples=512, val_samples=64, test_samples=None, val_fraction=0.2,
                  test_fraction=0.1, val_names=None, test_names=None, cluster_file=None, split_seed=0, num_workers=0,
-                 packing=False, length_multiple=1):
+                 packing=False, length_multiple=1, packing_frame=0):
         super().__init__()
+        if packing_frame not in (0, 2):
+            raise ValueError(f"packing_frame must be 0 or 2 (slots around each packed crop), got {packing_frame!r}")
         if check_multiple(length_multiple) > 1 and packing:
             raise ValueError(f"length_multiple={length_multiple} has no effect with packing=True (packed rows are "
                              f"max_len={max_len} tokens wide): set one of them")

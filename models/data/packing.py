@@ -34,14 +34,20 @@ def first_fit(lengths: Sequence[int], rows: int, width: int) -> Optional[List[Li
     return placed
 
 
-def collate_packed(examples: List[dict], rows: int, width: int, pad: int = PAD) -> dict:
+def collate_packed(examples: List[dict], rows: int, width: int, pad: int = PAD, frame: int = 0) -> dict:
     """LM examples (tokens, target, loss_mask ``[L]``) -> a packed batch of exactly ``rows`` x ``width`` tokens
     (the padded batch's memory whatever the lengths), ``pad`` in tokens and target past the sequences. Raises if
-    they do not fit."""
-    placed = first_fit([len(e["tokens"]) for e in examples], rows, width)
+    they do not fit.
+
+    ``frame`` (0 or 2): slots kept around each sequence for a model's own begin and end tokens (ESM's ``<cls>`` and
+    ``<eos>``): a sequence of n tokens takes n + 2 slots, the first and the last carrying its segment id with
+    ``pad`` tokens and pad_mask False (the model's task writes its tokens there); positions count from the first."""
+    if frame not in (0, 2):
+        raise ValueError(f"frame must be 0 or 2 (slots around each packed sequence), got {frame!r}")
+    placed = first_fit([len(e["tokens"]) + frame for e in examples], rows, width)
     if placed is None:
-        raise ValueError(f"{len(examples)} sequences ({sum(len(e['tokens']) for e in examples)} tokens) do not fit "
-                         f"{rows} rows of {width}")
+        raise ValueError(f"{len(examples)} sequences ({sum(len(e['tokens']) + frame for e in examples)} tokens"
+                         f"{' with their frames' if frame else ''}) do not fit {rows} rows of {width}")
     batch = {
         "tokens": torch.full((rows, width), pad, dtype=torch.long),
         "target": torch.full((rows, width), pad, dtype=torch.long),
@@ -53,11 +59,12 @@ def collate_packed(examples: List[dict], rows: int, width: int, pad: int = PAD) 
         at = 0
         for s, i in enumerate(sorted(members)):  # dataset order within a row
             e, n = examples[i], len(examples[i]["tokens"])
+            lo = at + frame // 2  # the sequence's first token
             for key in ("tokens", "target", "loss_mask"):
-                batch[key][r, at:at + n] = e[key]
-            batch["pad_mask"][r, at:at + n] = True
-            batch["segment_ids"][r, at:at + n] = s
-            at += n
+                batch[key][r, lo:lo + n] = e[key]
+            batch["pad_mask"][r, lo:lo + n] = True
+            batch["segment_ids"][r, at:at + n + frame] = s
+            at += n + frame
     batch["positions"] = segment_positions(batch["segment_ids"])
     return batch
 

@@ -16,6 +16,7 @@ import torch
 from ..data.alphabet import MASK, PAD, TOKENS
 from ..esm2 import ALPHABET, ESM2
 from ..esmc import ESMC
+from ..graphs import CUDAGraphs, Logits
 from .base import Task
 from .metrics import masked_accuracy, masked_cross_entropy
 from .parallel import loss_group
@@ -33,12 +34,35 @@ def _data_to_esm2() -> torch.Tensor:
 DATA_TO_ESM2 = _data_to_esm2()
 
 
+def _esm2_packed_batch(batch: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """A packed masked-LM batch whose crops have a free slot before and after them (``data.packing_frame=2``) ->
+    ESM-2 ``tokens`` / ``target`` ``[B, W]`` with ``<cls>`` and ``<eos>`` in those slots, the scored ``mask`` and
+    ``segment_ids`` (-1 on padding)."""
+    tokens, target, pad_mask, seg = batch["tokens"], batch["target"], batch["pad_mask"], batch["segment_ids"]
+    real = seg >= 0
+    edge = torch.ones_like(seg[:, :1], dtype=torch.bool)
+    first = real & torch.cat([edge, seg[:, 1:] != seg[:, :-1]], 1)  # a segment's first slot
+    last = real & torch.cat([seg[:, :-1] != seg[:, 1:], edge], 1)  # its last slot
+    if bool(((first | last) & pad_mask).any()) or bool((real & ~pad_mask & ~first & ~last).any()):
+        raise ValueError("packed ESM batches need a free slot before and after each crop for <cls> and <eos>: set "
+                         "data.packing_frame=2 (configs/experiment/esm2_mlm.yaml and esmc_mlm.yaml do)")
+    lut = DATA_TO_ESM2.to(tokens.device)
+
+    def esm(t: torch.Tensor) -> torch.Tensor:
+        out = torch.where(pad_mask, lut[t.clamp(0, len(TOKENS) - 1)], ALPHABET.padding_idx)
+        return out.masked_fill(first, ALPHABET.cls_idx).masked_fill(last, ALPHABET.eos_idx)
+
+    return {"tokens": esm(tokens), "target": esm(target), "mask": batch["loss_mask"] & pad_mask,
+            "segment_ids": seg}
+
+
 def esm2_batch(batch: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     """A masked-LM batch (tokens, target, loss_mask, pad_mask ``[B, L]``, right-padded) -> ESM-2 ``tokens`` and
-    ``target`` ``[B, L + 2]`` (``<cls>`` residues ``<eos>`` ``<pad>``...) and the scored ``mask`` ``[B, L + 2]``."""
+    ``target`` ``[B, L + 2]`` (``<cls>`` residues ``<eos>`` ``<pad>``...) and the scored ``mask`` ``[B, L + 2]``.
+    A packed batch (``segment_ids``; ``data.packing=true`` with ``data.packing_frame=2``) keeps its width: each crop's
+    ``<cls>`` and ``<eos>`` go into the slots kept around it, and ``segment_ids`` comes along."""
     if batch.get("segment_ids") is not None:
-        raise ValueError("ESM-2 training reads padded batches (one protein per row, each in <cls> ... <eos>); "
-                         "data.packing=true packs proteins for TransformerLM only: set data.packing=false")
+        return _esm2_packed_batch(batch)
     tokens, target, pad_mask = batch["tokens"], batch["target"], batch["pad_mask"]
     if tokens.ndim != 2 or tokens.shape != pad_mask.shape or tokens.shape != target.shape:
         raise ValueError(f"ESM-2 batches need tokens, target and pad_mask [B, L] of one shape, got "
@@ -67,15 +91,24 @@ class ESMMaskedLMTask(Task):
 
     ``net``: the ESM2 or ESMC (``configs/model/esm2.yaml``, ``esmc.yaml``). ``size``: the published size the
     config named (``model.size``), kept for the hyperparameter record only (the net was built with it). Loss:
-    mean CE over the masked residues; logged: loss, perplexity, accuracy. Other arguments:
+    mean CE over the masked residues; logged: loss, perplexity, accuracy. ``cuda_graphs``: training steps on a GPU
+    replay the net's forward and backward as CUDA graphs (:class:`~attn_zoo.models.graphs.CUDAGraphs`, the
+    gradients in the capture's memory), one capture per batch shape: for batches of fixed shape (``data.packing``
+    rows, or a fixed crop); one process only (not with DDP / FSDP). Other arguments:
     :class:`~attn_zoo.models.tasks.Task`.
     """
 
-    def __init__(self, net: Optional[torch.nn.Module] = None, size: Optional[str] = None, **kwargs):
+    def __init__(self, net: Optional[torch.nn.Module] = None, size: Optional[str] = None, cuda_graphs: bool = False,
+                 **kwargs):
+        if cuda_graphs and kwargs.get("compile"):
+            raise ValueError("ESMMaskedLMTask takes cuda_graphs or compile, not both (model.cuda_graphs, "
+                             "model.compile)")
         super().__init__(net=net, **kwargs)
         if not isinstance(self.net, (ESM2, ESMC)):
             raise TypeError(f"{type(self).__name__} trains an attn_zoo ESM2 or ESMC (model.net._target_: "
                             f"attn_zoo.models.esm2.ESM2 or attn_zoo.models.esmc.ESMC), got {type(self.net).__name__}")
+        # not a sub-module: the state_dict (and checkpoints) stay the net's
+        self.__dict__["_graphed"] = None
         if isinstance(self.net, ESM2):  # the masked-LM loss never reaches the contact regression: frozen, so DDP
             self.net.contact_head.requires_grad_(False)  # finds no unused parameter and no optimizer state is kept
 
@@ -86,9 +119,23 @@ class ESMMaskedLMTask(Task):
         if head is not None:
             checkpoint["attn_zoo_contacts"] = bool(head.loaded)
 
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self.hparams.get("cuda_graphs") and stage == "fit" and self.trainer.world_size > 1:
+            raise ValueError(f"model.cuda_graphs runs in one process; this run has {self.trainer.world_size} "
+                             f"(trainer.strategy): set model.cuda_graphs=false")
+
+    def _logits(self, tokens: torch.Tensor, segment_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        keyword = "sequence_id" if isinstance(self.net, ESMC) else "segment_ids"
+        if self.hparams.get("cuda_graphs") and self.training:  # (CUDAGraphs runs the net itself where it cannot
+            if self._graphed is None:                            # capture: off CUDA, autograd off)
+                self.__dict__["_graphed"] = CUDAGraphs(Logits(self.net, keyword), share_grad_memory=True)
+            return self._graphed(tokens, *(() if segment_ids is None else (segment_ids,)))
+        return self.net(tokens, **({} if segment_ids is None else {keyword: segment_ids}))["logits"]
+
     def step(self, batch):
         b = esm2_batch(batch)
-        logits = self.net(b["tokens"])["logits"]  # [B, L + 2, 33] (ESM C: 64 rows, the last 31 never targets)
+        logits = self._logits(b["tokens"], b.get("segment_ids"))  # [B, L', 33] (ESM C: 64 rows, 31 never targets)
         loss, _ = masked_cross_entropy(logits, b["target"], b["mask"], loss_group(self))
         logs = {"perplexity": loss.detach().exp(), "accuracy": masked_accuracy(logits.detach(), b["target"], b["mask"])}
         return loss, logs, b["tokens"].shape[0]
