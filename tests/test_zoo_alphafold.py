@@ -163,13 +163,18 @@ def _haiku_stack(extra, fused, first, sizes, seed):
     tree = t.init(jax.random.PRNGKey(0), m, z, mm, pm)
     blocks = [{mod: {k: (rng.normal(size=v.shape) * 0.3 + (k == "scale")).astype(np.float32) for k, v in d.items()}
                for mod, d in tree.items()} for _ in range(sizes["num_blocks"])]
-    mj, zj = m, z
-    with jax.default_matmul_precision("highest"):  # full fp32 dots (the CPU's default already is)
-        for p in blocks:
-            out = t.apply(p, jax.random.PRNGKey(1), mj, zj, mm, pm)
-            mj, zj = out["msa"], out["pair"]
+    def run(dtype):  # AlphaFold's iterations with parameters and inputs in ``dtype``, outputs as float32
+        cast = lambda x: jax.numpy.asarray(x).astype(dtype)  # noqa: E731
+        mj, zj = cast(m), cast(z)
+        with jax.default_matmul_precision("highest"):  # full fp32 dots (the CPU's default already is)
+            for p in blocks:
+                out = t.apply(jax.tree_util.tree_map(cast, p), jax.random.PRNGKey(1), mj, zj, cast(mm), cast(pm))
+                mj, zj = out["msa"], out["pair"]
+        return np.asarray(mj.astype(np.float32)), np.asarray(zj.astype(np.float32))
+
     flat = {f"{PREFIX}{mod}//{k}": np.stack([b[mod][k] for b in blocks]) for mod in tree for k in tree[mod]}
-    return flat, (m, z, mm, pm), (np.asarray(mj), np.asarray(zj))
+    _haiku_stack.run = run  # (the bf16 test runs it again in bfloat16)
+    return flat, (m, z, mm, pm), run(np.float32)
 
 
 def _rel(ours, ref, mask):
@@ -191,3 +196,26 @@ def test_parity_with_alphafold_haiku(multimer, fused):
         assert _rel(oz[0].numpy(), rz, pm.astype(bool)) < TOL
     back = to_alphafold(trunk)
     assert all(np.array_equal(back[k], v) for k, v in {**flat_e, **flat_m}.items())
+
+
+@pytest.mark.slow
+def test_bf16_error_at_most_twice_alphafolds_own():
+    """Parameters and inputs in bfloat16 on both sides (AlphaFold's bf16 path casts them so): our stacks' error
+    against AlphaFold's float32 outputs at most 2x AlphaFold's own bf16 error (STYLE's bound); the errors print."""
+    import jax.numpy as jnp
+
+    cases = []
+    for extra, sizes, seed in ((True, EXTRA, 1), (False, SIZES, 2)):
+        flat, inputs, ref = _haiku_stack(extra, False, False, sizes, seed)
+        cases.append((extra, flat, inputs, ref, _haiku_stack.run(jnp.bfloat16)))
+    trunk = from_alphafold({**cases[0][1], **cases[1][1]}, attention="torch").to(torch.bfloat16)
+    for extra, _, (m, z, mm, pm), (rm, rz), (theirs_m, theirs_z) in cases:
+        stack = trunk.extra_msa_stack if extra else trunk.evoformer
+        with torch.no_grad():
+            om, oz = stack(torch.from_numpy(m)[None].bfloat16(), torch.from_numpy(z)[None].bfloat16(),
+                           torch.from_numpy(mm)[None].bool(), torch.from_numpy(pm)[None].bool())
+        for name, ours, theirs, ref, mask in (("msa", om, theirs_m, rm, mm), ("pair", oz, theirs_z, rz, pm)):
+            e_ours = _rel(ours[0].float().numpy(), ref, mask.astype(bool))
+            e_theirs = _rel(theirs, ref, mask.astype(bool))
+            print(f"{'extra' if extra else 'evoformer'} {name}: ours bf16 {e_ours:.2e}, AlphaFold bf16 {e_theirs:.2e}")
+            assert e_ours <= 2 * e_theirs, (extra, name, e_ours, e_theirs)
