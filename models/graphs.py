@@ -84,7 +84,10 @@ class CUDAGraphs(nn.Module):
       the node that produced the incoming gradient": ``make_graphed_callables`` keeps the parameters' gradient
       accumulators of its capture, made on its side stream, so each backward syncs that stream per parameter.
       Harmless: no measurable step time (docs/bench/history.md); accumulators made on the caller's
-      stream instead break the capture.
+      stream instead break the capture;
+    - a capture fails (``cudaErrorStreamCaptureImplicit``, after the same warning) while an autograd graph of an
+      earlier eager call of the module is still alive (a loss kept from the step before): drop such references
+      before the first call of each new input signature (an ESM C GPU test met it, 2026-12-03).
 
     Calls it cannot capture run ``module`` as is: tensors off CUDA or on several devices, non-tensor or keyword
     arguments, autograd off (the graphs hold a backward), ``torch.compile`` tracing, an ongoing capture; and a call
