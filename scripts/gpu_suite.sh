@@ -6,7 +6,7 @@
 #   bash scripts/gpu_suite.sh compile                     # B: compile_module over six lengths, 3 models x 2 modes (510)
 #   bash scripts/gpu_suite.sh env patch esm2-ft zoo       # C: attn_zoo.patch (140), ESM-2 650M fine-tune (180),
 #                                                         #    zoo models vs originals (210)
-# Other stages: baseline (the triton backend's host time, crop set, Pairformer step, ~300), determinism (SDPA
+# Other stages: esm-graphs (train.py on packed ESM C rows, eager and with model.cuda_graphs, 300), baseline (the triton backend's host time, crop set, Pairformer step, ~300), determinism (SDPA
 # kernels' backward repeated, 90), patch-hf (the Hugging Face case of patch alone, 110), zoo-compiled (ESM C
 # also under torch.compile / compile_module, 420), zoo-af3 (OpenFold3's and Protenix's Pairformers vs ours, 180;
 # their packages come in .whl/site from scripts/prepare_whl_zoo.sh), ab-host (a host-path change before and after, .whl/before, ~400),
@@ -120,6 +120,18 @@ torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() e
       [ -n "$m" ] && { echo; echo '```'; cat "$m"; echo '```'; } >> "$work/esm2_ft.txt"
       grep -h -e 'peak' -e 'summary' "$logs/esm2-ft.log" | tail -5 >> "$work/esm2_ft.txt"
       collect "ESM-2 650M fine-tune (random weights, 200 steps) and embedding" "$work/esm2_ft.txt" ;;
+    esm-graphs)  # train.py on packed ESM C rows (12 layers, 640 wide), eager against model.cuda_graphs=true
+      for g in false true; do
+        step "esm-graphs-$g" 150 python3 train.py experiment=esmc_mlm model.size=null model.net.num_layers=12 \
+          model.net.width=640 model.net.heads=10 trainer=gpu data.packing=true data.batch_size=4 data.max_len=510 \
+          data.train_samples=400 data.val_samples=8 trainer.max_steps=60 trainer.max_epochs=50 test=false \
+          logger=csv paths.log_dir="$work/esm-graphs-$g" run_name=r model.cuda_graphs=$g
+        { echo "### model.cuda_graphs=$g"; grep -h '^\[throughput\]' "$logs/esm-graphs-$g.log" | tail -2
+          m=$(find "$work/esm-graphs-$g" -name metrics.csv | head -1)
+          [ -n "$m" ] && { echo '```'; head -1 "$m"; tail -3 "$m"; echo '```'; }; } > "$work/esm-graphs-$g.txt"
+      done
+      collect "ESM C training on packed rows, eager and as CUDA graphs (train.py)" "$work/esm-graphs-false.txt" \
+        "$work/esm-graphs-true.txt" ;;
     zoo)
       step zoo 210 python3 scripts/bench_zoo.py --out "$work/zoo" ${ZOO_SMOKE:+--smoke}
       collect "Zoo models vs originals" "$work/zoo/zoo.md" ;;
