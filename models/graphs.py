@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import attn_ops
+from . import kernels as _kernels
 
 Tensor = torch.Tensor
 
@@ -78,6 +79,9 @@ class CUDAGraphs(nn.Module):
 
     Differences from calling ``module`` (otherwise the same outputs and gradients: GPU test):
     - under autocast, the module runs with ``cache_enabled=False`` (CUDA graphs need it);
+    - the capture runs inside ``kernels.device_bound()``: from ``kernels.DEVICE_BOUND_MIN_ROWS`` rows (pair tensors
+      of N >= 256) layer norms and linear-bias gradients take the kernels with less device time that the eager
+      module takes only from more rows: the same math, rounded otherwise;
     - dropout draws new masks on every replay, from the graph-safe generator state, not the eager sequence;
     - in-place parameter updates (optimizers, ``load_state_dict``) are seen by the captured steps;
     - recent PyTorch (2.11 measured) warns once that "The AccumulateGrad node's stream does not match the stream of
@@ -207,7 +211,8 @@ class CUDAGraphs(nn.Module):
         # the graphs read their inputs from the sample tensors, into which each later call copies its own: private
         # copies, not the caller's tensors
         sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
-        torch.cuda.make_graphed_callables(self.module, sample, num_warmup_iters=self.warmup_iters)
+        with _kernels.device_bound():  # a replay runs no host code: the kernels with the least device time
+            torch.cuda.make_graphed_callables(self.module, sample, num_warmup_iters=self.warmup_iters)
         replay = self.module.__dict__.pop("forward")  # make_graphed_callables sets the instance's forward
         if own is not None:
             self.module.forward = own

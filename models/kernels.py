@@ -12,6 +12,8 @@ node's pair, the triangle multiplication's product) hands its producer a gradien
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -208,6 +210,28 @@ class _LayerNorm(torch.autograd.Function):
 # The blocks' LayerNorm takes the kernels from this many rows (pair tensors of N >= 512): below it the eager step is
 # host-bound and the module's cheaper launch did as well (docs/bench/history.md).
 LAYER_NORM_MIN_ROWS = 1 << 18
+# ... and from this many inside :func:`device_bound` (CUDA graph captures: a replay has no host time, and from 2^16
+# rows the kernels took 18% less device time off an N=384 Pairformer step, 14.4 -> 11.9 ms, history.md 2026-11-27)
+DEVICE_BOUND_MIN_ROWS = 1 << 16
+_DEVICE_BOUND = contextvars.ContextVar("attn_zoo_device_bound", default=False)
+
+
+@contextlib.contextmanager
+def device_bound():
+    """Inside the block the blocks pick their kernels for the least device time whatever their host time: what a
+    CUDA graph capture (``models.graphs.CUDAGraphs``) wants, whose replays run no host code. Its warm-up calls and
+    the capture both run inside, so they take the same kernels."""
+    token = _DEVICE_BOUND.set(True)
+    try:
+        yield
+    finally:
+        _DEVICE_BOUND.reset(token)
+
+
+def min_rows(eager_rows: int) -> int:
+    """The row count from which a kernel chosen for its device time serves: ``eager_rows`` (a threshold set for
+    host-bound eager steps), or :data:`DEVICE_BOUND_MIN_ROWS` where lower inside :func:`device_bound`."""
+    return min(eager_rows, DEVICE_BOUND_MIN_ROWS) if _DEVICE_BOUND.get() else eager_rows
 # ... and at any size for a view that is not contiguous: they read it in place where PyTorch's layer norm copies it.
 LAYER_NORM_STRIDED = True
 # the 16- and 32-bit floats: the kernels' dtypes (float64 keeps the module's exact path), and the ones autocast casts

@@ -200,12 +200,13 @@ def _autocast_or_one_dtype(x: Tensor, weight: Tensor, bias: Tensor) -> bool:
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """``nn.functional.linear``; on eager CUDA with a trainable bias, gradients on, no forward-mode AD and at least
-    ``BIAS_GRAD_MATMUL_MIN_ROWS`` rows, :class:`_LinearBiasByMatmul` (the same output; the bias's gradient by a
+    ``BIAS_GRAD_MATMUL_MIN_ROWS`` rows (fewer inside ``kernels.device_bound``), :class:`_LinearBiasByMatmul` (the same output; the bias's gradient by a
     matmul; first-order). The traced and cheap tests come first: under ``torch.compile`` nothing here may become a
     guard on the input's size."""
     if bias is not None and _kernels.eager_first_order() and x.is_cuda and torch.is_grad_enabled() and \
             bias.requires_grad and type(x) is torch.Tensor and \
-            x.numel() >= BIAS_GRAD_MATMUL_MIN_ROWS * x.shape[-1] and _autocast_or_one_dtype(x, weight, bias):
+            x.numel() >= _kernels.min_rows(BIAS_GRAD_MATMUL_MIN_ROWS) * x.shape[-1] and \
+            _autocast_or_one_dtype(x, weight, bias):
         return _LinearBiasByMatmul.apply(x, weight, bias)
     return nn.functional.linear(x, weight, bias)
 
@@ -290,7 +291,8 @@ class LayerNorm(nn.LayerNorm):
     input is normalised in float32 first (a large mean would swamp a bf16 cast), a low-precision input is
     normalised in its own dtype (the kernel accumulates in float32). Without autocast: plain LayerNorm.
 
-    On CUDA in eager mode, for at least ``kernels.LAYER_NORM_MIN_ROWS`` rows or a non-contiguous view (the ending
+    On CUDA in eager mode, for at least ``kernels.LAYER_NORM_MIN_ROWS`` rows (fewer inside ``kernels.device_bound``,
+    as in a CUDA graph capture) or a non-contiguous view (the ending
     node's transposed pair, the triangle product's channels-last view: PyTorch would copy it first), the Triton
     kernels of ``kernels.layer_norm`` do it (float32 statistics, the same output dtypes), reading such views in place
     and handing their gradient back in the view's layout; under ``torch.compile``, for fewer rows of a contiguous
@@ -327,7 +329,7 @@ def layer_norm(norm: nn.Module, x: Tensor) -> Tensor:
     auto = torch.is_autocast_enabled(dev)
     autocast_input = auto and x.dtype in (torch.float32, torch.get_autocast_dtype(dev))
     if dev == "cuda" and _kernels.eager_first_order() and (autocast_input or not auto) and (
-            x.numel() >= _kernels.LAYER_NORM_MIN_ROWS * x.shape[-1] or
+            x.numel() >= _kernels.min_rows(_kernels.LAYER_NORM_MIN_ROWS) * x.shape[-1] or
             (_kernels.LAYER_NORM_STRIDED and not x.is_contiguous())):
         # eager CUDA: the Triton kernels (float32 statistics, any row layout, several rows per program; the
         # module's kernel runs one block per row: slow on the 128 channels of large pair tensors, and a

@@ -57,6 +57,8 @@ class _StandIn:
     def __call__(self, module, args, num_warmup_iters=3):
         assert not (torch.is_autocast_enabled("cpu") and torch.is_autocast_cache_enabled())  # as the real one checks
         self.captures.append(tuple(a.shape for a in args))
+        with torch.no_grad():  # the real one runs warm-up iterations and the capture here, inside the caller's context
+            module(*args)
         bufs_in, bufs_out = {}, {}
         names = [n for n, _ in module.named_parameters()]
         samples = list(args)
@@ -246,6 +248,34 @@ def test_shared_gradient_memory_is_the_buffer_and_accumulates_right(stand_in):
     _step(wrapped, 9, 8)
     assert not all(torch.equal(kept[k], before[k]) for k in kept)  # (kept buffers are rewritten: documented)
     assert len(stand_in.captures) == 1
+
+
+def test_captures_pick_kernels_for_device_time(stand_in):
+    """The capture runs inside kernels.device_bound (a replay has no host time): the layer-norm and bias-gradient
+    kernels' row thresholds drop to DEVICE_BOUND_MIN_ROWS there, and only there."""
+    from attn_zoo.models import kernels
+
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            seen.append(kernels.min_rows(kernels.LAYER_NORM_MIN_ROWS))
+            return (x * self.w,)
+
+    wrapped = CUDAGraphs(Probe())
+    x = torch.randn(2, 3, requires_grad=True)
+    wrapped(x)[0].sum().backward()  # captured (the stand-in runs the module's forward inside the capture call)
+    wrapped(x)[0].sum().backward()  # replayed
+    assert len(stand_in.captures) == 1
+    assert seen[-1] == kernels.LAYER_NORM_MIN_ROWS  # the replay's forward runs outside
+    assert kernels.DEVICE_BOUND_MIN_ROWS in seen
+    assert kernels.min_rows(kernels.LAYER_NORM_MIN_ROWS) == kernels.LAYER_NORM_MIN_ROWS
+    with kernels.device_bound():
+        assert kernels.min_rows(1 << 20) == kernels.DEVICE_BOUND_MIN_ROWS and kernels.min_rows(8) == 8
 
 
 @pytest.mark.parametrize("kw", [{"max_graphs": 0}, {"max_graphs": 1.5}, {"warmup_iters": 0}])
