@@ -615,4 +615,3 @@ def test_compile_ahead_then_real_calls_are_exact_gpu(tune, monkeypatch):
     for g, a in zip(got, again):
         for x, y in zip(g, a):
             assert torch.equal(x, y)
-
