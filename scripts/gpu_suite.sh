@@ -123,7 +123,7 @@ torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() e
     esm-graphs)  # train.py on packed ESM C rows (12 layers, 640 wide), eager against model.cuda_graphs=true
       for g in false true; do
         step "esm-graphs-$g" 150 python3 train.py experiment=esmc_mlm model.size=null model.net.num_layers=12 \
-          model.net.width=640 model.net.heads=10 trainer=gpu data.packing=true data.batch_size=4 data.max_len=510 \
+          model.net.width=640 model.net.heads=10 trainer=gpu data.packing=true data.packing_frame=2 data.batch_size=4 data.max_len=510 \
           data.train_samples=400 data.val_samples=8 trainer.max_steps=60 trainer.max_epochs=50 test=false \
           logger=csv paths.log_dir="$work/esm-graphs-$g" run_name=r model.cuda_graphs=$g
         { echo "### model.cuda_graphs=$g"; grep -h '^\[throughput\]' "$logs/esm-graphs-$g.log" | tail -2

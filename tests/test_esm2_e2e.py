@@ -372,11 +372,11 @@ def test_fine_tune_esmc_then_embed(tmp_path):
 
 @pytest.mark.slow
 def test_fine_tune_esmc_packed_with_cuda_graphs_option(tmp_path):
-    """data.packing=true (the experiment's packing_frame=2) and model.cuda_graphs=true from the command line: the
+    """data.packing=true with data.packing_frame=2 and model.cuda_graphs=true from the command line: the
     run trains from the folder and writes a checkpoint of the plain net (on the CPU the steps run eagerly)."""
     src = pretrained_esm2(seed=2, cls=ESMC, sizes=TINY_ESMC)
     last, _ = _fine_tune(tmp_path, hf_folder(tmp_path / "hf", src), experiment="esmc_mlm",
-                         extra=["data.packing=true", "model.cuda_graphs=true"])
+                         extra=["data.packing=true", "data.packing_frame=2", "model.cuda_graphs=true"])
     tuned = load_checkpoint(last, attention="torch")
     src_sd, tuned_sd = src.state_dict(), tuned.state_dict()
     assert src_sd.keys() == tuned_sd.keys()

@@ -45,7 +45,7 @@ def _esm2_packed_batch(batch: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     last = real & torch.cat([seg[:, :-1] != seg[:, 1:], edge], 1)  # its last slot
     if bool(((first | last) & pad_mask).any()) or bool((real & ~pad_mask & ~first & ~last).any()):
         raise ValueError("packed ESM batches need a free slot before and after each crop for <cls> and <eos>: set "
-                         "data.packing_frame=2 (configs/experiment/esm2_mlm.yaml and esmc_mlm.yaml do)")
+                         "data.packing_frame=2 with data.packing=true")
     lut = DATA_TO_ESM2.to(tokens.device)
 
     def esm(t: torch.Tensor) -> torch.Tensor:
