@@ -465,8 +465,10 @@ class ESM2(nn.Module):
         attn_weights = []
         for i, layer in enumerate(self.layers):
             if checkpoint and not need_head_weights:
+                # ESM-2 draws no random numbers (its token dropout is a fixed rescaling): no RNG state to save,
+                # which a CUDA graph capture could not read
                 x, probs = torch.utils.checkpoint.checkpoint(layer, x, key_mask, False, segment_ids, positions,
-                                                             use_reentrant=False)
+                                                             use_reentrant=False, preserve_rng_state=False)
             else:
                 x, probs = layer(x, key_mask, need_head_weights, segment_ids, positions)
             if i + 1 in repr_layers:

@@ -57,14 +57,15 @@ class _Done(torch.autograd.Function):
     """Identity on a replay's outputs whose backward (or the end of its graph) releases the replay's activations."""
 
     @staticmethod
-    def forward(ctx, live, *outs):
-        ctx.pending = _Pending(live)
+    def forward(ctx, live, before_backward, *outs):
+        ctx.pending, ctx.before_backward = _Pending(live), before_backward
         return tuple(o.view_as(o) for o in outs)
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.pending.release()
-        return (None,) + grads
+        ctx.before_backward()  # (runs before the replay's backward, which rewrites the capture's gradient buffers)
+        return (None, None) + grads
 
 
 class CUDAGraphs(nn.Module):
@@ -105,9 +106,10 @@ class CUDAGraphs(nn.Module):
 
     ``share_grad_memory=True``: a parameter's gradient in a step where it had none (``zero_grad(set_to_none=True)``)
     is the capture's own gradient buffer rather than a copy of it, which saves the memory of one copy of all
-    gradients (2.1 GiB for ESM C 600M in float32). Before each replay's forward, a gradient still held in that buffer
-    is copied out (so that accumulating over several backward passes stays right): only a reference to ``.grad``
-    kept past the next call of the wrapper sees it rewritten.
+    gradients (2.1 GiB for ESM C 600M in float32). Before each backward through a replay, a gradient still held in
+    that buffer is copied out (so that accumulating over several backward passes stays right, also through one replay
+    with ``retain_graph`` or ``torch.autograd.grad``): only a reference to ``.grad`` kept past the next backward
+    through the wrapper sees it rewritten.
     """
 
     def __init__(self, module: nn.Module, max_graphs: int = 2, warmup_iters: int = 3, share_grad_memory: bool = False):
@@ -184,20 +186,20 @@ class CUDAGraphs(nn.Module):
             else:
                 self._graphs.move_to_end(key)
             replay, live = entry
-            self._copy_out_shared_grads(params)
             outs = replay(*(_OwnGrad.apply(a) if a.requires_grad else a for a in args))
         flat, spec = torch.utils._pytree.tree_flatten(outs)
         tensors = [i for i, t in enumerate(flat) if isinstance(t, Tensor)]
         marked = [flat[i] for i in tensors]
         if any(t.requires_grad for t in marked):
-            marked = list(_Done.apply(live, *marked))
+            marked = list(_Done.apply(live, lambda: self._copy_out_shared_grads(params), *marked))
         for i, t in zip(tensors, marked):
             # the replay's outputs are the graph's buffers: copies (autograd passes gradients through them)
             flat[i] = t.clone()
         return torch.utils._pytree.tree_unflatten(flat, spec)
 
     def _copy_out_shared_grads(self, params: List[Tensor]) -> None:
-        """Gradients that are still a capture's buffer become copies before a replay rewrites that buffer."""
+        """Gradients that are still a capture's buffer become copies before a replay's backward rewrites that buffer
+        (another step's, or the same replay's again with ``retain_graph``, or ``torch.autograd.grad`` through it)."""
         if not self._shared:
             return
         for p in params:

@@ -13,7 +13,6 @@ node's pair, the triangle multiplication's product) hands its producer a gradien
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -213,25 +212,28 @@ LAYER_NORM_MIN_ROWS = 1 << 18
 # ... and from this many inside :func:`device_bound` (CUDA graph captures: a replay has no host time, and from 2^16
 # rows the kernels took 18% less device time off an N=384 Pairformer step, 14.4 -> 11.9 ms, history.md 2026-11-27)
 DEVICE_BOUND_MIN_ROWS = 1 << 16
-_DEVICE_BOUND = contextvars.ContextVar("attn_zoo_device_bound", default=False)
+# process-wide, not per thread: a capture's backward (and an activation checkpoint's recompute in it) runs on
+# autograd's device threads, which must choose as the forward chose
+_DEVICE_BOUND = [0]
 
 
 @contextlib.contextmanager
 def device_bound():
     """Inside the block the blocks pick their kernels for the least device time whatever their host time: what a
     CUDA graph capture (``models.graphs.CUDAGraphs``) wants, whose replays run no host code. Its warm-up calls and
-    the capture both run inside, so they take the same kernels."""
-    token = _DEVICE_BOUND.set(True)
+    the capture both run inside, so they take the same kernels. Process-wide while it lasts (autograd's threads
+    see it too): eager work in other threads meanwhile also takes those kernels (the same math)."""
+    _DEVICE_BOUND[0] += 1
     try:
         yield
     finally:
-        _DEVICE_BOUND.reset(token)
+        _DEVICE_BOUND[0] -= 1
 
 
 def min_rows(eager_rows: int) -> int:
     """The row count from which a kernel chosen for its device time serves: ``eager_rows`` (a threshold set for
     host-bound eager steps), or :data:`DEVICE_BOUND_MIN_ROWS` where lower inside :func:`device_bound`."""
-    return min(eager_rows, DEVICE_BOUND_MIN_ROWS) if _DEVICE_BOUND.get() else eager_rows
+    return min(eager_rows, DEVICE_BOUND_MIN_ROWS) if _DEVICE_BOUND[0] else eager_rows
 # ... and at any size for a view that is not contiguous: they read it in place where PyTorch's layer norm copies it.
 LAYER_NORM_STRIDED = True
 # the 16- and 32-bit floats: the kernels' dtypes (float64 keeps the module's exact path), and the ones autocast casts

@@ -248,6 +248,21 @@ def test_shared_gradient_memory_is_the_buffer_and_accumulates_right(stand_in):
     _step(wrapped, 9, 8)
     assert not all(torch.equal(kept[k], before[k]) for k in kept)  # (kept buffers are rewritten: documented)
     assert len(stand_in.captures) == 1
+    # twice through one replay (retain_graph), then autograd.grad through it: .grad accumulates g1 + g2 and is
+    # left alone by autograd.grad, as without graphs
+    for block in (plain, wrapped):
+        block.zero_grad(set_to_none=True)
+    sums = []
+    for block in (plain, wrapped):
+        s, z, single, pair = _inputs(9, 11)
+        out = block(s, z, single, pair)
+        out[1].sin().sum().backward(retain_graph=True)
+        out[0].square().sum().backward(retain_graph=True)
+        torch.autograd.grad(out[1].cos().sum(), [z])
+        sums.append({k.removeprefix("module."): p.grad.clone() for k, p in block.named_parameters()
+                     if p.grad is not None})
+    assert sums[0].keys() == sums[1].keys()
+    assert all(torch.allclose(sums[0][k], sums[1][k], atol=1e-5) for k in sums[0])
 
 
 def test_captures_pick_kernels_for_device_time(stand_in):
@@ -276,6 +291,15 @@ def test_captures_pick_kernels_for_device_time(stand_in):
     assert kernels.min_rows(kernels.LAYER_NORM_MIN_ROWS) == kernels.LAYER_NORM_MIN_ROWS
     with kernels.device_bound():
         assert kernels.min_rows(1 << 20) == kernels.DEVICE_BOUND_MIN_ROWS and kernels.min_rows(8) == 8
+        # autograd's device threads run a capture's backward (and checkpoint recomputes): they see it too
+        import threading
+
+        got = []
+        t = threading.Thread(target=lambda: got.append(kernels.min_rows(1 << 20)))
+        t.start()
+        t.join()
+        assert got == [kernels.DEVICE_BOUND_MIN_ROWS]
+    assert kernels.min_rows(1 << 20) == 1 << 20
 
 
 @pytest.mark.parametrize("kw", [{"max_graphs": 0}, {"max_graphs": 1.5}, {"warmup_iters": 0}])
