@@ -352,7 +352,9 @@ def test_hf_packed_rows_equal_separate_sequences():
     seqs = [torch.randint(4, 24, (n,), generator=g) for n in lens]
     packed = torch.cat(seqs)[None]  # [1, 16]
     cu = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
-    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    # positions run on over the row (rotary attention depends only on differences within a sequence): restarting
+    # ones would let transformers find the packing from position_ids itself, which some of its code paths do
+    pos = torch.arange(int(cu[-1]))[None]
     with torch.no_grad():
         got = m(input_ids=packed, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7,
                 max_length_k=7).logits[0]
