@@ -130,8 +130,8 @@ class CUDAGraphs(nn.Module):
 
     def __getstate__(self):
         state = dict(super().__getstate__())
-        state["_graphs"], state["_hooks"], state["_shared"] = OrderedDict(), {}, {}  # captures belong to this
-        # object's parameters
+        # captures belong to this object's parameters
+        state["_graphs"], state["_hooks"], state["_shared"] = OrderedDict(), {}, {}
         return state
 
     def reset(self) -> None:
@@ -220,7 +220,7 @@ class CUDAGraphs(nn.Module):
             self.module.forward = own
         # a parameter's first gradient of a step would be the graph's buffer (autograd keeps an incoming gradient as
         # .grad when there is none): a copy instead, so that a second backward accumulates into it (or, sharing,
-        # the buffer itself, copied out before the next replay)
+        # the buffer itself, copied out before the next backward through a replay: _copy_out_shared_grads)
         for p in params:
             if p.requires_grad and id(p) not in self._hooks:
                 self._hooks[id(p)] = p.register_hook(_first_grad(p, self._shared if self.share_grad_memory else None))
@@ -255,4 +255,3 @@ class Logits(nn.Module):
             raise ValueError(f"{type(self).__name__} takes tokens and at most one {self.ids_keyword} tensor, got "
                              f"{1 + len(ids)} arguments")
         return self.model(tokens, **({self.ids_keyword: ids[0]} if ids else {}))["logits"]
-

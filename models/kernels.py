@@ -209,8 +209,14 @@ class _LayerNorm(torch.autograd.Function):
 # The blocks' LayerNorm takes the kernels from this many rows (pair tensors of N >= 512): below it the eager step is
 # host-bound and the module's cheaper launch did as well (docs/bench/history.md).
 LAYER_NORM_MIN_ROWS = 1 << 18
-# ... and from this many inside :func:`device_bound` (CUDA graph captures: a replay has no host time, and from 2^16
-# rows the kernels took 18% less device time off an N=384 Pairformer step, 14.4 -> 11.9 ms, history.md 2026-11-27)
+# ... and at any size for a view that is not contiguous: they read it in place where PyTorch's layer norm copies it.
+LAYER_NORM_STRIDED = True
+# the 16- and 32-bit floats: the kernels' dtypes (float64 keeps the module's exact path), and the ones autocast casts
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+# Inside :func:`device_bound` (CUDA graph captures: a replay has no host time) the LayerNorm kernels and the linear-bias
+# gradient by matmul serve from this many rows: they took 18% less device time off an N=384 Pairformer step there,
+# 14.4 -> 11.9 ms (history.md 2026-11-27)
 DEVICE_BOUND_MIN_ROWS = 1 << 16
 # process-wide, not per thread: a capture's backward (and an activation checkpoint's recompute in it) runs on
 # autograd's device threads, which must choose as the forward chose
@@ -234,10 +240,6 @@ def min_rows(eager_rows: int) -> int:
     """The row count from which a kernel chosen for its device time serves: ``eager_rows`` (a threshold set for
     host-bound eager steps), or :data:`DEVICE_BOUND_MIN_ROWS` where lower inside :func:`device_bound`."""
     return min(eager_rows, DEVICE_BOUND_MIN_ROWS) if _DEVICE_BOUND[0] else eager_rows
-# ... and at any size for a view that is not contiguous: they read it in place where PyTorch's layer norm copies it.
-LAYER_NORM_STRIDED = True
-# the 16- and 32-bit floats: the kernels' dtypes (float64 keeps the module's exact path), and the ones autocast casts
-FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _sm_count(device: torch.device) -> int:

@@ -163,25 +163,32 @@ def _randomize(mod: torch.nn.Module):
                 p.normal_(0.0, p.shape[-1] ** -0.5)
 
 
+def train_step(mod, inputs, fwd):
+    """One training step of ``mod`` (train mode): gradients to None, ``fwd()`` under bf16 autocast, backward of
+    fixed random upstream gradients (drawn at the first call, kept in ``step.grads_out``)."""
+    mod.train()
+
+    def step():
+        mod.zero_grad(set_to_none=True)
+        for t in inputs:
+            t.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            outs = fwd()
+        if step.grads_out is None:
+            step.grads_out = [torch.randn_like(o) for o in outs]
+        torch.autograd.backward(outs, step.grads_out)
+
+    step.grads_out = None
+    return step
+
+
 def measure(mod, inputs, fwd, iters: int, warmup: int, graph_pool: bool = False):
     """Median ms of one fwd+bwd step and its extra peak memory (GiB) beyond params and inputs.
 
     Runs ``max(warmup, 1)`` warm-up steps, one step for the peak memory, then ``iters`` timed steps.
     ``graph_pool``: the step runs as CUDA graphs, whose private memory pool counts in the peak (below).
     """
-    mod.train()
-    grads_out = None
-
-    def step():
-        nonlocal grads_out
-        mod.zero_grad(set_to_none=True)
-        for t in inputs:
-            t.grad = None
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            outs = fwd()
-        if grads_out is None:
-            grads_out = [torch.randn_like(o) for o in outs]
-        torch.autograd.backward(outs, grads_out)
+    step = train_step(mod, inputs, fwd)
 
     # Baselines before the first step. The peak is (a) allocated memory at its high point in one step, and with
     # CUDA graphs the larger of (a) and (b) memory that stays reserved between steps after the cache is emptied:
@@ -199,7 +206,7 @@ def measure(mod, inputs, fwd, iters: int, warmup: int, graph_pool: bool = False)
     if wait_compiles() > 1e-3:  # EVEN variants of a tile-multiple length were compiling: one more step keeps them
         step()
         torch.cuda.synchronize()
-    upstream = sum(g.numel() * g.element_size() for g in grads_out)  # the upstream gradients are inputs too
+    upstream = sum(g.numel() * g.element_size() for g in step.grads_out)  # the upstream gradients are inputs too
     base += upstream
     mod.zero_grad(set_to_none=True)
     for t in inputs:
@@ -661,20 +668,7 @@ def alternating_rows(case: str, backends, dev, args) -> list:
             rows.append(dict(_empty_row(case, backend + ", alternating"), note=f"failed: {type(exc).__name__}: {exc}"))
             continue
         _randomize(mod)
-        mod.train()
-        grads = [None]
-
-        def step(mod=mod, inputs=inputs, fwd=fwd, grads=grads):
-            mod.zero_grad(set_to_none=True)
-            for t in inputs:
-                t.grad = None
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                outs = fwd()
-            if grads[0] is None:
-                grads[0] = [torch.randn_like(o) for o in outs]
-            torch.autograd.backward(outs, grads[0])
-
-        variants.append((backend, lambda: None, step))
+        variants.append((backend, lambda: None, train_step(mod, inputs, fwd)))
     timer = argparse.Namespace(device=dev, iters=args.iters)
     for backend, (ms, lo, hi) in alternate(timer, variants, args.rounds).items():
         rows.append(dict(_empty_row(case, backend + ", alternating"), ms=ms,

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 from .alphabet import GAP, encode
 from .base import SplitDataModule
 from ..shapes import check_multiple
-from .packing import TokenBudgetSampler, collate_packed, collate_with_segments
+from .packing import TokenBudgetSampler, check_frame, collate_packed, collate_with_segments
 from .parsers import read_a3m, read_fasta
 from .sample import DataError
 from .sources import DataReport, check_readable, gather_sources, protein_name, read_clusters, read_each, split_proteins
@@ -207,8 +207,7 @@ class MaskedLMDataModule(_LMDataModule):
                  test_fraction=0.1, val_names=None, test_names=None, cluster_file=None, split_seed=0, num_workers=0,
                  packing=False, length_multiple=1, packing_frame=0):
         super().__init__()
-        if packing_frame not in (0, 2):
-            raise ValueError(f"packing_frame must be 0 or 2 (slots around each packed crop), got {packing_frame!r}")
+        check_frame(packing_frame, "packing_frame")
         if check_multiple(length_multiple) > 1 and packing:
             raise ValueError(f"length_multiple={length_multiple} has no effect with packing=True (packed rows are "
                              f"max_len={max_len} tokens wide): set one of them")

@@ -34,6 +34,13 @@ def first_fit(lengths: Sequence[int], rows: int, width: int) -> Optional[List[Li
     return placed
 
 
+def check_frame(frame, name: str) -> int:
+    """``frame`` if it is 0 or 2 (the slots kept around each packed sequence), else ValueError naming ``name``."""
+    if frame not in (0, 2):
+        raise ValueError(f"{name} must be 0 or 2 (slots around each packed sequence), got {frame!r}")
+    return frame
+
+
 def collate_packed(examples: List[dict], rows: int, width: int, pad: int = PAD, frame: int = 0) -> dict:
     """LM examples (tokens, target, loss_mask ``[L]``) -> a packed batch of exactly ``rows`` x ``width`` tokens
     (the padded batch's memory whatever the lengths), ``pad`` in tokens and target past the sequences. Raises if
@@ -42,8 +49,7 @@ def collate_packed(examples: List[dict], rows: int, width: int, pad: int = PAD, 
     ``frame`` (0 or 2): slots kept around each sequence for a model's own begin and end tokens (ESM's ``<cls>`` and
     ``<eos>``): a sequence of n tokens takes n + 2 slots, the first and the last carrying its segment id with
     ``pad`` tokens and pad_mask False (the model's task writes its tokens there); positions count from the first."""
-    if frame not in (0, 2):
-        raise ValueError(f"frame must be 0 or 2 (slots around each packed sequence), got {frame!r}")
+    check_frame(frame, "frame")
     placed = first_fit([len(e["tokens"]) + frame for e in examples], rows, width)
     if placed is None:
         raise ValueError(f"{len(examples)} sequences ({sum(len(e['tokens']) + frame for e in examples)} tokens"

@@ -325,8 +325,8 @@ def _dropout_residual(z: Tensor, update: Callable[[], Tensor], p: float, columnw
 
 
 def _layer_forward(mod: nn.Module, s: Tensor, z: Tensor, mask: Tensor, pair_mask: Tensor,
-                     chunk_size_tri_attn: Optional[int], use_kernels: bool, use_cuequiv_mul: bool,
-                     use_cuequiv_attn: bool) -> Tuple[Tensor, Tensor]:
+                   chunk_size_tri_attn: Optional[int], use_kernels: bool, use_cuequiv_mul: bool,
+                   use_cuequiv_attn: bool) -> Tuple[Tensor, Tensor]:
     """Boltz-2's ``PairformerLayer.forward`` (2.2.1) as written there, its (patched) sub-modules called as Boltz calls
     them, with the dropout-and-residual steps of :func:`_dropout_residual`."""
     p = mod.dropout * mod.training
@@ -355,7 +355,7 @@ def pairformer_layer(mod: nn.Module, options: Options, s: Tensor, z: Tensor, mas
     att = mod.attention
     if not _bounded(mod, z, chunk_size_tri_attn):
         return _layer_forward(mod, s, z, mask, pair_mask, chunk_size_tri_attn, use_kernels, use_cuequiv_mul,
-                                use_cuequiv_attn)
+                              use_cuequiv_attn)
     if v2 is None or not isinstance(att, v2.AttentionPairBias) or not isinstance(att.proj_z, nn.Sequential):
         return original_forward(mod)(s, z, mask, pair_mask, chunk_size_tri_attn=chunk_size_tri_attn,
                                      use_kernels=use_kernels, use_cuequiv_mul=use_cuequiv_mul,

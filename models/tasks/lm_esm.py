@@ -43,7 +43,9 @@ def _esm2_packed_batch(batch: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     edge = torch.ones_like(seg[:, :1], dtype=torch.bool)
     first = real & torch.cat([edge, seg[:, 1:] != seg[:, :-1]], 1)  # a segment's first slot
     last = real & torch.cat([seg[:, :-1] != seg[:, 1:], edge], 1)  # its last slot
-    if bool(((first | last) & pad_mask).any()) or bool((real & ~pad_mask & ~first & ~last).any()):
+    # a residue in a crop's first or last slot, or a gap inside a crop: the batch has no frame (one host read)
+    misplaced = ((first | last) & pad_mask) | (real & ~pad_mask & ~first & ~last)
+    if bool(misplaced.any()):
         raise ValueError("packed ESM batches need a free slot before and after each crop for <cls> and <eos>: set "
                          "data.packing_frame=2 with data.packing=true")
     lut = DATA_TO_ESM2.to(tokens.device)
