@@ -67,7 +67,7 @@ from attn_ops.registry import BACKENDS  # noqa: E402
 from attn_ops import wait_compiles  # noqa: E402
 from attn_zoo.models.compiling import compile_module  # noqa: E402
 from attn_zoo.models.esmc import ESMC_CONFIGS, EsmcLogits  # noqa: E402
-from attn_zoo.models.graphs import CUDAGraphs  # noqa: E402
+from attn_zoo.models.graphs import CUDAGraphs, Logits  # noqa: E402
 from bench_blocks import _randomize, attention_config  # noqa: E402
 from bench_patch import (cleanup, cuequivariance_available, emit_alternated, emitter, env_lines, is_oom,  # noqa: E402
                          mlm_batch, mlm_step, parser, profile_step, rel_diff, start)
@@ -195,17 +195,6 @@ def pack_rows(inp, tokens, target, real, multiple: int = 256):
                  for p, f in zip(parts, fill))
 
 
-class _HFLogits(torch.nn.Module):
-    """``hf(input_ids=..., attention_mask=...).logits`` with positional tensors (for a CUDA graph capture)."""
-
-    def __init__(self, hf):
-        super().__init__()
-        self.hf = hf
-
-    def forward(self, input_ids, attention_mask):
-        return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits
-
-
 def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN, compiled=False):
     import transformers
 
@@ -251,7 +240,7 @@ def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN, compiled=Fals
         if cfg.get("profile"):
             profile_step(cfg["profile"], f"esmc {shape} {row['variant']}", fn, device)
         if attn == "sdpa":  # the same model replayed as CUDA graphs, as ours below
-            hf_graphed = CUDAGraphs(_HFLogits(hf), max_graphs=1, share_grad_memory=True)
+            hf_graphed = CUDAGraphs(Logits(hf, "attention_mask"), max_graphs=1, share_grad_memory=True)
             fn = lambda: mlm_step(lambda _: hf_graphed(inp, am), hf, tokens, target, device)  # noqa: E731
             run_row(emit, timer, device, dict(row, variant="HF sdpa, CUDA graphs"), fn, ref, real, graphs=True)
             hf_graphed.reset()
@@ -306,7 +295,7 @@ def bench_esmc(cfg, device, timer, backend, emit, hf_attn=HF_ATTN, compiled=Fals
         profile_step(cfg["profile"], f"esmc {shape} {row['variant']}", fn, device)
     if cfg.get("rounds"):  # HF (eager and as CUDA graphs) and ours again, in turns, both models on the device
         hf.to(device)
-        hf_graphed = CUDAGraphs(_HFLogits(hf), max_graphs=1, share_grad_memory=True)
+        hf_graphed = CUDAGraphs(Logits(hf, "attention_mask"), max_graphs=1, share_grad_memory=True)
 
         def hf_as(attn):
             hf_graphed.reset()
