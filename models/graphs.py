@@ -106,10 +106,11 @@ class CUDAGraphs(nn.Module):
 
     ``share_grad_memory=True``: a parameter's gradient in a step where it had none (``zero_grad(set_to_none=True)``)
     is the capture's own gradient buffer rather than a copy of it, which saves the memory of one copy of all
-    gradients (2.1 GiB for ESM C 600M in float32). Before each backward through a replay, a gradient still held in
-    that buffer is copied out (so that accumulating over several backward passes stays right, also through one replay
-    with ``retain_graph`` or ``torch.autograd.grad``): only a reference to ``.grad`` kept past the next backward
-    through the wrapper sees it rewritten.
+    gradients (2.1 GiB for ESM C 600M in float32). A gradient still held in that buffer is copied out before each
+    replay, forward or backward (the forward graph's temporaries share the capture's memory pool with the backward's
+    gradient outputs: a GPU test met the forward rewriting them), so that accumulating over several backward passes
+    stays right, also through one replay with ``retain_graph`` or ``torch.autograd.grad``: only a reference to
+    ``.grad`` kept past the next call or backward through the wrapper sees it rewritten.
     """
 
     def __init__(self, module: nn.Module, max_graphs: int = 2, warmup_iters: int = 3, share_grad_memory: bool = False):
@@ -186,6 +187,8 @@ class CUDAGraphs(nn.Module):
             else:
                 self._graphs.move_to_end(key)
             replay, live = entry
+            # a forward replay reuses the backward's gradient buffers for its own temporaries (one memory pool)
+            self._copy_out_shared_grads(params)
             outs = replay(*(_OwnGrad.apply(a) if a.requires_grad else a for a in args))
         flat, spec = torch.utils._pytree.tree_flatten(outs)
         tensors = [i for i, t in enumerate(flat) if isinstance(t, Tensor)]
@@ -198,8 +201,9 @@ class CUDAGraphs(nn.Module):
         return torch.utils._pytree.tree_unflatten(flat, spec)
 
     def _copy_out_shared_grads(self, params: List[Tensor]) -> None:
-        """Gradients that are still a capture's buffer become copies before a replay's backward rewrites that buffer
-        (another step's, or the same replay's again with ``retain_graph``, or ``torch.autograd.grad`` through it)."""
+        """Gradients that are still a capture's buffer become copies before a replay rewrites that buffer: a forward
+        replay (its temporaries), a backward (another step's, or the same replay's again with ``retain_graph``, or
+        ``torch.autograd.grad`` through it)."""
         if not self._shared:
             return
         for p in params:

@@ -1,8 +1,8 @@
 """models.graphs.CUDAGraphs: one capture per input signature, LRU eviction, results that behave like the module's.
 
 On the CPU a stand-in for ``torch.cuda.make_graphed_callables`` records each capture and, like the real one, sets the
-module's forward and hands out its outputs and gradients in buffers it rewrites at every call: the wrapper must give
-copies. The GPU test runs the real capture against the plain eager block."""
+module's forward and hands out its outputs and gradients in buffers it rewrites at every call (the gradients already
+at the next forward): the wrapper must give copies. The GPU test runs the real capture against the plain eager block."""
 import copy
 
 import pytest
@@ -71,6 +71,11 @@ class _StandIn:
             # their gradients come back in them (the wrapper has put the module's own forward back by now:
             # functional_call runs that one)
             with torch.no_grad():
+                # the real forward graph's temporaries share one memory pool with the backward's gradient outputs:
+                # a replay rewrites what the last backward handed out
+                for key, buf in bufs_in.items():
+                    if key[0] == "grad":
+                        buf.fill_(float("nan"))
                 for i, x in enumerate(a):
                     if i not in grad_idx and samples[i].data_ptr() != x.data_ptr():
                         samples[i].copy_(x)
