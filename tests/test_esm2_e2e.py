@@ -254,19 +254,25 @@ def test_cuda_graphs_option_runs_training_steps_through_a_capture(net, monkeypat
     stand_in = _StandIn()
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", stand_in)
     monkeypatch.setattr(graphs, "CAPTURE_DEVICES", ("cuda", "cpu"))
-    batch = collate_packed(_lm_examples(["MKTAYIAKQR", "ACDEFG", "LLKKV"]), rows=2, width=16, frame=2)
+    batches = [collate_packed(_lm_examples(seqs), rows=2, width=16, frame=2)
+               for seqs in (["MKTAYIAKQR", "ACDEFG", "LLKKV"], ["GGSWLK", "PPRTEDAKLM", "YV"])]
+    assert batches[0]["tokens"].shape == batches[1]["tokens"].shape
     torch.manual_seed(0)
     plain = ESMMaskedLMTask(net=net()).train()
     graphed = ESMMaskedLMTask(net=net(), cuda_graphs=True).train()
     graphed.load_state_dict(plain.state_dict())
-    for step in range(2):
+    for step, micro in enumerate((batches[:1], batches)):  # the second step accumulates over two micro-batches
         results = []
         for task in (plain, graphed):
             task.zero_grad(set_to_none=True)
-            loss = task.step(batch)[0]
-            loss.backward()
-            results.append([loss.detach()] + [p.grad.clone() for p in task.parameters() if p.grad is not None])
-            del loss
+            losses = []
+            for batch in micro:
+                loss = task.step(batch)[0]
+                loss.backward()
+                losses.append(loss.detach())
+                del loss
+            results.append(losses + [p.grad.clone() for p in task.parameters() if p.grad is not None])
+        assert len(results[0]) == len(results[1])
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*results)), step
     assert len(stand_in.captures) == 1  # one shape: captured once, replayed after
     assert graphed.state_dict().keys() == plain.state_dict().keys()  # the wrapper is no sub-module
