@@ -22,7 +22,9 @@ inputs on CUDA (NCCL), float32 on the CPU (gloo); random weights; the last 13 re
 first call alone, then the median of ``--iters`` calls (the slowest rank's; stack-infer: the one call, compiles
 included); ms per block for ``stack-infer``. Peak:
 ``torch.cuda.max_memory_allocated`` over the run, the largest over the ranks; ``z/GPU``: a rank's rows of z.
-Rows are printed by rank 0 and appended to ``--out``. Needs torch, triton and this repository only (no Hydra).
+Rows are printed by rank 0 and appended to ``--out``. ``--profile K`` profiles one more call on every rank and adds a
+table after the row: wall, kernel time in NCCL's collectives and in compute, collective calls; rank 0's K heaviest
+kernels (where a sharded call's time goes). Needs torch, triton and this repository only (no Hydra).
 """
 from __future__ import annotations
 
@@ -73,7 +75,13 @@ def parse(argv=None):
     p.add_argument("--checkpoint", action="store_true", help="block-train: every module of the block under activation "
                    "checkpointing (the sharded wrapper's checkpoint_modules; on one GPU too)")
     p.add_argument("--out", default=None, help="markdown file the row is appended to")
+    p.add_argument("--profile", type=int, default=0, metavar="K",
+                   help="after the timed calls, one more under torch.profiler on every rank: per rank its wall time, "
+                        "kernel time split into collectives and compute, the collectives' count; rank 0's K "
+                        "heaviest kernels (0: no profile)")
     args = p.parse_args(argv)
+    if args.profile and args.mode == "check":
+        p.error("--profile times a benchmark mode, not --mode check")
     if args.residues is None:
         args.residues = 77 if args.mode == "check" else 4096
     if args.blocks is None:
@@ -160,7 +168,7 @@ def run(args):
     impl = ("sharded" if sharded else "single") + (", checkpointed modules" if train and args.checkpoint else "")
     row = dict(mode=args.mode, gpus=world, impl=impl, n=args.residues, n_all=n_all,
                blocks=blocks_run, chunk="", z_gib=n_loc * n_all * args.c_z * e / GIB)
-    status, first, times = "ok", None, []
+    status, first, times, prof = "ok", None, [], None
     try:
         s, z, single, pair = inputs(args, dev, dtype, rows, n_all, train)
         if not train:
@@ -195,6 +203,8 @@ def run(args):
                 first = dt
             else:
                 times.append(dt)
+        if args.profile:
+            prof = profile_call(call, dev, args.profile)
     except torch.cuda.OutOfMemoryError:
         status = "OOM"
     except RuntimeError as exc:
@@ -228,8 +238,85 @@ def run(args):
                     dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
                     f.write(f"{dev_name}, torch {torch.__version__}, {stamp}\n\n{HEADER}\n")
                 f.write(line + "\n")
+    if args.profile:
+        profiles = [None] * world
+        dist.all_gather_object(profiles, prof)
+        if rank == 0:
+            text = profile_markdown(profiles, line)
+            print(text, flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write("\n" + text + "\n")
     dist.destroy_process_group()
     return status
+
+
+# profiler names of the collectives: the dispatcher ops every process group (NCCL, gloo) goes through; the groups' own
+# events (gloo records its work on a thread of its own) would count them twice
+COMM_PREFIXES = ("c10d::", "_c10d_functional::")
+
+
+def profile_call(call, dev, top: int) -> dict:
+    """One ``call()`` under ``torch.profiler`` on this rank: wall ms; kernel ms in all, in collective kernels (NCCL's)
+    and in the rest; the collectives' count and host ms (their calls only: a wait on one is counted where it waits);
+    the ``top`` heaviest kernels (CPU: host ops by self time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    dist.barrier()
+    sync(dev)
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        call()
+        sync(dev)
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+
+    def outer_comm(e) -> bool:  # a collective not inside another (c10d's op and the group's own are nested)
+        if not e.name.startswith(COMM_PREFIXES):
+            return False
+        parent = e.cpu_parent
+        while parent is not None:
+            if parent.name.startswith(COMM_PREFIXES):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    comm = [e for e in prof.events() if outer_comm(e)]
+    kernels = {}
+    if dev.type == "cuda":
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time / 1e3
+        heavy = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+    else:
+        heavy = sorted(((e.key, e.self_cpu_time_total / 1e3) for e in events), key=lambda kv: -kv[1])[:top]
+    comm_kernels = sum(ms for name, ms in kernels.items() if "nccl" in name.lower())
+    return dict(wall_ms=wall * 1e3, kernel_ms=sum(kernels.values()), comm_kernel_ms=comm_kernels,
+                comm_calls=len(comm), comm_host_ms=sum(e.cpu_time_total for e in comm) / 1e3,
+                heavy=heavy, device=dev.type)
+
+
+def profile_markdown(profiles, row: str) -> str:
+    """The per-rank profile table (after the row it profiles) and rank 0's heaviest kernels."""
+    lines = [f"Profile of one more call of: `{row}`", "",
+             "| rank | wall ms | kernel ms | collective kernels ms | other kernels ms | collectives | their calls' "
+             "host ms |", "|---|---|---|---|---|---|---|"]
+    for r, p in enumerate(profiles):
+        if p is None:
+            lines.append(f"| {r} | not profiled (the call failed) | | | | | |")
+            continue
+        cuda = p["device"] == "cuda"
+        k = (f"{p['kernel_ms']:.1f}", f"{p['comm_kernel_ms']:.1f}", f"{p['kernel_ms'] - p['comm_kernel_ms']:.1f}") \
+            if cuda else ("-", "-", "-")
+        lines.append(f"| {r} | {p['wall_ms']:.1f} | {k[0]} | {k[1]} | {k[2]} | {p['comm_calls']} | "
+                     f"{p['comm_host_ms']:.1f} |")
+    first = next((p for p in profiles if p is not None), None)
+    if first is not None and first["heavy"]:
+        what = "kernels by device time" if first["device"] == "cuda" else "host ops by self CPU time"
+        lines += ["", f"Rank 0's heaviest {what}:", "", "| ms | name |", "|---|---|"]
+        lines += [f"| {ms:.2f} | `{name[:100]}` |" for name, ms in first["heavy"]]
+    return "\n".join(lines)
 
 
 def _rel(a, b, scale=None) -> float:

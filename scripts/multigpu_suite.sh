@@ -3,6 +3,7 @@
 # ring attention, as named stages, each under its own time limit so that one hang cannot take the others with it.
 #   bash scripts/multigpu_suite.sh env shard-check shard-fwd shard-train ddp      # one call of a few minutes
 #   bash scripts/multigpu_suite.sh shard-infer ring cp fsdp-esm2
+#   bash scripts/multigpu_suite.sh shard-profile                                   # profiled block-fwd, 1 and 2 GPUs
 # Rows go to $OUT/*.md (shard.md, train.md) and $OUT/ring.jsonl, what passed, failed or timed out to
 # $OUT/stages.txt, and every stage's log into $OUT/logs.tgz at the end (the device returns only a few files).
 # Runs on 4 GPUs are left out where fewer are visible. Needs torch, triton, lightning and this repository;
@@ -50,6 +51,8 @@ torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.device_count())"; 
       shard 4 shard-check-4 --mode check ;;
     shard-fwd)
       for p in 1 2 4; do shard $p "shard-fwd-4096-p$p" --mode block-fwd --residues 4096; done ;;
+    shard-profile)  # where the sharded in-place block's time goes (collectives against compute), 1 and 2 GPUs
+      for p in 1 2; do shard $p "shard-profile-4096-p$p" --mode block-fwd --residues 4096 --profile 15; done ;;
     shard-train)
       for p in 1 2 4; do shard $p "shard-train-4096-p$p" --mode block-train --residues 4096 --checkpoint; done
       for p in 1 2; do shard $p "shard-train-2048-p$p" --mode block-train --residues 2048 --checkpoint; done ;;

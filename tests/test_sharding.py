@@ -194,18 +194,32 @@ def test_bench_script_on_gloo(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "rows.md"
     env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def command(mode, out, *extra):
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+                os.path.join(root, "scripts", "bench_shard.py"), "--device", "cpu", "--mode", mode, "--residues", "19",
+                "--c-z", "8", "--c-s", "16", "--heads-s", "2", "--heads-z", "2", "--c-pair", "4", "--blocks", "2",
+                "--iters", "1", "--out", str(out), *extra]
+
     for mode in ("block-fwd", "block-train", "stack-infer", "check"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               os.path.join(root, "scripts", "bench_shard.py"), "--device", "cpu", "--mode", mode, "--residues", "19",
-               "--c-z", "8", "--c-s", "16", "--heads-s", "2", "--heads-z", "2", "--c-pair", "4", "--blocks", "2",
-               "--iters", "1", "--out", str(out)]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        res = subprocess.run(command(mode, out), capture_output=True, text=True, timeout=300, env=env)
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
         if mode == "check":
             assert "check: PASS" in res.stdout, res.stdout[-2000:]
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "mode" not in line]
     assert [r.split(" | ")[0][2:] for r in rows] == ["block-fwd", "block-train", "stack-infer"]
     assert all(r.rstrip(" |").endswith("ok") for r in rows) and all(" | 2 | sharded | 19 | 20 | " in r for r in rows)
+    # --profile: one more call profiled on each rank, a row per rank and rank 0's heaviest ops after the timing row
+    prof = tmp_path / "prof.md"
+    res = subprocess.run(command("block-train", prof, "--profile", "4"), capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    text = prof.read_text()
+    assert "Profile of one more call of: `| block-train | 2 | sharded |" in text, text
+    ranks = [line.split(" | ") for line in text.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
+    assert len(ranks) == 2 and all(int(r[5]) > 0 and float(r[1]) > 0 for r in ranks), text  # collectives were seen
+    heavy = text.split("heaviest host ops by self CPU time:")[1].splitlines()
+    assert len([line for line in heavy if line.startswith("| ") and "`" in line]) == 4, text
 
 
 @pytest.mark.gpu
