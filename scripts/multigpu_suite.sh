@@ -3,7 +3,7 @@
 # ring attention, as named stages, each under its own time limit so that one hang cannot take the others with it.
 #   bash scripts/multigpu_suite.sh env shard-check shard-fwd shard-train ddp      # one call of a few minutes
 #   bash scripts/multigpu_suite.sh shard-infer ring cp fsdp-esm2
-#   bash scripts/multigpu_suite.sh shard-profile                                   # profiled block-fwd, 1 and 2 GPUs
+#   bash scripts/multigpu_suite.sh shard-profile ddp-profile                       # where the 2-GPU time goes
 # Rows go to $OUT/*.md (shard.md, train.md) and $OUT/ring.jsonl, what passed, failed or timed out to
 # $OUT/stages.txt, and every stage's log into $OUT/logs.tgz at the end (the device returns only a few files).
 # Runs on 4 GPUs are left out where fewer are visible. Needs torch, triton, lightning and this repository;
@@ -64,6 +64,13 @@ torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.device_count())"; 
       train ddp-gpu1 experiment=bench_evoformer trainer=gpu
       train ddp-gpu2 experiment=bench_evoformer trainer=ddp trainer.devices=2
       [ "$gpus" -ge 4 ] && train ddp-gpu4 experiment=bench_evoformer trainer=ddp trainer.devices=4 ;;
+    ddp-profile)  # where DDP's per-step time over one GPU goes: Lightning's simple profiler, 1 and 2 GPUs
+      train ddp-prof-gpu1 experiment=bench_evoformer trainer=gpu trainer.profiler=simple
+      train ddp-prof-gpu2 experiment=bench_evoformer trainer=ddp trainer.devices=2 trainer.profiler=simple
+      for n in 1 2; do
+        { echo "### ddp-prof-gpu$n"; echo '```'; grep -A45 "Profiler Report" "$logs/ddp-prof-gpu$n.log" | tr -s " \t" | head -60
+          echo '```'; } >> "$out/ddp_profile.md"
+      done ;;
     cp)
       # 16384 tokens: one GPU takes about 3.8 s a step, so 24 steps with 6 of warm-up fit the limit
       cp=(experiment=bench_longctx data.seq_len=16384 model.net.max_len=16384 data.batch_size=1 trainer.max_steps=24
