@@ -284,6 +284,53 @@ def test_cuda_graphs_option_runs_training_steps_through_a_capture(net, monkeypat
         ESMMaskedLMTask(net=net(), cuda_graphs=True, compile=True)
 
 
+def test_cuda_graphs_option_under_lightning_copies_no_gradient(monkeypatch, tmp_path):
+    """model.cuda_graphs under a Lightning Trainer (which zeroes gradients after the next step's forward): the task
+    drops the gradients after each optimizer step, so no replay has a gradient to copy out of the capture's
+    buffers; the losses are the eager task's."""
+    import functools
+
+    import lightning as L
+
+    from test_graphs import _StandIn
+
+    from attn_zoo.models import graphs
+    from attn_zoo.models.data.packing import collate_packed
+    from attn_zoo.models.tasks import ESMMaskedLMTask
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", _StandIn())
+    monkeypatch.setattr(graphs, "CAPTURE_DEVICES", ("cuda", "cpu"))
+    copied = []
+    original = graphs.CUDAGraphs._copy_out_shared_grads
+    monkeypatch.setattr(graphs.CUDAGraphs, "_copy_out_shared_grads",
+                        lambda self, params: copied.append(original(self, params)) or copied[-1])
+    batches = [collate_packed(_lm_examples(seqs, seed=i), rows=2, width=16, frame=2) for i, seqs in
+               enumerate((["MKTAYIAKQR", "ACDEFG"], ["GGSWLK", "PPRTEDAKLM"], ["YVLKAAGHE", "MMQT"]))]
+
+    class Losses(L.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.seen.append(float(outputs["loss"]))
+            if module.hparams.get("cuda_graphs"):
+                assert all(p.grad is None for p in module.parameters())  # dropped after the optimizer step
+
+    losses = []
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        task = ESMMaskedLMTask(net=ESM2(**TINY), cuda_graphs=graphed,
+                               optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+        cb = Losses()
+        trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                            callbacks=[cb], default_root_dir=str(tmp_path))
+        trainer.fit(task, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+        losses.append(cb.seen)
+    assert len(losses[1]) == 3 and all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(*losses)), losses
+    assert copied and not any(copied), copied  # replays ran, and none had a gradient to copy
+
+
 def test_training_fasta_refuses_labels_that_name_two_proteins(tmp_path):
     fasta = tmp_path / "train.fasta"
     fasta.write_text(">p1\nMKTAYIAK\n>p3 first\nGGAKACLL\n>p3 second\nLLLLKKKK\n")

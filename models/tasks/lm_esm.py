@@ -127,6 +127,13 @@ class ESMMaskedLMTask(Task):
             raise ValueError(f"model.cuda_graphs runs in one process; this run has {self.trainer.world_size} "
                              f"(trainer.strategy): set model.cuda_graphs=false")
 
+    def optimizer_step(self, *args, **kwargs):
+        super().optimizer_step(*args, **kwargs)
+        if self._graphed is not None:
+            # Lightning zeroes the gradients after the next step's forward, whose replay rewrites the capture's
+            # gradient buffers: the wrapper would first copy every gradient out (one copy of all of them a step)
+            self.net.zero_grad(set_to_none=True)
+
     def _logits(self, tokens: torch.Tensor, segment_ids: Optional[torch.Tensor]) -> torch.Tensor:
         keyword = "sequence_id" if isinstance(self.net, ESMC) else "segment_ids"
         if self.hparams.get("cuda_graphs") and self.training:  # (CUDAGraphs runs the net itself where it cannot
