@@ -137,8 +137,9 @@ def measure(name, model, batch, length, iters, warmup):
         times.append(a.elapsed_time(b))
     peak = torch.cuda.max_memory_allocated()
     if name.endswith("+graphs"):
-        # reduce-overhead keeps the step's tensors in CUDA graphs' private pool, outside the allocated peak
-        # after a reset: the memory still reserved once the cache is emptied counts instead where larger
+        # reduce-overhead keeps the step's tensors in CUDA graphs' private pool, outside the allocated peak after a
+        # reset: the memory still reserved once the cache is emptied counts instead where larger (an upper bound,
+        # fragmentation included: the row's note says so)
         torch.cuda.empty_cache()
         peak = max(peak, torch.cuda.memory_reserved())
     return statistics.median(times), peak / GIB
@@ -333,6 +334,8 @@ def main(argv=None):
                 try:
                     row["ms"], row["peak_gib"] = measure(name, model, batch, length, args.iters, args.warmup)
                     row["tokens_per_s"] = batch * length / (row["ms"] / 1e3)
+                    if name.endswith("+graphs"):
+                        row["note"] = "peak: memory reserved after the cache is emptied (the graphs' pool)"
                 except Exception as exc:
                     row["note"] = "OOM" if is_oom(exc) else f"failed: {type(exc).__name__}: {str(exc)[:120]}"
                     if not is_oom(exc):

@@ -203,8 +203,6 @@ def run(args):
                 first = dt
             else:
                 times.append(dt)
-        if args.profile:
-            prof = profile_call(call, dev, args.profile)
     except torch.cuda.OutOfMemoryError:
         status = "OOM"
     except RuntimeError as exc:
@@ -221,6 +219,11 @@ def run(args):
         med = first
     if failed and status == "ok":
         status = "OOM on another rank"
+    if args.profile and not failed:  # (every rank or none: a rank that failed would not meet the others' collectives)
+        try:
+            prof = profile_call(call, dev, args.profile)
+        except torch.cuda.OutOfMemoryError:
+            prof = None
     per = blocks_run if args.mode == "stack-infer" else 1
     cells = [args.mode, world, row["impl"], args.residues, n_all, f"{blocks_run}" + (f" of {args.blocks}"
              if args.mode == "stack-infer" else ""), args.c_z, args.c_s, row["chunk"],
@@ -238,7 +241,7 @@ def run(args):
                     dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
                     f.write(f"{dev_name}, torch {torch.__version__}, {stamp}\n\n{HEADER}\n")
                 f.write(line + "\n")
-    if args.profile:
+    if args.profile and not failed:
         profiles = [None] * world
         dist.all_gather_object(profiles, prof)
         if rank == 0:
@@ -256,6 +259,18 @@ def run(args):
 COMM_PREFIXES = ("c10d::", "_c10d_functional::")
 
 
+def outer_collective(e) -> bool:
+    """Whether profiler event ``e`` is a collective not inside another one (one count per collective)."""
+    if not e.name.startswith(COMM_PREFIXES):
+        return False
+    parent = e.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(COMM_PREFIXES):
+            return False
+        parent = parent.cpu_parent
+    return True
+
+
 def profile_call(call, dev, top: int) -> dict:
     """One ``call()`` under ``torch.profiler`` on this rank: wall ms; kernel ms in all, in collective kernels (NCCL's)
     and in the rest; the collectives' count and host ms (their calls only: a wait on one is counted where it waits);
@@ -270,19 +285,7 @@ def profile_call(call, dev, top: int) -> dict:
         call()
         sync(dev)
         wall = time.perf_counter() - t0
-    events = prof.key_averages()
-
-    def outer_comm(e) -> bool:  # a collective not inside another (c10d's op and the group's own are nested)
-        if not e.name.startswith(COMM_PREFIXES):
-            return False
-        parent = e.cpu_parent
-        while parent is not None:
-            if parent.name.startswith(COMM_PREFIXES):
-                return False
-            parent = parent.cpu_parent
-        return True
-
-    comm = [e for e in prof.events() if outer_comm(e)]
+    comm = [e for e in prof.events() if outer_collective(e)]
     kernels = {}
     if dev.type == "cuda":
         for e in prof.events():
@@ -290,7 +293,8 @@ def profile_call(call, dev, top: int) -> dict:
                 kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time / 1e3
         heavy = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
     else:
-        heavy = sorted(((e.key, e.self_cpu_time_total / 1e3) for e in events), key=lambda kv: -kv[1])[:top]
+        heavy = sorted(((e.key, e.self_cpu_time_total / 1e3) for e in prof.key_averages()),
+                       key=lambda kv: -kv[1])[:top]
     comm_kernels = sum(ms for name, ms in kernels.items() if "nccl" in name.lower())
     return dict(wall_ms=wall * 1e3, kernel_ms=sum(kernels.values()), comm_kernel_ms=comm_kernels,
                 comm_calls=len(comm), comm_host_ms=sum(e.cpu_time_total for e in comm) / 1e3,
@@ -299,7 +303,8 @@ def profile_call(call, dev, top: int) -> dict:
 
 def profile_markdown(profiles, row: str) -> str:
     """The per-rank profile table (after the row it profiles) and rank 0's heaviest kernels."""
-    lines = [f"Profile of one more call of: `{row}`", "",
+    lines = [f"Profile of one more call of: `{row}` (wall: that call under the profiler; kernel ms: kernels, copies "
+             "and memsets on the device; NCCL's kernels include their wait for the slowest peer)", "",
              "| rank | wall ms | kernel ms | collective kernels ms | other kernels ms | collectives | their calls' "
              "host ms |", "|---|---|---|---|---|---|---|"]
     for r, p in enumerate(profiles):
@@ -311,10 +316,10 @@ def profile_markdown(profiles, row: str) -> str:
             if cuda else ("-", "-", "-")
         lines.append(f"| {r} | {p['wall_ms']:.1f} | {k[0]} | {k[1]} | {k[2]} | {p['comm_calls']} | "
                      f"{p['comm_host_ms']:.1f} |")
-    first = next((p for p in profiles if p is not None), None)
+    rank, first = next(((r, p) for r, p in enumerate(profiles) if p is not None), (None, None))
     if first is not None and first["heavy"]:
         what = "kernels by device time" if first["device"] == "cuda" else "host ops by self CPU time"
-        lines += ["", f"Rank 0's heaviest {what}:", "", "| ms | name |", "|---|---|"]
+        lines += ["", f"Rank {rank}'s heaviest {what}:", "", "| ms | name |", "|---|---|"]
         lines += [f"| {ms:.2f} | `{name[:100]}` |" for name, ms in first["heavy"]]
     return "\n".join(lines)
 

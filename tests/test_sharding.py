@@ -217,8 +217,10 @@ def test_bench_script_on_gloo(tmp_path):
     text = prof.read_text()
     assert "Profile of one more call of: `| block-train | 2 | sharded |" in text, text
     ranks = [line.split(" | ") for line in text.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
-    assert len(ranks) == 2 and all(int(r[5]) > 0 and float(r[1]) > 0 for r in ranks), text  # collectives were seen
-    heavy = text.split("heaviest host ops by self CPU time:")[1].splitlines()
+    # collectives seen, each once: every rank makes the same calls (c10d's op and gloo's own event are one)
+    assert len(ranks) == 2 and int(ranks[0][5]) > 0 and ranks[0][5] == ranks[1][5], text
+    assert all(float(r[1]) > 0 and float(r[6].strip(" |")) <= 2 * float(r[1]) for r in ranks), text
+    heavy = text.split("Rank 0's heaviest host ops by self CPU time:")[1].splitlines()
     assert len([line for line in heavy if line.startswith("| ") and "`" in line]) == 4, text
 
 
@@ -238,3 +240,30 @@ def test_check_mode_on_cuda():
            os.path.join(root, "scripts", "bench_shard.py"), "--mode", "check", "--residues", "77"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "check: PASS" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_bench_profile_counts_each_collective_once_and_tables_every_rank():
+    """bench_shard's profile helpers: a collective nested in another (c10d's op around a group's own) counts once;
+    the table has a row per rank, '-' kernel columns off CUDA, and names the rank whose kernels it lists."""
+    import os
+    import sys
+    from types import SimpleNamespace as E
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import bench_shard
+
+    step = E(name="ProfilerStep", cpu_parent=None)
+    outer = E(name="c10d::allgather_", cpu_parent=step)
+    inner = E(name="c10d::_allgather_base_", cpu_parent=outer)
+    other = E(name="aten::mm", cpu_parent=outer)
+    functional = E(name="_c10d_functional::all_reduce", cpu_parent=None)
+    assert [bench_shard.outer_collective(e) for e in (step, outer, inner, other, functional)] == \
+        [False, True, False, False, True]
+    cuda = dict(wall_ms=12.0, kernel_ms=10.0, comm_kernel_ms=4.0, comm_calls=7, comm_host_ms=0.5,
+                heavy=[("nccl_AllGather", 4.0), ("attn_fwd_kernel", 3.0)], device="cuda")
+    text = bench_shard.profile_markdown([None, cuda], "| block-fwd | 2 |")
+    rows = [line for line in text.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
+    assert rows[0].startswith("| 0 | not profiled") and rows[1] == "| 1 | 12.0 | 10.0 | 4.0 | 6.0 | 7 | 0.5 |"
+    assert "Rank 1's heaviest kernels by device time:" in text and "| 4.00 | `nccl_AllGather` |" in text
+    cpu = dict(cuda, device="cpu", heavy=[("aten::mm", 1.0)])
+    assert "| 0 | 12.0 | - | - | - | 7 | 0.5 |" in bench_shard.profile_markdown([cpu], "| r |")
