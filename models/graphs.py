@@ -232,7 +232,7 @@ class CUDAGraphs(nn.Module):
             self.module.forward = own
         # a parameter's first gradient of a step would be the graph's buffer (autograd keeps an incoming gradient as
         # .grad when there is none): a copy instead, so that a second backward accumulates into it (or, sharing,
-        # the buffer itself, copied out before the next backward through a replay: _copy_out_shared_grads)
+        # the buffer itself, copied out before the next replay, forward or backward: _copy_out_shared_grads)
         for p in params:
             if p.requires_grad and id(p) not in self._hooks:
                 self._hooks[id(p)] = p.register_hook(_first_grad(p, self._shared if self.share_grad_memory else None))

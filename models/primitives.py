@@ -201,8 +201,8 @@ def _autocast_or_one_dtype(x: Tensor, weight: Tensor, bias: Tensor) -> bool:
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """``nn.functional.linear``; on eager CUDA with a trainable bias, gradients on, no forward-mode AD and at least
     ``BIAS_GRAD_MATMUL_MIN_ROWS`` rows (fewer inside ``kernels.device_bound``), :class:`_LinearBiasByMatmul` (the
-    same output; the bias's gradient by a matmul; first-order). The traced and cheap tests come first: under ``torch.compile`` nothing here may become a
-    guard on the input's size."""
+    same output; the bias's gradient by a matmul; first-order). The traced and cheap tests come first: under
+    ``torch.compile`` nothing here may become a guard on the input's size."""
     if bias is not None and _kernels.eager_first_order() and x.is_cuda and torch.is_grad_enabled() and \
             bias.requires_grad and type(x) is torch.Tensor and \
             x.numel() >= _kernels.min_rows(BIAS_GRAD_MATMUL_MIN_ROWS) * x.shape[-1] and \

@@ -22,6 +22,8 @@ from attn_zoo.models.transformer import TransformerLM
 from attn_zoo.models.zoo import (ZooCheckpointError, load_checkpoint, load_pretrained, to_esmc, to_fair_esm,
                                   to_hf_esm)
 
+from test_graphs import stand_in  # noqa: F401  (the stand-in capture fixture)
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(num_layers=2, embed_dim=32, attention_heads=4)
 TINY_ARGS = ["model.size=null", "model.net.num_layers=2", "model.net.embed_dim=32", "model.net.attention_heads=4"]
@@ -241,19 +243,13 @@ def test_packed_batches_train_as_the_padded_ones(net):
 
 
 @pytest.mark.parametrize("net", [lambda: ESM2(**TINY), lambda: ESMC(**TINY_ESMC)], ids=["esm2", "esmc"])
-def test_cuda_graphs_option_runs_training_steps_through_a_capture(net, monkeypatch):
+def test_cuda_graphs_option_runs_training_steps_through_a_capture(net, stand_in):
     """model.cuda_graphs: training steps go through CUDAGraphs (a stand-in capture on the CPU, as in
     test_graphs.py): loss and gradients as the eager task's; evaluation runs the net itself; the state_dict keys
     stay the net's; not together with compile."""
-    from test_graphs import _StandIn
-
-    from attn_zoo.models import graphs
     from attn_zoo.models.data.packing import collate_packed
     from attn_zoo.models.tasks import ESMMaskedLMTask
 
-    stand_in = _StandIn()
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", stand_in)
-    monkeypatch.setattr(graphs, "CAPTURE_DEVICES", ("cuda", "cpu"))
     batches = [collate_packed(_lm_examples(seqs), rows=2, width=16, frame=2)
                for seqs in (["MKTAYIAKQR", "ACDEFG", "LLKKV"], ["GGSWLK", "PPRTEDAKLM", "YV"])]
     assert batches[0]["tokens"].shape == batches[1]["tokens"].shape
@@ -284,7 +280,7 @@ def test_cuda_graphs_option_runs_training_steps_through_a_capture(net, monkeypat
         ESMMaskedLMTask(net=net(), cuda_graphs=True, compile=True)
 
 
-def test_cuda_graphs_option_under_lightning_copies_no_gradient(monkeypatch, tmp_path):
+def test_cuda_graphs_option_under_lightning_copies_no_gradient(stand_in, monkeypatch, tmp_path):
     """model.cuda_graphs under a Lightning Trainer (which zeroes gradients after the next step's forward): the task
     drops the gradients after each optimizer step, so no replay has a gradient to copy out of the capture's
     buffers; the losses are the eager task's."""
@@ -292,14 +288,10 @@ def test_cuda_graphs_option_under_lightning_copies_no_gradient(monkeypatch, tmp_
 
     import lightning as L
 
-    from test_graphs import _StandIn
-
     from attn_zoo.models import graphs
     from attn_zoo.models.data.packing import collate_packed
     from attn_zoo.models.tasks import ESMMaskedLMTask
 
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", _StandIn())
-    monkeypatch.setattr(graphs, "CAPTURE_DEVICES", ("cuda", "cpu"))
     copied = []
     original = graphs.CUDAGraphs._copy_out_shared_grads
     monkeypatch.setattr(graphs.CUDAGraphs, "_copy_out_shared_grads",
