@@ -56,3 +56,41 @@ def sdpa_attention(q, k, v, bias, mask, scale, causal, deterministic=True, segme
     if live is not None:
         out = torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out, None
+
+
+class _CudnnAttention(torch.autograd.Function):
+    """cuDNN's fused attention through NVIDIA's cuDNN frontend (``torch.ops.cudnn.sdpa_fwd`` / ``sdpa_bwd``, the
+    package ``nvidia-cudnn-frontend``), with the backward's ``deterministic`` choice passed per call: PyTorch's own
+    SDPA reaches cuDNN with no such option (its backward is not reproducible), the frontend takes cuDNN's
+    deterministic algorithm. q, k, v ``[N, H, L, D]`` (any strides with a dense last dim)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, deterministic):
+        # our causal convention aligns the diagonal bottom-right (key j <= i + Lk - Lq): cuDNN's top-left when Lq == Lk
+        bottom_right = causal and q.shape[-2] != k.shape[-2]
+        out, lse = torch.ops.cudnn.sdpa_fwd(q, k, v, scale, is_causal=causal, causal_bottom_right=bottom_right,
+                                            return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.causal, ctx.bottom_right, ctx.deterministic = scale, causal, bottom_right, deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, _d_lse):  # lse carries no gradient here (the backend declares lse_grad=False)
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.ops.cudnn.sdpa_bwd(d_out, q, k, v, out, lse, ctx.scale, is_causal=ctx.causal,
+                                              causal_bottom_right=ctx.bottom_right,
+                                              is_deterministic=ctx.deterministic)
+        return dq, dk, dv, None, None, None
+
+
+def cudnn_attention(q, k, v, bias, mask, scale, causal, deterministic=True):
+    """cuDNN's fused attention (no bias, no mask; causal), deterministic backward when asked: see
+    :class:`_CudnnAttention`. Leading batch dims flatten into one (a view where their strides allow)."""
+    if bias is not None or mask is not None:  # the registry declares neither; a direct call must not drop them
+        raise ValueError("cudnn_attention takes neither bias nor mask (the registry routes those elsewhere)")
+    lead = q.shape[:-3]
+    n = math.prod(lead) if lead else 1
+    q4, k4, v4 = (t.reshape((n,) + t.shape[-3:]) for t in (q, k, v))
+    out, lse = _CudnnAttention.apply(q4, k4, v4, float(scale), bool(causal), bool(deterministic))
+    return out.reshape(q.shape[:-1] + v.shape[-1:]), lse.reshape(q.shape[:-1])

@@ -7,6 +7,7 @@ rely on every dim being either 1 (broadcast) or the full size.
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -34,6 +35,10 @@ class AttnInputs:
     lse_needs_grad: bool
     deterministic: bool
     has_segments: bool = False
+    # sizes, for backends whose limits depend on them (0: not known, e.g. a planner's question)
+    problems: int = 0  # attention problems: the product of the batch dims and the heads
+    lq: int = 0
+    lk: int = 0
 
 
 def _shape(t: Tensor) -> tuple:
@@ -179,6 +184,9 @@ def describe(q, k, v, bias, mask, causal, return_lse, deterministic, segment_ids
         lse_needs_grad=return_lse and (qkv_grad or bias_grad),
         deterministic=deterministic,
         has_segments=segment_ids is not None,
+        problems=math.prod(q.shape[:-2]),
+        lq=q.shape[-2],
+        lk=k.shape[-2],
     )
 
 

@@ -11,6 +11,7 @@ from typing import Callable, Dict, FrozenSet, List, Optional, Sequence
 
 import torch
 
+from . import settings
 from .inputs import AttnInputs
 
 FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -33,11 +34,14 @@ class Backend:
     dtypes: FrozenSet[torch.dtype]
     min_head_dim: int = 1
     max_head_dim: Optional[int] = None
+    head_dim_multiple: int = 1  # head dims (D and Dv) must be multiples of this
     bias: bool = True
     bias_grad: bool = True
     broadcast_bias_grad: bool = True
     mask: bool = True
     causal: bool = True
+    # causal with Lq > Lk, where the first Lq - Lk queries have no key (out 0, lse -inf by the contract)
+    causal_rows_without_keys: bool = True
     lse: bool = True
     lse_grad: bool = True
     deterministic_bias_grad: bool = True  # bias gradient reduced without atomics
@@ -56,6 +60,9 @@ class Backend:
     # tiles of ``[*batch, H, Lq, keys]`` held at once, keys = Lk or, with ``score_chunk``, that option's value
     # (default ``score_chunk_default``). 0: a fused kernel that holds no scores.
     score_buffers: int = 0
+    # Backward workspace of a deterministic backward, in bytes per query-key pair of each problem (batch dims x
+    # heads); refused above ``settings.cudnn_workspace_gib``. 0: none that grows with Lq * Lk.
+    det_bwd_pair_bytes: int = 0
     score_chunk: Optional[str] = None
     score_chunk_default: Optional[int] = None
     # Tests bound this backend's error vs a float64 reference by tolerance * (plain PyTorch's error in the
@@ -144,6 +151,16 @@ def _registry() -> Dict[str, Backend]:
             deterministic_devices=frozenset({"cpu"}), segment_ids=True,
             score_buffers=2,  # the bias-and-mask attn_mask broadcast to the scores, and the math kernel's logits
         ),
+        "cudnn": Backend(
+            name="cudnn", entry="adapters:cudnn_attention",
+            description="cuDNN's fused attention through NVIDIA's cuDNN frontend (nvidia-cudnn-frontend): no bias "
+                        "or mask; its deterministic backward, which torch's SDPA does not reach",
+            devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}), min_head_dim=8,
+            max_head_dim=128, head_dim_multiple=8, bias=False, bias_grad=False, broadcast_bias_grad=False,
+            mask=False, causal_rows_without_keys=False, lse_grad=False, requires="cudnn.sdpa.fwd.torch_op",
+            # cuDNN 9.19 on Hopper: the deterministic backward keeps dP, 2 bytes per pair (8 GiB at 16 x 16384^2)
+            det_bwd_pair_bytes=2,
+        ),
         "flex": Backend(
             name="flex", entry="flex:flex_attention",
             description="flex_attention with a score_mod reading bias and mask; on CUDA compiled once per "
@@ -196,6 +213,8 @@ def not_supported_reasons(name: str, inputs: AttnInputs) -> List[str]:
     for what, d in (("q/k", inputs.head_dim), ("v", inputs.head_dim_v)):
         if d < b.min_head_dim or (b.max_head_dim is not None and d > b.max_head_dim):
             reasons.append(f"{what} head dim {d} outside [{b.min_head_dim}, {b.max_head_dim or 'any'}]")
+        elif d % b.head_dim_multiple:
+            reasons.append(f"{what} head dim {d} not a multiple of {b.head_dim_multiple}")
     if inputs.has_bias and not b.bias:
         reasons.append("bias not supported")
     if inputs.bias_needs_grad and not b.bias_grad:
@@ -206,6 +225,8 @@ def not_supported_reasons(name: str, inputs: AttnInputs) -> List[str]:
         reasons.append("mask not supported")
     if inputs.causal and not b.causal:
         reasons.append("causal not supported")
+    if inputs.causal and inputs.lq > inputs.lk and not b.causal_rows_without_keys:
+        reasons.append(f"causal with Lq {inputs.lq} > Lk {inputs.lk} (queries without a key) not supported")
     if inputs.has_segments and not b.segment_ids:
         reasons.append("segment_ids (packed variable-length rows) not supported")
     if inputs.needs_lse and not b.lse:
@@ -217,6 +238,13 @@ def not_supported_reasons(name: str, inputs: AttnInputs) -> List[str]:
         reasons.append(f"backward is not deterministic on {inputs.device}")
     if inputs.deterministic and inputs.bias_needs_grad and not b.deterministic_bias_grad:
         reasons.append("bias gradient uses atomics, not deterministic")
+    if inputs.deterministic and inputs.needs_grad and b.det_bwd_pair_bytes:
+        need = b.det_bwd_pair_bytes * inputs.problems * inputs.lq * inputs.lk
+        limit = settings.get().cudnn_workspace_gib * 2 ** 30
+        if need > limit:
+            reasons.append(f"deterministic backward needs a {need / 2 ** 30:.2f} GiB workspace for {inputs.problems} "
+                           f"problems of {inputs.lq} x {inputs.lk}, above attn_ops.settings' cudnn_workspace_gib="
+                           f"{settings.get().cudnn_workspace_gib:g}")
     return reasons
 
 
@@ -224,9 +252,10 @@ def priority(inputs: AttnInputs) -> Sequence[str]:
     """Order in which ``auto`` tries backends."""
     if inputs.device == "cuda":
         # sdpa (cuDNN/flash) is fastest without a bias; with deterministic=True and gradients it is
-        # rejected (atomics in its backward) and triton serves.
+        # rejected (atomics in its backward), and cudnn (cuDNN's deterministic backward, where installed and the
+        # workspace fits) or triton serves.
         if not inputs.has_bias and not inputs.needs_lse:
-            return ("sdpa", "triton", "flex", "chunked", "torch")
+            return ("sdpa", "cudnn", "triton", "flex", "chunked", "torch")
         return ("triton", "flex", "sdpa", "chunked", "torch")
     return ("chunked", "torch", "sdpa")
 

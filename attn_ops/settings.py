@@ -1,4 +1,5 @@
-"""Kernel settings: the switches of the ``triton`` backend in one object, read from the environment once.
+"""Kernel settings: the switches of the ``triton`` backend (and the ``cudnn`` backend's workspace bound) in one
+object, read from the environment once.
 
     import attn_ops
     attn_ops.settings.get().tune                  # the current values (a frozen KernelSettings)
@@ -20,7 +21,8 @@ torchrun, a benchmark) needs before any code of its own runs:
 The other fields are set in code only: ``shipped_configs`` (False: time every new key, ignoring the configs shipped
 for this GPU model in ``triton/tuned/``), ``tune_log`` (print each timed candidate), ``fast_launch`` (False:
 Triton's own launch path on every call), ``tile_variants`` (False: no kernel variants for lengths that are a
-multiple of a tile, fewer compiles where many such lengths come). Their former variables (``REMOVED_ENV``)
+multiple of a tile, fewer compiles where many such lengths come), ``cudnn_workspace_gib`` (the largest workspace
+of the ``cudnn`` backend's deterministic backward, default 2). Their former variables (``REMOVED_ENV``)
 are not read; one that is set gets a warning naming the setting to use instead. ``compile_processes`` is gone
 (compiles run on ``compile_threads`` threads): passing it raises a TypeError that says so.
 
@@ -53,6 +55,9 @@ class KernelSettings:
     before they are timed (Triton's asynchronous compile mode; 1: one by one as they are timed).
     tile_variants: a length that is a multiple of a kernel's tile runs a variant compiled for it (EVEN_M / EVEN_N:
     no load masks); False: every length runs the general variant, so fewer kernels compile.
+    cudnn_workspace_gib: the largest workspace the ``cudnn`` backend's deterministic backward may take (cuDNN 9 on
+    Hopper keeps the scores' gradient, 2 bytes per query-key pair and head); the registry refuses the backend for
+    inputs that need more, so ``auto`` then takes triton (whose backward holds no score-sized buffer).
     """
 
     tune: bool = True
@@ -63,6 +68,7 @@ class KernelSettings:
     cache_dir: Optional[str] = None
     compile_threads: int = 8
     tile_variants: bool = True
+    cudnn_workspace_gib: float = 2.0
 
     def __post_init__(self):
         for f in ("tune", "shipped_configs", "tune_log", "fast_launch", "tma", "tile_variants"):
@@ -71,6 +77,9 @@ class KernelSettings:
         if isinstance(self.compile_threads, bool) or not isinstance(self.compile_threads, int) or \
                 self.compile_threads < 1:
             raise TypeError(f"KernelSettings.compile_threads must be an int >= 1, got {self.compile_threads!r}")
+        if isinstance(self.cudnn_workspace_gib, bool) or not isinstance(self.cudnn_workspace_gib, (int, float)) or \
+                not self.cudnn_workspace_gib >= 0:
+            raise TypeError(f"KernelSettings.cudnn_workspace_gib must be a number >= 0, got {self.cudnn_workspace_gib!r}")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise TypeError(f"KernelSettings.cache_dir must be a path or None, got {self.cache_dir!r}")
 

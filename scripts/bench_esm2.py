@@ -54,8 +54,9 @@ RESIDUES = [ALPHABET.get_idx(c) for c in "LAGVSERTIDPKQNFYMHWC"]
 # ------------------------------------------------------------------------------------------------
 # Models and inputs
 # ------------------------------------------------------------------------------------------------
-def build_models(size: str, models):
-    """fair-esm's random init, and the same weights in attn-zoo and Hugging Face (all fp32, on the CPU)."""
+def build_models(size: str, models, attention: str = "triton"):
+    """fair-esm's random init, and the same weights in attn-zoo (its attention on backend ``attention``) and
+    Hugging Face (all fp32, on the CPU)."""
     import esm
     from esm.model.esm2 import ESM2 as FairESM2
 
@@ -63,7 +64,7 @@ def build_models(size: str, models):
     torch.manual_seed(0)
     fair = FairESM2(cfg.num_layers, cfg.embed_dim, cfg.attention_heads,
                     esm.data.Alphabet.from_architecture("ESM-1b")).eval()
-    ours = from_fair_esm(fair.state_dict(), attention="triton")
+    ours = from_fair_esm(fair.state_dict(), attention=attention)
     out = {"fair-esm": fair, "attn-zoo": ours}
     hf_names = [m for m in models if m.startswith("hf-")]
     if hf_names:
@@ -292,6 +293,8 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--size", default="650M")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--attention", default="triton",
+                   help="attn-zoo's attention backend (auto: cudnn's deterministic backward where installed)")
     p.add_argument("--shapes", nargs="+", default=[f"{b}x{n}" for b, n in SHAPES],
                    help="batch x length pairs, e.g. 4x1024 (default: %(default)s)")
     p.add_argument("--iters", type=int, default=5)
@@ -311,8 +314,8 @@ def main(argv=None):
     t0 = time.time()
     deadline = t0 + args.time_limit
     env = env_lines(args.size)
-    models = build_models(args.size, args.models)
-    notes = [f"- models built in {time.time() - t0:.0f} s"]
+    models = build_models(args.size, args.models, args.attention)
+    notes = [f"- models built in {time.time() - t0:.0f} s; attn-zoo rows on attention backend {args.attention!r}"]
     parity_rows, rows, search_rows = [], [], []
     try:
         parity_rows = parity(models, args.parity_len)

@@ -6,7 +6,8 @@ q, k, v are ``[B, H, L, D]`` head-split views of ``[B, L, H, D]`` projections (t
 models hand to their attention), B=4, L=1024, sequences of 300-1024 real residues padded to 1024. Masks: none,
 a key-padding mask ``[B, 1, 1, L]`` and the same mask expanded to ``[B, 1, L, L]`` (what transformers' SDPA mask
 builder hands an attention function). SDPA rows run each of its kernels alone (flash takes no mask; cuDNN and
-efficient attention do); the triton rows run deterministic and not. Time: ``triton.testing.do_bench`` median,
+efficient attention do); the triton rows run deterministic and not; ``cudnn`` (``--variants ... cudnn``) is this
+project's cudnn backend, cuDNN with its deterministic backward (no mask). Time: ``triton.testing.do_bench`` median,
 fwd+bwd with gradients into q, k and v; host: perf_counter of 20 calls queued behind a GPU sleep, per call.
 """
 from __future__ import annotations
@@ -45,6 +46,11 @@ def runner(variant, qkv, mask):
 
         def run():
             out = attn_ops.attention(q, k, v, mask=mask, backend="triton", deterministic=det)
+            torch.autograd.grad(out, (q, k, v), do)
+        return run
+    if variant == "cudnn":  # this project's cudnn backend: cuDNN with its deterministic backward (no mask)
+        def run():
+            out = attn_ops.attention(q, k, v, mask=mask, backend="cudnn")
             torch.autograd.grad(out, (q, k, v), do)
         return run
     kernel = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -90,7 +96,7 @@ def main():
             cells, host = [], ""
             for variant in args.variants:
                 qkv, mask = inputs(B, H, L, D, mask_kind, "cuda")
-                if variant == "sdpa-flash" and mask is not None:
+                if variant in ("sdpa-flash", "cudnn") and mask is not None:
                     cells.append("-")
                     continue
                 try:
@@ -101,6 +107,8 @@ def main():
                     cells.append(f"{triton.testing.do_bench(run, warmup=25, rep=200):.3f}")
                     if variant == "triton":
                         host = f"{host_ms(run):.3f}"
+                    if variant == "cudnn":
+                        host += f" (cudnn {host_ms(run):.3f})"
                 except Exception as exc:  # a kernel that refuses the inputs is a cell, not the end of the table
                     cells.append(f"error: {type(exc).__name__}: {str(exc)[:60]}")
             lines.append(f"| {shape} [{B},{H},{L},{D}] | {mask_kind} | " + " | ".join(cells) + f" | {host} |")

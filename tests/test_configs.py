@@ -38,7 +38,7 @@ def test_every_group_has_configs():
     names = {g: [n for gg, n in ALL if gg == g] for g in GROUPS}
     assert set(names["model"]) == {"evoformer_tiny", "evoformer_af2", "pairformer_tiny", "pairformer_af3",
                                    "transformer_mlm", "esm2", "esmc", "longctx_lm"}
-    assert set(names["attention"]) == {"auto", "torch", "chunked", "triton", "sdpa", "flex"}
+    assert set(names["attention"]) == {"auto", "torch", "chunked", "triton", "sdpa", "flex", "cudnn"}
     assert {"cpu", "gpu", "ddp", "fsdp"} <= set(names["trainer"])
     assert {"csv", "tensorboard"} <= set(names["logger"]) and {"fdr", "overfit", "profiler"} <= set(names["debug"])
 

@@ -1,0 +1,246 @@
+"""The ``cudnn`` backend (cuDNN's fused attention through NVIDIA's cuDNN frontend, deterministic backward).
+
+On the CPU: the registry's rules for it (what it refuses and why, where ``auto`` puts it, the workspace bound) and
+the adapter's plumbing through stand-in ``cudnn::sdpa_fwd`` / ``sdpa_bwd`` ops of the frontend's schema computed in
+float64 (leading dims, scale, the causal diagonal's alignment, lse, the deterministic flag). On a GPU with the
+frontend installed: against the reference, bitwise-repeatable gradients, and under ``torch.compile``.
+"""
+from dataclasses import replace
+
+import pytest
+import torch
+
+import attn_ops
+from attn_ops import adapters, registry
+from attn_ops.inputs import describe
+from attn_ops.reference import attention_reference
+
+from helpers import check_against_reference, make_inputs
+
+REQUIRES = "cudnn.sdpa.fwd.torch_op"
+
+
+def _cuda_inputs(**changes):
+    """What a deterministic bf16 training call without bias or mask asks, on CUDA."""
+    q = torch.zeros(2, 4, 1024, 64)
+    base = replace(describe(q, q, q, None, None, False, False, True), device="cuda", dtype=torch.bfloat16,
+                   needs_grad=True)
+    return replace(base, **changes)
+
+
+@pytest.fixture
+def cudnn_importable(monkeypatch):
+    """The registry as if the frontend imported (the probe's answer is cached per module name)."""
+    monkeypatch.setitem(registry._PROBED, REQUIRES, None)
+
+
+def test_auto_takes_cudnn_for_deterministic_training_without_bias_within_the_workspace(cudnn_importable):
+    if registry.get("triton").unavailable_reason():
+        pytest.skip("triton does not import here")
+    inputs = _cuda_inputs()
+    assert registry.select("auto", inputs).name == "cudnn"
+    # inference and deterministic=False keep torch's SDPA (cuDNN or flash, faster without the deterministic path)
+    assert registry.select("auto", replace(inputs, needs_grad=False)).name == "sdpa"
+    assert registry.select("auto", replace(inputs, deterministic=False)).name == "sdpa"
+    # lse, a bias, a mask or segment ids: triton
+    for change in (dict(needs_lse=True), dict(has_bias=True), dict(has_mask=True), dict(has_segments=True)):
+        assert registry.select("auto", replace(inputs, **change)).name == "triton", change
+    # 16 heads of 16384^2 need an 8 GiB workspace: above the default bound, triton serves; a larger bound admits it
+    long = replace(inputs, problems=16, lq=16384, lk=16384, head_dim=128, head_dim_v=128)
+    reasons = registry.not_supported_reasons("cudnn", long)
+    assert any("8.00 GiB workspace" in r and "cudnn_workspace_gib=2" in r for r in reasons), reasons
+    assert registry.select("auto", long).name == "triton"
+    with attn_ops.kernel_settings(cudnn_workspace_gib=9):
+        assert registry.select("auto", long).name == "cudnn"
+    assert registry.select("auto", replace(long, deterministic=False)).name == "sdpa"
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(dtype=torch.float32), "dtype torch.float32 not supported"),
+    (dict(head_dim=36, head_dim_v=36), "q/k head dim 36 not a multiple of 8"),
+    (dict(head_dim_v=160), "v head dim 160 outside [8, 128]"),
+    (dict(has_bias=True), "bias not supported"),
+    (dict(has_mask=True), "mask not supported"),
+    (dict(has_segments=True), "segment_ids (packed variable-length rows) not supported"),
+    (dict(causal=True, lq=1024, lk=1000), "causal with Lq 1024 > Lk 1000 (queries without a key) not supported"),
+    (dict(device="cpu"), "device cpu not supported"),
+])
+def test_cudnn_refuses_what_it_cannot_serve_with_the_reason(cudnn_importable, change, reason):
+    reasons = registry.not_supported_reasons("cudnn", _cuda_inputs(**change))
+    assert any(reason in r for r in reasons), reasons
+    assert not registry.not_supported_reasons("cudnn", _cuda_inputs())
+    assert not registry.not_supported_reasons("cudnn", _cuda_inputs(causal=True, lq=1000, lk=1024))
+
+
+def test_cudnn_without_the_frontend_names_the_missing_module(monkeypatch):
+    monkeypatch.setitem(registry._PROBED, REQUIRES, f"{REQUIRES} cannot be imported (ModuleNotFoundError: x)")
+    with pytest.raises(registry.UnsupportedInputs, match=f"cudnn: {REQUIRES} cannot be imported"):
+        registry.select("cudnn", _cuda_inputs())
+
+
+def test_workspace_bound_is_a_checked_setting():
+    for bad in (-1, True, "2"):
+        with pytest.raises(TypeError, match="cudnn_workspace_gib"):
+            with attn_ops.kernel_settings(cudnn_workspace_gib=bad):
+                pass
+
+
+# -- the adapter through stand-ins of the frontend's two ops (CPU, float64) ------------------------------------
+
+
+def _masked_logits(q, k, scale, is_causal, bottom_right):
+    s = (q @ k.transpose(-1, -2)) * scale
+    if is_causal:
+        lq, lk = q.shape[-2], k.shape[-2]
+        shift = lk - lq if bottom_right else 0
+        keep = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + shift
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+@pytest.fixture
+def stand_in_ops():
+    """``cudnn::sdpa_fwd`` / ``sdpa_bwd`` with the frontend's schemas, computed in float64 on the CPU; yields the
+    list of each call's (op, is_causal, causal_bottom_right, is_deterministic)."""
+    if hasattr(torch.ops.cudnn, "sdpa_fwd"):
+        pytest.skip("the real cuDNN frontend ops are registered in this process")
+    calls = []
+    lib = torch.library.Library("cudnn", "DEF")
+    lib.define("sdpa_fwd(Tensor q, Tensor k, Tensor v, float attn_scale, bool is_causal=False, "
+               "bool causal_bottom_right=False, int window_left=-1, int window_right=-1, Tensor? sinks=None, "
+               "Tensor? seq_len_q=None, Tensor? seq_len_kv=None, Tensor? cu_seqlens_q=None, "
+               "Tensor? cu_seqlens_kv=None, int max_seqlen_q=0, int max_seqlen_kv=0, bool return_lse=True) "
+               "-> (Tensor, Tensor)")
+    lib.define("sdpa_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, float attn_scale, "
+               "bool is_causal=False, bool causal_bottom_right=False, int window_left=-1, int window_right=-1, "
+               "Tensor? sinks=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_kv=None, int max_seqlen_q=0, "
+               "int max_seqlen_kv=0, bool is_deterministic=False) -> (Tensor, Tensor, Tensor)")
+
+    def fwd(q, k, v, attn_scale, is_causal=False, causal_bottom_right=False, window_left=-1, window_right=-1,
+            sinks=None, seq_len_q=None, seq_len_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=0,
+            max_seqlen_kv=0, return_lse=True):
+        assert q.ndim == 4, "the frontend's dense path takes [B, H, S, D]"
+        calls.append(("fwd", is_causal, causal_bottom_right, None))
+        s = _masked_logits(q.double(), k.double(), attn_scale, is_causal, causal_bottom_right)
+        lse = torch.logsumexp(s, -1, keepdim=True)
+        o = torch.exp(s - lse) @ v.double()
+        return o.to(q.dtype), lse.float()
+
+    def bwd(grad_out, q, k, v, o, lse, attn_scale, is_causal=False, causal_bottom_right=False, window_left=-1,
+            window_right=-1, sinks=None, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=0, max_seqlen_kv=0,
+            is_deterministic=False):
+        calls.append(("bwd", is_causal, causal_bottom_right, is_deterministic))
+        with torch.enable_grad():
+            q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+            s = _masked_logits(q64, k64, attn_scale, is_causal, causal_bottom_right)
+            out = torch.softmax(s, -1) @ v64
+            grads = torch.autograd.grad(out, (q64, k64, v64), grad_out.double())
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+
+    lib.impl("sdpa_fwd", fwd, "CPU")
+    lib.impl("sdpa_bwd", bwd, "CPU")
+    yield calls
+    lib._destroy()
+
+
+@pytest.mark.parametrize("lead, lq, lk, causal, deterministic", [
+    ((2, 3), 9, 9, False, True),
+    ((2, 3), 9, 9, True, True),
+    ((2,), 5, 11, True, False),  # Lq < Lk: the diagonal aligned bottom-right, as the op's causal convention
+    ((), 7, 7, False, True),
+])
+def test_cudnn_adapter_matches_the_reference_through_the_stand_in_ops(stand_in_ops, lead, lq, lk, causal,
+                                                                         deterministic):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(*lead, 2, n, 8, generator=g, dtype=torch.float64).requires_grad_()
+               for n in (lq, lk, lk))
+    # a [B, L, H, D]-ordered q (heads split from one projection): the adapter must not need contiguous inputs
+    q = q.detach().transpose(-2, -3).contiguous().transpose(-2, -3).requires_grad_()
+    scale = 0.3
+    out, lse = adapters.cudnn_attention(q, k, v, None, None, scale, causal, deterministic)
+    d_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), d_out)
+    ref_out, ref_lse = attention_reference(q, k, v, None, None, scale=scale, causal=causal)
+    ref = torch.autograd.grad(ref_out, (q, k, v), d_out)
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape == q.shape[:-1]
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-6)  # float32, as cuDNN's stats
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12)
+    assert stand_in_ops == [("fwd", causal, causal and lq != lk, None),
+                            ("bwd", causal, causal and lq != lk, deterministic)]
+
+
+def test_cudnn_adapter_refuses_a_bias_or_mask_it_would_drop(stand_in_ops):
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="neither bias nor mask"):
+        adapters.cudnn_attention(q, q, q, torch.zeros(1, 2, 4, 4), None, 1.0, False)
+    with pytest.raises(ValueError, match="neither bias nor mask"):
+        adapters.cudnn_attention(q, q, q, None, torch.ones(1, 1, 1, 4, dtype=torch.bool), 1.0, False)
+    assert stand_in_ops == []
+
+
+# -- on a GPU with the frontend ---------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+GPU_SHAPES = {  # (batch dims, H, Lq, Lk, D, causal)
+    "esm-like": ((2,), 4, 96, 96, 64, False),
+    "causal-odd": ((1, 3), 2, 77, 77, 128, True),
+    "causal-lq<lk": ((2,), 2, 33, 80, 32, True),
+    "odd-lengths": ((3,), 2, 45, 131, 64, False),
+}
+
+
+def _need_cudnn():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if "cudnn" not in attn_ops.backends():
+        pytest.skip(registry.get("cudnn").unavailable_reason() or "cudnn backend unavailable")
+
+
+@gpu
+@pytest.mark.parametrize("name", list(GPU_SHAPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_cudnn_matches_reference(name, dtype):
+    _need_cudnn()
+    batch, h, lq, lk, d, causal = GPU_SHAPES[name]
+    q, k, v, _, _ = make_inputs(batch, h, lq, lk, d, dtype=dtype, seed=5, device="cuda")
+    check_against_reference("cudnn", q, k, v, None, None, causal=causal)
+    with torch.no_grad():  # lse, forward only (the backend gives no gradient through it)
+        _, lse = attn_ops.attention(q, k, v, causal=causal, return_lse=True, backend="cudnn")
+        _, ref = attention_reference(q.double(), k.double(), v.double(), None, None, causal=causal)
+    torch.testing.assert_close(lse.double(), ref, rtol=0, atol=2e-2)
+
+
+@gpu
+def test_gpu_cudnn_backward_is_bitwise_repeatable_and_auto_routes_there():
+    _need_cudnn()
+    q, k, v, _, _ = make_inputs((4,), 20, 1024, 1024, 64, dtype=torch.bfloat16, seed=6, device="cuda")
+    assert registry.select("auto", describe(q, k, v, None, None, False, False, True)).name == "cudnn"
+    d_out = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    noise = torch.randn(2048, 2048, device="cuda")
+    first = None
+    for i in range(6):
+        noise[: 512 + 256 * i] @ noise[: 512 + 256 * i].T  # other work in flight between runs
+        out = attn_ops.attention(q, k, v, backend="auto")
+        grads = torch.autograd.grad(out, (q, k, v), d_out)
+        if first is None:
+            first = grads
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(first, grads)), f"run {i} differs"
+
+
+@gpu
+def test_gpu_cudnn_compiles_in_one_graph():
+    _need_cudnn()
+    q, k, v, _, _ = make_inputs((2,), 4, 128, 128, 64, dtype=torch.bfloat16, seed=7, device="cuda")
+
+    def f(q, k, v):
+        return attn_ops.attention(q, k, v, causal=True, backend="cudnn").float().square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    eager = torch.autograd.grad(f(q, k, v), (q, k, v))
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
