@@ -21,8 +21,8 @@ REQUIRES = "cudnn.sdpa.fwd.torch_op"
 
 
 def _cuda_inputs(**changes):
-    """What a deterministic bf16 training call without bias or mask asks, on CUDA."""
-    q = torch.zeros(2, 4, 1024, 64)
+    """What a deterministic bf16 training call without bias or mask asks, on CUDA (a long-context LM's shape)."""
+    q = torch.zeros(1, 8, 4096, 128)
     base = replace(describe(q, q, q, None, None, False, False, True), device="cuda", dtype=torch.bfloat16,
                    needs_grad=True)
     return replace(base, **changes)
@@ -45,8 +45,12 @@ def test_auto_takes_cudnn_for_deterministic_training_without_bias_within_the_wor
     # lse, a bias, a mask or segment ids: triton
     for change in (dict(needs_lse=True), dict(has_bias=True), dict(has_mask=True), dict(has_segments=True)):
         assert registry.select("auto", replace(inputs, **change)).name == "triton", change
+    # where cudnn was measured no faster than triton: head dim 64, or fewer than 4096^2 pairs
+    assert registry.select("auto", replace(inputs, head_dim=64, head_dim_v=64)).name == "triton"
+    assert registry.select("auto", replace(inputs, lq=4096, lk=4000)).name == "triton"
+    assert registry.priority(replace(inputs, head_dim=64))[:2] == ("sdpa", "triton")
     # 16 heads of 16384^2 need an 8 GiB workspace: above the default bound, triton serves; a larger bound admits it
-    long = replace(inputs, problems=16, lq=16384, lk=16384, head_dim=128, head_dim_v=128)
+    long = replace(inputs, problems=16, lq=16384, lk=16384)
     reasons = registry.not_supported_reasons("cudnn", long)
     assert any("8.00 GiB workspace" in r and "cudnn_workspace_gib=2" in r for r in reasons), reasons
     assert registry.select("auto", long).name == "triton"
@@ -59,6 +63,7 @@ def test_auto_takes_cudnn_for_deterministic_training_without_bias_within_the_wor
     (dict(dtype=torch.float32), "dtype torch.float32 not supported"),
     (dict(head_dim=36, head_dim_v=36), "q/k head dim 36 not a multiple of 8"),
     (dict(head_dim_v=160), "v head dim 160 outside [8, 128]"),
+    (dict(problems=64, lq=8192, lk=8192), "deterministic backward needs a 8.00 GiB workspace"),
     (dict(has_bias=True), "bias not supported"),
     (dict(has_mask=True), "mask not supported"),
     (dict(has_segments=True), "segment_ids (packed variable-length rows) not supported"),
@@ -69,7 +74,9 @@ def test_cudnn_refuses_what_it_cannot_serve_with_the_reason(cudnn_importable, ch
     reasons = registry.not_supported_reasons("cudnn", _cuda_inputs(**change))
     assert any(reason in r for r in reasons), reasons
     assert not registry.not_supported_reasons("cudnn", _cuda_inputs())
-    assert not registry.not_supported_reasons("cudnn", _cuda_inputs(causal=True, lq=1000, lk=1024))
+    assert not registry.not_supported_reasons("cudnn", _cuda_inputs(causal=True, lq=4000, lk=4096))
+    assert not registry.not_supported_reasons("cudnn", _cuda_inputs(problems=64, lq=8192, lk=8192,
+                                                                   deterministic=False))
 
 
 def test_cudnn_without_the_frontend_names_the_missing_module(monkeypatch):
@@ -215,7 +222,7 @@ def test_gpu_cudnn_matches_reference(name, dtype):
 @gpu
 def test_gpu_cudnn_backward_is_bitwise_repeatable_and_auto_routes_there():
     _need_cudnn()
-    q, k, v, _, _ = make_inputs((4,), 20, 1024, 1024, 64, dtype=torch.bfloat16, seed=6, device="cuda")
+    q, k, v, _, _ = make_inputs((1,), 4, 4096, 4096, 128, dtype=torch.bfloat16, seed=6, device="cuda")
     assert registry.select("auto", describe(q, k, v, None, None, False, False, True)).name == "cudnn"
     d_out = torch.randn(q.shape, device="cuda", dtype=q.dtype)
     noise = torch.randn(2048, 2048, device="cuda")
