@@ -249,7 +249,7 @@ def not_supported_reasons(name: str, inputs: AttnInputs) -> List[str]:
 
 
 CUDNN_AUTO_MIN_HEAD_DIM = 128
-CUDNN_AUTO_MIN_PAIRS = 4096 * 4096  # query-key pairs per problem
+CUDNN_AUTO_MIN_PAIRS = 2048 * 2048  # query-key pairs per problem
 
 
 def priority(inputs: AttnInputs) -> Sequence[str]:
@@ -257,9 +257,10 @@ def priority(inputs: AttnInputs) -> Sequence[str]:
     if inputs.device == "cuda":
         # sdpa (cuDNN/flash) is fastest without a bias; with deterministic=True and gradients it is
         # rejected (atomics in its backward) and triton serves, or cudnn (cuDNN's deterministic backward, where
-        # installed and its workspace fits) where it was measured faster: head dim 128 from 4096^2 pairs on
-        # (H200, fwd+bwd: 7.9 against 10.0 ms causal [1,16,16384,128]); at head dim 64 it is level with triton
-        # at 16384 and slower at ESM's 1024 (its dQ matmul over the kept scores' gradient).
+        # installed and its workspace fits) where it was measured faster: head dim 128 from 2048^2 pairs on
+        # (H200, fwd+bwd: 0.99 against 1.29 ms [4,16,2048,128], 7.9 against 10.0 causal [1,16,16384,128]); at
+        # head dim 64 it is slower than triton at 8192 and at ESM's 1024 (its dQ matmul over the kept scores'
+        # gradient), level at 16384 causal (docs/bench/cudnn_h200.md).
         if not inputs.has_bias and not inputs.needs_lse:
             if inputs.head_dim >= CUDNN_AUTO_MIN_HEAD_DIM and inputs.lq * inputs.lk >= CUDNN_AUTO_MIN_PAIRS:
                 return ("sdpa", "cudnn", "triton", "flex", "chunked", "torch")

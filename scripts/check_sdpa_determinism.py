@@ -8,6 +8,9 @@ equal to the first run's. Between runs other work is put on the GPU (a matmul of
 backward whose result depends on the order in which thread blocks finish shows it. A kernel that is identical
 on every run of every shape is a candidate for the deterministic no-bias path; one differing run rules it out.
 
+``--cudnn-backend`` adds a column for this project's ``cudnn`` backend, which asks cuDNN (through NVIDIA's cuDNN
+frontend) for its deterministic backward.
+
 ``--torch-deterministic`` runs everything under ``torch.use_deterministic_algorithms(True)``, the switch PyTorch's
 flash backward reads to take its deterministic path and the efficient kernel to use one key split (cuDNN refuses
 or ignores it); each cell then also gives the kernel's fwd+bwd median ms in that mode, beside this project's
@@ -16,6 +19,7 @@ triton kernel (deterministic backward) on the same inputs.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -33,6 +37,19 @@ def run_once(kernel, q, k, v, mask, causal, do):
 
     with sdpa_kernel([kernel]):
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    return [out.detach().clone()] + [g.clone() for g in grads]
+
+
+def run_cudnn_backend(q, k, v, mask, causal, do):
+    """This project's cudnn backend: cuDNN asked for its deterministic backward (no mask; the workspace bound
+    lifted, as a call that names the backend may)."""
+    import attn_ops
+
+    if mask is not None:
+        raise RuntimeError("takes no mask")
+    with attn_ops.kernel_settings(cudnn_workspace_gib=1024):
+        out = attn_ops.attention(q, k, v, causal=causal, backend="cudnn")
     grads = torch.autograd.grad(out, (q, k, v), do)
     return [out.detach().clone()] + [g.clone() for g in grads]
 
@@ -60,6 +77,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", nargs="+", default=None, metavar="B,H,L,D", help="instead of the default shapes")
     ap.add_argument("--masks", nargs="+", default=["none", "key", "causal"], choices=["none", "key", "causal"])
+    ap.add_argument("--cudnn-backend", action="store_true",
+                    help="also this project's cudnn backend (cuDNN's deterministic backward; nvidia-cudnn-frontend)")
     ap.add_argument("--torch-deterministic", action="store_true",
                     help="run under torch.use_deterministic_algorithms(True) and time each kernel")
     args = ap.parse_args()
@@ -68,6 +87,8 @@ def main():
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (the noise matmul needs it in this mode)
     kernels = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    if args.cudnn_backend:
+        kernels["cudnn backend"] = "backend"
     lines = [f"# SDPA backward reproducibility ({torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
              f"cuDNN {torch.backends.cudnn.version()}, {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC)", "",
              f"identical runs of {args.repeats} (output, dq, dk, dv bitwise equal to the first run), bf16"
@@ -89,20 +110,21 @@ def main():
                 continue
             cells = []
             for name, kernel in kernels.items():
-                if name == "flash" and mask is not None:
+                if name in ("flash", "cudnn backend") and mask is not None:
                     cells.append("-")
                     continue
+                once = run_cudnn_backend if kernel == "backend" else functools.partial(run_once, kernel)
                 try:
-                    first = run_once(kernel, q, k, v, mask, causal, do)
+                    first = once(q, k, v, mask, causal, do)
                     same = 1
                     for i in range(1, args.repeats):
                         n = 512 + 256 * (i % 8)
                         noise[:n, :n] @ noise[:n, :n]  # other work in flight: changes block scheduling
-                        again = run_once(kernel, q, k, v, mask, causal, do)
+                        again = once(q, k, v, mask, causal, do)
                         same += all(torch.equal(a, b) for a, b in zip(first, again))
                     cell = f"{same}/{args.repeats}"
                     if args.torch_deterministic:
-                        cell += f", {median_ms(lambda: run_once(kernel, q, k, v, mask, causal, do)):.3f} ms"
+                        cell += f", {median_ms(lambda: once(q, k, v, mask, causal, do)):.3f} ms"
                     cells.append(cell)
                 except RuntimeError as exc:  # the kernel refuses these inputs
                     cells.append(f"refused: {str(exc).splitlines()[0][:50]}")

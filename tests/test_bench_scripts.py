@@ -4,6 +4,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from attn_ops import registry
 
@@ -500,3 +501,15 @@ def test_zoo_bench_smoke_runs_every_row(tmp_path):
     with open(tmp_path / "zoo.csv") as f:
         assert list(csv.DictReader(f)) == [{k: r.get(k, "") for k in bench_zoo.FIELDS} for r in rows]
     assert (tmp_path / "zoo.md").read_text().count("\n| ") == len(rows) + 1
+
+
+def test_cudnn_bench_needs_a_gpu_and_the_attention_bench_skips_cudnn_on_bias_shapes():
+    import bench_attention
+    import bench_cudnn
+
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA device"):
+            bench_cudnn.main(["--set", "op"])
+    cases = {be: skip for _, _, be, _, _, skip in bench_attention.bias_cases(["triangle 1,256,4,256,32"],
+                                                                              ["cudnn", "triton"])}
+    assert cases == {"cudnn": "skipped: no bias path", "triton": None}

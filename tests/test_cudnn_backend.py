@@ -45,9 +45,10 @@ def test_auto_takes_cudnn_for_deterministic_training_without_bias_within_the_wor
     # lse, a bias, a mask or segment ids: triton
     for change in (dict(needs_lse=True), dict(has_bias=True), dict(has_mask=True), dict(has_segments=True)):
         assert registry.select("auto", replace(inputs, **change)).name == "triton", change
-    # where cudnn was measured no faster than triton: head dim 64, or fewer than 4096^2 pairs
+    # where cudnn was measured no faster than triton: head dim 64, or fewer than 2048^2 pairs
     assert registry.select("auto", replace(inputs, head_dim=64, head_dim_v=64)).name == "triton"
-    assert registry.select("auto", replace(inputs, lq=4096, lk=4000)).name == "triton"
+    assert registry.select("auto", replace(inputs, lq=2048, lk=2047)).name == "triton"
+    assert registry.select("auto", replace(inputs, lq=2048, lk=2048)).name == "cudnn"
     assert registry.priority(replace(inputs, head_dim=64))[:2] == ("sdpa", "triton")
     # 16 heads of 16384^2 need an 8 GiB workspace: above the default bound, triton serves; a larger bound admits it
     long = replace(inputs, problems=16, lq=16384, lk=16384)
