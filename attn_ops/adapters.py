@@ -58,6 +58,14 @@ def sdpa_attention(q, k, v, bias, mask, scale, causal, deterministic=True, segme
     return out, None
 
 
+def _cudnn_operand(t: Tensor) -> Tensor:
+    """``t`` as cuDNN's descriptors take it: a dense last dim, no broadcast (stride-0) dim, a 16-byte-aligned start.
+    Made so here rather than inside the frontend, whose fake (compile-time) outputs follow the input's strides."""
+    if t.stride(-1) != 1 or 0 in t.stride() or (t.storage_offset() * t.element_size()) % 16:
+        return t.contiguous() if t.storage_offset() == 0 or not t.is_contiguous() else t.clone()
+    return t
+
+
 class _CudnnAttention(torch.autograd.Function):
     """cuDNN's fused attention through NVIDIA's cuDNN frontend (``torch.ops.cudnn.sdpa_fwd`` / ``sdpa_bwd``, the
     package ``nvidia-cudnn-frontend``), with the backward's ``deterministic`` choice passed per call: PyTorch's own
@@ -76,6 +84,7 @@ class _CudnnAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # (the frontend's backward op has no gradient of its own)
     def backward(ctx, d_out, _d_lse):  # lse carries no gradient here (the backend declares lse_grad=False)
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = torch.ops.cudnn.sdpa_bwd(d_out, q, k, v, out, lse, ctx.scale, is_causal=ctx.causal,
@@ -89,8 +98,11 @@ def cudnn_attention(q, k, v, bias, mask, scale, causal, deterministic=True):
     :class:`_CudnnAttention`. Leading batch dims flatten into one (a view where their strides allow)."""
     if bias is not None or mask is not None:  # the registry declares neither; a direct call must not drop them
         raise ValueError("cudnn_attention takes neither bias nor mask (the registry routes those elsewhere)")
+    if causal and q.shape[-2] > k.shape[-2]:
+        raise ValueError(f"cudnn_attention: causal with Lq {q.shape[-2]} > Lk {k.shape[-2]} leaves queries without a "
+                         "key, which it does not serve (the registry routes those elsewhere)")
     lead = q.shape[:-3]
     n = math.prod(lead) if lead else 1
-    q4, k4, v4 = (t.reshape((n,) + t.shape[-3:]) for t in (q, k, v))
+    q4, k4, v4 = (_cudnn_operand(t.reshape((n,) + t.shape[-3:])) for t in (q, k, v))
     out, lse = _CudnnAttention.apply(q4, k4, v4, float(scale), bool(causal), bool(deterministic))
     return out.reshape(q.shape[:-1] + v.shape[-1:]), lse.reshape(q.shape[:-1])

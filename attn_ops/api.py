@@ -12,8 +12,9 @@ Tensor = torch.Tensor
 
 
 class _Empty(torch.autograd.Function):
-    """Attention with Lq = 0 or Lk = 0: out zeros ``[*batch, H, Lq, Dv]`` (empty when Lq = 0; every row has no key
-    when Lk = 0), lse -inf ``[*batch, H, Lq]``; gradients zeros shaped as q, k, v and the bias."""
+    """Attention with Lq = 0 or Lk = 0 (or no batch element or head): out zeros ``[*batch, H, Lq, Dv]`` (empty when
+    Lq = 0; every row has no key when Lk = 0), lse -inf ``[*batch, H, Lq]``; gradients zeros shaped as q, k, v and
+    the bias."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor]):
@@ -96,7 +97,7 @@ def attention(
             f"backend {chosen.name!r} got unknown option(s) {sorted(unknown)}; "
             f"it accepts {sorted(chosen.options) or 'none'}"
         )
-    if q.shape[-2] == 0 or k.shape[-2] == 0:  # one answer for every backend, before any kernel sees a 0 length
+    if q.numel() == 0 or k.numel() == 0:  # one answer for every backend, before any kernel sees a 0 size
         out, lse = _Empty.apply(q, k, v, bias)
         return (out, lse) if return_lse else out
     if segment_ids is not None:  # backends that declare segment_ids take them as a keyword

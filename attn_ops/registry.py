@@ -60,8 +60,9 @@ class Backend:
     # tiles of ``[*batch, H, Lq, keys]`` held at once, keys = Lk or, with ``score_chunk``, that option's value
     # (default ``score_chunk_default``). 0: a fused kernel that holds no scores.
     score_buffers: int = 0
-    # Backward workspace of a deterministic backward, in bytes per query-key pair of each problem (batch dims x
-    # heads); refused above ``settings.cudnn_workspace_gib``. 0: none that grows with Lq * Lk.
+    # Workspace of the deterministic backward, an upper estimate in bytes per query-key pair of each problem (batch
+    # dims x heads); refused above ``settings.cudnn_workspace_gib`` (the one backend with such a workspace), whether
+    # named or picked by auto. 0: none that grows with Lq * Lk.
     det_bwd_pair_bytes: int = 0
     score_chunk: Optional[str] = None
     score_chunk_default: Optional[int] = None
@@ -258,7 +259,7 @@ def priority(inputs: AttnInputs) -> Sequence[str]:
         # sdpa (cuDNN/flash) is fastest without a bias; with deterministic=True and gradients it is
         # rejected (atomics in its backward) and triton serves, or cudnn (cuDNN's deterministic backward, where
         # installed and its workspace fits) where it was measured faster: head dim 128 from 2048^2 pairs on
-        # (H200, fwd+bwd: 0.99 against 1.29 ms [4,16,2048,128], 7.9 against 10.0 causal [1,16,16384,128]); at
+        # (H200, fwd+bwd: 0.99 against 1.29 ms [4,16,2048,128], 2.10 against 2.74 causal [1,16,8192,128]); at
         # head dim 64 it is slower than triton at 8192 and at ESM's 1024 (its dQ matmul over the kept scores'
         # gradient), level at 16384 causal (docs/bench/cudnn_h200.md).
         if not inputs.has_bias and not inputs.needs_lse:
@@ -318,7 +319,8 @@ def forward_scratch_bytes(name: str, *, device: str, dtype: torch.dtype, head_di
     attention problems of ``lq`` queries and ``lk`` keys. 0 when no backend can serve the inputs."""
     inputs = AttnInputs(device=device, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, has_bias=has_bias,
                         has_mask=has_mask, causal=False, needs_lse=False, needs_grad=False, bias_needs_grad=False,
-                        bias_is_broadcast=has_bias, lse_needs_grad=False, deterministic=True)
+                        bias_is_broadcast=has_bias, lse_needs_grad=False, deterministic=True, problems=batch,
+                        lq=lq, lk=lk)
     try:
         b = select(name, inputs)
     except UnsupportedInputs:

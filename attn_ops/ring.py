@@ -162,6 +162,19 @@ def _wait(reqs) -> None:
 # ----------------------------------------------------------------------------------------------------
 # One call's gradient for the merged softmax
 # ----------------------------------------------------------------------------------------------------
+def _check_ring_backend(backend, q, k, v) -> None:
+    """Refuse, before the forward, a named backend whose lse carries no gradient when this ring call will need
+    one: every step's backward goes through the lse merge (otherwise the forward would run and the backward fail)."""
+    from . import registry
+
+    if backend == registry.AUTO:
+        return
+    b = registry.get(backend)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)) and not (b.lse and b.lse_grad):
+        raise ValueError(f"ring_attention with gradients needs a backend with an lse gradient; backend={backend!r} "
+                         "has none (backend='auto' or 'triton' has)")
+
+
 def _lse_backward(spec: _Spec, q, k, v, b, m, causal, need_b, seg=None):
     """The selected backend's backward-given-(out, lse) (registry field ``lse_backward``), or None.
 
@@ -535,6 +548,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, bias=None, mask: Optional[Te
             raise ValueError(f"kv_parts must be an int in [1, segment length], got {kv_parts!r}")
         if q_chunk is not None and (not isinstance(q_chunk, int) or q_chunk < 1):
             raise ValueError(f"q_chunk must be None or a positive int, got {q_chunk!r}")
+        _check_ring_backend(backend, q, k, v)
         if callable(bias) and not isinstance(bias, torch.Tensor):
             bias_fn, bias = bias, None
         elif bias is not None:

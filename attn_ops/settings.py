@@ -56,8 +56,9 @@ class KernelSettings:
     tile_variants: a length that is a multiple of a kernel's tile runs a variant compiled for it (EVEN_M / EVEN_N:
     no load masks); False: every length runs the general variant, so fewer kernels compile.
     cudnn_workspace_gib: the largest workspace the ``cudnn`` backend's deterministic backward may take (cuDNN 9 on
-    Hopper keeps the scores' gradient, 2 bytes per query-key pair and head); the registry refuses the backend for
-    inputs that need more, so ``auto`` then takes triton (whose backward holds no score-sized buffer).
+    Hopper keeps the scores' gradient, at most 2 bytes per query-key pair and head); the registry refuses the backend
+    for inputs that would need more, named or picked by ``auto`` (which then takes triton, whose backward holds no
+    score-sized buffer).
     """
 
     tune: bool = True

@@ -294,7 +294,8 @@ def main(argv=None):
     p.add_argument("--size", default="650M")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--attention", default="triton",
-                   help="attn-zoo's attention backend (auto: cudnn's deterministic backward where installed)")
+                   help="attn-zoo's attention backend (default triton; cudnn: cuDNN's deterministic backward, "
+                        "unpadded batches only)")
     p.add_argument("--shapes", nargs="+", default=[f"{b}x{n}" for b, n in SHAPES],
                    help="batch x length pairs, e.g. 4x1024 (default: %(default)s)")
     p.add_argument("--iters", type=int, default=5)

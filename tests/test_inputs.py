@@ -70,15 +70,15 @@ def _sdpa(q, k, v, bias):
 
 @pytest.mark.parametrize("backend", ["auto", "torch", "chunked", "sdpa", "flex",
                                      pytest.param("triton", marks=pytest.mark.interpreter)])  # CPU tensors
-@pytest.mark.parametrize("lq,lk", [(0, 6), (5, 0), (0, 0)])
-def test_empty_lengths_as_sdpa(backend, lq, lk):
-    """Lq = 0: empty out and lse; Lk = 0: out zeros and lse -inf (every row has no key), as SDPA gives; zero
-    gradients shaped as q, k, v and the broadcast bias, through out and through lse."""
+@pytest.mark.parametrize("lq,lk,b0", [(0, 6, 2), (5, 0, 2), (0, 0, 2), (5, 6, 0)])
+def test_empty_lengths_as_sdpa(backend, lq, lk, b0):
+    """Lq = 0: empty out and lse; Lk = 0: out zeros and lse -inf (every row has no key), as SDPA gives; a batch
+    of 0: empty out and lse; zero gradients shaped as q, k, v and the broadcast bias, through out and lse."""
     if backend not in attn_ops.backends() + ["auto"]:
         pytest.skip(f"{backend} not available")
-    q, k, v = qkv(b=(2, 3), lq=lq, lk=lk, d=16, dv=24)
+    q, k, v = qkv(b=(b0, 3), lq=lq, lk=lk, d=16, dv=24)
     bias = torch.randn(3, 2, lq, lk, requires_grad=True)  # shared over the first batch dim
-    mask = torch.rand(2, 3, 1, 1, lk) > 0.5
+    mask = torch.rand(b0, 3, 1, 1, lk) > 0.5
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     needs_grad = backend != "flex"  # flex has no CPU backward: it refuses inputs that need one
     if not needs_grad:
@@ -87,10 +87,10 @@ def test_empty_lengths_as_sdpa(backend, lq, lk):
         out, lse = attn_ops.attention(q, k, v, bias, mask, return_lse=backend != "sdpa", backend=backend) \
             if backend != "sdpa" else (attn_ops.attention(q, k, v, bias, mask, backend=backend), None)
     want = _sdpa(q.detach(), k.detach(), v.detach(), bias.detach())
-    assert out.shape == want.shape == (2, 3, 2, lq, 24) and out.dtype == q.dtype
+    assert out.shape == want.shape == (b0, 3, 2, lq, 24) and out.dtype == q.dtype
     assert torch.equal(out, want) and torch.equal(out, torch.zeros_like(out))
     if lse is not None:
-        assert lse.shape == (2, 3, 2, lq) and lse.dtype == torch.float32
+        assert lse.shape == (b0, 3, 2, lq) and lse.dtype == torch.float32
         assert bool((lse == float("-inf")).all())
     if needs_grad:
         loss = out.sum() + (0 if lse is None else lse.clamp(min=-1.0).sum())
