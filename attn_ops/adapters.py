@@ -6,7 +6,9 @@ Each adapter takes canonical inputs (bias/mask already have q.ndim dims) and ret
 """
 from __future__ import annotations
 
+import inspect
 import math
+from typing import Tuple
 
 import torch
 
@@ -60,10 +62,47 @@ def sdpa_attention(q, k, v, bias, mask, scale, causal, deterministic=True, segme
 
 def _cudnn_operand(t: Tensor) -> Tensor:
     """``t`` as cuDNN's descriptors take it: a dense last dim, no broadcast (stride-0) dim, a 16-byte-aligned start.
-    Made so here rather than inside the frontend, whose fake (compile-time) outputs follow the input's strides."""
-    if t.stride(-1) != 1 or 0 in t.stride() or (t.storage_offset() * t.element_size()) % 16:
+    Made so here rather than inside the frontend, whose fake (compile-time) outputs follow the input's strides.
+    (The start's alignment is not read under torch.compile, where ``storage_offset`` breaks the graph.)"""
+    misaligned = not torch.compiler.is_compiling() and (t.storage_offset() * t.element_size()) % 16
+    if t.stride(-1) != 1 or 0 in t.stride() or misaligned:
         return t.contiguous() if t.storage_offset() == 0 or not t.is_contiguous() else t.clone()
     return t
+
+
+# cuDNN's frontend breaks a CUDA graph capture: its two ops are wrapped in ops of ours that carry the
+# cudagraph_unsafe tag, so that torch.compile's CUDA graphs (reduce-overhead) run around them, not through them.
+_CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+_TAGS = {"tags": _CUDAGRAPH_UNSAFE} if _CUDAGRAPH_UNSAFE and \
+    "tags" in inspect.signature(torch.library.custom_op).parameters else {}
+
+
+@torch.library.custom_op("attn_zoo::cudnn_sdpa_fwd", mutates_args=(), **_TAGS)
+def cudnn_sdpa_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
+                   bottom_right: bool) -> Tuple[Tensor, Tensor]:
+    """(out, lse ``[N, H, Lq, 1]`` float32) of the frontend's ``cudnn::sdpa_fwd``."""
+    return torch.ops.cudnn.sdpa_fwd(q, k, v, scale, is_causal=causal, causal_bottom_right=bottom_right,
+                                    return_lse=True)
+
+
+@cudnn_sdpa_fwd.register_fake
+def _cudnn_sdpa_fwd_fake(q, k, v, scale, causal, bottom_right):
+    return torch.ops.cudnn.sdpa_fwd(q, k, v, scale, is_causal=causal, causal_bottom_right=bottom_right,
+                                    return_lse=True)  # the frontend's own fake: its real outputs' strides
+
+
+@torch.library.custom_op("attn_zoo::cudnn_sdpa_bwd", mutates_args=(), **_TAGS)
+def cudnn_sdpa_bwd(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                   causal: bool, bottom_right: bool, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of the frontend's ``cudnn::sdpa_bwd``, cuDNN's deterministic algorithm when asked."""
+    return torch.ops.cudnn.sdpa_bwd(d_out, q, k, v, out, lse, scale, is_causal=causal,
+                                    causal_bottom_right=bottom_right, is_deterministic=deterministic)
+
+
+@cudnn_sdpa_bwd.register_fake
+def _cudnn_sdpa_bwd_fake(d_out, q, k, v, out, lse, scale, causal, bottom_right, deterministic):
+    return torch.ops.cudnn.sdpa_bwd(d_out, q, k, v, out, lse, scale, is_causal=causal,
+                                    causal_bottom_right=bottom_right, is_deterministic=deterministic)
 
 
 class _CudnnAttention(torch.autograd.Function):
@@ -76,8 +115,7 @@ class _CudnnAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, scale, causal, deterministic):
         # our causal convention aligns the diagonal bottom-right (key j <= i + Lk - Lq): cuDNN's top-left when Lq == Lk
         bottom_right = causal and q.shape[-2] != k.shape[-2]
-        out, lse = torch.ops.cudnn.sdpa_fwd(q, k, v, scale, is_causal=causal, causal_bottom_right=bottom_right,
-                                            return_lse=True)
+        out, lse = cudnn_sdpa_fwd(q, k, v, scale, causal, bottom_right)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.causal, ctx.bottom_right, ctx.deterministic = scale, causal, bottom_right, deterministic
         ctx.mark_non_differentiable(lse)
@@ -87,9 +125,8 @@ class _CudnnAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable  # (the frontend's backward op has no gradient of its own)
     def backward(ctx, d_out, _d_lse):  # lse carries no gradient here (the backend declares lse_grad=False)
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.cudnn.sdpa_bwd(d_out, q, k, v, out, lse, ctx.scale, is_causal=ctx.causal,
-                                              causal_bottom_right=ctx.bottom_right,
-                                              is_deterministic=ctx.deterministic)
+        dq, dk, dv = cudnn_sdpa_bwd(d_out, q, k, v, out, lse, ctx.scale, ctx.causal, ctx.bottom_right,
+                                    ctx.deterministic)
         return dq, dk, dv, None, None, None
 
 

@@ -64,6 +64,7 @@ class Backend:
     # dims x heads); refused above ``settings.cudnn_workspace_gib`` (the one backend with such a workspace), whether
     # named or picked by auto. 0: none that grows with Lq * Lk.
     det_bwd_pair_bytes: int = 0
+    cuda_graphs: bool = True  # runs inside a CUDA graph capture (False: refused while the stream captures)
     score_chunk: Optional[str] = None
     score_chunk_default: Optional[int] = None
     # Tests bound this backend's error vs a float64 reference by tolerance * (plain PyTorch's error in the
@@ -161,6 +162,7 @@ def _registry() -> Dict[str, Backend]:
             mask=False, causal_rows_without_keys=False, lse_grad=False, requires="cudnn.sdpa.fwd.torch_op",
             # cuDNN 9.19 on Hopper: the deterministic backward keeps dP, 2 bytes per pair (8 GiB at 16 x 16384^2)
             det_bwd_pair_bytes=2,
+            cuda_graphs=False,  # the frontend's execute breaks a capture (cudaErrorStreamCaptureImplicit, H200)
         ),
         "flex": Backend(
             name="flex", entry="flex:flex_attention",
@@ -192,6 +194,12 @@ def validate_backend_name(name) -> str:
 def get(name: str) -> Backend:
     validate_backend_name(name)
     return BACKENDS[name]
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (never asked while torch.compile traces)."""
+    return (not torch.compiler.is_compiling() and torch.cuda.is_available()
+            and torch.cuda.is_current_stream_capturing())
 
 
 def not_supported_reasons(name: str, inputs: AttnInputs) -> List[str]:
@@ -239,6 +247,8 @@ def not_supported_reasons(name: str, inputs: AttnInputs) -> List[str]:
         reasons.append(f"backward is not deterministic on {inputs.device}")
     if inputs.deterministic and inputs.bias_needs_grad and not b.deterministic_bias_grad:
         reasons.append("bias gradient uses atomics, not deterministic")
+    if not b.cuda_graphs and inputs.device == "cuda" and _capturing():
+        reasons.append("cannot run inside a CUDA graph capture")
     if inputs.deterministic and inputs.needs_grad and b.det_bwd_pair_bytes:
         need = b.det_bwd_pair_bytes * inputs.problems * inputs.lq * inputs.lk
         limit = settings.get().cudnn_workspace_gib * 2 ** 30
@@ -250,7 +260,7 @@ def not_supported_reasons(name: str, inputs: AttnInputs) -> List[str]:
 
 
 CUDNN_AUTO_MIN_HEAD_DIM = 128
-CUDNN_AUTO_MIN_PAIRS = 2048 * 2048  # query-key pairs per problem
+CUDNN_AUTO_MIN_WORK = 2 ** 28  # attended query-key pairs over all problems (causal: half of Lq * Lk)
 
 
 def priority(inputs: AttnInputs) -> Sequence[str]:
@@ -258,12 +268,14 @@ def priority(inputs: AttnInputs) -> Sequence[str]:
     if inputs.device == "cuda":
         # sdpa (cuDNN/flash) is fastest without a bias; with deterministic=True and gradients it is
         # rejected (atomics in its backward) and triton serves, or cudnn (cuDNN's deterministic backward, where
-        # installed and its workspace fits) where it was measured faster: head dim 128 from 2048^2 pairs on
-        # (H200, fwd+bwd: 0.99 against 1.29 ms [4,16,2048,128], 2.10 against 2.74 causal [1,16,8192,128]); at
-        # head dim 64 it is slower than triton at 8192 and at ESM's 1024 (its dQ matmul over the kept scores'
-        # gradient), level at 16384 causal (docs/bench/cudnn_h200.md).
+        # installed and its workspace fits) where it was measured faster in two runs: head dim 128 from 2^28
+        # attended query-key pairs over all heads and batch on (H200, fwd+bwd: 1.0 against 1.3 ms [4,16,2048,128],
+        # 2.1-2.2 against 2.7-2.8 causal [1,16,8192,128]); below that a call is host-bound and either may win; at
+        # head dim 64 triton is faster at 8192 and at ESM's 1024 (cuDNN's deterministic dQ is a second matmul over
+        # the kept score gradient), level at 16384 causal (docs/bench/cudnn_h200.md).
+        work = inputs.problems * inputs.lq * inputs.lk // (2 if inputs.causal else 1)
         if not inputs.has_bias and not inputs.needs_lse:
-            if inputs.head_dim >= CUDNN_AUTO_MIN_HEAD_DIM and inputs.lq * inputs.lk >= CUDNN_AUTO_MIN_PAIRS:
+            if inputs.head_dim >= CUDNN_AUTO_MIN_HEAD_DIM and work >= CUDNN_AUTO_MIN_WORK:
                 return ("sdpa", "cudnn", "triton", "flex", "chunked", "torch")
             return ("sdpa", "triton", "flex", "cudnn", "chunked", "torch")
         return ("triton", "flex", "sdpa", "chunked", "torch")
