@@ -390,3 +390,22 @@ def test_gpu_cudnn_compiles_in_one_graph():
     got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
     for a, b in zip(got, eager):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@gpu
+def test_gpu_cudnn_under_reduce_overhead_compile_runs_outside_its_cuda_graphs():
+    """The wrapping ops' cudagraph_unsafe tag: torch.compile's CUDA graphs leave the cudnn calls out (a capture
+    through them would fail) and the step gives the eager bits."""
+    _need_cudnn()
+    q, k, v, _, _ = make_inputs((2,), 4, 256, 256, 128, dtype=torch.bfloat16, seed=10, device="cuda")
+
+    def f(q, k, v):
+        return attn_ops.attention(q, k, v, causal=True, backend="cudnn").float().square().sum()
+
+    eager = torch.autograd.grad(f(q, k, v), (q, k, v))
+    torch._dynamo.reset()
+    compiled = torch.compile(f, mode="reduce-overhead")
+    for _ in range(3):  # warm-up, recording, replay
+        got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
