@@ -66,7 +66,7 @@ def _cudnn_operand(t: Tensor) -> Tensor:
     (The start's alignment is not read under torch.compile, where ``storage_offset`` breaks the graph.)"""
     misaligned = not torch.compiler.is_compiling() and (t.storage_offset() * t.element_size()) % 16
     if t.stride(-1) != 1 or 0 in t.stride() or misaligned:
-        return t.contiguous() if t.storage_offset() == 0 or not t.is_contiguous() else t.clone()
+        return t.clone(memory_format=torch.contiguous_format)  # (contiguous() may return t itself)
     return t
 
 

@@ -235,6 +235,7 @@ def test_cudnn_ops_are_cudagraph_unsafe_and_trace_through_their_fakes(stand_in_o
             assert torch.Tag.cudagraph_unsafe in op.default.tags
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 2, 6, 8, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
+    k = k.detach()[..., :1, :].expand(2, 2, 6, 8).requires_grad_()  # a broadcast operand: copied inside the graph
 
     def f(q, k, v):
         return adapters.cudnn_attention(q, k, v, None, None, 0.4, True)[0].square().sum()
