@@ -72,37 +72,31 @@ def _cudnn_operand(t: Tensor) -> Tensor:
 
 # cuDNN's frontend breaks a CUDA graph capture: its two ops are wrapped in ops of ours that carry the
 # cudagraph_unsafe tag, so that torch.compile's CUDA graphs (reduce-overhead) run around them, not through them.
-_CUDAGRAPH_UNSAFE = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
-_TAGS = {"tags": _CUDAGRAPH_UNSAFE} if _CUDAGRAPH_UNSAFE and \
+# (the tag and custom_op's tags argument: torch 2.8 and later)
+_TAGS = {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") and \
     "tags" in inspect.signature(torch.library.custom_op).parameters else {}
 
 
-@torch.library.custom_op("attn_zoo::cudnn_sdpa_fwd", mutates_args=(), **_TAGS)
-def cudnn_sdpa_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
-                   bottom_right: bool) -> Tuple[Tensor, Tensor]:
+def _frontend_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
+                  bottom_right: bool) -> Tuple[Tensor, Tensor]:
     """(out, lse ``[N, H, Lq, 1]`` float32) of the frontend's ``cudnn::sdpa_fwd``."""
     return torch.ops.cudnn.sdpa_fwd(q, k, v, scale, is_causal=causal, causal_bottom_right=bottom_right,
                                     return_lse=True)
 
 
-@cudnn_sdpa_fwd.register_fake
-def _cudnn_sdpa_fwd_fake(q, k, v, scale, causal, bottom_right):
-    return torch.ops.cudnn.sdpa_fwd(q, k, v, scale, is_causal=causal, causal_bottom_right=bottom_right,
-                                    return_lse=True)  # the frontend's own fake: its real outputs' strides
-
-
-@torch.library.custom_op("attn_zoo::cudnn_sdpa_bwd", mutates_args=(), **_TAGS)
-def cudnn_sdpa_bwd(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-                   causal: bool, bottom_right: bool, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+def _frontend_bwd(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                  causal: bool, bottom_right: bool, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of the frontend's ``cudnn::sdpa_bwd``, cuDNN's deterministic algorithm when asked."""
     return torch.ops.cudnn.sdpa_bwd(d_out, q, k, v, out, lse, scale, is_causal=causal,
                                     causal_bottom_right=bottom_right, is_deterministic=deterministic)
 
 
-@cudnn_sdpa_bwd.register_fake
-def _cudnn_sdpa_bwd_fake(d_out, q, k, v, out, lse, scale, causal, bottom_right, deterministic):
-    return torch.ops.cudnn.sdpa_bwd(d_out, q, k, v, out, lse, scale, is_causal=causal,
-                                    causal_bottom_right=bottom_right, is_deterministic=deterministic)
+# Each body serves as its own fake too: on fake tensors the frontend's ops give their fakes, whose strides are the
+# real outputs'.
+cudnn_sdpa_fwd = torch.library.custom_op("attn_zoo::cudnn_sdpa_fwd", _frontend_fwd, mutates_args=(), **_TAGS)
+cudnn_sdpa_fwd.register_fake(_frontend_fwd)
+cudnn_sdpa_bwd = torch.library.custom_op("attn_zoo::cudnn_sdpa_bwd", _frontend_bwd, mutates_args=(), **_TAGS)
+cudnn_sdpa_bwd.register_fake(_frontend_bwd)
 
 
 class _CudnnAttention(torch.autograd.Function):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -87,6 +86,7 @@ def op_set():
 
 def esm2_set(rounds=5, steps=8):
     import bench_esm2 as esm
+    from bench_patch import Timer, alternate
     from torch.profiler import ProfilerActivity, profile
 
     from attn_zoo.models.zoo import from_fair_esm
@@ -109,16 +109,9 @@ def esm2_set(rounds=5, steps=8):
             esm.train_step(fns[n], m, tokens, target, masked)
             torch.cuda.synchronize()
             peaks[n] = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-        names, times = list(models), {n: [] for n in models}
-        for r in range(rounds):
-            for n in names[r % len(names):] + names[:r % len(names)]:
-                ts = []
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    esm.train_step(fns[n], models[n], tokens, target, masked)
-                    torch.cuda.synchronize()
-                    ts.append((time.perf_counter() - t0) * 1e3)
-                times[n].append(statistics.median(ts))
+        times = alternate(Timer(torch.device("cuda"), steps, 1), [
+            (n, lambda: None, lambda n=n: esm.train_step(fns[n], models[n], tokens, target, masked)) for n in models],
+            rounds)
         device = {}
         for n in ("attn-zoo", "attn-zoo cudnn"):
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -127,12 +120,12 @@ def esm2_set(rounds=5, steps=8):
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             attention = [e for e in kernels if any(s in e.name.lower() for s in ATTENTION_KERNELS)]
             device[n] = (sum(e.device_time for e in kernels) / 1e3, sum(e.device_time for e in attention) / 1e3)
-        lines += [f"## {batch} x {length}", "", "| model | ms (median of rounds) | rounds | peak GiB | "
-                  "device ms (attention) |", "|---|---|---|---|---|"]
+        lines += [f"## {batch} x {length}", "", "| model | ms (median of rounds) | fastest - slowest round | "
+                  "peak GiB | device ms (attention) |", "|---|---|---|---|---|"]
         for n in models:
             dev = f"{device[n][0]:.1f} ({device[n][1]:.1f})" if n in device else ""
-            lines.append(f"| {n} | {statistics.median(times[n]):.2f} | {', '.join(f'{x:.1f}' for x in times[n])} | "
-                         f"{peaks[n]:.2f} | {dev} |")
+            ms, lo, hi = times[n]
+            lines.append(f"| {n} | {ms:.2f} | {lo:.1f} - {hi:.1f} | {peaks[n]:.2f} | {dev} |")
         lines.append("")
         print("\n".join(lines[-len(models) - 5:]), flush=True)
     return lines

@@ -230,7 +230,7 @@ def test_cudnn_adapter_hands_cudnn_dense_operands_and_refuses_double_backward(st
 def test_cudnn_ops_are_cudagraph_unsafe_and_trace_through_their_fakes(stand_in_ops):
     """torch.compile's CUDA graphs must run around the frontend (it breaks a capture): our wrapping ops carry the
     cudagraph_unsafe tag; under torch.compile they trace through the frontend's fakes in one graph."""
-    if adapters._CUDAGRAPH_UNSAFE:
+    if adapters._TAGS:
         for op in (torch.ops.attn_zoo.cudnn_sdpa_fwd, torch.ops.attn_zoo.cudnn_sdpa_bwd):
             assert torch.Tag.cudagraph_unsafe in op.default.tags
     g = torch.Generator().manual_seed(5)
