@@ -352,47 +352,105 @@ def rotary_qk_reference(x: Tensor, cos: Tensor, sin: Tensor, heads: int, weight:
     return y.flatten(-2).movedim(-2, 0).to(out_dtype or x.dtype)  # [G, B, L, C]
 
 
+def _rotary_fwd(x: Tensor, cos: Tensor, sin: Tensor, weight: Optional[Tensor], eps: float, s0: float, s1: float,
+                heads: int, out_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """The forward launch: ``[G, B, L, C]`` in ``out_dtype`` and the layer norm's float32 statistics ``[G, 2, B*L]``
+    (empty without ``weight``)."""
+    B, L, G, C = x.shape
+    M = B * L
+    x = x if x.stride(-1) == 1 else x.contiguous()  # (the kernel reads the last dim as contiguous)
+    block_c, block_m = _tiles(C)  # the layer norm kernels' tiles: about 4096 elements
+    norm = weight is not None
+    y = torch.empty(G, B, L, C, dtype=out_dtype, device=x.device)
+    stats = torch.empty(G, 2, M if norm else 0, dtype=torch.float32, device=x.device)
+    if M:
+        _fast_launch(_rotary_kernel, (_cdiv(M, block_m), G),
+                     (x, weight if norm else x, cos, sin, y, stats if norm else y, M, L, x.stride(0), x.stride(1),
+                      x.stride(2), cos.stride(0) if cos.dim() == 3 else 0, eps, s0, s1), 4, 1, C=C, D=C // heads,
+                     NORM=norm, BLOCK_M=block_m, BLOCK_C=block_c)
+    return y, stats
+
+
+def _rotary_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], cos: Tensor, sin: Tensor, stats: Tensor, s0: float,
+                s1: float, heads: int) -> Tuple[Tensor, Tensor]:
+    """The backward launch: dx ``[B, L, G, C]`` in x's dtype and the weight's gradient ``[G, C]`` (empty without
+    ``weight``). Only x's shape and dtype are read without ``weight``."""
+    B, L, G, C = x.shape
+    M = B * L
+    block_c, block_m = _tiles(C)
+    dy = dy.contiguous()
+    dx = torch.empty(B, L, G, C, dtype=x.dtype, device=dy.device)
+    norm = weight is not None
+    if norm and x.stride(-1) != 1:
+        x = x.contiguous()
+    plan = _make_plan((M, 1, C, C, C, 1), dy.device)  # the layer norm backward's programs and rows each
+    programs, rows = plan.programs, plan.rows
+    dw = torch.empty(G, programs, C, dtype=torch.float32, device=dy.device) if norm else dy
+    sx = x.stride() if norm else (0, 0, 0, 1)
+    if M:
+        _fast_launch(_rotary_bwd_kernel, (programs, G),
+                     (x if norm else dy, weight if norm else dy, cos, sin, dy, dx, stats if norm else dy, dw, M,
+                      L, sx[0], sx[1], sx[2], cos.stride(0) if cos.dim() == 3 else 0, rows, s0, s1), 4, 1, C=C,
+                     D=C // heads, G=G, NORM=norm, BLOCK_M=block_m, BLOCK_C=block_c)
+    elif norm:
+        dw.zero_()
+    # [G, C] summed in a fixed order: the same bits every run
+    gw = dw.sum(1).to(weight.dtype) if norm else dy.new_empty((0,))
+    return dx, gw
+
+
+# The same two launches as custom ops for torch.compile: Inductor's own fusion of the reference moves the rotated
+# q/k through a transposing layout and ran about 3x the kernels' time on ESM-2 650M (docs/bench/esm2_h200.md).
+rotary_qk_fwd = torch.library.custom_op("attn_zoo::rotary_qk_fwd", _rotary_fwd, mutates_args=())
+rotary_qk_bwd = torch.library.custom_op("attn_zoo::rotary_qk_bwd", _rotary_bwd, mutates_args=())
+
+
+@rotary_qk_fwd.register_fake
+def _(x, cos, sin, weight, eps, s0, s1, heads, out_dtype):
+    B, L, G, C = x.shape
+    return (x.new_empty((G, B, L, C), dtype=out_dtype),
+            x.new_empty((G, 2, B * L if weight is not None else 0), dtype=torch.float32))
+
+
+@rotary_qk_bwd.register_fake
+def _(dy, x, weight, cos, sin, stats, s0, s1, heads):
+    return torch.empty(x.shape, dtype=x.dtype, device=dy.device), (
+        weight.new_empty(weight.shape) if weight is not None else dy.new_empty((0,)))
+
+
+def _rotary_setup(ctx, inputs, output):
+    x, cos, sin, weight, eps, s0, s1, heads, out_dtype = inputs
+    norm = weight is not None
+    # without a norm the backward reads only x's shape and dtype: an empty stand-in keeps x's memory free
+    ctx.save_for_backward(x if norm else x.new_empty(()).expand(x.shape), weight, cos, sin, output[1])
+    ctx.consts = s0, s1, heads
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # (no zeros buffer for the statistics' gradient)
+
+
+def _rotary_grads(ctx, dy, dstats, run):
+    x, weight, cos, sin, stats = ctx.saved_tensors
+    if dy is None:  # nothing used the rotated q/k
+        return (None,) * 9
+    dx, gw = run(dy, x, weight, cos, sin, stats, *ctx.consts)
+    return dx, None, None, (gw if weight is not None else None), None, None, None, None, None
+
+
+torch.library.register_autograd("attn_zoo::rotary_qk_fwd",
+                                lambda ctx, dy, dstats: _rotary_grads(ctx, dy, dstats, torch.ops.attn_zoo.rotary_qk_bwd),
+                                setup_context=_rotary_setup)
+
+
 class _RotaryQK(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cos, sin, weight, eps: float, scales, heads: int, out_dtype):
-        B, L, G, C = x.shape
-        M = B * L
-        block_c, block_m = _tiles(C)  # the layer norm kernels' tiles: about 4096 elements
-        norm = weight is not None
-        y = torch.empty(G, B, L, C, dtype=out_dtype, device=x.device)
-        stats = torch.empty(G, 2, M, dtype=torch.float32, device=x.device) if norm else y
-        scb = cos.stride(0) if cos.dim() == 3 else 0
-        s0, s1 = (float(v) for v in (tuple(scales) + (1.0, 1.0))[:2])
-        if M:
-            _fast_launch(_rotary_kernel, (_cdiv(M, block_m), G),
-                         (x, weight if norm else x, cos, sin, y, stats, M, L, x.stride(0), x.stride(1), x.stride(2),
-                          scb, eps, s0, s1), 4, 1, C=C, D=C // heads, NORM=norm, BLOCK_M=block_m, BLOCK_C=block_c)
-        ctx.save_for_backward(x if norm else None, weight, cos, sin, stats if norm else None)
-        ctx.geo = (B, L, G, C, heads, block_m, block_c, scb, s0, s1, x.dtype)
-        return y
+    """The eager path: the custom op's bodies without its dispatch (first order)."""
+
+    forward = staticmethod(_rotary_fwd)
+    setup_context = staticmethod(_rotary_setup)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        x, weight, cos, sin, stats = ctx.saved_tensors
-        B, L, G, C, heads, block_m, block_c, scb, s0, s1, x_dtype = ctx.geo
-        M = B * L
-        dy = dy.contiguous()
-        dx = torch.empty(B, L, G, C, dtype=x_dtype, device=dy.device)
-        norm = weight is not None
-        plan = _make_plan((M, 1, C, C, C, 1), dy.device)  # the layer norm backward's programs and rows each
-        programs, rows = plan.programs, plan.rows
-        dw = torch.empty(G, programs, C, dtype=torch.float32, device=dy.device) if norm else dy
-        sx = x.stride() if norm else (0, 0, 0, 1)
-        if M:
-            _fast_launch(_rotary_bwd_kernel, (programs, G),
-                         (x if norm else dy, weight if norm else dy, cos, sin, dy, dx, stats if norm else dy, dw, M,
-                          L, sx[0], sx[1], sx[2], scb, rows, s0, s1), 4, 1, C=C, D=C // heads, G=G, NORM=norm,
-                         BLOCK_M=block_m, BLOCK_C=block_c)
-        elif norm:
-            dw.zero_()
-        gw = dw.sum(1).to(weight.dtype) if norm else None  # [G, C] in a fixed order: the same bits every run
-        return dx, None, None, gw, None, None, None, None
+    def backward(ctx, dy, dstats):
+        return _rotary_grads(ctx, dy, dstats, _rotary_bwd)
 
 
 def rotary_qk(x: Tensor, cos: Tensor, sin: Tensor, heads: int, weight: Optional[Tensor] = None, eps: float = 1e-5,
@@ -404,9 +462,11 @@ def rotary_qk(x: Tensor, cos: Tensor, sin: Tensor, heads: int, weight: Optional[
     ``cos, sin``: float32 ``[L, D]`` (or ``[B, L, D]``: per-row positions) built as ``cat(freqs, freqs)``.
     Returns ``[G, B, L, C]`` contiguous in ``out_dtype`` (default ``x.dtype``).
 
-    On CUDA in eager mode one Triton launch forward and one backward (float32 inside, one write), replacing a dozen
-    PyTorch ops per tensor; ``force`` runs the kernels on any device (the CPU interpreter in tests); elsewhere,
-    under ``torch.compile`` and for a layout they do not take, :func:`rotary_qk_reference`."""
+    On CUDA one Triton launch forward and one backward (float32 inside, one write), replacing a dozen PyTorch ops
+    per tensor: in eager mode an autograd Function, under ``torch.compile`` the custom ops ``attn_zoo::rotary_qk_fwd``
+    / ``_bwd`` around the same launches; ``force`` runs the kernels on any device (the CPU interpreter in tests).
+    Elsewhere (functorch transforms, forward-mode AD, a layout or dtype they do not take):
+    :func:`rotary_qk_reference`."""
     out_dtype = out_dtype or x.dtype
     if x.dim() != 4 or x.shape[-1] % heads or (x.shape[-1] // heads) % 2:
         raise ValueError(f"rotary_qk: x must be [B, L, G, C] with C divisible by heads={heads} into an even head "
@@ -418,9 +478,14 @@ def rotary_qk(x: Tensor, cos: Tensor, sin: Tensor, heads: int, weight: Optional[
                          f"[{B}, {L}, {C // heads}] for x {tuple(x.shape)}, got {tuple(cos.shape)}, {tuple(sin.shape)}")
     if weight is not None and weight.shape != (G, C):
         raise ValueError(f"rotary_qk: weight must be [G, C] = [{G}, {C}], got {tuple(weight.shape)}")
-    use = triton is not None and eager_first_order() and (force or (x.device.type == "cuda" and not _interpreting()))
-    if not (use and x.stride(-1) == 1 and x.dtype in FLOATS and out_dtype in FLOATS and
-            cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous() and
-            (weight is None or weight.is_contiguous())):
-        return rotary_qk_reference(x, cos, sin, heads, weight, eps, scales, out_dtype)
-    return _RotaryQK.apply(x, cos, sin, weight, float(eps), tuple(scales), int(heads), out_dtype)
+    kernel_ok = triton is not None and (force or (x.device.type == "cuda" and not _interpreting())) and \
+        x.dtype in FLOATS and out_dtype in FLOATS and cos.dtype == sin.dtype == torch.float32 and \
+        cos.is_contiguous() and sin.is_contiguous() and (weight is None or weight.is_contiguous())
+    s0, s1 = (float(v) for v in (tuple(scales) + (1.0, 1.0))[:2])
+    args = (x, cos, sin, weight, float(eps), s0, s1, int(heads), out_dtype)
+    if kernel_ok and eager_first_order() and x.stride(-1) == 1:
+        return _RotaryQK.apply(*args)[0]
+    if kernel_ok and torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active() and \
+            _forward_ad._current_level < 0:
+        return torch.ops.attn_zoo.rotary_qk_fwd(*args)[0]  # (a view with a strided last dim is copied inside)
+    return rotary_qk_reference(x, cos, sin, heads, weight, eps, scales, out_dtype)

@@ -120,6 +120,62 @@ def test_rotary_declines_what_it_cannot_serve():
     assert out.shape == (2, 0, 5, 16) and torch.equal(dw, torch.zeros(2, 16))
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("norm", [False, True])
+def test_rotary_custom_ops_opcheck(norm):
+    """The compile path's custom ops: schema, fake impls (shapes, dtypes, strides) and autograd registration checked
+    by ``torch.library.opcheck`` on the interpreter."""
+    g = torch.Generator().manual_seed(6)
+    B, L, H, D = 2, 5, 2, 8
+    C = H * D
+    y, x = _fused_view(B, L, 2, C, torch.float32, g)
+    cos, sin = _tables(L, D)
+    w = (1 + 0.3 * torch.randn(2, C, generator=g)).requires_grad_() if norm else None
+    args = (x, cos, sin, w, 1e-5, 0.5, 1.0, H, torch.float16)
+    torch.library.opcheck(torch.ops.attn_zoo.rotary_qk_fwd, args)
+    out, stats = torch.ops.attn_zoo.rotary_qk_fwd(*args)
+    dy = torch.randn(out.shape, generator=g).half()
+    w = None if w is None else w.detach()  # (the backward is first order: no autograd of its own)
+    torch.library.opcheck(torch.ops.attn_zoo.rotary_qk_bwd, (dy, x.detach(), w, cos, sin, stats, 0.5, 1.0, H))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("norm", [False, True])
+def test_rotary_under_compile_runs_the_kernels(norm):
+    """Under torch.compile the custom op runs the eager Function's launches: the same bits forward and backward, with
+    q and k read in place from the fused projection's view (no copy in the graph before the op)."""
+    g = torch.Generator().manual_seed(7)
+    B, L, H, D = 2, 6, 3, 8
+    C = H * D
+    y, _ = _fused_view(B, L, 2, C, torch.float32, g)
+    cos, sin = _tables(L, D)
+    w = (1 + 0.3 * torch.randn(2, C, generator=g)).requires_grad_() if norm else None
+    graphs = []
+
+    def backend(gm, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
+
+        def record(fx, inputs):
+            graphs.append(fx)
+            return fx
+        return aot_autograd(fw_compiler=record, bw_compiler=record)(gm, example_inputs)
+
+    def f(y, w):
+        x = y[..., : 2 * C].unflatten(-1, (2, C))
+        return kernels.rotary_qk(x, cos, sin, H, w, 1e-5, (0.25, 1.0), force=True)
+
+    eager = f(y, w)
+    compiled = torch.compile(f, backend=backend, fullgraph=True)(y, w)
+    assert torch.equal(compiled, eager)
+    dout = torch.randn(eager.shape, generator=g)
+    wrt = [y] + ([w] if norm else [])
+    for a, b in zip(torch.autograd.grad(compiled, wrt, dout), torch.autograd.grad(eager, wrt, dout)):
+        assert torch.equal(a, b)
+    targets = [str(n.target) for fx in graphs for n in fx.graph.nodes if n.op == "call_function"]
+    assert "attn_zoo.rotary_qk_fwd.default" in targets and "attn_zoo.rotary_qk_bwd.default" in targets
+    assert not any("clone" in t or "contiguous" in t for t in targets), targets
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("norm", [False, True])
@@ -147,3 +203,29 @@ def test_rotary_kernel_gpu_bf16(norm):
     want = torch.autograd.grad(exact, wrt, dout.double())
     for a, b, c in zip(got, low, want):  # norms, not the largest entry: one bf16 ulp is 2x wider past a power of 2
         assert (a.double() - c).norm() <= 1.5 * (b.double() - c).norm() + 1e-6 * c.norm()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("norm", [False, True])
+def test_rotary_inductor_gpu_matches_eager(norm):
+    """Inductor with the custom ops around the kernels: bf16, the eager Function's bits forward and backward (the
+    same launches on the same inputs)."""
+    g = torch.Generator().manual_seed(8)
+    B, L, H, D = 3, 257, 20, 64
+    C = H * D
+    y = (torch.randn(B, L, 3 * C + 8, generator=g) * 2).cuda().bfloat16().requires_grad_()
+    cos, sin = (t.cuda() for t in _tables(L, D))
+    w = (1 + 0.3 * torch.randn(2, C, generator=g)).cuda().requires_grad_() if norm else None
+
+    def f(y, w):
+        qk = (y * 1.5)[..., : 2 * C].unflatten(-1, (2, C))  # a producer in the graph, as the fused projection is
+        return kernels.rotary_qk(qk, cos, sin, H, w, 1e-5, (D ** -0.5, 1.0))
+
+    eager = f(y, w)
+    compiled = torch.compile(f, fullgraph=True)(y, w)
+    assert compiled.dtype == torch.bfloat16 and torch.equal(compiled, eager)
+    dout = torch.randn(eager.shape, generator=g).cuda().bfloat16()
+    wrt = [y] + ([w] if norm else [])
+    for a, b in zip(torch.autograd.grad(compiled, wrt, dout), torch.autograd.grad(eager, wrt, dout)):
+        assert torch.equal(a, b)
