@@ -386,6 +386,24 @@ def test_bench_esm2_models_batches_parity_and_tables(tmp_path):
     assert (tmp_path / "esm2.csv").read_text().count("\n") == 1 + 4 + 2 + 2
 
 
+@pytest.mark.slow
+def test_profile_esm2_step_on_cpu():
+    """The step profiler's step (sync-free loss, fair-esm's tables built first) runs on the CPU, for ours and
+    fair-esm, and reports a row of the documented fields."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import profile_esm2
+
+    fair = fair_model().train()
+    ours = from_fair_esm(fair.state_dict(), attention="chunked").train()
+    for name, model in (("attn-zoo", ours), ("fair-esm", fair)):
+        row, kernels = profile_esm2.profile(name, model, 2, 24, steps=2, top=3, device="cpu")
+        assert set(row) == {"model", "shape", "first_step_s", "ms", "kernel_ms", "launches", "peak_gib"}, row
+        assert row["ms"] > 0 and row["launches"] == 0 and kernels == [] and row["shape"] == "2x24"
+        assert all(p.grad is None for p in model.parameters())  # each step clears its gradients
+
+
 # ----------------------------------------------------------------------------------------------------------
 # GPU: the triton backend on CUDA
 # ----------------------------------------------------------------------------------------------------------
