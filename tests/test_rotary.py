@@ -120,17 +120,22 @@ def test_rotary_declines_what_it_cannot_serve():
     assert out.shape == (2, 0, 5, 16) and torch.equal(dw, torch.zeros(2, 16))
 
 
+def _case(seed, B, L, H, D, norm):
+    """(generator, C, the fused projection and its q/k view, shared tables, a norm weight or None), float32."""
+    g = torch.Generator().manual_seed(seed)
+    C = H * D
+    fused = _fused_view(B, L, 2, C, torch.float32, g)
+    w = (1 + 0.3 * torch.randn(2, C, generator=g)).requires_grad_() if norm else None
+    return g, C, fused, _tables(L, D), w
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("norm", [False, True])
 def test_rotary_custom_ops_opcheck(norm):
     """The compile path's custom ops: schema, fake impls (shapes, dtypes, strides) and autograd registration checked
     by ``torch.library.opcheck`` on the interpreter."""
-    g = torch.Generator().manual_seed(6)
-    B, L, H, D = 2, 5, 2, 8
-    C = H * D
-    y, x = _fused_view(B, L, 2, C, torch.float32, g)
-    cos, sin = _tables(L, D)
-    w = (1 + 0.3 * torch.randn(2, C, generator=g)).requires_grad_() if norm else None
+    H = 2
+    g, C, (y, x), (cos, sin), w = _case(6, 2, 5, H, 8, norm)
     args = (x, cos, sin, w, 1e-5, 0.5, 1.0, H, torch.float16)
     torch.library.opcheck(torch.ops.attn_zoo.rotary_qk_fwd, args)
     out, stats = torch.ops.attn_zoo.rotary_qk_fwd(*args)
@@ -144,12 +149,8 @@ def test_rotary_custom_ops_opcheck(norm):
 def test_rotary_under_compile_runs_the_kernels(norm):
     """Under torch.compile the custom op runs the eager Function's launches: the same bits forward and backward, with
     q and k read in place from the fused projection's view (no copy in the graph before the op)."""
-    g = torch.Generator().manual_seed(7)
-    B, L, H, D = 2, 6, 3, 8
-    C = H * D
-    y, _ = _fused_view(B, L, 2, C, torch.float32, g)
-    cos, sin = _tables(L, D)
-    w = (1 + 0.3 * torch.randn(2, C, generator=g)).requires_grad_() if norm else None
+    H = 3
+    g, C, (y, _), (cos, sin), w = _case(7, 2, 6, H, 8, norm)
     graphs = []
 
     def backend(gm, example_inputs):
