@@ -352,64 +352,121 @@ def rotary_qk_reference(x: Tensor, cos: Tensor, sin: Tensor, heads: int, weight:
     return y.flatten(-2).movedim(-2, 0).to(out_dtype or x.dtype)  # [G, B, L, C]
 
 
-def _rotary_fwd(x: Tensor, cos: Tensor, sin: Tensor, weight: Optional[Tensor], eps: float, s0: float, s1: float,
-                heads: int, out_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
-    """The forward launch: ``[G, B, L, C]`` in ``out_dtype`` and the layer norm's float32 statistics ``[G, 2, B*L]``
-    (empty without ``weight``)."""
-    B, L, G, C = x.shape
+def _launch_rotary(x: Tensor, cos: Tensor, sin: Tensor, weight: Optional[Tensor], eps: float, s0: float, s1: float,
+                   heads: int, outs: Tuple[Tensor, Tensor, Tensor], stats: Tensor, groups: int) -> None:
+    """The forward kernel on x ``[B, L, *, C]`` (last dim contiguous): ``groups`` programs per row block (G rotated
+    groups, one more copies group G into ``outs[2]``), the rotated groups into ``outs[0]``/``outs[1]``."""
+    B, L, _, C = x.shape
     M = B * L
-    x = x if x.stride(-1) == 1 else x.contiguous()  # (the kernel reads the last dim as contiguous)
+    if not M:
+        return
     block_c, block_m = _tiles(C)  # the layer norm kernels' tiles: about 4096 elements
     norm = weight is not None
-    y = torch.empty(G, B, L, C, dtype=out_dtype, device=x.device)
-    stats = torch.empty(G, 2, M if norm else 0, dtype=torch.float32, device=x.device)
+    _fast_launch(_rotary_kernel, (_cdiv(M, block_m), groups),
+                 (x, weight if norm else x, cos, sin, *outs, stats if norm else outs[0], M, L, x.stride(0),
+                  x.stride(1), x.stride(2), cos.stride(0) if cos.dim() == 3 else 0, eps, s0, s1), 4, 1, C=C,
+                 D=C // heads, G=min(groups, 2), NORM=norm, BLOCK_M=block_m, BLOCK_C=block_c)
+
+
+def _launch_rotary_bwd(x: Tensor, weight: Optional[Tensor], cos: Tensor, sin: Tensor, stats: Tensor, s0: float,
+                       s1: float, heads: int, grads: Tuple[Tensor, Tensor, Tensor], dx: Tensor, pad: int,
+                       groups: int) -> Optional[Tensor]:
+    """The backward kernel: group g's gradient into columns ``[g C, (g + 1) C)`` of ``dx`` ``[B, L, width]`` (one
+    more group copies ``grads[2]``, then ``pad`` zero columns); returns the norm weight's gradient ``[G, C]``."""
+    B, L, _, C = x.shape
+    M = B * L
+    G = min(groups, 2)
+    norm = weight is not None
+    plan = _make_plan((M, 1, C, C, C, 1), x.device)  # the layer norm backward's programs and rows each
+    programs, rows = plan.programs, plan.rows
+    dw = torch.empty(G, programs, C, dtype=torch.float32, device=x.device) if norm else dx
+    block_c, block_m = _tiles(C)
     if M:
-        _fast_launch(_rotary_kernel, (_cdiv(M, block_m), G),
-                     (x, weight if norm else x, cos, sin, y, stats if norm else y, M, L, x.stride(0), x.stride(1),
-                      x.stride(2), cos.stride(0) if cos.dim() == 3 else 0, eps, s0, s1), 4, 1, C=C, D=C // heads,
-                     NORM=norm, BLOCK_M=block_m, BLOCK_C=block_c)
+        sx = x.stride() if norm else (0, 0, 0, 1)
+        _fast_launch(_rotary_bwd_kernel, (programs, groups),
+                     (x if norm else dx, weight if norm else dx, cos, sin, *grads, dx, stats if norm else dx, dw, M,
+                      L, sx[0], sx[1], sx[2], cos.stride(0) if cos.dim() == 3 else 0, dx.stride(0), dx.stride(1),
+                      rows, s0, s1), 4, 1, C=C, D=C // heads, G=G, NORM=norm, PAD=pad, BLOCK_M=block_m,
+                     BLOCK_C=block_c)
+    elif norm:
+        dw.zero_()
+    return dw.sum(1).to(weight.dtype) if norm else None  # [G, C] summed in a fixed order: the same bits every run
+
+
+def _rotary_fwd(x: Tensor, cos: Tensor, sin: Tensor, weight: Optional[Tensor], eps: float, s0: float, s1: float,
+                heads: int, out_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """:func:`rotary_qk`'s launch: ``[G, B, L, C]`` in ``out_dtype`` and the layer norm's float32 statistics
+    ``[G, 2, B*L]`` (empty without ``weight``)."""
+    B, L, G, C = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()  # (the kernel reads the last dim as contiguous)
+    y = torch.empty(G, B, L, C, dtype=out_dtype, device=x.device)
+    stats = torch.empty(G, 2, B * L if weight is not None else 0, dtype=torch.float32, device=x.device)
+    _launch_rotary(x, cos, sin, weight, eps, s0, s1, heads, (y[0], y[G - 1], y[0]), stats, G)
     return y, stats
 
 
 def _rotary_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], cos: Tensor, sin: Tensor, stats: Tensor, s0: float,
                 s1: float, heads: int) -> Tuple[Tensor, Tensor]:
-    """The backward launch: dx ``[B, L, G, C]`` in x's dtype and the weight's gradient ``[G, C]`` (empty without
-    ``weight``). Only x's shape and dtype are read without ``weight``."""
+    """:func:`rotary_qk`'s backward launch: dx ``[B, L, G, C]`` in x's dtype and the weight's gradient ``[G, C]``
+    (empty without ``weight``). Only x's shape and dtype are read without ``weight``."""
     B, L, G, C = x.shape
-    M = B * L
-    block_c, block_m = _tiles(C)
     dy = dy.contiguous()
-    dx = torch.empty(B, L, G, C, dtype=x.dtype, device=dy.device)
-    norm = weight is not None
-    if norm and x.stride(-1) != 1:
+    if weight is not None and x.stride(-1) != 1:
         x = x.contiguous()
-    plan = _make_plan((M, 1, C, C, C, 1), dy.device)  # the layer norm backward's programs and rows each
-    programs, rows = plan.programs, plan.rows
-    dw = torch.empty(G, programs, C, dtype=torch.float32, device=dy.device) if norm else dy
-    sx = x.stride() if norm else (0, 0, 0, 1)
-    if M:
-        _fast_launch(_rotary_bwd_kernel, (programs, G),
-                     (x if norm else dy, weight if norm else dy, cos, sin, dy, dx, stats if norm else dy, dw, M,
-                      L, sx[0], sx[1], sx[2], cos.stride(0) if cos.dim() == 3 else 0, rows, s0, s1), 4, 1, C=C,
-                     D=C // heads, G=G, NORM=norm, BLOCK_M=block_m, BLOCK_C=block_c)
-    elif norm:
-        dw.zero_()
-    # [G, C] summed in a fixed order: the same bits every run
-    gw = dw.sum(1).to(weight.dtype) if norm else dy.new_empty((0,))
-    return dx, gw
+    dx = torch.empty(B, L, G, C, dtype=x.dtype, device=dy.device)
+    gw = _launch_rotary_bwd(x, weight, cos, sin, stats, s0, s1, heads, (dy[0], dy[G - 1], dy[0]), dx.flatten(2), 0, G)
+    return dx, (dy.new_empty((0,)) if gw is None else gw)
 
 
-# The same two launches as custom ops for torch.compile: Inductor's own fusion of the reference moves the rotated
-# q/k through a transposing layout and ran about 3x the kernels' time on ESM-2 650M (docs/bench/esm2_h200.md).
+def _qkv_view(y: Tensor, C: int) -> Tensor:
+    return y[..., : 3 * C].unflatten(-1, (3, C))  # [B, L, 3, C]: q, k, v of the fused projection
+
+
+def _rotary_qkv_fwd(y: Tensor, cos: Tensor, sin: Tensor, s0: float, s1: float, heads: int,
+                    C: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`rotary_qkv`'s launch: q, k (rotated) and v (copied), each ``[B, L, C]`` contiguous in y's dtype."""
+    B, L = y.shape[:2]
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    q, k, v = (torch.empty(B, L, C, dtype=y.dtype, device=y.device) for _ in range(3))
+    _launch_rotary(_qkv_view(y, C), cos, sin, None, 0.0, s0, s1, heads, (q, k, v), q, 3)
+    return q, k, v
+
+
+def _fused_grad(B: int, L: int, width: int, l_major: bool, like: Tensor) -> Tensor:
+    """The fused projection's gradient buffer ``[B, L, width]``, stored L-major (``[L, B, width]`` transposed:
+    fair-esm's time-first layout) where the projection was."""
+    if l_major:
+        return torch.empty(L, B, width, dtype=like.dtype, device=like.device).transpose(0, 1)
+    return torch.empty(B, L, width, dtype=like.dtype, device=like.device)
+
+
+def _rotary_qkv_bwd(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor, s0: float, s1: float, heads: int,
+                    width: int, l_major: bool) -> Tensor:
+    """:func:`rotary_qkv`'s backward launch: the fused projection's gradient ``[B, L, width]`` in v's dtype (L-major
+    with ``l_major``; zeros past 3C) in one pass."""
+    B, L, C = dq.shape
+    dy = _fused_grad(B, L, width, l_major, dv)
+    _launch_rotary_bwd(dv.new_empty(()).expand(B, L, 3, C), None, cos, sin, dy, s0, s1, heads,
+                       tuple(t.contiguous() for t in (dq, dk, dv)), dy, width - 3 * C, 3)
+    return dy
+
+
+# The launches as custom ops for torch.compile: Inductor's own fusion of the reference moves the rotated q/k through
+# a transposing layout and ran about 3x the kernels' time on ESM-2 650M (docs/bench/esm2_h200.md).
 rotary_qk_fwd = torch.library.custom_op("attn_zoo::rotary_qk_fwd", _rotary_fwd, mutates_args=())
 rotary_qk_bwd = torch.library.custom_op("attn_zoo::rotary_qk_bwd", _rotary_bwd, mutates_args=())
+rotary_qkv_fwd = torch.library.custom_op("attn_zoo::rotary_qkv_fwd", _rotary_qkv_fwd, mutates_args=())
+rotary_qkv_bwd = torch.library.custom_op("attn_zoo::rotary_qkv_bwd", _rotary_qkv_bwd, mutates_args=())
+
+
+def _stats_like(t: Tensor, G: int, M: int, norm: bool) -> Tensor:
+    return t.new_empty((G, 2, M if norm else 0), dtype=torch.float32)
 
 
 @rotary_qk_fwd.register_fake
 def _(x, cos, sin, weight, eps, s0, s1, heads, out_dtype):
     B, L, G, C = x.shape
-    return (x.new_empty((G, B, L, C), dtype=out_dtype),
-            x.new_empty((G, 2, B * L if weight is not None else 0), dtype=torch.float32))
+    return x.new_empty((G, B, L, C), dtype=out_dtype), _stats_like(x, G, B * L, weight is not None)
 
 
 @rotary_qk_bwd.register_fake
@@ -418,11 +475,20 @@ def _(dy, x, weight, cos, sin, stats, s0, s1, heads):
         weight.new_empty(weight.shape) if weight is not None else dy.new_empty((0,)))
 
 
+@rotary_qkv_fwd.register_fake
+def _(y, cos, sin, s0, s1, heads, C):
+    return tuple(y.new_empty((*y.shape[:2], C)) for _ in range(3))
+
+
+@rotary_qkv_bwd.register_fake
+def _(dq, dk, dv, cos, sin, s0, s1, heads, width, l_major):
+    return _fused_grad(*dq.shape[:2], width, l_major, dv)
+
+
 def _rotary_setup(ctx, inputs, output):
     x, cos, sin, weight, eps, s0, s1, heads, out_dtype = inputs
-    norm = weight is not None
     # without a norm the backward reads only x's shape and dtype: an empty stand-in keeps x's memory free
-    ctx.save_for_backward(x if norm else x.new_empty(()).expand(x.shape), weight, cos, sin, output[1])
+    ctx.save_for_backward(x if weight is not None else x.new_empty(()).expand(x.shape), weight, cos, sin, output[1])
     ctx.consts = s0, s1, heads
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)  # (no zeros buffer for the statistics' gradient)
@@ -436,13 +502,34 @@ def _rotary_grads(ctx, dy, dstats, run):
     return dx, None, None, (gw if weight is not None else None), None, None, None, None, None
 
 
-torch.library.register_autograd("attn_zoo::rotary_qk_fwd",
-                                lambda ctx, dy, dstats: _rotary_grads(ctx, dy, dstats, torch.ops.attn_zoo.rotary_qk_bwd),
-                                setup_context=_rotary_setup)
+def _rotary_qkv_setup(ctx, inputs, output):
+    y, cos, sin, s0, s1, heads, C = inputs
+    ctx.save_for_backward(cos, sin)  # (not y: its gradient's layout is all the backward needs of it)
+    ctx.consts = s0, s1, heads, y.shape[-1], y.shape[0] > 1 and y.stride(0) < y.stride(1)
+    ctx.zeros = output[0].shape, output[0].dtype  # (for an output that gets no gradient)
+    ctx.set_materialize_grads(False)
+
+
+def _rotary_qkv_grads(ctx, dq, dk, dv, run):
+    cos, sin = ctx.saved_tensors
+    if dq is None and dk is None and dv is None:  # nothing used q, k or v
+        return (None,) * 7
+    shape, dtype = ctx.zeros
+    dq, dk, dv = (torch.zeros(shape, dtype=dtype, device=cos.device) if t is None else t for t in (dq, dk, dv))
+    return (run(dq, dk, dv, cos, sin, *ctx.consts),) + (None,) * 6
+
+
+torch.library.register_autograd(
+    "attn_zoo::rotary_qk_fwd", lambda ctx, dy, dstats: _rotary_grads(ctx, dy, dstats, torch.ops.attn_zoo.rotary_qk_bwd),
+    setup_context=_rotary_setup)
+torch.library.register_autograd(
+    "attn_zoo::rotary_qkv_fwd",
+    lambda ctx, dq, dk, dv: _rotary_qkv_grads(ctx, dq, dk, dv, torch.ops.attn_zoo.rotary_qkv_bwd),
+    setup_context=_rotary_qkv_setup)
 
 
 class _RotaryQK(torch.autograd.Function):
-    """The eager path: the custom op's bodies without its dispatch (first order)."""
+    """The eager path of :func:`rotary_qk`: the custom op's bodies without its dispatch (first order)."""
 
     forward = staticmethod(_rotary_fwd)
     setup_context = staticmethod(_rotary_setup)
@@ -451,6 +538,18 @@ class _RotaryQK(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy, dstats):
         return _rotary_grads(ctx, dy, dstats, _rotary_bwd)
+
+
+class _RotaryQKV(torch.autograd.Function):
+    """The eager path of :func:`rotary_qkv` (first order)."""
+
+    forward = staticmethod(_rotary_qkv_fwd)
+    setup_context = staticmethod(_rotary_qkv_setup)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dq, dk, dv):
+        return _rotary_qkv_grads(ctx, dq, dk, dv, _rotary_qkv_bwd)
 
 
 def rotary_qk(x: Tensor, cos: Tensor, sin: Tensor, heads: int, weight: Optional[Tensor] = None, eps: float = 1e-5,
@@ -489,3 +588,33 @@ def rotary_qk(x: Tensor, cos: Tensor, sin: Tensor, heads: int, weight: Optional[
             _forward_ad._current_level < 0:
         return torch.ops.attn_zoo.rotary_qk_fwd(*args)[0]  # (a view with a strided last dim is copied inside)
     return rotary_qk_reference(x, cos, sin, heads, weight, eps, scales, out_dtype)
+
+
+def rotary_qkv(y: Tensor, C: int, cos: Tensor, sin: Tensor, heads: int, weight: Optional[Tensor] = None,
+               eps: float = 1e-5, scales: Tuple[float, ...] = (1.0, 1.0), force: bool = False
+               ) -> Tuple[Tensor, Tensor, Tensor]:
+    """q, k, v ``[B, L, C]`` of a fused projection ``y`` ``[B, L, W]`` (q, k, v in its first ``3C`` columns, at
+    most 7 padding columns after them): q and k as :func:`rotary_qk` gives them (in y's dtype), v as it is.
+
+    Without a norm ``weight``, where :func:`rotary_qk`'s kernels run (CUDA; ``force``: any device), one launch each
+    way for all three: v copied by the forward's launch (so that ``y`` itself is freed after the forward), and the
+    backward writes y's whole gradient (q's, k's and v's parts and the padding's zeros) in one pass, where autograd
+    would stack q's and k's gradients, zero-fill and copy v's and concatenate them. Otherwise :func:`rotary_qk` on
+    the view and v a view of ``y`` (with a norm its backward keeps ``y``: a copy of v would only add memory)."""
+    if y.dim() != 3 or y.shape[-1] - 3 * C not in range(8):
+        raise ValueError(f"rotary_qkv: y must be [B, L, 3 * C + pad] with C={C} and pad < 8, got {tuple(y.shape)}")
+    qkv = _qkv_view(y, C)
+    kernel_ok = weight is None and triton is not None and \
+        (force or (y.device.type == "cuda" and not _interpreting())) and y.dtype in FLOATS and \
+        cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous() and \
+        C % heads == 0 and (C // heads) % 2 == 0 and cos.shape[-2:] == (y.shape[1], C // heads) and \
+        cos.dim() in (2, 3) and (cos.dim() == 2 or cos.shape[0] == y.shape[0]) and cos.shape == sin.shape
+    s0, s1 = (float(v) for v in (tuple(scales) + (1.0, 1.0))[:2])
+    args = (y, cos, sin, s0, s1, int(heads), int(C))
+    if kernel_ok and eager_first_order() and y.stride(-1) == 1:
+        return _RotaryQKV.apply(*args)
+    if kernel_ok and torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active() and \
+            _forward_ad._current_level < 0:
+        return torch.ops.attn_zoo.rotary_qkv_fwd(*args)
+    q, k = rotary_qk(qkv[:, :, :2], cos, sin, heads, weight, eps, scales, out_dtype=y.dtype, force=force)
+    return q, k, qkv[:, :, 2]

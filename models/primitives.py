@@ -245,17 +245,15 @@ def rotary_qkv(x: Tensor, projections: Sequence[nn.Linear], cos: Tensor, sin: Te
                norms: Optional[Sequence[nn.LayerNorm]] = None, q_scale: float = 1.0, time_first: bool = False):
     """q, k, v ``[B, H, L, D]`` of a rotary self-attention: the three projections of ``x`` ``[B, L, E]`` (``[L, B, E]``
     with ``time_first``) in one matmul, then q and k (layer-normed over the width first with ``norms``) rotated by
-    ``cos, sin`` and q scaled by ``q_scale`` in one pass of ``kernels.rotary_qk`` (one launch each way on CUDA); v in
-    the dtype of the matmul."""
+    ``cos, sin`` and q scaled by ``q_scale`` in one pass of ``kernels.rotary_qkv`` (one launch each way on CUDA, v
+    and the fused gradient included); v in the dtype of the matmul."""
     C = projections[0].out_features
     y = fused_linear(x, projections, split=False)  # [*, 3C + pad]
-    qk, v = y.split([2 * C, y.shape[-1] - 2 * C], -1)  # (one cat in the backward, not two scatters)
-    qk, v = qk.unflatten(-1, (2, C)), v[..., :C]
     if time_first:
-        qk, v = qk.transpose(0, 1), v.transpose(0, 1)
+        y = y.transpose(0, 1)
     weight = torch.stack([n.weight for n in norms]) if norms else None  # [2, C]
-    q, k = _kernels.rotary_qk(qk, cos, sin, heads, weight, norms[0].eps if norms else 1e-5, scales=(q_scale, 1.0),
-                              out_dtype=v.dtype)  # [B, L, C] each
+    q, k, v = _kernels.rotary_qkv(y, C, cos, sin, heads, weight, norms[0].eps if norms else 1e-5,
+                                  scales=(q_scale, 1.0))  # [B, L, C] each
     return tuple(t.unflatten(-1, (heads, C // heads)).transpose(1, 2) for t in (q, k, v))
 
 

@@ -128,14 +128,14 @@ def test_fair_esm_rotary_kernel_in_interpreter(monkeypatch):
     skip_unless_backend("triton")
     from attn_zoo.models import kernels
 
-    rotary_qk = kernels.rotary_qk
+    rotary_qkv = kernels.rotary_qkv
 
     m = fair_esm_model()
     tok = fair_esm_tokens(m)
     ref, ref_g = fair_esm_run(m, tok)
     calls = []
-    monkeypatch.setattr(kernels, "rotary_qk",
-                        lambda *a, **kw: calls.append(1) or rotary_qk(*a, **kw, force=True))
+    monkeypatch.setattr(kernels, "rotary_qkv",
+                        lambda *a, **kw: calls.append(1) or rotary_qkv(*a, **kw, force=True))
     attn_zoo.patch(m, backend="torch")
     got, got_g = fair_esm_run(m, tok)
     assert calls and rel_err(got, ref) < TOL
@@ -711,7 +711,7 @@ def test_hf_fused_attention_rotary_kernels_in_interpreter(family, monkeypatch):
     tr = pytest.importorskip("transformers", reason="transformers is a test dependency")
     from attn_zoo.models import kernels
 
-    rotary_qk = kernels.rotary_qk
+    rotary_qkv = kernels.rotary_qkv
 
     if family == "esmc":
         if not hasattr(tr, "EsmcForMaskedLM"):
@@ -725,8 +725,8 @@ def test_hf_fused_attention_rotary_kernels_in_interpreter(family, monkeypatch):
     ids, am = hf_inputs(L=9)
     ref, ref_g = hf_run(m, ids, am)
     calls = []
-    monkeypatch.setattr(kernels, "rotary_qk",
-                        lambda *a, **kw: calls.append(1) or rotary_qk(*a, **kw, force=True))
+    monkeypatch.setattr(kernels, "rotary_qkv",
+                        lambda *a, **kw: calls.append(1) or rotary_qkv(*a, **kw, force=True))
     attn_zoo.patch(m, backend="torch")
     got, got_g = hf_run(m, ids, am)
     assert calls and rel_err(got, ref) < TOL

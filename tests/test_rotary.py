@@ -120,6 +120,16 @@ def test_rotary_declines_what_it_cannot_serve():
     assert out.shape == (2, 0, 5, 16) and torch.equal(dw, torch.zeros(2, 16))
 
 
+def _recording_backend(graphs):
+    """A torch.compile backend that keeps AOT autograd's forward and backward graphs in ``graphs`` and runs them."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def record(fx, inputs):
+        graphs.append(fx)
+        return fx
+    return aot_autograd(fw_compiler=record, bw_compiler=record)
+
+
 def _case(seed, B, L, H, D, norm):
     """(generator, C, the fused projection and its q/k view, shared tables, a norm weight or None), float32."""
     g = torch.Generator().manual_seed(seed)
@@ -152,14 +162,7 @@ def test_rotary_under_compile_runs_the_kernels(norm):
     H = 3
     g, C, (y, _), (cos, sin), w = _case(7, 2, 6, H, 8, norm)
     graphs = []
-
-    def backend(gm, example_inputs):
-        from torch._dynamo.backends.common import aot_autograd
-
-        def record(fx, inputs):
-            graphs.append(fx)
-            return fx
-        return aot_autograd(fw_compiler=record, bw_compiler=record)(gm, example_inputs)
+    backend = _recording_backend(graphs)
 
     def f(y, w):
         x = y[..., : 2 * C].unflatten(-1, (2, C))
@@ -175,6 +178,85 @@ def test_rotary_under_compile_runs_the_kernels(norm):
     targets = [str(n.target) for fx in graphs for n in fx.graph.nodes if n.op == "call_function"]
     assert "attn_zoo.rotary_qk_fwd.default" in targets and "attn_zoo.rotary_qk_bwd.default" in targets
     assert not any("clone" in t or "contiguous" in t for t in targets), targets
+
+
+def _qkv_reference(y, C, cos, sin, H, w, scales):
+    """rotary_qkv's definition in float64: q, k by the PyTorch reference on the fused view, v its slice."""
+    qkv = y.double()[..., : 3 * C].unflatten(-1, (3, C))
+    q, k = kernels.rotary_qk_reference(qkv[:, :, :2], cos.double(), sin.double(), H,
+                                       None if w is None else w.double(), 1e-5, scales, torch.float64)
+    return q, k, qkv[:, :, 2]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("time_first,per_row", [(False, False), (True, False), (False, True)])
+def test_rotary_qkv_kernels_match_reference(norm, time_first, per_row):
+    """q, k rotated and v copied in one launch, the fused projection's whole gradient (q's, k's, v's parts, zeros in
+    the padding) in one: against the float64 definition, a fused width with 5 padding columns, a time-first
+    projection (fair-esm's [L, B, E]) and per-row tables; v's gradient is copied exactly. With a norm (the view
+    path: ``rotary_qk``'s kernels on the view) the same results."""
+    g = torch.Generator().manual_seed(9)
+    B, L, H, D = 2, 7, 3, 8
+    C = H * D
+    shape = (L, B, 3 * C + 5) if time_first else (B, L, 3 * C + 5)
+    leaf = (torch.randn(shape, generator=g) * 2 + 0.5).requires_grad_()
+    y = leaf.transpose(0, 1) if time_first else leaf
+    cos, sin = _tables(L, D, B if per_row else None, g)
+    w = (1 + 0.3 * torch.randn(2, C, generator=g)).requires_grad_() if norm else None
+    scales = (0.5, 1.0)
+    calls = []
+    real = kernels._RotaryQKV.apply
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels._RotaryQKV, "apply", lambda *a: calls.append(1) or real(*a))
+        got = kernels.rotary_qkv(y, C, cos, sin, H, w, 1e-5, scales, force=True)
+    assert bool(calls) == (not norm)
+    want = _qkv_reference(y, C, cos, sin, H, w, scales)
+    assert all(t.shape == (B, L, C) for t in got)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+    douts = [torch.randn(B, L, C, generator=g) for _ in range(3)]
+    wrt = [leaf] + ([w] if norm else [])
+    grads = torch.autograd.grad(got, wrt, douts)
+    ref = torch.autograd.grad(want, wrt, [d.double() for d in douts])
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
+    dy = grads[0].transpose(0, 1) if time_first else grads[0]
+    assert torch.equal(dy[..., 2 * C: 3 * C], douts[2]) and torch.equal(dy[..., 3 * C:], torch.zeros(B, L, 5))
+    # an output left out of the loss gets zeros, not an error
+    only_v = torch.autograd.grad(kernels.rotary_qkv(y, C, cos, sin, H, w, force=True)[2].sum(), leaf)[0]
+    assert torch.equal(only_v[..., 2 * C: 3 * C], torch.ones_like(only_v[..., :C])) and not only_v[..., :2 * C].any()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("time_first", [False, True])
+def test_rotary_qkv_custom_ops_opcheck_and_compile(time_first):
+    """The fused q/k/v ops: ``opcheck`` (schema, fake impls, autograd registration) and under torch.compile the eager
+    Function's bits forward and backward, the graphs holding the two ops and no concatenation of gradients."""
+    g, C, (leaf, _), (cos, sin), _ = _case(10, 2, 5, 2, 8, False)
+    H = 2
+    y = leaf.detach().transpose(0, 1).contiguous().transpose(0, 1) if time_first else leaf.detach()
+    args = (y, cos, sin, 0.5, 1.0, H, C)
+    torch.library.opcheck(torch.ops.attn_zoo.rotary_qkv_fwd, args)
+    q, k, v = torch.ops.attn_zoo.rotary_qkv_fwd(*args)
+    grads = tuple(torch.randn(t.shape, generator=g) for t in (q, k, v))
+    torch.library.opcheck(torch.ops.attn_zoo.rotary_qkv_bwd, grads + (cos, sin, 0.5, 1.0, H, y.shape[-1], time_first))
+    graphs = []
+    backend = _recording_backend(graphs)
+
+    def f(y):
+        q, k, v = kernels.rotary_qkv(y * 1.5, C, cos, sin, H, None, 1e-5, (0.25, 1.0), force=True)
+        return q * 2 + k * 3 + v * 4
+
+    y.requires_grad_()
+    eager = f(y)
+    compiled = torch.compile(f, backend=backend, fullgraph=True)(y)
+    assert torch.equal(compiled, eager)
+    dout = torch.randn(eager.shape, generator=g)
+    assert torch.equal(torch.autograd.grad(compiled, y, dout)[0], torch.autograd.grad(eager, y, dout)[0])
+    targets = [str(n.target) for fx in graphs for n in fx.graph.nodes if n.op == "call_function"]
+    assert "attn_zoo.rotary_qkv_fwd.default" in targets and "attn_zoo.rotary_qkv_bwd.default" in targets
+    assert not any("cat" in t or "select_backward" in t or "slice_backward" in t for t in targets), targets
 
 
 @pytest.mark.gpu
@@ -229,4 +311,45 @@ def test_rotary_inductor_gpu_matches_eager(norm):
     dout = torch.randn(eager.shape, generator=g).cuda().bfloat16()
     wrt = [y] + ([w] if norm else [])
     for a, b in zip(torch.autograd.grad(compiled, wrt, dout), torch.autograd.grad(eager, wrt, dout)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("norm,time_first", [(False, False), (True, False), (False, True)])
+def test_rotary_qkv_gpu_bf16_and_inductor(norm, time_first):
+    """The fused q/k/v kernels on the GPU in bf16 (with a norm: rotary_qk's kernels on the view): q and k within the
+    reference's own bf16 error of the float64 result, v exact, the fused gradient within 1.5x the reference's error
+    norm; compiled by Inductor, the eager bits forward and backward."""
+    g = torch.Generator().manual_seed(11)
+    B, L, H, D = 4, 301, 20, 64
+    C = H * D
+    shape = (L, B, 3 * C + 6) if time_first else (B, L, 3 * C + 6)
+    leaf = (torch.randn(shape, generator=g) * 2).cuda().bfloat16().requires_grad_()
+    cos, sin = (t.cuda() for t in _tables(L, D))
+    w = (1 + 0.3 * torch.randn(2, C, generator=g)).cuda().requires_grad_() if norm else None
+    scales = (D ** -0.5, 1.0)
+
+    def f(leaf, w):
+        y = leaf.transpose(0, 1) if time_first else leaf
+        return kernels.rotary_qkv(y * 1.5, C, cos, sin, H, w, 1e-5, scales)
+
+    got = f(leaf, w)
+    y = (leaf.transpose(0, 1) if time_first else leaf) * 1.5
+    qkv = y[..., : 3 * C].unflatten(-1, (3, C))
+    low = tuple(kernels.rotary_qk_reference(qkv[:, :, :2], cos, sin, H, w, scales=scales)) + (qkv[:, :, 2],)
+    exact = _qkv_reference(y, C, cos, sin, H, w, scales)
+    for a, b, c in zip(got[:2], low[:2], exact[:2]):
+        assert (a.double() - c).abs().max() <= 1.01 * (b.double() - c).abs().max() + 1e-6
+    assert torch.equal(got[2], low[2])
+    douts = [torch.randn(B, L, C, generator=g).cuda().bfloat16() for _ in range(3)]
+    wrt = [leaf] + ([w] if norm else [])
+    grads = torch.autograd.grad(got, wrt, douts)
+    low_g = torch.autograd.grad(low, wrt, douts, retain_graph=True)  # (y is shared with the float64 graph)
+    exact_g = torch.autograd.grad(exact, wrt, [d.double() for d in douts])
+    for a, b, c in zip(grads, low_g, exact_g):
+        assert (a.double() - c.double()).norm() <= 1.5 * (b.double() - c.double()).norm() + 1e-6 * c.double().norm()
+    compiled = torch.compile(f, fullgraph=True)(leaf, w)
+    assert all(torch.equal(a, b) for a, b in zip(compiled, got))
+    for a, b in zip(torch.autograd.grad(compiled, wrt, douts), grads):
         assert torch.equal(a, b)
