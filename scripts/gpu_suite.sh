@@ -11,7 +11,8 @@
 # also under torch.compile / compile_module, 420), zoo-af3 (OpenFold3's and Protenix's Pairformers vs ours, 180;
 # their packages come in .whl/site from scripts/prepare_whl_zoo.sh), ab-host (a host-path change before and after, .whl/before, ~400),
 # ab-block (the Pairformer block's eager step before and after, the whole before tree in .whl/before, ~200),
-# compile-par (every model x mode of compile at once, one process each, tuning off: the question is
+# esm2-profile (ESM-2 650M's compiled and graph-replayed steps, ours and fair-esm's, by kernel time, with the rotary
+# GPU tests, ~600), compile-par (every model x mode of compile at once, one process each, tuning off: the question is
 # whether Inductor runs through the lengths; step times then share the GPU), esm2-peer (ESM-2 650M training step
 # at the fine-tune's batch, 8 x 1024, beside fair-esm's own, 150).
 # `compile` is also its six stages one by one: compile-pairformer-default, compile-pairformer-reduce-overhead, ...
@@ -155,6 +156,12 @@ torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() e
     determinism)
       step determinism 90 python3 scripts/check_sdpa_determinism.py --repeats 20 --out "$work/det"
       collect "SDPA backward reproducibility" "$work/det/sdpa_determinism.md" ;;
+    esm2-profile)  # ESM-2 650M 8 x 512: wall and kernel time of ours and fair-esm, compiled and as CUDA graphs, one
+      # process (~4 compiles of 70-115 s), then the rotary kernels' GPU tests
+      step rotary-tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_rotary.py
+      step esm2-profile 470 python3 scripts/profile_esm2.py --models attn-zoo+graphs fair-esm+graphs attn-zoo+compile \
+        fair-esm+compile --shape 8x512 --out "$work/esm2-profile"
+      collect "ESM-2 step profile" "$work/esm2-profile/profile_esm2.md" ;;
     patch-hf)
       step patch-hf 110 python3 scripts/bench_patch.py --cases hf-esm2 --out "$work/patch-hf"
       collect "attn_zoo.patch on Hugging Face ESM-2" "$work/patch-hf/patch.md" ;;
