@@ -564,7 +564,7 @@ def rotary_qk(x: Tensor, cos: Tensor, sin: Tensor, heads: int, weight: Optional[
     On CUDA one Triton launch forward and one backward (float32 inside, one write), replacing a dozen PyTorch ops
     per tensor: in eager mode an autograd Function, under ``torch.compile`` the custom ops ``attn_zoo::rotary_qk_fwd``
     / ``_bwd`` around the same launches; ``force`` runs the kernels on any device (the CPU interpreter in tests).
-    Elsewhere (functorch transforms, forward-mode AD, a layout or dtype they do not take):
+    Elsewhere (functorch transforms, forward-mode AD, more than two groups, a layout or dtype they do not take):
     :func:`rotary_qk_reference`."""
     out_dtype = out_dtype or x.dtype
     if x.dim() != 4 or x.shape[-1] % heads or (x.shape[-1] // heads) % 2:
@@ -577,7 +577,7 @@ def rotary_qk(x: Tensor, cos: Tensor, sin: Tensor, heads: int, weight: Optional[
                          f"[{B}, {L}, {C // heads}] for x {tuple(x.shape)}, got {tuple(cos.shape)}, {tuple(sin.shape)}")
     if weight is not None and weight.shape != (G, C):
         raise ValueError(f"rotary_qk: weight must be [G, C] = [{G}, {C}], got {tuple(weight.shape)}")
-    kernel_ok = triton is not None and (force or (x.device.type == "cuda" and not _interpreting())) and \
+    kernel_ok = G <= 2 and triton is not None and (force or (x.device.type == "cuda" and not _interpreting())) and \
         x.dtype in FLOATS and out_dtype in FLOATS and cos.dtype == sin.dtype == torch.float32 and \
         cos.is_contiguous() and sin.is_contiguous() and (weight is None or weight.is_contiguous())
     s0, s1 = (float(v) for v in (tuple(scales) + (1.0, 1.0))[:2])
@@ -601,7 +601,7 @@ def rotary_qkv(y: Tensor, C: int, cos: Tensor, sin: Tensor, heads: int, weight: 
     backward writes y's whole gradient (q's, k's and v's parts and the padding's zeros) in one pass, where autograd
     would stack q's and k's gradients, zero-fill and copy v's and concatenate them. Otherwise :func:`rotary_qk` on
     the view and v a view of ``y`` (with a norm its backward keeps ``y``: a copy of v would only add memory)."""
-    if y.dim() != 3 or y.shape[-1] - 3 * C not in range(8):
+    if y.dim() != 3 or not 0 <= y.shape[-1] - 3 * C < 8:
         raise ValueError(f"rotary_qkv: y must be [B, L, 3 * C + pad] with C={C} and pad < 8, got {tuple(y.shape)}")
     qkv = _qkv_view(y, C)
     kernel_ok = weight is None and triton is not None and \

@@ -104,6 +104,9 @@ def test_rotary_declines_what_it_cannot_serve():
         kernels.rotary_qk(x, cos, sin, 2)  # CPU, not forced
         kernels.rotary_qk(x.double(), cos, sin, 2, force=True)
         kernels.rotary_qk(x, cos.t().contiguous().t(), sin, 2, force=True)  # tables not contiguous
+        three = torch.randn(2, 5, 3, 16, generator=g)  # the kernels write two groups
+        torch.testing.assert_close(kernels.rotary_qk(three, cos, sin, 2, force=True),
+                                   kernels.rotary_qk_reference(three, cos, sin, 2))
         assert not calls
         kernels.rotary_qk(x, cos, sin, 2, force=True)
         assert calls
