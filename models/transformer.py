@@ -27,6 +27,8 @@ from torch import nn
 import attn_ops
 from attn_ops.inputs import segment_order_violation
 from attn_ops.ring import ring_attention, ring_positions, shard_sequence, unshard_sequence
+
+from . import kernels as _kernels
 from .primitives import AttentionConfig, LayerNorm, Linear, check_token_segments, segment_positions
 
 Tensor = torch.Tensor
@@ -44,6 +46,13 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RotaryEmbedding needs an even head_dim, got {head_dim}")
         inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [Dh/2]
+
+    def tables(self, positions: Tensor) -> Tuple[Tensor, Tensor]:
+        """float32 ``cos, sin`` ``[*positions.shape, Dh]`` (each angle twice: ``cat(freqs, freqs)``), the tables of
+        ``models.kernels.rotary_qkv``."""
+        ang = positions.to(torch.float32)[..., None] * self.inv_freq  # [..., n, Dh/2]
+        ang = torch.cat([ang, ang], dim=-1)
+        return ang.cos(), ang.sin()
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         """x ``[..., n, Dh]``, positions Long ``[n]`` (global) or ``[B, n]`` per row (packed rows: positions restart
@@ -170,9 +179,13 @@ class TransformerBlock(nn.Module):
         B, n, d = x.shape
         if positions is None:
             positions = local_positions(n, self.process_group, self.layout, x.device)
+        if positions.shape not in ((n,), (B, n)):
+            raise ValueError(f"positions {tuple(positions.shape)} must be [n] or [B, n] for x {tuple(x.shape)}")
         h = self.norm_attn(x)
-        qkv = self.qkv(h).view(B, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # [3, B, H, n, Dh]
-        q, k, v = self.rope(qkv[0], positions), self.rope(qkv[1], positions), qkv[2]
+        # q and k rotated and v split off in one pass each way (one launch on CUDA; models.kernels.rotary_qkv)
+        cos, sin = self.rope.tables(positions)  # [n, Dh] or [B, n, Dh]
+        q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)  # [B, H, n, Dh]
+                   for t in _kernels.rotary_qkv(self.qkv(h), d, cos, sin, self.num_heads))
         mask = None if pad_mask is None or segment_ids is not None else pad_mask[:, None, None, :]  # [B, 1, 1, L]
         opts = dict(backend=self.attention.backend, **self.attention.options)
         group = resolve_group(self.process_group)

@@ -86,6 +86,47 @@ def test_rope_is_relative():
     assert not torch.allclose(dot(5, 2), dot(5, 3), atol=1e-6)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("packed", [False, True])
+def test_block_rotation_on_the_kernels_matches_the_rope_module(packed, monkeypatch):
+    """The block rotates q and k (and splits v off) with ``kernels.rotary_qkv``; on the Triton kernels (the CPU
+    interpreter) its output and every gradient equal the block written with ``RotaryEmbedding.forward`` on the
+    qkv projection's views, for global positions and for per-row positions of packed rows."""
+    from attn_zoo.models import kernels
+
+    torch.manual_seed(3)
+    block = TransformerBlock(d_model=32, num_heads=4, attention="chunked", rel_pos_bias=True, causal=True)
+    _perturb_final_linears(block)
+    B, n = 2, 9
+    x = torch.randn(B, n, 32, requires_grad=True)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1]] * B) if packed else torch.arange(n)
+    ids = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2, 2]] * B) if packed else None
+
+    def run():
+        out = block(x, positions=positions, segment_ids=ids)
+        grads = torch.autograd.grad(out, [x] + list(block.parameters()), torch.ones_like(out), allow_unused=True)
+        return out, grads
+
+    def by_module(y, C, cos, sin, heads, *args, **kw):  # the rotation as RotaryEmbedding.forward does it
+        qkv = y.unflatten(-1, (3, heads, C // heads)).permute(2, 0, 3, 1, 4)  # [3, B, H, n, Dh]
+        q, k = (block.rope(t, positions).transpose(1, 2).flatten(2) for t in (qkv[0], qkv[1]))
+        return q, k, qkv[2].transpose(1, 2).flatten(2)
+
+    real = kernels.rotary_qkv
+    calls = []
+    monkeypatch.setattr(kernels, "rotary_qkv", by_module)
+    ref, ref_g = run()
+    monkeypatch.setattr(kernels, "rotary_qkv", lambda *a, **kw: calls.append(1) or real(*a, **kw, force=True))
+    got, got_g = run()
+    assert calls
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_g, ref_g):
+        if b is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_relative_position_buckets():
     rel = torch.arange(-300, 301)
     b = relative_position_bucket(rel, True, 32, 128)
