@@ -552,6 +552,40 @@ class _RotaryQKV(torch.autograd.Function):
         return _rotary_qkv_grads(ctx, dq, dk, dv, _rotary_qkv_bwd)
 
 
+def _check_rotary(x: Tensor, cos: Tensor, sin: Tensor, heads: int, weight: Optional[Tensor], name: str) -> None:
+    """ValueError naming the argument where x ``[B, L, G, C]``, the tables or the norm weight do not fit."""
+    if x.dim() != 4 or x.shape[-1] % heads or (x.shape[-1] // heads) % 2:
+        raise ValueError(f"{name}: x must be [B, L, G, C] with C divisible by heads={heads} into an even head "
+                         f"dim, got {tuple(x.shape)}")
+    B, L, G, C = x.shape
+    if cos.shape != sin.shape or cos.shape[-2:] != (L, C // heads) or cos.dim() not in (2, 3) or \
+            (cos.dim() == 3 and cos.shape[0] != B):
+        raise ValueError(f"{name}: cos and sin must be [L, D] or [B, L, D] = [{L}, {C // heads}] or "
+                         f"[{B}, {L}, {C // heads}] for x {tuple(x.shape)}, got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if weight is not None and weight.shape != (G, C):
+        raise ValueError(f"{name}: weight must be [G, C] = [{G}, {C}], got {tuple(weight.shape)}")
+
+
+def _rotary_route(x: Tensor, cos: Tensor, sin: Tensor, force: bool) -> Optional[str]:
+    """Where the rotary kernels serve ``x`` and its tables: "eager" (the autograd Function: eager mode, a contiguous
+    last dim), "compiled" (the custom ops, under torch.compile) or None (the PyTorch reference: no Triton, another
+    device unless ``force``, a dtype the kernels do not take, strided tables, functorch transforms, forward-mode
+    AD)."""
+    if triton is None or not (force or (x.device.type == "cuda" and not _interpreting())) or x.dtype not in FLOATS \
+            or not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()):
+        return None
+    if eager_first_order():
+        return "eager" if x.stride(-1) == 1 else None
+    if torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active() and \
+            _forward_ad._current_level < 0:
+        return "compiled"  # (a view with a strided last dim is copied inside)
+    return None
+
+
+def _scales(scales: Tuple[float, ...]) -> Tuple[float, float]:
+    return tuple(float(v) for v in (tuple(scales) + (1.0, 1.0))[:2])
+
+
 def rotary_qk(x: Tensor, cos: Tensor, sin: Tensor, heads: int, weight: Optional[Tensor] = None, eps: float = 1e-5,
               scales: Tuple[float, ...] = (1.0, 1.0), out_dtype: Optional[torch.dtype] = None,
               force: bool = False) -> Tensor:
@@ -567,26 +601,14 @@ def rotary_qk(x: Tensor, cos: Tensor, sin: Tensor, heads: int, weight: Optional[
     Elsewhere (functorch transforms, forward-mode AD, more than two groups, a layout or dtype they do not take):
     :func:`rotary_qk_reference`."""
     out_dtype = out_dtype or x.dtype
-    if x.dim() != 4 or x.shape[-1] % heads or (x.shape[-1] // heads) % 2:
-        raise ValueError(f"rotary_qk: x must be [B, L, G, C] with C divisible by heads={heads} into an even head "
-                         f"dim, got {tuple(x.shape)}")
-    B, L, G, C = x.shape
-    if cos.shape != sin.shape or cos.shape[-2:] != (L, C // heads) or cos.dim() not in (2, 3) or \
-            (cos.dim() == 3 and cos.shape[0] != B):
-        raise ValueError(f"rotary_qk: cos and sin must be [L, D] or [B, L, D] = [{L}, {C // heads}] or "
-                         f"[{B}, {L}, {C // heads}] for x {tuple(x.shape)}, got {tuple(cos.shape)}, {tuple(sin.shape)}")
-    if weight is not None and weight.shape != (G, C):
-        raise ValueError(f"rotary_qk: weight must be [G, C] = [{G}, {C}], got {tuple(weight.shape)}")
-    kernel_ok = G <= 2 and triton is not None and (force or (x.device.type == "cuda" and not _interpreting())) and \
-        x.dtype in FLOATS and out_dtype in FLOATS and cos.dtype == sin.dtype == torch.float32 and \
-        cos.is_contiguous() and sin.is_contiguous() and (weight is None or weight.is_contiguous())
-    s0, s1 = (float(v) for v in (tuple(scales) + (1.0, 1.0))[:2])
-    args = (x, cos, sin, weight, float(eps), s0, s1, int(heads), out_dtype)
-    if kernel_ok and eager_first_order() and x.stride(-1) == 1:
+    _check_rotary(x, cos, sin, heads, weight, "rotary_qk")
+    route = _rotary_route(x, cos, sin, force) if x.shape[2] <= 2 and out_dtype in FLOATS and (
+        weight is None or weight.is_contiguous()) else None  # (the kernels write two groups)
+    args = (x, cos, sin, weight, float(eps), *_scales(scales), int(heads), out_dtype)
+    if route == "eager":
         return _RotaryQK.apply(*args)[0]
-    if kernel_ok and torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active() and \
-            _forward_ad._current_level < 0:
-        return torch.ops.attn_zoo.rotary_qk_fwd(*args)[0]  # (a view with a strided last dim is copied inside)
+    if route == "compiled":
+        return torch.ops.attn_zoo.rotary_qk_fwd(*args)[0]
     return rotary_qk_reference(x, cos, sin, heads, weight, eps, scales, out_dtype)
 
 
@@ -603,18 +625,14 @@ def rotary_qkv(y: Tensor, C: int, cos: Tensor, sin: Tensor, heads: int, weight: 
     the view and v a view of ``y`` (with a norm its backward keeps ``y``: a copy of v would only add memory)."""
     if y.dim() != 3 or not 0 <= y.shape[-1] - 3 * C < 8:
         raise ValueError(f"rotary_qkv: y must be [B, L, 3 * C + pad] with C={C} and pad < 8, got {tuple(y.shape)}")
-    qkv = _qkv_view(y, C)
-    kernel_ok = weight is None and triton is not None and \
-        (force or (y.device.type == "cuda" and not _interpreting())) and y.dtype in FLOATS and \
-        cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous() and \
-        C % heads == 0 and (C // heads) % 2 == 0 and cos.shape[-2:] == (y.shape[1], C // heads) and \
-        cos.dim() in (2, 3) and (cos.dim() == 2 or cos.shape[0] == y.shape[0]) and cos.shape == sin.shape
-    s0, s1 = (float(v) for v in (tuple(scales) + (1.0, 1.0))[:2])
-    args = (y, cos, sin, s0, s1, int(heads), int(C))
-    if kernel_ok and eager_first_order() and y.stride(-1) == 1:
-        return _RotaryQKV.apply(*args)
-    if kernel_ok and torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active() and \
-            _forward_ad._current_level < 0:
-        return torch.ops.attn_zoo.rotary_qkv_fwd(*args)
+    qkv = _qkv_view(y, C)  # [B, L, 3, C]
+    _check_rotary(qkv, cos, sin, heads, None, "rotary_qkv")
+    if weight is None:
+        route = _rotary_route(y, cos, sin, force)
+        args = (y, cos, sin, *_scales(scales), int(heads), int(C))
+        if route == "eager":
+            return _RotaryQKV.apply(*args)
+        if route == "compiled":
+            return torch.ops.attn_zoo.rotary_qkv_fwd(*args)
     q, k = rotary_qk(qkv[:, :, :2], cos, sin, heads, weight, eps, scales, out_dtype=y.dtype, force=force)
     return q, k, qkv[:, :, 2]

@@ -26,6 +26,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_esm2 as be  # noqa: E402
 
 
+def kernel_table(events, top):
+    """(summed device ms, launches, the ``top`` kernels as (ms, calls, name)) of a profile's CUDA events."""
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name] += e.device_time  # us
+            count[e.name] += 1
+    kernels = [(round(t / 1e3, 3), count[n], n[:120]) for n, t in total.most_common(top)]
+    return round(sum(total.values()) / 1e3, 2), sum(count.values()), kernels
+
+
 def profile(name, model, batch, length, steps, top, device="cuda"):
     """(the row: first step s, median ms, kernel ms, launches, peak GiB; the ``top`` kernels as (ms, calls, name)).
     ``device`` "cpu" runs the same step without kernels to count (the CPU tests)."""
@@ -64,15 +75,9 @@ def profile(name, model, batch, length, steps, top, device="cuda"):
     with torch.profiler.profile(activities=[activity]) as prof:
         step()
         sync()
-    total, count = collections.Counter(), collections.Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            total[e.name] += e.device_time  # us
-            count[e.name] += 1
+    kernel_ms, launches, kernels = kernel_table(prof.events(), top)
     row = dict(model=name, shape=f"{batch}x{length}", first_step_s=round(first, 1),
-               ms=round(statistics.median(walls), 2), kernel_ms=round(sum(total.values()) / 1e3, 2),
-               launches=sum(count.values()), peak_gib=round(peak, 2))
-    kernels = [(round(t / 1e3, 3), count[n], n[:120]) for n, t in total.most_common(top)]
+               ms=round(statistics.median(walls), 2), kernel_ms=kernel_ms, launches=launches, peak_gib=round(peak, 2))
     return row, kernels
 
 

@@ -402,6 +402,13 @@ def test_profile_esm2_step_on_cpu():
         assert set(row) == {"model", "shape", "first_step_s", "ms", "kernel_ms", "launches", "peak_gib"}, row
         assert row["ms"] > 0 and row["launches"] == 0 and kernels == [] and row["shape"] == "2x24"
         assert all(p.grad is None for p in model.parameters())  # each step clears its gradients
+    # the kernel accounting: CUDA events summed per name (device_time in us), host events left out, heaviest first
+    from types import SimpleNamespace as Ev
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    rows = (("gemm", cuda, 1500.0), ("attn", cuda, 700.0), ("gemm", cuda, 500.0), ("aten::mm", cpu, 9e6))
+    events = [Ev(name=n, device_type=d, device_time=t) for n, d, t in rows]
+    assert profile_esm2.kernel_table(events, 1) == (2.7, 3, [(2.0, 2, "gemm")])
 
 
 # ----------------------------------------------------------------------------------------------------------
